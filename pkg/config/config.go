@@ -1,0 +1,206 @@
+// Package config reads, hashes, strictly decodes, defaults and validates an
+// EncryptionConfiguration file exactly as kube-apiserver does, using the types and
+// validation from k8s.io/apiserver, and additionally rejects at validation time what
+// upstream only discovers while building transformers (masked wildcard rules, KMS v1).
+//
+// Nothing in this package keeps or prints key material: errors carry the file name
+// and the field path, and secrets are rendered as "REDACTED" by upstream validation.
+package config
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/runtime/serializer"
+	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
+	"k8s.io/apimachinery/pkg/util/validation/field"
+	"k8s.io/apiserver/pkg/apis/apiserver"
+	apiserverv1 "k8s.io/apiserver/pkg/apis/apiserver/v1"
+	"k8s.io/apiserver/pkg/apis/apiserver/validation"
+)
+
+// HashPrefix starts every content hash, as in upstream's last_config_info metric.
+const HashPrefix = "sha256:"
+
+// KMSv1DeprecatedError is the text upstream returns when a KMS v1 provider is configured
+// while the KMSv1 feature gate is off (its default since Kubernetes 1.29). rekey does not
+// build KMS v1 providers, so such a config is rejected at validation time with these words.
+const KMSv1DeprecatedError = "KMSv1 is deprecated and will only receive security updates going forward. Use KMSv2 instead.  Set --feature-gates=KMSv1=true to use the deprecated KMSv1 feature."
+
+// Config is a loaded, defaulted and validated encryption configuration.
+type Config struct {
+	// Source names where the bytes came from (normally the file path); used in errors.
+	Source string
+	// Hash is "sha256:<hex>" of the raw bytes, identical to upstream's content hash.
+	Hash string
+	// Encryption is the defaulted internal object. It holds key material: never log it.
+	Encryption *apiserver.EncryptionConfiguration
+}
+
+// Options change how a configuration is validated.
+type Options struct {
+	// Reload mirrors upstream's reload argument: when true, KMS v1 provider names must be
+	// unique too (v2 names always must be). An agent that reloads passes true.
+	Reload bool
+}
+
+// decoder is immutable after construction; it is built once because building a scheme is
+// comparatively expensive and it carries no state between calls.
+var decoder = newDecoder()
+
+func newDecoder() runtime.Decoder {
+	scheme := runtime.NewScheme()
+	utilruntime.Must(apiserver.AddToScheme(scheme))
+	utilruntime.Must(apiserverv1.AddToScheme(scheme))
+	return serializer.NewCodecFactory(scheme, serializer.EnableStrict).UniversalDecoder()
+}
+
+// Hash returns "sha256:<lower-case hex>" of data, upstream's content hash.
+func Hash(data []byte) string {
+	sum := sha256.Sum256(data)
+	return HashPrefix + hex.EncodeToString(sum[:])
+}
+
+// ReadFile reads path and returns its bytes and hash. An empty file is an error: a
+// half-written file (truncated before the new content arrived) must never replace a
+// working configuration.
+func ReadFile(path string) ([]byte, string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, "", fmt.Errorf("error reading encryption provider configuration file %q: %w", path, err)
+	}
+	if len(data) == 0 {
+		return nil, "", fmt.Errorf("encryption provider configuration file %q is empty", path)
+	}
+	return data, Hash(data), nil
+}
+
+// Load reads, decodes, defaults and validates the file at path.
+func Load(path string, opts Options) (*Config, error) {
+	data, _, err := ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	return Parse(data, path, opts)
+}
+
+// Parse decodes, defaults and validates data. source names the data in errors.
+func Parse(data []byte, source string, opts Options) (*Config, error) {
+	if len(data) == 0 {
+		return nil, fmt.Errorf("encryption provider configuration file %q is empty", source)
+	}
+	obj, gvk, err := decoder.Decode(data, nil, nil)
+	if err != nil {
+		return nil, fmt.Errorf("error decoding encryption provider configuration file %q: %w", source, redactDecodeError(err))
+	}
+	enc, ok := obj.(*apiserver.EncryptionConfiguration)
+	if !ok {
+		return nil, fmt.Errorf("error decoding encryption provider configuration file %q: got unexpected config type: %v", source, gvk)
+	}
+	errs := validation.ValidateEncryptionConfiguration(enc, opts.Reload)
+	if len(errs) == 0 {
+		// The checks below assume a structurally valid config (parsable resource names).
+		errs = append(errs, validateMasking(enc)...)
+		errs = append(errs, validateNoKMSv1(enc)...)
+	}
+	if len(errs) > 0 {
+		return nil, fmt.Errorf("invalid encryption provider configuration file %q: %w", source, errs.ToAggregate())
+	}
+	return &Config{Source: source, Hash: Hash(data), Encryption: enc}, nil
+}
+
+// redactDecodeError keeps decode errors from echoing file content. The strict decoder
+// reports field names only, but YAML syntax errors can quote a line of the input, which
+// may be a secret; those are reduced to their position.
+func redactDecodeError(err error) error {
+	if runtime.IsStrictDecodingError(err) {
+		// Field paths only (upstream's exact words, e.g. unknown field "…kms.pandas").
+		return err
+	}
+	return errors.New(redactQuoted(err.Error()))
+}
+
+// redactQuoted replaces every double- or single-quoted span longer than 8 bytes with
+// "<redacted>": decoders quote input fragments, never our own words, at that length.
+func redactQuoted(s string) string {
+	out := make([]byte, 0, len(s))
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c != '"' && c != '\'' && c != '`' {
+			out = append(out, c)
+			continue
+		}
+		end := -1
+		for j := i + 1; j < len(s); j++ {
+			if s[j] == c {
+				end = j
+				break
+			}
+		}
+		if end < 0 || end-i-1 <= 8 {
+			out = append(out, c)
+			continue
+		}
+		out = append(out, c)
+		out = append(out, "<redacted>"...)
+		out = append(out, c)
+		i = end
+	}
+	return string(out)
+}
+
+var anyGroupAnyResource = schema.GroupResource{Group: "*", Resource: "*"}
+
+// validateMasking reports a resource rule that an earlier `*.group` or `*.*` rule (in an
+// earlier resources entry) already covers. Upstream only finds this while constructing
+// transformers; the words are the same.
+func validateMasking(c *apiserver.EncryptionConfiguration) field.ErrorList {
+	var errs field.ErrorList
+	seen := map[schema.GroupResource]bool{}
+	for i, rc := range c.Resources {
+		path := field.NewPath("resources").Index(i).Child("resources")
+		for j, r := range rc.Resources {
+			gr := schema.ParseGroupResource(r)
+			groupWildcard := schema.GroupResource{Group: gr.Group, Resource: "*"}
+			switch {
+			case seen[groupWildcard]:
+				errs = append(errs, field.Invalid(path.Index(j), r, fmt.Sprintf("resource %q is masked by earlier rule %q", GroupResourceString(gr), GroupResourceString(groupWildcard))))
+			case seen[anyGroupAnyResource]:
+				errs = append(errs, field.Invalid(path.Index(j), r, fmt.Sprintf("resource %q is masked by earlier rule %q", GroupResourceString(gr), GroupResourceString(anyGroupAnyResource))))
+			}
+		}
+		// Rules of one entry only mask later entries (overlap inside an entry is
+		// validated upstream), so they are recorded after the entry is checked.
+		for _, r := range rc.Resources {
+			seen[schema.ParseGroupResource(r)] = true
+		}
+	}
+	return errs
+}
+
+func validateNoKMSv1(c *apiserver.EncryptionConfiguration) field.ErrorList {
+	var errs field.ErrorList
+	for i, rc := range c.Resources {
+		for j, p := range rc.Providers {
+			if p.KMS != nil && p.KMS.APIVersion == "v1" {
+				path := field.NewPath("resources").Index(i).Child("providers").Index(j).Child("kms", "apiVersion")
+				errs = append(errs, field.Invalid(path, p.KMS.APIVersion, KMSv1DeprecatedError))
+			}
+		}
+	}
+	return errs
+}
+
+// GroupResourceString renders a group resource as it is written in the config file
+// (`*.` for all core resources), matching upstream's messages.
+func GroupResourceString(gr schema.GroupResource) string {
+	if gr.Group == "" && gr.Resource == "*" {
+		return "*."
+	}
+	return gr.String()
+}

@@ -1,0 +1,137 @@
+package transformers
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	utilerrors "k8s.io/apimachinery/pkg/util/errors"
+	"k8s.io/apiserver/pkg/storage/value"
+)
+
+// errNoMatchingPrefix is upstream's error when no provider of a resource recognises a
+// stored value.
+var errNoMatchingPrefix = errors.New("no matching prefix found")
+
+// Chain is the transformer of one resource rule: the first Sealer writes; on read, every
+// Sealer whose prefix matches is tried in order and a value read by any but the first is
+// stale. It implements value.Transformer.
+type Chain struct {
+	resource string
+	sealers  []Sealer
+	prefixes [][]byte
+	// emptyPrefix[i] marks identity: its read failures are skipped silently, as upstream.
+	emptyPrefix []bool
+	obs         []*observers // per sealer, nil when metrics are off
+}
+
+var _ value.Transformer = (*Chain)(nil)
+
+func newChain(gr schema.GroupResource, resource string, sealers []Sealer, m *Metrics) *Chain {
+	c := &Chain{resource: resource, sealers: sealers}
+	for _, s := range sealers {
+		p := s.Prefix()
+		c.prefixes = append(c.prefixes, p)
+		c.emptyPrefix = append(c.emptyPrefix, len(p) == 0)
+		if m != nil {
+			c.obs = append(c.obs, m.observersFor(gr, outerPrefixLabel(s)))
+		}
+	}
+	return c
+}
+
+// TransformToStorage encrypts with the first provider and its first key.
+func (c *Chain) TransformToStorage(ctx context.Context, data []byte, dataCtx value.Context) ([]byte, error) {
+	if c.obs == nil {
+		return c.sealers[0].Seal(ctx, data, dataCtx)
+	}
+	start := now()
+	out, err := c.sealers[0].Seal(ctx, data, dataCtx)
+	c.obs[0].write(start, err)
+	return out, err
+}
+
+// TransformFromStorage finds the providers whose prefix the value carries and returns
+// the first successful read; stale is true unless the first provider's first key read it.
+func (c *Chain) TransformFromStorage(ctx context.Context, data []byte, dataCtx value.Context) ([]byte, bool, error) {
+	var errs []error
+	for i, s := range c.sealers {
+		p := c.prefixes[i]
+		if !bytes.HasPrefix(data, p) {
+			continue
+		}
+		var start time.Time
+		if c.obs != nil {
+			start = now()
+		}
+		out, stale, err := s.Open(ctx, data[len(p):], dataCtx)
+		if err != nil && c.emptyPrefix[i] {
+			// identity refusing encrypted data: let a real provider try.
+			continue
+		}
+		if c.obs != nil {
+			c.obs[i].read(start, err)
+		}
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		return out, stale || i != 0, nil
+	}
+	if len(errs) > 0 {
+		return nil, false, utilerrors.Reduce(utilerrors.NewAggregate(errs))
+	}
+	if c.obs != nil && len(c.sealers) > 0 {
+		c.obs[0].unknown()
+	}
+	return nil, false, errNoMatchingPrefix
+}
+
+// Info describes the chain without key material.
+func (c *Chain) Info() RuleInfo {
+	w := c.sealers[0]
+	info := RuleInfo{Resource: c.resource, WritePrefix: string(c.prefixes[0])}
+	info.WriteProvider, info.WriteKey = describe(w)
+	for _, p := range c.prefixes {
+		info.ReadPrefixes = append(info.ReadPrefixes, string(p))
+	}
+	if k, ok := w.(KMSProvider); ok {
+		st := k.Status()
+		info.KMS = &st
+	}
+	return info
+}
+
+// describe splits a sealer into provider type and key (or KMS provider) name.
+func describe(s Sealer) (provider, key string) {
+	p := string(s.Prefix())
+	if p == "" {
+		return "identity", ""
+	}
+	// k8s:enc:<provider>:v1:<key>:  or  k8s:enc:kms:v2:<name>:
+	rest := strings.TrimPrefix(p, "k8s:enc:")
+	parts := strings.SplitN(rest, ":", 3)
+	if len(parts) < 3 {
+		return rest, ""
+	}
+	return parts[0], strings.TrimSuffix(parts[2], ":")
+}
+
+// outerPrefixLabel is the transformer_prefix label upstream records: the provider prefix
+// without the key name for local providers (k8s:enc:aesgcm:v1:), the full prefix for KMS
+// (k8s:enc:kms:v2:<name>:), "identity" for identity.
+func outerPrefixLabel(s Sealer) string {
+	p := string(s.Prefix())
+	if p == "" {
+		return "identity"
+	}
+	provider, _ := describe(s)
+	if provider == "kms" {
+		return p
+	}
+	return fmt.Sprintf("k8s:enc:%s:v1:", provider)
+}

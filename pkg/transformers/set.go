@@ -1,0 +1,213 @@
+// Package transformers builds, from a validated EncryptionConfiguration, the per-resource
+// transformer chains that encrypt data at rest, byte-for-byte compatible with
+// kube-apiserver: the same prefixes, the same authenticated data (the etcd key), the same
+// stale semantics (the first provider and its first key write; reading with any other
+// one reports the value as stale).
+//
+// A Set is immutable once built. It knows nothing about files or reloads; pkg/reload
+// swaps whole Sets.
+package transformers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apiserver/pkg/apis/apiserver"
+	"k8s.io/apiserver/pkg/storage/value"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/clock"
+
+	"github.com/rekey-io/rekey/pkg/config"
+)
+
+// Options are the dependencies a Set is built with. Everything is passed in; nothing is
+// global.
+type Options struct {
+	// Clock drives KMS v2 DEK expiry; defaults to the real clock.
+	Clock clock.Clock
+	// Logger defaults to klog's background logger.
+	Logger klog.Logger
+	// Metrics, when set, records upstream's apiserver_storage_transformation_* metrics.
+	Metrics *Metrics
+	// APIServerID is hashed into KMS metrics labels, as upstream does.
+	APIServerID string
+	// KMS builds KMS v2 providers. When nil, a config with a KMS provider fails to build
+	// with a clear error.
+	KMS KMSFactory
+}
+
+// KMSFactory builds a KMS v2 provider for one `kms` entry of the configuration. The
+// provider's loops run until Close; ctx only bounds the construction.
+type KMSFactory func(ctx context.Context, cfg *apiserver.KMSConfiguration, opts Options) (KMSProvider, error)
+
+// Sealer writes complete stored values and reads values whose prefix matched. Having
+// the provider emit the prefix itself lets every write allocate exactly once.
+type Sealer interface {
+	// Prefix is the full stored prefix, e.g. "k8s:enc:aesgcm:v1:key1:".
+	Prefix() []byte
+	// Seal returns Prefix() ‖ ciphertext of plaintext bound to dataCtx.
+	Seal(ctx context.Context, plaintext []byte, dataCtx value.Context) ([]byte, error)
+	// Open decrypts ciphertext (the bytes after Prefix()). stale reports provider-level
+	// staleness (for KMS v2: the value was written under another key id or DEK type).
+	Open(ctx context.Context, ciphertext []byte, dataCtx value.Context) (plaintext []byte, stale bool, err error)
+}
+
+// KMSProvider is a KMS v2 envelope provider: a Sealer plus the plugin lifecycle.
+type KMSProvider interface {
+	Sealer
+	// Name is the provider name from the config.
+	Name() string
+	// Check reports plugin health for /healthz; it may be served from a short cache.
+	Check(ctx context.Context) error
+	// WaitReady blocks until the provider can write (healthy Status and a write DEK)
+	// or ctx ends.
+	WaitReady(ctx context.Context) error
+	// Status describes the provider for the status document. No key material.
+	Status() KMSStatus
+	// Close stops the provider's loops and closes its plugin connection.
+	Close()
+}
+
+// Set is one built configuration: a transformer chain per configured resource rule.
+type Set struct {
+	hash  string
+	rules map[schema.GroupResource]*Chain
+	order []schema.GroupResource // rules in file order, for status output
+	// fallback serves resources no rule names: identity that refuses encrypted data.
+	fallback *Chain
+	kms      []KMSProvider
+
+	closeOnce sync.Once
+}
+
+// Build constructs a Set. On error every provider already started is closed.
+func Build(ctx context.Context, cfg *config.Config, opts Options) (set *Set, err error) {
+	if cfg == nil || cfg.Encryption == nil {
+		return nil, errors.New("transformers: no configuration to build from")
+	}
+	if opts.Clock == nil {
+		opts.Clock = clock.RealClock{}
+	}
+	if opts.Logger.GetSink() == nil {
+		opts.Logger = klog.Background()
+	}
+	s := &Set{hash: cfg.Hash, rules: map[schema.GroupResource]*Chain{}}
+	defer func() {
+		if err != nil {
+			s.Close()
+		}
+	}()
+
+	entries := map[schema.GroupResource][]Sealer{}
+	for i, rc := range cfg.Encryption.Resources {
+		var sealers []Sealer
+		for j, p := range rc.Providers {
+			built, err := s.buildProvider(ctx, p, opts)
+			if err != nil {
+				return nil, fmt.Errorf("resources[%d].providers[%d]: %w", i, j, err)
+			}
+			sealers = append(sealers, built...)
+		}
+		for _, r := range rc.Resources {
+			gr := schema.ParseGroupResource(r)
+			if _, dup := entries[gr]; !dup {
+				s.order = append(s.order, gr)
+			}
+			// Upstream appends the providers of a resource named in several entries,
+			// earlier entry first; so do we.
+			entries[gr] = append(entries[gr], sealers...)
+		}
+	}
+	for gr, list := range entries {
+		s.rules[gr] = newChain(gr, config.GroupResourceString(gr), list, opts.Metrics)
+	}
+	s.fallback = newChain(schema.GroupResource{}, "", []Sealer{identitySealer{}}, nil)
+	return s, nil
+}
+
+func (s *Set) buildProvider(ctx context.Context, p apiserver.ProviderConfiguration, opts Options) ([]Sealer, error) {
+	switch {
+	case p.Identity != nil:
+		return []Sealer{identitySealer{}}, nil
+	case p.AESGCM != nil:
+		return newAESGCMSealers(p.AESGCM.Keys)
+	case p.AESCBC != nil:
+		return newAESCBCSealers(p.AESCBC.Keys)
+	case p.Secretbox != nil:
+		return newSecretboxSealers(p.Secretbox.Keys)
+	case p.KMS != nil:
+		if p.KMS.APIVersion != "v2" {
+			return nil, errors.New(config.KMSv1DeprecatedError)
+		}
+		if opts.KMS == nil {
+			return nil, fmt.Errorf("kms provider %q: KMS v2 providers are not built yet in this build (no KMS factory configured)", p.KMS.Name)
+		}
+		kp, err := opts.KMS(ctx, p.KMS, opts)
+		if err != nil {
+			return nil, fmt.Errorf("kms provider %q: %w", p.KMS.Name, err)
+		}
+		s.kms = append(s.kms, kp)
+		return []Sealer{kp}, nil
+	default:
+		return nil, errors.New("provider does not contain any of the expected providers: KMS, AESGCM, AESCBC, Secretbox, Identity")
+	}
+}
+
+// Hash is the content hash of the configuration the Set was built from.
+func (s *Set) Hash() string { return s.hash }
+
+// TransformerFor returns the chain for gr: the exact rule, else `<group>/*`, else `*.*`,
+// else an identity transformer that refuses to read encrypted data. Never nil.
+func (s *Set) TransformerFor(gr schema.GroupResource) *Chain {
+	if c := s.rules[gr]; c != nil {
+		return c
+	}
+	if c := s.rules[schema.GroupResource{Group: gr.Group, Resource: "*"}]; c != nil {
+		return c
+	}
+	if c := s.rules[schema.GroupResource{Group: "*", Resource: "*"}]; c != nil {
+		return c
+	}
+	return s.fallback
+}
+
+// KMSProviders lists the KMS v2 providers in file order.
+func (s *Set) KMSProviders() []KMSProvider { return s.kms }
+
+// Rules describes every configured resource rule in file order, for status output.
+func (s *Set) Rules() []RuleInfo {
+	out := make([]RuleInfo, 0, len(s.order))
+	for _, gr := range s.order {
+		out = append(out, s.rules[gr].Info())
+	}
+	return out
+}
+
+// Close stops every KMS provider's loops and connections. Safe to call more than once.
+func (s *Set) Close() {
+	s.closeOnce.Do(func() {
+		for _, k := range s.kms {
+			k.Close()
+		}
+	})
+}
+
+// RuleInfo describes one resource rule. It carries names and hashes, never keys.
+type RuleInfo struct {
+	// Resource is the rule as written in the config (`secrets`, `*.apps`, `*.*`).
+	Resource string `json:"resource"`
+	// WriteProvider is the provider type that writes: identity, aesgcm, aescbc,
+	// secretbox or kms.
+	WriteProvider string `json:"writeProvider"`
+	// WriteKey is the key name (aes*, secretbox) or the KMS provider name.
+	WriteKey string `json:"writeKey,omitempty"`
+	// WritePrefix is the stored prefix of new values.
+	WritePrefix string `json:"writePrefix"`
+	// ReadPrefixes lists, in order, every prefix this rule can read.
+	ReadPrefixes []string `json:"readPrefixes"`
+	// KMS is set when a KMS v2 provider writes.
+	KMS *KMSStatus `json:"kms,omitempty"`
+}
