@@ -143,7 +143,7 @@ func (s *Set) buildProvider(ctx context.Context, p apiserver.ProviderConfigurati
 			return nil, errors.New(config.KMSv1DeprecatedError)
 		}
 		if opts.KMS == nil {
-			return nil, fmt.Errorf("kms provider %q: KMS v2 providers are not built yet in this build (no KMS factory configured)", p.KMS.Name)
+			return nil, fmt.Errorf("kms provider %q: this Set was built without a KMS v2 factory (set transformers.Options.KMS, e.g. to kmsv2.NewFactory)", p.KMS.Name)
 		}
 		kp, err := opts.KMS(ctx, p.KMS, opts)
 		if err != nil {
