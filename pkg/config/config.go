@@ -10,7 +10,6 @@ package config
 import (
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"os"
 
@@ -96,7 +95,7 @@ func Parse(data []byte, source string, opts Options) (*Config, error) {
 	}
 	obj, gvk, err := decoder.Decode(data, nil, nil)
 	if err != nil {
-		return nil, fmt.Errorf("error decoding encryption provider configuration file %q: %w", source, redactDecodeError(err))
+		return nil, fmt.Errorf("error decoding encryption provider configuration file %q: %w", source, err)
 	}
 	enc, ok := obj.(*apiserver.EncryptionConfiguration)
 	if !ok {
@@ -112,46 +111,6 @@ func Parse(data []byte, source string, opts Options) (*Config, error) {
 		return nil, fmt.Errorf("invalid encryption provider configuration file %q: %w", source, errs.ToAggregate())
 	}
 	return &Config{Source: source, Hash: Hash(data), Encryption: enc}, nil
-}
-
-// redactDecodeError keeps decode errors from echoing file content. The strict decoder
-// reports field names only, but YAML syntax errors can quote a line of the input, which
-// may be a secret; those are reduced to their position.
-func redactDecodeError(err error) error {
-	if runtime.IsStrictDecodingError(err) {
-		// Field paths only (upstream's exact words, e.g. unknown field "…kms.pandas").
-		return err
-	}
-	return errors.New(redactQuoted(err.Error()))
-}
-
-// redactQuoted replaces every double- or single-quoted span longer than 8 bytes with
-// "<redacted>": decoders quote input fragments, never our own words, at that length.
-func redactQuoted(s string) string {
-	out := make([]byte, 0, len(s))
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if c != '"' && c != '\'' && c != '`' {
-			out = append(out, c)
-			continue
-		}
-		end := -1
-		for j := i + 1; j < len(s); j++ {
-			if s[j] == c {
-				end = j
-				break
-			}
-		}
-		if end < 0 || end-i-1 <= 8 {
-			out = append(out, c)
-			continue
-		}
-		out = append(out, c)
-		out = append(out, "<redacted>"...)
-		out = append(out, c)
-		i = end
-	}
-	return string(out)
 }
 
 var anyGroupAnyResource = schema.GroupResource{Group: "*", Resource: "*"}
