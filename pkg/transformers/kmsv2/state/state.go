@@ -1,0 +1,363 @@
+// Package state is the KMS v2 DEK/seed lifecycle as a pure state machine: no goroutines,
+// no I/O, no clock of its own. The caller (the provider's driver loop) feeds it time with
+// Tick, plugin results with Step, runs the RPCs that Ready asks for, and publishes View.
+//
+//	m := state.New(state.Config{Provider: "kms1", WriteType: wire.SourceHKDFSeed}, now)
+//	for {
+//		for _, a := range m.Ready() { /* run a.Kind's RPC, then m.Step(result) */ }
+//		publish(m.View())
+//		sleepUntil(m.View().NextWake); m.Tick(clock.Now())
+//	}
+//
+// Rules (kube-apiserver's, with kubernetes/kubernetes#138950 fixed):
+//   - Status runs every StatusInterval while healthy, every RetryInterval otherwise.
+//   - A Status is fully healthy when healthz is "ok", the version is v2 or v2beta1 and
+//     the same as the first accepted one, and the key id is valid.
+//   - Only a fully healthy Status extends the write expiry, to its arrival + WriteTTL.
+//     An unhealthy Status never does, so writes stop WriteTTL after the last healthy one.
+//   - A new DEK source (Encrypt) is requested only when a fully healthy Status reports
+//     a key id different from the write state's, or the write state has another source
+//     type. The Encrypt key id must equal that Status key id.
+//   - A failed rotation keeps the old write state with its old expiry.
+package state
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/wire"
+)
+
+// Defaults, the same as kube-apiserver's.
+const (
+	DefaultStatusInterval = time.Minute
+	DefaultRetryInterval  = 10 * time.Second
+	DefaultWriteTTL       = 3 * time.Minute
+	// Health results are served from cache this long (ok / failed).
+	DefaultHealthyTTL   = 20 * time.Second
+	DefaultUnhealthyTTL = 3 * time.Second
+)
+
+// Accepted Status versions.
+const (
+	VersionV2      = "v2"
+	VersionV2beta1 = "v2beta1"
+)
+
+// Config parameterises a Machine. Zero durations take the defaults.
+type Config struct {
+	Provider       string
+	WriteType      wire.SourceType
+	StatusInterval time.Duration
+	RetryInterval  time.Duration
+	WriteTTL       time.Duration
+}
+
+// Kind is an RPC the machine asks the driver to run.
+type Kind int
+
+const (
+	// CallStatus: run Status and Step a StatusResult.
+	CallStatus Kind = iota + 1
+	// CallEncrypt: make a fresh DEK source of Action.Type, Encrypt it and Step an
+	// EncryptResult carrying the same Action.Seq.
+	CallEncrypt
+)
+
+func (k Kind) String() string {
+	switch k {
+	case CallStatus:
+		return "Status"
+	case CallEncrypt:
+		return "Encrypt"
+	}
+	return "none"
+}
+
+// Action is one RPC to run.
+type Action struct {
+	Kind Kind
+	// Seq pairs an Encrypt with its result; stale results are ignored.
+	Seq  uint64
+	Type wire.SourceType
+}
+
+// StatusResult is the outcome of a Status RPC, stamped with its arrival time.
+type StatusResult struct {
+	At      time.Time
+	Err     error
+	Version string
+	Healthz string
+	KeyID   string
+}
+
+// EncryptResult is the outcome of an Encrypt RPC for Action Seq.
+type EncryptResult struct {
+	At  time.Time
+	Seq uint64
+	Err error
+	// Source is the plaintext DEK source (seed or key) that was encrypted; the machine
+	// keeps it only as an opaque value for the driver.
+	Source      []byte
+	KeyID       string
+	Ciphertext  []byte
+	Annotations map[string][]byte
+}
+
+// HealthCheckRequested asks for a Status as soon as none is in flight (a health check
+// found the cached result too old).
+type HealthCheckRequested struct{}
+
+// WriteState is what new values are written with. It is immutable once published; a
+// new expiry produces a new WriteState value with the same Generation.
+type WriteState struct {
+	// Generation increases with every new DEK source.
+	Generation  uint64
+	KeyID       string
+	Type        wire.SourceType
+	Ciphertext  []byte
+	Annotations []wire.Annotation
+	Source      []byte
+	Expiry      time.Time
+}
+
+// View is the read-only outcome: what may be written with, until when, and why not.
+type View struct {
+	Now time.Time
+	// Write is the current write state, nil before the first successful rotation. It
+	// stays set after expiry so reads keep knowing what is current (stale flag).
+	Write *WriteState
+	// CanWrite: Write is set and Now is before its expiry.
+	CanWrite bool
+	// Healthy: the last Status was fully healthy and no rotation it asked for failed.
+	Healthy bool
+	// Err is why the provider is unhealthy (nil when healthy).
+	Err error
+	// HealthAt is when Healthy/Err were last decided (zero before any Status).
+	HealthAt time.Time
+	// LastStatus is when the plugin last answered Status (zero if never).
+	LastStatus time.Time
+	// LastHealthy is when the last fully healthy Status arrived.
+	LastHealthy time.Time
+	// NextWake is when the driver must Tick next.
+	NextWake time.Time
+	// Rotating: an Encrypt is in flight.
+	Rotating bool
+}
+
+// Machine is the lifecycle state. Not safe for concurrent use; one driver owns it.
+type Machine struct {
+	cfg Config
+	now time.Time
+
+	write *WriteState
+
+	version        string // first accepted Status version
+	healthy        bool
+	err            error
+	healthAt       time.Time
+	lastStatus     time.Time
+	lastHealthy    time.Time
+	nextStatus     time.Time
+	statusInFlight bool
+
+	seq             uint64
+	encryptInFlight bool
+	// pending rotation: the healthy Status that asked for it.
+	rotKeyID  string
+	rotStatus time.Time
+	rotQueued bool
+
+	generation uint64
+	actions    []Action
+}
+
+// New returns a machine that asks for a Status at once.
+func New(cfg Config, now time.Time) *Machine {
+	if cfg.StatusInterval <= 0 {
+		cfg.StatusInterval = DefaultStatusInterval
+	}
+	if cfg.RetryInterval <= 0 {
+		cfg.RetryInterval = DefaultRetryInterval
+	}
+	if cfg.WriteTTL <= 0 {
+		cfg.WriteTTL = DefaultWriteTTL
+	}
+	return &Machine{cfg: cfg, now: now, nextStatus: now, err: errors.New("no Status response from the KMS plugin yet")}
+}
+
+// Tick advances the machine's clock. Time never goes backwards.
+func (m *Machine) Tick(now time.Time) {
+	if now.After(m.now) {
+		m.now = now
+	}
+}
+
+// Ready returns the RPCs to run now and marks them in flight.
+func (m *Machine) Ready() []Action {
+	m.actions = m.actions[:0]
+	if m.rotQueued && !m.encryptInFlight {
+		m.rotQueued = false
+		m.encryptInFlight = true
+		m.seq++
+		m.actions = append(m.actions, Action{Kind: CallEncrypt, Seq: m.seq, Type: m.cfg.WriteType})
+	}
+	if !m.statusInFlight && !m.encryptInFlight && !m.now.Before(m.nextStatus) {
+		m.statusInFlight = true
+		m.actions = append(m.actions, Action{Kind: CallStatus})
+	}
+	return m.actions
+}
+
+// Step feeds one input: StatusResult, EncryptResult or HealthCheckRequested.
+func (m *Machine) Step(ev any) error {
+	switch e := ev.(type) {
+	case StatusResult:
+		m.Tick(e.At)
+		m.stepStatus(e)
+	case EncryptResult:
+		m.Tick(e.At)
+		m.stepEncrypt(e)
+	case HealthCheckRequested:
+		if m.nextStatus.After(m.now) {
+			m.nextStatus = m.now
+		}
+	default:
+		return fmt.Errorf("kms v2 state: unknown event %T", ev)
+	}
+	return nil
+}
+
+func (m *Machine) setHealth(at time.Time, err error) {
+	m.healthAt = at
+	m.err = err
+	m.healthy = err == nil
+	interval := m.cfg.StatusInterval
+	if err != nil {
+		interval = m.cfg.RetryInterval
+	}
+	m.nextStatus = at.Add(interval)
+}
+
+func (m *Machine) stepStatus(e StatusResult) {
+	m.statusInFlight = false
+	if e.Err != nil {
+		m.setHealth(e.At, fmt.Errorf("failed to perform status section of the healthz check for KMS Provider %s, error: %w", m.cfg.Provider, e.Err))
+		return
+	}
+	m.lastStatus = e.At
+	var errs []error
+	if e.Healthz != "ok" {
+		errs = append(errs, fmt.Errorf("got unexpected healthz status: %s", e.Healthz))
+	}
+	switch {
+	case e.Version != VersionV2 && e.Version != VersionV2beta1:
+		errs = append(errs, fmt.Errorf("expected KMSv2 API version %s, got %s", VersionV2, e.Version))
+	case m.version == "":
+		m.version = e.Version
+	case m.version != e.Version:
+		errs = append(errs, fmt.Errorf("KMSv2 API version should not change after the initial status response version %s, got %s", m.version, e.Version))
+	}
+	if _, err := wire.ValidateKeyID(e.KeyID); err != nil {
+		errs = append(errs, fmt.Errorf("got invalid KMSv2 KeyID hash %q: %w", KeyIDHash(e.KeyID), err))
+	}
+	if len(errs) > 0 {
+		// Unhealthy: never extends the write expiry and never rotates (#138950).
+		m.setHealth(e.At, fmt.Errorf("kmsv2 Provider %s is not healthy, error: %w", m.cfg.Provider, errors.Join(errs...)))
+		return
+	}
+	m.lastHealthy = e.At
+	if w := m.write; w != nil && w.KeyID == e.KeyID && w.Type == m.cfg.WriteType {
+		nw := *w
+		nw.Expiry = e.At.Add(m.cfg.WriteTTL)
+		m.write = &nw
+		m.setHealth(e.At, nil)
+		return
+	}
+	// Key id (or source type) changed, or no write state yet: rotate. Health is decided
+	// by the rotation; the old write state keeps its expiry meanwhile.
+	m.rotKeyID = e.KeyID
+	m.rotStatus = e.At
+	m.rotQueued = true
+	m.nextStatus = e.At.Add(m.cfg.StatusInterval)
+}
+
+func (m *Machine) stepEncrypt(e EncryptResult) {
+	if !m.encryptInFlight || e.Seq != m.seq {
+		return // a result for an abandoned request
+	}
+	m.encryptInFlight = false
+	if err := m.checkEncrypt(e); err != nil {
+		w := "<none>"
+		exp := "<none>"
+		if m.write != nil {
+			w = KeyIDHash(m.write.KeyID)
+			exp = m.write.Expiry.UTC().Format(time.RFC3339)
+		}
+		m.setHealth(e.At, fmt.Errorf("kmsv2 Provider %s is not healthy, error: failed to rotate DEK source (type %s): %w; statusKeyIDHash=%q, encryptKeyIDHash=%q, stateKeyIDHash=%q, writes allowed until %s",
+			m.cfg.Provider, m.cfg.WriteType, err, KeyIDHash(m.rotKeyID), KeyIDHash(e.KeyID), w, exp))
+		return
+	}
+	m.generation++
+	m.write = &WriteState{
+		Generation:  m.generation,
+		KeyID:       e.KeyID,
+		Type:        m.cfg.WriteType,
+		Ciphertext:  e.Ciphertext,
+		Annotations: wire.SortedAnnotations(e.Annotations),
+		Source:      e.Source,
+		// Counted from the healthy Status, not from the Encrypt answer.
+		Expiry: m.rotStatus.Add(m.cfg.WriteTTL),
+	}
+	m.setHealth(m.rotStatus, nil)
+	m.healthAt = e.At
+}
+
+func (m *Machine) checkEncrypt(e EncryptResult) error {
+	if e.Err != nil {
+		return fmt.Errorf("failed to encrypt DEK, error: %w", e.Err)
+	}
+	if e.KeyID != m.rotKeyID {
+		return errors.New("the Encrypt key id differs from the Status key id; the plugin must report the key it encrypts with")
+	}
+	if _, err := wire.ValidateKeyID(e.KeyID); err != nil {
+		return fmt.Errorf("failed to validate key id: %w", err)
+	}
+	if err := wire.ValidateDEKSource(e.Ciphertext); err != nil {
+		return fmt.Errorf("failed to validate encrypted DEK source: %w", err)
+	}
+	if err := wire.ValidateAnnotations(wire.SortedAnnotations(e.Annotations)); err != nil {
+		return fmt.Errorf("failed to validate annotations: %w", err)
+	}
+	if len(e.Source) != 32 {
+		return fmt.Errorf("the DEK source is %d bytes, want 32", len(e.Source))
+	}
+	return nil
+}
+
+// View returns the current outcome.
+func (m *Machine) View() View {
+	v := View{
+		Now:         m.now,
+		Write:       m.write,
+		Healthy:     m.healthy,
+		Err:         m.err,
+		HealthAt:    m.healthAt,
+		LastStatus:  m.lastStatus,
+		LastHealthy: m.lastHealthy,
+		NextWake:    m.nextStatus,
+		Rotating:    m.encryptInFlight || m.rotQueued,
+	}
+	v.CanWrite = m.write != nil && m.now.Before(m.write.Expiry)
+	return v
+}
+
+// KeyIDHash is how key ids appear in errors, logs, metrics and status: "sha256:<hex>",
+// or "" for an empty id.
+func KeyIDHash(keyID string) string {
+	if keyID == "" {
+		return ""
+	}
+	return fmt.Sprintf("sha256:%x", sha256Sum(keyID))
+}
