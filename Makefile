@@ -8,7 +8,7 @@ RACE_PKGS ?= ./pkg/...
 BIN := bin
 VERSION_LDFLAGS := -X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 
-.PHONY: all build test test-race test-short lint fmt vet run bench fuzz clean
+.PHONY: all build test lint fmt vet run bench bench-go fuzz clean
 
 all: build
 
@@ -34,9 +34,14 @@ vet:
 run:
 	@bash hack/run.sh
 
-## bench: Go benchmarks, ours and upstream side by side in one run.
+## bench: the side-by-side harness (rekey vs upstream in one run); writes BENCHMARKS.md
+## and charts under docs/bench. BENCH_FLAGS=-short finishes in under 2 minutes.
 bench:
-	$(GO) test -run '^$$' -bench . -benchmem -count $${COUNT:-5} ./pkg/transformers/...
+	$(GO) run ./cmd/rekey-bench $(BENCH_FLAGS) -markdown BENCHMARKS.md -charts docs/bench
+
+## bench-go: the Go benchmarks (go test -bench), also side by side with upstream.
+bench-go:
+	$(GO) test -run '^$$' -bench . -benchmem -count $${COUNT:-5} ./pkg/...
 
 clean:
 	rm -rf $(BIN)

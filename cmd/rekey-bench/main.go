@@ -1,0 +1,92 @@
+// Command rekey-bench measures rekey side by side with upstream k8s.io/apiserver in one
+// run and writes a markdown report with charts. `make bench` runs it.
+package main
+
+import (
+	"bytes"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/rekey-io/rekey/internal/bench"
+)
+
+func main() {
+	var (
+		scenarios  = flag.String("scenarios", "", "comma-separated scenarios to run (default: all); -list shows them")
+		list       = flag.Bool("list", false, "list scenarios and exit")
+		short      = flag.Bool("short", false, "short mode: fewer sizes, rounds and samples; finishes in under about 2 minutes")
+		rounds     = flag.Int("rounds", 0, "alternating samples per implementation and case (default 5, short 3)")
+		sampleTime = flag.Duration("sample-time", 0, "target duration of one sample (default 100ms, short 25ms)")
+		markdown   = flag.String("markdown", "", "write the report to this file (default: stdout only)")
+		charts     = flag.String("charts", "", "write one SVG chart per scenario group into this directory")
+		failOnMiss = flag.Bool("fail-on-miss", false, "exit 1 when a target is missed")
+	)
+	flag.Parse()
+	if *list {
+		for _, s := range bench.Scenarios() {
+			fmt.Printf("%-10s %s\n", s.Name, s.Desc)
+		}
+		return
+	}
+	settings := bench.Settings{Short: *short, Rounds: 5, SampleTime: 100 * time.Millisecond, Progress: os.Stderr}
+	if *short {
+		settings.Rounds, settings.SampleTime = 3, 25*time.Millisecond
+	}
+	if *rounds > 0 {
+		settings.Rounds = *rounds
+	}
+	if *sampleTime > 0 {
+		settings.SampleTime = *sampleTime
+	}
+	var names []string
+	if *scenarios != "" {
+		names = strings.Split(*scenarios, ",")
+	}
+	selected, err := bench.Select(names)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "rekey-bench:", err)
+		os.Exit(2)
+	}
+	report := &bench.Report{Command: "rekey-bench " + strings.Join(os.Args[1:], " "), Started: time.Now()}
+	for _, sc := range selected {
+		fmt.Fprintf(os.Stderr, "== %s: %s\n", sc.Name, sc.Desc)
+		rows, err := sc.Run(settings)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "rekey-bench: scenario %s failed: %v\n", sc.Name, err)
+			os.Exit(1)
+		}
+		report.Rows = append(report.Rows, rows...)
+	}
+	chartRef := ""
+	if *charts != "" {
+		if err := report.WriteCharts(*charts); err != nil {
+			fmt.Fprintln(os.Stderr, "rekey-bench: charts:", err)
+			os.Exit(1)
+		}
+		chartRef = *charts
+		if *markdown != "" {
+			if rel, err := filepath.Rel(filepath.Dir(*markdown), *charts); err == nil {
+				chartRef = rel
+			}
+		}
+	}
+	var buf bytes.Buffer
+	report.WriteMarkdown(&buf, chartRef)
+	os.Stdout.Write(buf.Bytes())
+	if *markdown != "" {
+		if err := os.WriteFile(*markdown, buf.Bytes(), 0o644); err != nil {
+			fmt.Fprintln(os.Stderr, "rekey-bench:", err)
+			os.Exit(1)
+		}
+	}
+	if m := report.Missed(); m > 0 {
+		fmt.Fprintf(os.Stderr, "rekey-bench: %d target(s) missed (see the report)\n", m)
+		if *failOnMiss {
+			os.Exit(1)
+		}
+	}
+}

@@ -1,0 +1,69 @@
+package bench
+
+import (
+	"fmt"
+	"sort"
+)
+
+// Scenario produces rows for one part of the harness.
+type Scenario struct {
+	Name string
+	Desc string
+	Run  func(s Settings) ([]Row, error)
+}
+
+// Scenarios lists every scenario the harness knows, in run order.
+func Scenarios() []Scenario {
+	return []Scenario{
+		{Name: "transform", Desc: "every local provider × payload size × serial/parallel × write/read; rekey vs upstream vs raw AES-256-GCM; allocations and retained heap", Run: runTransform},
+	}
+}
+
+func runTransform(s Settings) ([]Row, error) {
+	cases, closers, err := TransformCases(s)
+	defer func() {
+		for _, c := range closers {
+			c()
+		}
+	}()
+	if err != nil {
+		return nil, err
+	}
+	rows, err := RunOpCases(s, cases)
+	if err != nil {
+		return nil, err
+	}
+	n := 100_000
+	if s.Short {
+		n = 20_000
+	}
+	retained, err := TransformRetained(n)
+	if err != nil {
+		return nil, err
+	}
+	return append(rows, retained...), nil
+}
+
+// Select returns the named scenarios, or an error naming the unknown one.
+func Select(names []string) ([]Scenario, error) {
+	all := Scenarios()
+	if len(names) == 0 {
+		return all, nil
+	}
+	byName := map[string]Scenario{}
+	var known []string
+	for _, s := range all {
+		byName[s.Name] = s
+		known = append(known, s.Name)
+	}
+	sort.Strings(known)
+	var out []Scenario
+	for _, n := range names {
+		s, ok := byName[n]
+		if !ok {
+			return nil, fmt.Errorf("unknown scenario %q (known: %v)", n, known)
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}

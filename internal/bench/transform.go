@@ -1,0 +1,222 @@
+package bench
+
+import (
+	"context"
+	"crypto/aes"
+	"crypto/cipher"
+	"crypto/rand"
+	"encoding/base64"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apiserver/pkg/server/options/encryptionconfig"
+	"k8s.io/apiserver/pkg/storage/value"
+
+	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/transformers"
+)
+
+var secretsGR = schema.GroupResource{Resource: "secrets"}
+
+// LocalPair is one configuration built by upstream's LoadEncryptionConfig and by rekey.
+type LocalPair struct {
+	Upstream value.Transformer
+	Rekey    value.Transformer
+	close    func()
+}
+
+// Close releases both.
+func (p *LocalPair) Close() { p.close() }
+
+// BuildPair writes yaml to a temp file and builds it both ways for resource "secrets".
+func BuildPair(yaml string, opts transformers.Options) (*LocalPair, error) {
+	dir, err := os.MkdirTemp("", "rekey-bench")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(dir)
+	path := filepath.Join(dir, "config.yaml")
+	if err := os.WriteFile(path, []byte(yaml), 0o600); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	up, err := encryptionconfig.LoadEncryptionConfig(ctx, path, false, "bench")
+	if err != nil {
+		cancel()
+		return nil, fmt.Errorf("upstream: %w", err)
+	}
+	cfg, err := config.Load(path, config.Options{})
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	set, err := transformers.Build(ctx, cfg, opts)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	return &LocalPair{
+		Upstream: encryptionconfig.StaticTransformers(up.Transformers).TransformerForResource(secretsGR),
+		Rekey:    set.TransformerFor(secretsGR),
+		close:    func() { set.Close(); cancel() },
+	}, nil
+}
+
+func randomKey(n int) string {
+	k := make([]byte, n)
+	_, _ = rand.Read(k)
+	return base64.StdEncoding.EncodeToString(k)
+}
+
+// LocalProviderYAML is a one-provider config for resource secrets.
+func LocalProviderYAML(provider string) string {
+	var p string
+	switch provider {
+	case "identity":
+		p = "      - identity: {}\n"
+	default:
+		p = fmt.Sprintf("      - %s:\n          keys:\n            - {name: key1, secret: %s}\n", provider, randomKey(32))
+	}
+	return "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n" + p
+}
+
+func sizeLabel(n int) string {
+	switch {
+	case n >= 1<<20:
+		return fmt.Sprintf("%d MiB", n>>20)
+	case n >= 1<<10:
+		return fmt.Sprintf("%d KiB", n>>10)
+	default:
+		return fmt.Sprintf("%d B", n)
+	}
+}
+
+// RawGCM is the floor: AES-256-GCM seal/open with one output allocation and a random nonce.
+type RawGCM struct{ aead cipher.AEAD }
+
+// NewRawGCM makes a raw AES-256-GCM floor.
+func NewRawGCM() *RawGCM {
+	k := make([]byte, 32)
+	_, _ = rand.Read(k)
+	b, _ := aes.NewCipher(k)
+	g, _ := cipher.NewGCM(b)
+	return &RawGCM{aead: g}
+}
+
+// Seal allocates nonce ‖ ciphertext ‖ tag once.
+func (r *RawGCM) Seal(pt, aad []byte) []byte {
+	out := make([]byte, 12, 12+len(pt)+16)
+	_, _ = rand.Read(out)
+	return r.aead.Seal(out, out[:12], pt, aad)
+}
+
+// Open allocates the plaintext once.
+func (r *RawGCM) Open(ct, aad []byte) ([]byte, error) {
+	return r.aead.Open(make([]byte, 0, len(ct)-28), ct[:12], ct[12:], aad)
+}
+
+// TransformCases builds the transform scenario: every local provider × size ×
+// serial/parallel × write/read, rekey vs upstream vs raw AES-256-GCM.
+func TransformCases(s Settings) ([]OpCase, []func(), error) {
+	sizes := []int{256, 4 << 10, 64 << 10, 1 << 20}
+	if s.Short {
+		sizes = []int{256, 4 << 10, 64 << 10}
+	}
+	ctx := context.Background()
+	aadBytes := []byte("/registry/secrets/default/benchmark-secret")
+	var aad value.Context = value.DefaultContext(aadBytes)
+	raw := NewRawGCM()
+	var cases []OpCase
+	var closers []func()
+	for _, provider := range []string{"identity", "aesgcm", "aescbc", "secretbox"} {
+		pair, err := BuildPair(LocalProviderYAML(provider), transformers.Options{})
+		if err != nil {
+			return nil, closers, err
+		}
+		closers = append(closers, pair.Close)
+		for _, mode := range []string{"serial", "parallel"} {
+			for _, op := range []string{"write", "read"} {
+				for _, size := range sizes {
+					pt := make([]byte, size)
+					for i := range pt {
+						pt[i] = byte(i * 7)
+					}
+					rekeyStored, err := pair.Rekey.TransformToStorage(ctx, pt, aad)
+					if err != nil {
+						return nil, closers, err
+					}
+					upStored, err := pair.Upstream.TransformToStorage(ctx, pt, aad)
+					if err != nil {
+						return nil, closers, err
+					}
+					rawStored := raw.Seal(pt, aadBytes)
+					mk := func(t value.Transformer, stored []byte) Op {
+						if op == "write" {
+							return func() error { _, err := t.TransformToStorage(ctx, pt, aad); return err }
+						}
+						return func() error { _, _, err := t.TransformFromStorage(ctx, stored, aad); return err }
+					}
+					rawOp := func() error { raw.Seal(pt, aadBytes); return nil }
+					if op == "read" {
+						rawOp = func() error { _, err := raw.Open(rawStored, aadBytes); return err }
+					}
+					c := OpCase{
+						Scenario: "transform",
+						Case:     fmt.Sprintf("%s %s %s %s", provider, op, sizeLabel(size), mode),
+						Chart:    fmt.Sprintf("%s %s vs upstream", op, mode),
+						X:        fmt.Sprintf("%s %s", provider, strings.ReplaceAll(sizeLabel(size), " ", "")),
+						Impls: []Impl{
+							{Name: "rekey", Op: mk(pair.Rekey, rekeyStored)},
+							{Name: "upstream", Op: mk(pair.Upstream, upStored)},
+							{Name: "raw AES-256-GCM", Op: rawOp},
+						},
+						Parallel: mode == "parallel",
+					}
+					if size <= 4<<10 {
+						c.Targets = append(c.Targets, Target{Desc: "≥2× upstream, ≤2 allocs", Against: 1, MinSpeedup: 2, MaxAllocs: 2})
+					} else {
+						c.Targets = append(c.Targets, Target{Desc: "never slower than upstream", Against: 1, MinSpeedup: 1})
+					}
+					cases = append(cases, c)
+				}
+			}
+		}
+	}
+	return cases, closers, nil
+}
+
+// TransformRetained measures the heap each implementation still holds after n writes of
+// 256 bytes per local provider.
+func TransformRetained(n int) ([]Row, error) {
+	ctx := context.Background()
+	var aad value.Context = value.DefaultContext("/registry/secrets/default/retained")
+	pt := make([]byte, 256)
+	var rows []Row
+	for _, provider := range []string{"identity", "aesgcm", "aescbc", "secretbox"} {
+		pair, err := BuildPair(LocalProviderYAML(provider), transformers.Options{})
+		if err != nil {
+			return nil, err
+		}
+		row := Row{Scenario: "transform retained heap", Case: fmt.Sprintf("%s: %d writes of 256 B", provider, n)}
+		for _, im := range []struct {
+			name string
+			t    value.Transformer
+		}{{"rekey", pair.Rekey}, {"upstream", pair.Upstream}} {
+			b, err := RetainedHeap(n, func() error { _, err := im.t.TransformToStorage(ctx, pt, aad); return err }, im.t)
+			if err != nil {
+				pair.Close()
+				return nil, err
+			}
+			if b < 0 {
+				b = 0
+			}
+			row.Figures = append(row.Figures, Figure{Impl: im.name, Unit: "B", Stats: Stats{Median: b, Min: b, Max: b}, Allocs: -1, Bytes: -1, Retained: b})
+		}
+		pair.Close()
+		rows = append(rows, row)
+	}
+	return rows, nil
+}
