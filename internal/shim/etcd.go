@@ -1,0 +1,110 @@
+package shim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/server/v3/embed"
+	"go.uber.org/zap"
+)
+
+// embeddedEtcd is a single-member etcd running inside the shim's process.
+type embeddedEtcd struct {
+	etcd      *embed.Etcd
+	endpoints []string
+}
+
+// startEmbeddedEtcd starts etcd with its data in dir on two free loopback ports and
+// waits until it serves.
+func startEmbeddedEtcd(ctx context.Context, dir string, noFsync bool, logLevel string) (*embeddedEtcd, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("embedded etcd: cannot create --data-dir %q: %w", dir, err)
+	}
+	var lastErr error
+	// A free port can be taken between probing and binding; retry with new ones.
+	for attempt := 0; attempt < 3; attempt++ {
+		ports, err := freePorts(2)
+		if err != nil {
+			return nil, fmt.Errorf("embedded etcd: %w", err)
+		}
+		cfg := embed.NewConfig()
+		cfg.Name = "rekey-shim"
+		cfg.Dir = dir
+		cfg.UnsafeNoFsync = noFsync
+		cfg.Logger = "zap"
+		cfg.LogLevel = logLevel
+		cfg.LogOutputs = []string{"stderr"}
+		client := url.URL{Scheme: "http", Host: net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[0]))}
+		peer := url.URL{Scheme: "http", Host: net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[1]))}
+		cfg.ListenClientUrls, cfg.AdvertiseClientUrls = []url.URL{client}, []url.URL{client}
+		cfg.ListenPeerUrls, cfg.AdvertisePeerUrls = []url.URL{peer}, []url.URL{peer}
+		cfg.InitialCluster = cfg.InitialClusterFromName(cfg.Name)
+
+		e, err := embed.StartEtcd(cfg)
+		if err != nil {
+			lastErr = err
+			if strings.Contains(err.Error(), "address already in use") {
+				continue
+			}
+			return nil, fmt.Errorf("embedded etcd in %q: %w", dir, err)
+		}
+		select {
+		case <-e.Server.ReadyNotify():
+			return &embeddedEtcd{etcd: e, endpoints: []string{client.String()}}, nil
+		case err := <-e.Err():
+			e.Close()
+			return nil, fmt.Errorf("embedded etcd in %q failed while starting: %w", dir, err)
+		case <-ctx.Done():
+			e.Close()
+			return nil, fmt.Errorf("embedded etcd in %q: not ready: %w", dir, ctx.Err())
+		}
+	}
+	return nil, fmt.Errorf("embedded etcd: no free ports after 3 attempts: %w", lastErr)
+}
+
+func (e *embeddedEtcd) close() { e.etcd.Close() }
+
+// freePorts returns n distinct loopback ports that were free a moment ago.
+func freePorts(n int) ([]int, error) {
+	var ports []int
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, fmt.Errorf("cannot find a free port: %w", err)
+		}
+		defer l.Close()
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
+}
+
+// checkEtcd fails with a clear error when none of servers answers within timeout, so
+// a wrong --etcd-servers is reported at start instead of as hanging requests.
+func checkEtcd(ctx context.Context, servers []string, timeout time.Duration) error {
+	cli, err := clientv3.New(clientv3.Config{
+		Endpoints:   servers,
+		DialTimeout: timeout,
+		Logger:      zap.NewNop(),
+	})
+	if err != nil {
+		return fmt.Errorf("cannot reach etcd at %s: %w (check --etcd-servers, or leave it empty to run an embedded etcd)", strings.Join(servers, ","), err)
+	}
+	defer cli.Close()
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	if _, err := cli.Get(ctx, "health"); err != nil {
+		if errors.Is(err, context.DeadlineExceeded) {
+			err = fmt.Errorf("no answer within %s", timeout)
+		}
+		return fmt.Errorf("cannot reach etcd at %s: %w (check --etcd-servers, or leave it empty to run an embedded etcd)", strings.Join(servers, ","), err)
+	}
+	return nil
+}

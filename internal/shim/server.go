@@ -1,0 +1,282 @@
+// Package shim is a small kube-apiserver: k8s.io/apiserver serving core/v1 Secrets and
+// ConfigMaps from etcd, stored exactly as kube-apiserver stores them (protobuf, keys
+// <prefix>/<resource>/<namespace>/<name>), through an encryption layer — rekey's agent
+// or, for side-by-side comparisons, upstream's encryptionconfig. cmd/apiserver-shim is
+// its command line; tests and benchmarks call Run in-process.
+package shim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apiserver/pkg/authentication/user"
+	openapinamer "k8s.io/apiserver/pkg/endpoints/openapi"
+	genericapiserver "k8s.io/apiserver/pkg/server"
+	genericoptions "k8s.io/apiserver/pkg/server/options"
+	serverstorage "k8s.io/apiserver/pkg/server/storage"
+	"k8s.io/apiserver/pkg/storage/storagebackend"
+	"k8s.io/apiserver/pkg/util/compatibility"
+	utilfeature "k8s.io/apiserver/pkg/util/feature"
+	"k8s.io/component-base/metrics"
+	"k8s.io/component-base/metrics/legacyregistry"
+	"k8s.io/klog/v2"
+
+	"github.com/rekey-io/rekey/pkg/generated/openapi"
+	"github.com/rekey-io/rekey/pkg/transformers"
+)
+
+// Defaults of Options, matching kube-apiserver where it has the same flag.
+const (
+	DefaultEtcdPrefix         = "/registry"
+	DefaultEtcdConnectTimeout = 10 * time.Second
+	// servingCertPairName names the generated serving cert: <cert-dir>/apiserver.crt.
+	servingCertPairName = "apiserver"
+)
+
+// Options configure one shim. The zero value is not usable: CertDir and either
+// TokenAuthFile or Tokens are required, and DataDir when EtcdServers is empty.
+type Options struct {
+	// EncryptionConfig is the EncryptionConfiguration file; empty stores plaintext.
+	EncryptionConfig string
+	// AutomaticReload watches EncryptionConfig and applies edits without a restart.
+	AutomaticReload bool
+	// EncryptionLayer is LayerRekey (default) or LayerUpstream.
+	EncryptionLayer string
+	// KMS builds KMS v2 providers for the rekey layer.
+	KMS transformers.KMSFactory
+
+	// EtcdServers are etcd client URLs; empty starts an embedded etcd in DataDir.
+	EtcdServers []string
+	// EtcdPrefix prefixes every key (default /registry).
+	EtcdPrefix string
+	// EtcdConnectTimeout bounds the start-up check of external etcd servers.
+	EtcdConnectTimeout time.Duration
+	// DataDir holds the embedded etcd's data.
+	DataDir string
+	// EtcdUnsafeNoFsync turns fsync off in the embedded etcd (tests, benchmarks).
+	EtcdUnsafeNoFsync bool
+	// EtcdLogLevel is the embedded etcd's log level (default warn).
+	EtcdLogLevel string
+
+	// BindAddress is the serving address (default 127.0.0.1).
+	BindAddress net.IP
+	// SecurePort is the HTTPS port; 0 picks a free one (reported through Started).
+	SecurePort int
+	// CertDir holds apiserver.crt/.key; a self-signed pair is generated when absent.
+	CertDir string
+	// TokenAuthFile is a kube-apiserver static token file (token,user,uid,"groups").
+	TokenAuthFile string
+	// Tokens are used when TokenAuthFile is empty (in-process callers).
+	Tokens map[string]*user.DefaultInfo
+
+	// MetricsRegistry receives rekey's metrics; default the process-wide registry
+	// served at /metrics. Running two shims in one process needs distinct registries.
+	MetricsRegistry metrics.KubeRegistry
+	// Logger defaults to klog's background logger.
+	Logger klog.Logger
+	// Started is called once the server listens, before /readyz turns ready.
+	Started func(Info)
+}
+
+// Info describes a started shim.
+type Info struct {
+	// URL is the base URL, e.g. https://127.0.0.1:6443.
+	URL string
+	// Port is the secure port.
+	Port int
+	// CAFile verifies the serving certificate (the self-signed cert itself).
+	CAFile string
+	// EtcdServers are the client URLs of the etcd in use (embedded or external).
+	EtcdServers []string
+	// EtcdPrefix is the key prefix.
+	EtcdPrefix string
+	// StatusPath is where the encryption layer's status document is served, if any.
+	StatusPath string
+}
+
+func (o *Options) complete() error {
+	if o.EncryptionLayer == "" {
+		o.EncryptionLayer = LayerRekey
+	}
+	if o.EtcdPrefix == "" {
+		o.EtcdPrefix = DefaultEtcdPrefix
+	}
+	if o.EtcdConnectTimeout <= 0 {
+		o.EtcdConnectTimeout = DefaultEtcdConnectTimeout
+	}
+	if o.EtcdLogLevel == "" {
+		o.EtcdLogLevel = "warn"
+	}
+	if o.BindAddress == nil {
+		o.BindAddress = net.IPv4(127, 0, 0, 1)
+	}
+	if o.Logger.GetSink() == nil {
+		o.Logger = klog.Background()
+	}
+	if o.CertDir == "" {
+		return errors.New("--cert-dir is required: the serving certificate is read from or generated into it")
+	}
+	if len(o.EtcdServers) == 0 && o.DataDir == "" {
+		return errors.New("--data-dir is required when --etcd-servers is empty (embedded etcd)")
+	}
+	if o.SecurePort < 0 || o.SecurePort > 65535 {
+		return fmt.Errorf("--secure-port %d must be between 0 and 65535 (0 picks a free port)", o.SecurePort)
+	}
+	if o.EncryptionLayer == LayerUpstream && o.KMS != nil {
+		o.KMS = nil // upstream builds its own KMS v2 clients
+	}
+	return nil
+}
+
+// Run starts etcd (unless EtcdServers are given) and the shim, and serves until ctx is
+// cancelled; it returns after a graceful shutdown.
+func Run(ctx context.Context, o Options) error {
+	if err := o.complete(); err != nil {
+		return err
+	}
+	logger := o.Logger
+	reg := o.MetricsRegistry
+	if reg == nil {
+		var ok bool
+		if reg, ok = legacyregistry.DefaultGatherer.(metrics.KubeRegistry); !ok {
+			return errors.New("the process-wide metrics registry is not a KubeRegistry")
+		}
+	}
+
+	// Everything that can fail on user input is checked before etcd starts.
+	authn, err := newAuthenticator(o.TokenAuthFile, o.Tokens)
+	if err != nil {
+		return err
+	}
+	sch, err := newAPIScheme()
+	if err != nil {
+		return err
+	}
+	layer, err := newEncryptionLayer(ctx, &o, reg)
+	if err != nil {
+		return err
+	}
+	defer layer.close()
+
+	etcdServers := o.EtcdServers
+	if len(etcdServers) == 0 {
+		start := time.Now()
+		e, err := startEmbeddedEtcd(ctx, o.DataDir, o.EtcdUnsafeNoFsync, o.EtcdLogLevel)
+		if err != nil {
+			return err
+		}
+		defer e.close()
+		etcdServers = e.endpoints
+		logger.Info("Embedded etcd ready", "dataDir", o.DataDir, "endpoints", etcdServers, "elapsed", time.Since(start))
+	} else if err := checkEtcd(ctx, etcdServers, o.EtcdConnectTimeout); err != nil {
+		return err
+	}
+
+	c := genericapiserver.NewConfig(sch.codecs)
+	c.EffectiveVersion = compatibility.DefaultBuildEffectiveVersion()
+	c.FeatureGate = utilfeature.DefaultFeatureGate
+	c.PublicAddress = o.BindAddress
+	if o.BindAddress.IsUnspecified() {
+		c.PublicAddress = net.IPv4(127, 0, 0, 1)
+	}
+
+	serving := genericoptions.NewSecureServingOptions()
+	serving.BindAddress = o.BindAddress
+	serving.BindPort = o.SecurePort
+	serving.ServerCert.CertDirectory = o.CertDir
+	serving.ServerCert.PairName = servingCertPairName
+	if o.SecurePort == 0 {
+		l, _, err := genericoptions.CreateListener("tcp", net.JoinHostPort(o.BindAddress.String(), "0"), net.ListenConfig{})
+		if err != nil {
+			return fmt.Errorf("cannot listen on %s: %w", o.BindAddress, err)
+		}
+		serving.Listener = l
+	}
+	if err := serving.MaybeDefaultWithSelfSignedCerts("localhost", []string{"localhost"}, []net.IP{net.IPv4(127, 0, 0, 1)}); err != nil {
+		return fmt.Errorf("serving certificate in --cert-dir %q: %w", o.CertDir, err)
+	}
+	if err := serving.WithLoopback().ApplyTo(&c.SecureServing, &c.LoopbackClientConfig); err != nil {
+		return fmt.Errorf("secure serving: %w", err)
+	}
+	_, port, err := c.SecureServing.HostPort()
+	if err != nil {
+		return err
+	}
+	c.ExternalAddress = net.JoinHostPort(c.PublicAddress.String(), strconv.Itoa(port))
+
+	c.Authentication.Authenticator = authn
+	c.Authorization.Authorizer = authenticatedOnly()
+
+	namer := openapinamer.NewDefinitionNamer(sch.scheme)
+	c.OpenAPIConfig = genericapiserver.DefaultOpenAPIConfig(openapi.GetOpenAPIDefinitions, namer)
+	c.OpenAPIConfig.Info.Title = "rekey apiserver-shim"
+	c.OpenAPIV3Config = genericapiserver.DefaultOpenAPIV3Config(openapi.GetOpenAPIDefinitions, namer)
+	c.OpenAPIV3Config.Info.Title = "rekey apiserver-shim"
+
+	codec, versioner, err := serverstorage.NewStorageCodec(serverstorage.StorageCodecConfig{
+		StorageMediaType:  runtime.ContentTypeProtobuf,
+		StorageSerializer: sch.codecs,
+		StorageVersion:    corev1.SchemeGroupVersion,
+		MemoryVersion:     internalVersion,
+	})
+	if err != nil {
+		return fmt.Errorf("storage codec: %w", err)
+	}
+	backend := storagebackend.NewDefaultConfig(o.EtcdPrefix, codec)
+	backend.EncodeVersioner = versioner
+	backend.Transport.ServerList = etcdServers
+	etcdOpts := genericoptions.NewEtcdOptions(backend)
+	// The layer sets c.ResourceTransformers first; EtcdOptions keeps a non-nil value and
+	// wraps every resource's storage config with TransformerForResource.
+	if err := layer.install(c, etcdOpts); err != nil {
+		return err
+	}
+	if err := etcdOpts.ApplyTo(c); err != nil {
+		return fmt.Errorf("etcd storage: %w", err)
+	}
+
+	info := Info{
+		URL:         "https://" + c.ExternalAddress,
+		Port:        port,
+		CAFile:      filepath.Join(o.CertDir, servingCertPairName+".crt"),
+		EtcdServers: etcdServers,
+		EtcdPrefix:  o.EtcdPrefix,
+		StatusPath:  layer.statusPath(),
+	}
+	if o.Started != nil {
+		if err := c.AddPostStartHook("rekey-shim-started", func(genericapiserver.PostStartHookContext) error {
+			o.Started(info)
+			return nil
+		}); err != nil {
+			return err
+		}
+	}
+
+	server, err := c.Complete(nil).New("apiserver-shim", genericapiserver.NewEmptyDelegate())
+	if err != nil {
+		return fmt.Errorf("apiserver: %w", err)
+	}
+	stores, err := newStores(sch, c.RESTOptionsGetter)
+	if err != nil {
+		return err
+	}
+	group := genericapiserver.NewDefaultAPIGroupInfo("", sch.scheme, metav1.ParameterCodec, sch.codecs)
+	group.VersionedResourcesStorageMap[corev1.SchemeGroupVersion.Version] = stores
+	if err := server.InstallLegacyAPIGroup(genericapiserver.DefaultLegacyAPIPrefix, &group); err != nil {
+		return fmt.Errorf("installing core/v1: %w", err)
+	}
+	if p, h := layer.statusPath(), layer.statusHandler(); p != "" && h != nil {
+		server.Handler.NonGoRestfulMux.Handle(p, h)
+	}
+	logger.Info("Serving", "url", info.URL, "etcd", etcdServers, "prefix", o.EtcdPrefix,
+		"encryptionLayer", o.EncryptionLayer, "encryptionConfig", o.EncryptionConfig)
+	return server.PrepareRun().RunWithContext(ctx)
+}
