@@ -13,6 +13,8 @@ import (
 	"golang.org/x/crypto/nacl/secretbox"
 	"k8s.io/apiserver/pkg/apis/apiserver"
 	"k8s.io/apiserver/pkg/storage/value"
+
+	"github.com/rekey-io/rekey/pkg/transformers/internal/aescbc"
 )
 
 // Stored prefixes of the local providers, as kube-apiserver writes them.
@@ -152,7 +154,7 @@ func (g *gcmSealer) keyName() string {
 // upstream: prefix ‖ IV(16) ‖ ciphertext. It ignores the AAD.
 type cbcSealer struct {
 	prefix []byte
-	block  cipher.Block
+	cbc    *aescbc.Cipher
 }
 
 func newAESCBCSealers(keys []apiserver.Key) ([]Sealer, error) {
@@ -165,11 +167,11 @@ func newAESCBCSealers(keys []apiserver.Key) ([]Sealer, error) {
 		if err != nil {
 			return nil, err
 		}
-		block, err := aes.NewCipher(secret)
+		c, err := aescbc.New(secret)
 		if err != nil {
-			return nil, fmt.Errorf("aescbc key %q: key must be 16, 24 or 32 bytes, got %d", k.Name, len(secret))
+			return nil, fmt.Errorf("aescbc key %q: %w", k.Name, err)
 		}
-		out = append(out, &cbcSealer{prefix: keyPrefix(AESCBCPrefix, k.Name), block: block})
+		out = append(out, &cbcSealer{prefix: keyPrefix(AESCBCPrefix, k.Name), cbc: c})
 	}
 	return out, nil
 }
@@ -190,7 +192,7 @@ func (c *cbcSealer) Seal(_ context.Context, plaintext []byte, _ value.Context) (
 	for i := len(plaintext); i < len(body); i++ {
 		body[i] = byte(pad)
 	}
-	cipher.NewCBCEncrypter(c.block, iv).CryptBlocks(body, body)
+	c.cbc.Encrypt(iv, body, body)
 	return out, nil
 }
 
@@ -207,7 +209,7 @@ func (c *cbcSealer) Open(_ context.Context, data []byte, _ value.Context) ([]byt
 		return nil, false, errors.New("invalid PKCS7 data (empty or not padded)")
 	}
 	out := make([]byte, len(body))
-	cipher.NewCBCDecrypter(c.block, data[:cbcIVSize]).CryptBlocks(out, body)
+	c.cbc.Decrypt(data[:cbcIVSize], out, body)
 	pad := int(out[len(out)-1])
 	if pad == 0 || pad > aes.BlockSize || pad > len(out) {
 		return nil, false, errors.New("invalid PKCS7 data (empty or not padded)")
