@@ -105,6 +105,10 @@ type EncryptResult struct {
 	Annotations map[string][]byte
 }
 
+// WriteTypeChanged switches the DEK source type new values are written with; the next
+// healthy Status rotates.
+type WriteTypeChanged struct{ Type wire.SourceType }
+
 // HealthCheckRequested asks for a Status as soon as none is in flight (a health check
 // found the cached result too old).
 type HealthCheckRequested struct{}
@@ -219,6 +223,8 @@ func (m *Machine) Step(ev any) error {
 	case EncryptResult:
 		m.Tick(e.At)
 		m.stepEncrypt(e)
+	case WriteTypeChanged:
+		m.cfg.WriteType = e.Type
 	case HealthCheckRequested:
 		if m.nextStatus.After(m.now) {
 			m.nextStatus = m.now

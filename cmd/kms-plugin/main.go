@@ -1,0 +1,32 @@
+// Command kms-plugin is a local KMS v2 plugin for tests, the testbed and benchmarks.
+// See docs/kms-plugin.md.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/rekey-io/rekey/internal/kmsplugin"
+)
+
+func main() {
+	var o kmsplugin.Options
+	flag.StringVar(&o.ListenAddr, "listen-addr", "unix:///tmp/kms-plugin.sock", "gRPC socket: unix:///path.sock or unix:///@abstract-name")
+	flag.StringVar(&o.KeysFile, "keys-file", "", "YAML or JSON file `keys: [{name: <key id>, secret: <base64 of 32 bytes>}]`; the first key is active; edits rotate")
+	flag.StringVar(&o.ControlAddr, "control-addr", "", "fault-injection API: unix:///path.sock or 127.0.0.1:port (empty: disabled)")
+	flag.Parse()
+	if o.KeysFile == "" {
+		fmt.Fprintln(os.Stderr, "kms-plugin: --keys-file is required")
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := kmsplugin.Run(ctx, o); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+}

@@ -1,0 +1,98 @@
+package kmsplugin
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+)
+
+// The control API (JSON over HTTP):
+//
+//	GET    /faults   the active Faults
+//	PUT    /faults   replace them (body: Faults)
+//	DELETE /faults   back to healthy
+//	GET    /stats    call counts
+type controlServer struct {
+	srv  *http.Server
+	lis  net.Listener
+	addr string
+	path string
+}
+
+func startControl(addr string, p *Plugin) (*controlServer, error) {
+	var lis net.Listener
+	var err error
+	c := &controlServer{}
+	if rest, ok := strings.CutPrefix(addr, "unix://"); ok {
+		path := rest
+		if strings.HasPrefix(rest, "/@") {
+			path = rest[1:]
+		} else {
+			_ = os.Remove(path)
+			c.path = path
+		}
+		lis, err = net.Listen("unix", path)
+	} else {
+		host, _, splitErr := net.SplitHostPort(addr)
+		if splitErr != nil {
+			return nil, fmt.Errorf("kms-plugin: control address %q: %v (use unix:///path.sock or 127.0.0.1:port)", addr, splitErr)
+		}
+		if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
+			return nil, fmt.Errorf("kms-plugin: control address %q is not loopback; faults can only be injected locally", addr)
+		}
+		lis, err = net.Listen("tcp", addr)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("kms-plugin: cannot listen for control on %s: %w", addr, err)
+	}
+	c.lis = lis
+	c.addr = addr
+	if lis.Addr().Network() == "tcp" {
+		c.addr = lis.Addr().String()
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/faults", func(w http.ResponseWriter, r *http.Request) {
+		switch r.Method {
+		case http.MethodGet:
+		case http.MethodPut, http.MethodPost:
+			var f Faults
+			dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<20))
+			dec.DisallowUnknownFields()
+			if err := dec.Decode(&f); err != nil {
+				http.Error(w, "bad faults document: "+err.Error(), http.StatusBadRequest)
+				return
+			}
+			p.SetFaults(f)
+		case http.MethodDelete:
+			p.SetFaults(Faults{})
+		default:
+			http.Error(w, "use GET, PUT or DELETE", http.StatusMethodNotAllowed)
+			return
+		}
+		writeJSON(w, p.Faults())
+	})
+	mux.HandleFunc("/stats", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, p.Stats()) })
+	c.srv = &http.Server{Handler: mux}
+	go func() {
+		if err := c.srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			fmt.Fprintf(os.Stderr, "kms-plugin: control server: %v\n", err)
+		}
+	}()
+	return c, nil
+}
+
+func writeJSON(w http.ResponseWriter, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+func (c *controlServer) close() {
+	_ = c.srv.Close()
+	if c.path != "" {
+		_ = os.Remove(c.path)
+	}
+}

@@ -1,0 +1,407 @@
+// Package kmsplugin is a local KMS v2 plugin for tests, the testbed and benchmarks. It
+// serves k8s.io/kms/pkg/service over a unix socket, wraps DEK sources with AES-256-GCM
+// key-encryption keys read from a keys file (rotated by editing the file), and exposes a
+// control endpoint that injects faults at run time.
+//
+//	srv, err := kmsplugin.Start(kmsplugin.Options{ListenAddr: "unix:///tmp/kms.sock", KeysFile: "keys.yaml"})
+//	defer srv.Stop()
+//	srv.SetFaults(kmsplugin.Faults{StatusHealthz: "down"})
+package kmsplugin
+
+import (
+	"bytes"
+	"context"
+	"crypto/aes"
+	"crypto/cipher"
+	"crypto/rand"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	kmsapi "k8s.io/kms/apis/v2"
+	"k8s.io/kms/pkg/service"
+	"sigs.k8s.io/yaml"
+)
+
+// KeysFile is the keys file format (YAML or JSON). The first key is active: its name is
+// the key_id of Status and Encrypt. Every key can Decrypt.
+type KeysFile struct {
+	Keys []Key `json:"keys"`
+}
+
+// Key is one key-encryption key.
+type Key struct {
+	Name string `json:"name"`
+	// Secret is the base64 of 32 random bytes.
+	Secret string `json:"secret"`
+}
+
+// Faults change the plugin's answers at run time. The zero value is a healthy plugin.
+type Faults struct {
+	// Latency is added to every RPC.
+	Latency Duration `json:"latency,omitempty"`
+	// Fail* make the RPC fail with gRPC code Unavailable (or FailCode, e.g. "DeadlineExceeded").
+	FailStatus  bool   `json:"failStatus,omitempty"`
+	FailEncrypt bool   `json:"failEncrypt,omitempty"`
+	FailDecrypt bool   `json:"failDecrypt,omitempty"`
+	FailCode    string `json:"failCode,omitempty"`
+	// StatusHealthz replaces "ok" in Status.
+	StatusHealthz string `json:"statusHealthz,omitempty"`
+	// StatusVersion replaces "v2" in Status.
+	StatusVersion string `json:"statusVersion,omitempty"`
+	// StatusKeyID and EncryptKeyID replace the active key id in Status / Encrypt answers.
+	StatusKeyID  string `json:"statusKeyID,omitempty"`
+	EncryptKeyID string `json:"encryptKeyID,omitempty"`
+	// Annotations are returned by Encrypt.
+	Annotations map[string]string `json:"annotations,omitempty"`
+}
+
+// Duration is a time.Duration that reads and writes as "150ms" in JSON.
+type Duration struct{ time.Duration }
+
+// MarshalJSON implements json.Marshaler.
+func (d Duration) MarshalJSON() ([]byte, error) { return []byte(`"` + d.String() + `"`), nil }
+
+// UnmarshalJSON implements json.Unmarshaler.
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	s := strings.Trim(string(b), `"`)
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return fmt.Errorf("latency %q: %w (use Go duration syntax, e.g. 150ms)", s, err)
+	}
+	d.Duration = v
+	return nil
+}
+
+// Stats count calls per method.
+type Stats struct {
+	Status  int64 `json:"status"`
+	Encrypt int64 `json:"encrypt"`
+	Decrypt int64 `json:"decrypt"`
+}
+
+// Options configure a plugin.
+type Options struct {
+	// ListenAddr is unix:///path.sock or unix:///@abstract.
+	ListenAddr string
+	// KeysFile is the path of the keys file, re-read whenever it changes.
+	KeysFile string
+	// ControlAddr, when set, serves the control API: unix:///path.sock or host:port
+	// (loopback only).
+	ControlAddr string
+}
+
+type keyring struct {
+	active string
+	aeads  map[string]cipher.AEAD
+}
+
+// Plugin is the KMS v2 service (k8s.io/kms/pkg/service.Service).
+type Plugin struct {
+	keysFile string
+
+	mu      sync.Mutex
+	stamp   fileStamp
+	raw     []byte
+	ring    *keyring
+	loadErr error
+
+	faults atomic.Pointer[Faults]
+	stats  struct{ status, encrypt, decrypt atomic.Int64 }
+}
+
+var _ service.Service = (*Plugin)(nil)
+
+type fileStamp struct {
+	mod  time.Time
+	size int64
+	ino  any
+}
+
+// NewPlugin loads the keys file.
+func NewPlugin(keysFile string) (*Plugin, error) {
+	p := &Plugin{keysFile: keysFile}
+	p.faults.Store(&Faults{})
+	if _, err := p.keys(); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// keys returns the keyring, re-reading the file when its size or mtime changed. A file
+// that becomes invalid keeps the last good keyring and is reported by Status.
+func (p *Plugin) keys() (*keyring, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	fi, err := os.Stat(p.keysFile)
+	if err != nil {
+		if p.ring != nil {
+			p.loadErr = err
+			return p.ring, nil
+		}
+		return nil, fmt.Errorf("keys file: %w", err)
+	}
+	st := fileStamp{mod: fi.ModTime(), size: fi.Size(), ino: fi.Sys()}
+	if p.ring != nil && st.mod.Equal(p.stamp.mod) && st.size == p.stamp.size {
+		return p.ring, nil
+	}
+	raw, err := os.ReadFile(p.keysFile)
+	if err != nil {
+		return p.fallback(err)
+	}
+	p.stamp = st
+	if p.ring != nil && bytes.Equal(raw, p.raw) {
+		return p.ring, nil
+	}
+	ring, err := parseKeys(raw)
+	if err != nil {
+		return p.fallback(fmt.Errorf("keys file %s: %w", p.keysFile, err))
+	}
+	p.raw, p.ring, p.loadErr = raw, ring, nil
+	return ring, nil
+}
+
+func (p *Plugin) fallback(err error) (*keyring, error) {
+	if p.ring == nil {
+		return nil, err
+	}
+	p.loadErr = err
+	return p.ring, nil
+}
+
+func parseKeys(raw []byte) (*keyring, error) {
+	var f KeysFile
+	if err := yaml.UnmarshalStrict(raw, &f); err != nil {
+		return nil, fmt.Errorf("not a keys file (want `keys: [{name: ..., secret: <base64 of 32 bytes>}]`): %v", err)
+	}
+	if len(f.Keys) == 0 {
+		return nil, errors.New("no keys; the first key is the active one")
+	}
+	r := &keyring{active: f.Keys[0].Name, aeads: map[string]cipher.AEAD{}}
+	for i, k := range f.Keys {
+		if k.Name == "" {
+			return nil, fmt.Errorf("keys[%d] has no name", i)
+		}
+		if _, dup := r.aeads[k.Name]; dup {
+			return nil, fmt.Errorf("keys[%d]: name %q is used twice", i, k.Name)
+		}
+		secret, err := base64.StdEncoding.DecodeString(k.Secret)
+		if err != nil || len(secret) != 32 {
+			return nil, fmt.Errorf("keys[%d] (%q): secret must be the base64 of 32 bytes", i, k.Name)
+		}
+		b, _ := aes.NewCipher(secret)
+		a, _ := cipher.NewGCM(b)
+		r.aeads[k.Name] = a
+	}
+	return r, nil
+}
+
+// SetFaults replaces the active faults.
+func (p *Plugin) SetFaults(f Faults) { p.faults.Store(&f) }
+
+// Faults returns the active faults.
+func (p *Plugin) Faults() Faults { return *p.faults.Load() }
+
+// Stats returns call counts.
+func (p *Plugin) Stats() Stats {
+	return Stats{Status: p.stats.status.Load(), Encrypt: p.stats.encrypt.Load(), Decrypt: p.stats.decrypt.Load()}
+}
+
+func (p *Plugin) inject(ctx context.Context, fail bool, method string) (*Faults, error) {
+	f := p.faults.Load()
+	if f.Latency.Duration > 0 {
+		t := time.NewTimer(f.Latency.Duration)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return f, status.FromContextError(ctx.Err()).Err()
+		}
+	}
+	if fail {
+		code := codes.Unavailable
+		if f.FailCode != "" {
+			if err := code.UnmarshalJSON([]byte(`"` + f.FailCode + `"`)); err != nil {
+				code = codes.Unavailable
+			}
+		}
+		return f, status.Errorf(code, "kms-plugin: %s fails (injected fault)", method)
+	}
+	return f, nil
+}
+
+// Status implements service.Service.
+func (p *Plugin) Status(ctx context.Context) (*service.StatusResponse, error) {
+	p.stats.status.Add(1)
+	f, err := p.inject(ctx, p.faults.Load().FailStatus, "Status")
+	if err != nil {
+		return nil, err
+	}
+	ring, err := p.keys()
+	if err != nil {
+		return nil, status.Errorf(codes.FailedPrecondition, "kms-plugin: %v", err)
+	}
+	r := &service.StatusResponse{Version: "v2", Healthz: "ok", KeyID: ring.active}
+	if f.StatusHealthz != "" {
+		r.Healthz = f.StatusHealthz
+	}
+	if f.StatusVersion != "" {
+		r.Version = f.StatusVersion
+	}
+	if f.StatusKeyID != "" {
+		r.KeyID = f.StatusKeyID
+	}
+	return r, nil
+}
+
+// Encrypt implements service.Service: nonce(12) ‖ AES-256-GCM(plaintext), the key id as
+// authenticated data.
+func (p *Plugin) Encrypt(ctx context.Context, _ string, plaintext []byte) (*service.EncryptResponse, error) {
+	p.stats.encrypt.Add(1)
+	f, err := p.inject(ctx, p.faults.Load().FailEncrypt, "Encrypt")
+	if err != nil {
+		return nil, err
+	}
+	ring, err := p.keys()
+	if err != nil {
+		return nil, status.Errorf(codes.FailedPrecondition, "kms-plugin: %v", err)
+	}
+	a := ring.aeads[ring.active]
+	nonce := make([]byte, 12, 12+len(plaintext)+16)
+	if _, err := rand.Read(nonce); err != nil {
+		return nil, status.Errorf(codes.Internal, "kms-plugin: %v", err)
+	}
+	r := &service.EncryptResponse{Ciphertext: a.Seal(nonce, nonce, plaintext, []byte(ring.active)), KeyID: ring.active}
+	if f.EncryptKeyID != "" {
+		r.KeyID = f.EncryptKeyID
+	}
+	if len(f.Annotations) > 0 {
+		r.Annotations = map[string][]byte{}
+		for k, v := range f.Annotations {
+			r.Annotations[k] = []byte(v)
+		}
+	}
+	return r, nil
+}
+
+// Decrypt implements service.Service.
+func (p *Plugin) Decrypt(ctx context.Context, _ string, req *service.DecryptRequest) ([]byte, error) {
+	p.stats.decrypt.Add(1)
+	if _, err := p.inject(ctx, p.faults.Load().FailDecrypt, "Decrypt"); err != nil {
+		return nil, err
+	}
+	ring, err := p.keys()
+	if err != nil {
+		return nil, status.Errorf(codes.FailedPrecondition, "kms-plugin: %v", err)
+	}
+	a, ok := ring.aeads[req.KeyID]
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "kms-plugin: unknown key id %q; it is not in the keys file", req.KeyID)
+	}
+	if len(req.Ciphertext) < 12+16 {
+		return nil, status.Error(codes.InvalidArgument, "kms-plugin: ciphertext is too short")
+	}
+	pt, err := a.Open(nil, req.Ciphertext[:12], req.Ciphertext[12:], []byte(req.KeyID))
+	if err != nil {
+		return nil, status.Errorf(codes.InvalidArgument, "kms-plugin: ciphertext does not decrypt under key %q", req.KeyID)
+	}
+	return pt, nil
+}
+
+// Server is a running plugin: gRPC on ListenAddr and, optionally, the control API.
+type Server struct {
+	*Plugin
+	grpc    *grpc.Server
+	lis     net.Listener
+	control *controlServer
+	addr    string
+	done    chan struct{}
+}
+
+// Start listens and serves in the background; the socket accepts connections when it
+// returns.
+func Start(o Options) (*Server, error) {
+	addr, err := socketPath(o.ListenAddr)
+	if err != nil {
+		return nil, err
+	}
+	p, err := NewPlugin(o.KeysFile)
+	if err != nil {
+		return nil, err
+	}
+	if !strings.HasPrefix(addr, "@") {
+		_ = os.Remove(addr)
+	}
+	lis, err := net.Listen("unix", addr)
+	if err != nil {
+		return nil, fmt.Errorf("kms-plugin: cannot listen on %s: %w", o.ListenAddr, err)
+	}
+	gs := grpc.NewServer()
+	kmsapi.RegisterKeyManagementServiceServer(gs, service.NewGRPCService(addr, 0, p))
+	s := &Server{Plugin: p, grpc: gs, lis: lis, addr: addr, done: make(chan struct{})}
+	go func() {
+		defer close(s.done)
+		_ = gs.Serve(lis)
+	}()
+	if o.ControlAddr != "" {
+		c, err := startControl(o.ControlAddr, p)
+		if err != nil {
+			s.Stop()
+			return nil, err
+		}
+		s.control = c
+	}
+	return s, nil
+}
+
+// ControlAddr is the address the control API listens on ("" when disabled).
+func (s *Server) ControlAddr() string {
+	if s.control == nil {
+		return ""
+	}
+	return s.control.addr
+}
+
+// Stop closes every connection at once (a plugin crash, as far as clients can tell).
+func (s *Server) Stop() {
+	s.grpc.Stop()
+	<-s.done
+	if s.control != nil {
+		s.control.close()
+	}
+	if !strings.HasPrefix(s.addr, "@") {
+		_ = os.Remove(s.addr)
+	}
+}
+
+// Run serves until ctx ends.
+func Run(ctx context.Context, o Options) error {
+	s, err := Start(o)
+	if err != nil {
+		return err
+	}
+	<-ctx.Done()
+	s.grpc.GracefulStop()
+	s.Stop()
+	return nil
+}
+
+func socketPath(endpoint string) (string, error) {
+	rest, ok := strings.CutPrefix(endpoint, "unix://")
+	if !ok || rest == "" || rest == "/" {
+		return "", fmt.Errorf("kms-plugin: listen address %q must be unix:///path.sock or unix:///@abstract-name", endpoint)
+	}
+	if strings.HasPrefix(rest, "/@") {
+		return rest[1:], nil
+	}
+	return rest, nil
+}

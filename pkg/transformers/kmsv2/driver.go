@@ -1,0 +1,83 @@
+package kmsv2
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/wire"
+)
+
+// run is the driver loop: it owns the state machine, the RPCs it asks for and the timer.
+func (p *Provider) run(ctx context.Context, m *state.Machine) {
+	defer close(p.done)
+	for {
+		// A Status may ask for an Encrypt: run until the machine wants nothing more now.
+		for acts := m.Ready(); len(acts) > 0 && ctx.Err() == nil; acts = m.Ready() {
+			for _, a := range append([]state.Action(nil), acts...) {
+				switch a.Kind {
+				case state.CallStatus:
+					r, err := p.client.Status(ctx)
+					ev := state.StatusResult{At: p.clock.Now(), Err: err, Version: r.Version, Healthz: r.Healthz, KeyID: r.KeyID}
+					p.recordStatus(ev)
+					_ = m.Step(ev)
+				case state.CallEncrypt:
+					_ = m.Step(p.encrypt(ctx, a))
+				}
+			}
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		v := m.View()
+		p.publish(v)
+		wait := v.NextWake.Sub(p.clock.Now())
+		if wait < 0 {
+			wait = 0
+		}
+		t := p.clock.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C():
+		case <-p.kick:
+			t.Stop()
+			_ = m.Step(state.HealthCheckRequested{})
+		}
+		m.Tick(p.clock.Now())
+	}
+}
+
+func (p *Provider) encrypt(ctx context.Context, a state.Action) state.EncryptResult {
+	src := make([]byte, seedSize)
+	if _, err := rand.Read(src); err != nil {
+		return state.EncryptResult{At: p.clock.Now(), Seq: a.Seq, Err: err}
+	}
+	if a.Type != wire.SourceHKDFSeed {
+		return state.EncryptResult{At: p.clock.Now(), Seq: a.Seq, Err: errUnsupportedWriteType}
+	}
+	uid := uuid.NewString()
+	r, err := p.client.Encrypt(ctx, uid, src)
+	if err != nil {
+		p.log.V(2).Info("Encrypt of a new DEK seed failed", "uid", uid, "err", err)
+	}
+	return state.EncryptResult{At: p.clock.Now(), Seq: a.Seq, Err: err, Source: src, KeyID: r.KeyID, Ciphertext: r.Ciphertext, Annotations: r.Annotations}
+}
+
+func (p *Provider) recordStatus(ev state.StatusResult) {
+	if ev.Err != nil {
+		return
+	}
+	if code, err := wire.ValidateKeyID(ev.KeyID); err != nil {
+		p.opts.Metrics.invalidKeyID.WithLabelValues(p.name, code).Inc()
+		return
+	}
+	p.opts.Metrics.statusKeyIDTS.WithLabelValues(p.name, state.KeyIDHash(ev.KeyID), state.KeyIDHash(p.apiID)).Set(float64(ev.At.UnixNano()) / float64(time.Second))
+}
+
+var errUnsupportedWriteType = errors.New("kms v2: only HKDF_SHA256_XNONCE_AES_GCM_SEED DEK sources are written")

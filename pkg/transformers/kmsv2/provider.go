@@ -1,0 +1,399 @@
+// Package kmsv2 is the KMS v2 envelope provider: stored values are byte-compatible with
+// kube-apiserver's (`k8s:enc:kms:v2:<name>:` ‖ protobuf EncryptedObject), in both
+// directions and for both DEK source types, and the stale flag means the same.
+//
+// Differences from kube-apiserver, all behind the same bytes:
+//   - writes derive one AES-256-GCM key per generation (≤2^32 writes) from the seed and
+//     use a counter nonce, instead of one HKDF per write (docs/kmsv2-crypto.md);
+//   - a write is one allocation and retains nothing;
+//   - the DEK cache is bounded and reads never depend on plugin health;
+//   - an unhealthy Status never extends the write window (kubernetes/kubernetes#138950).
+//
+// Use it through the factory:
+//
+//	set, err := transformers.Build(ctx, cfg, transformers.Options{KMS: kmsv2.NewFactory(kmsv2.FactoryOptions{Registry: reg})})
+package kmsv2
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/uuid"
+	"k8s.io/apiserver/pkg/apis/apiserver"
+	"k8s.io/apiserver/pkg/storage/value"
+	"k8s.io/component-base/metrics"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/clock"
+
+	"github.com/rekey-io/rekey/pkg/transformers"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/wire"
+)
+
+// Defaults of FactoryOptions.
+const (
+	DefaultDEKCacheEntries  = 1024
+	DefaultAEADCacheEntries = 256
+)
+
+// FactoryOptions configure every provider a factory builds.
+type FactoryOptions struct {
+	// Registry receives the KMS v2 metrics; nil records nothing.
+	Registry metrics.KubeRegistry
+	// Metrics, when set, is used instead of creating metrics from Registry. Use it when
+	// several factories share one registry.
+	Metrics *Metrics
+	// DEKCacheEntries bounds the cache of decrypted DEK sources per provider.
+	DEKCacheEntries int
+	// AEADCacheEntries bounds the cache of derived keys per provider.
+	AEADCacheEntries int
+	// StatusInterval, RetryInterval and WriteTTL override the lifecycle defaults
+	// (1 min, 10 s, 3 min); for tests.
+	StatusInterval, RetryInterval, WriteTTL time.Duration
+	// HealthyTTL and UnhealthyTTL: how long Check serves a result from cache (20 s, 3 s).
+	HealthyTTL, UnhealthyTTL time.Duration
+	// WritesPerGeneration bounds writes per derived key (default 2^32); for tests.
+	WritesPerGeneration uint64
+}
+
+// Provider is one KMS v2 provider. It implements transformers.KMSProvider.
+type Provider struct {
+	name     string
+	endpoint string
+	prefix   []byte
+	opts     FactoryOptions
+	clock    clock.Clock
+	log      klog.Logger
+	apiID    string
+
+	client *client.Client
+	pm     *providerMetrics
+	dek    *dekCache
+	aeads  *aeadCache
+
+	write atomic.Pointer[writeState]
+	view  atomic.Pointer[state.View]
+
+	mu      sync.Mutex
+	changed chan struct{} // closed and replaced on every published view
+	kick    chan struct{}
+	cancel  context.CancelFunc
+	done    chan struct{}
+	closed  sync.Once
+}
+
+var _ transformers.KMSProvider = (*Provider)(nil)
+
+// NewFactory returns the transformers.KMSFactory building Providers.
+func NewFactory(o FactoryOptions) transformers.KMSFactory {
+	if o.Metrics == nil {
+		o.Metrics = NewMetrics(o.Registry)
+	}
+	return func(ctx context.Context, cfg *apiserver.KMSConfiguration, opts transformers.Options) (transformers.KMSProvider, error) {
+		return New(cfg, opts, o)
+	}
+}
+
+// New starts a provider: it returns at once, and a background loop calls Status and
+// Encrypt until Close. Writes are possible once WaitReady returns; reads whose DEK source
+// is not cached need only the plugin's Decrypt.
+func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryOptions) (*Provider, error) {
+	if cfg == nil || cfg.Name == "" {
+		return nil, errors.New("kms v2: the provider has no name")
+	}
+	if o.Metrics == nil {
+		o.Metrics = NewMetrics(o.Registry)
+	}
+	if o.DEKCacheEntries <= 0 {
+		o.DEKCacheEntries = DefaultDEKCacheEntries
+	}
+	if o.AEADCacheEntries <= 0 {
+		o.AEADCacheEntries = DefaultAEADCacheEntries
+	}
+	if o.HealthyTTL <= 0 {
+		o.HealthyTTL = state.DefaultHealthyTTL
+	}
+	if o.UnhealthyTTL <= 0 {
+		o.UnhealthyTTL = state.DefaultUnhealthyTTL
+	}
+	if o.WritesPerGeneration == 0 {
+		o.WritesPerGeneration = maxWritesPerGeneration
+	}
+	clk := topts.Clock
+	if clk == nil {
+		clk = clock.RealClock{}
+	}
+	log := topts.Logger
+	if log.GetSink() == nil {
+		log = klog.Background()
+	}
+	timeout := 3 * time.Second
+	if cfg.Timeout != nil && cfg.Timeout.Duration > 0 {
+		timeout = cfg.Timeout.Duration
+	}
+	pm := o.Metrics.forProvider(cfg.Name)
+	c, err := client.New(cfg.Endpoint, timeout, pm)
+	if err != nil {
+		return nil, fmt.Errorf("kms v2 provider %q: %w", cfg.Name, err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &Provider{
+		name: cfg.Name, endpoint: cfg.Endpoint,
+		prefix: []byte(transformers.KMSv2Prefix + cfg.Name + ":"),
+		opts:   o, clock: clk, log: log.WithValues("kmsProvider", cfg.Name), apiID: topts.APIServerID,
+		client: c, pm: pm,
+		dek:     newDEKCache(o.DEKCacheEntries, pm),
+		aeads:   newAEADCache(o.AEADCacheEntries),
+		changed: make(chan struct{}),
+		kick:    make(chan struct{}, 1),
+		cancel:  cancel,
+		done:    make(chan struct{}),
+	}
+	m := state.New(state.Config{
+		Provider: cfg.Name, WriteType: wire.SourceHKDFSeed,
+		StatusInterval: o.StatusInterval, RetryInterval: o.RetryInterval, WriteTTL: o.WriteTTL,
+	}, clk.Now())
+	p.publish(m.View())
+	go p.run(ctx, m)
+	return p, nil
+}
+
+// Name is the provider name from the config.
+func (p *Provider) Name() string { return p.name }
+
+// Prefix is `k8s:enc:kms:v2:<name>:`.
+func (p *Provider) Prefix() []byte { return p.prefix }
+
+// errNotReady is returned by writes before the first DEK source exists.
+func (p *Provider) errNotReady() error {
+	v := p.view.Load()
+	return fmt.Errorf("kms v2 provider %q cannot write yet: no DEK seed has been accepted from the plugin at %s (last problem: %v); check that the plugin is running and healthy", p.name, p.endpoint, v.Err)
+}
+
+// Seal encrypts plaintext for dataCtx (the etcd key) and returns the full stored value.
+func (p *Provider) Seal(_ context.Context, plaintext []byte, dataCtx value.Context) ([]byte, error) {
+	ws := p.write.Load()
+	if ws == nil {
+		return nil, p.errNotReady()
+	}
+	now := p.clock.Now()
+	if exp := ws.expiry.Load(); now.UnixNano() >= exp {
+		return nil, fmt.Errorf("encryptedDEKSource with keyID hash %q expired at %s (current time is %s): the KMS plugin of provider %q has not reported healthy since; fix the plugin",
+			state.KeyIDHash(ws.keyID), time.Unix(0, exp).UTC().Format(time.RFC3339), now.UTC().Format(time.RFC3339), p.name)
+	}
+	return ws.seal(p.prefix, plaintext, dataCtx.AuthenticatedData())
+}
+
+// Open decrypts a stored value (the bytes after Prefix()). Malformed values fail before
+// any plugin call. stale is true when the value's key id or DEK source type differs
+// from what is written now.
+func (p *Provider) Open(ctx context.Context, data []byte, dataCtx value.Context) ([]byte, bool, error) {
+	var o wire.Object
+	if err := wire.Decode(data, &o); err != nil {
+		return nil, false, err
+	}
+	ws := p.write.Load()
+	var e *dekEntry
+	stale := false
+	if ws != nil && o.Tail != nil && string(o.Tail) == string(ws.tail) {
+		e = ws.entry
+		p.pm.hits.Inc()
+	} else {
+		if ws != nil {
+			stale = string(o.KeyID) != ws.keyID || o.SourceType != ws.typ
+		}
+		k := wire.ComputeCacheKey(o.SourceType, o.DEKSource, o.KeyID, o.Annotations)
+		if e = p.dek.get(k); e != nil {
+			p.pm.hits.Inc()
+		} else {
+			p.pm.miss()
+			var err error
+			if e, err = p.fetch(ctx, &o, k); err != nil {
+				return nil, false, err
+			}
+		}
+	}
+	out, err := p.decrypt(e, o.Data, dataCtx.AuthenticatedData(), ws)
+	if err != nil {
+		return nil, false, err
+	}
+	return out, stale, nil
+}
+
+func (p *Provider) decrypt(e *dekEntry, data, aad []byte, ws *writeState) ([]byte, error) {
+	var a = e.aead
+	if e.typ == wire.SourceHKDFSeed {
+		if len(data) < infoSize+nonceSize+tagSize {
+			return nil, fmt.Errorf("kms v2: the stored data was shorter than the required size (%d bytes, want at least %d); the value is truncated", len(data), infoSize+nonceSize+tagSize)
+		}
+		info := data[:infoSize]
+		data = data[infoSize:]
+		if ws != nil && ws.entry == e {
+			if g := ws.gen.Load(); string(g.info[:]) == string(info) {
+				a = g.aead
+			}
+		}
+		if a == nil {
+			k := aeadKey{e: e, info: [infoSize]byte(info)}
+			if a = p.aeads.get(k); a == nil {
+				var err error
+				if a, err = deriveGCM(e.seed, info); err != nil {
+					return nil, err
+				}
+				p.aeads.put(k, a)
+			}
+		}
+	}
+	if len(data) < nonceSize+tagSize {
+		return nil, fmt.Errorf("kms v2: the stored data was shorter than the required size (%d bytes); the value is truncated", len(data))
+	}
+	out, err := a.Open(nil, data[:nonceSize], data[nonceSize:], aad)
+	if err != nil {
+		return nil, fmt.Errorf("kms v2: %w: the value was modified, truncated, or moved from another etcd key", err)
+	}
+	return out, nil
+}
+
+// fetch asks the plugin to decrypt a DEK source and caches it.
+func (p *Provider) fetch(ctx context.Context, o *wire.Object, k wire.CacheKey) (*dekEntry, error) {
+	var annos map[string][]byte
+	if len(o.Annotations) > 0 {
+		annos = make(map[string][]byte, len(o.Annotations))
+		for _, a := range o.Annotations {
+			annos[string(a.Key)] = a.Value
+		}
+	}
+	uid := uuid.NewString()
+	pt, err := p.client.Decrypt(ctx, uid, string(o.KeyID), o.DEKSource, annos)
+	if err != nil {
+		return nil, fmt.Errorf("failed to decrypt DEK, error: %w (kms v2 provider %q, keyID hash %q, uid %s)", err, p.name, state.KeyIDHash(string(o.KeyID)), uid)
+	}
+	e, err := newDEKEntry(o.SourceType, pt)
+	if err != nil {
+		return nil, fmt.Errorf("kms v2 provider %q: %w", p.name, err)
+	}
+	return p.dek.put(k, e), nil
+}
+
+// Status describes the provider without key material.
+func (p *Provider) Status() transformers.KMSStatus {
+	v := p.view.Load()
+	st := transformers.KMSStatus{Name: p.name, Endpoint: p.endpoint, Healthy: v.Healthy, LastStatus: v.LastStatus}
+	if v.Err != nil {
+		st.LastError = v.Err.Error()
+	}
+	if v.Write != nil {
+		st.KeyIDHash = state.KeyIDHash(v.Write.KeyID)
+		st.DEKSourceType = v.Write.Type.String()
+		st.WriteExpiry = v.Write.Expiry
+	}
+	return st
+}
+
+// Check reports health for /healthz. A result younger than 20 s (healthy) or 3 s
+// (unhealthy) is served from cache; otherwise it asks the loop for a fresh Status and
+// waits for it or ctx. It never holds a lock across an RPC.
+func (p *Provider) Check(ctx context.Context) error {
+	var requestedAt time.Time
+	for requested := false; ; {
+		p.mu.Lock()
+		v, ch := p.view.Load(), p.changed
+		p.mu.Unlock()
+		ttl := p.opts.UnhealthyTTL
+		if v.Healthy {
+			ttl = p.opts.HealthyTTL
+		}
+		switch {
+		case requested && !v.HealthAt.Before(requestedAt):
+			return v.Err // the answer to our request (or a newer one)
+		case !requested && !v.HealthAt.IsZero() && p.clock.Since(v.HealthAt) < ttl:
+			return v.Err
+		}
+		if !requested {
+			requested, requestedAt = true, p.clock.Now()
+			select {
+			case p.kick <- struct{}{}:
+			default:
+			}
+		}
+		select {
+		case <-ch:
+		case <-p.done:
+			return fmt.Errorf("kms v2 provider %q is closed", p.name)
+		case <-ctx.Done():
+			if v.Err != nil {
+				return v.Err
+			}
+			return fmt.Errorf("kms v2 provider %q: health check timed out waiting for a Status: %w", p.name, ctx.Err())
+		}
+	}
+}
+
+// WaitReady returns when writes are possible, or ctx's error with the last problem.
+func (p *Provider) WaitReady(ctx context.Context) error {
+	for {
+		p.mu.Lock()
+		v, ch := p.view.Load(), p.changed
+		p.mu.Unlock()
+		select {
+		case <-p.done:
+			return fmt.Errorf("kms v2 provider %q is closed", p.name)
+		default:
+		}
+		if v.CanWrite && p.write.Load() != nil {
+			return nil
+		}
+		select {
+		case <-ch:
+		case <-p.done:
+			return fmt.Errorf("kms v2 provider %q is closed", p.name)
+		case <-ctx.Done():
+			return fmt.Errorf("kms v2 provider %q is not ready to write (%v): %w", p.name, v.Err, ctx.Err())
+		}
+	}
+}
+
+// Close stops the loop and closes the plugin connection. Safe to call more than once.
+func (p *Provider) Close() {
+	p.closed.Do(func() {
+		p.cancel()
+		<-p.done
+		_ = p.client.Close()
+	})
+}
+
+// publish makes a view visible to the data path and wakes waiters.
+func (p *Provider) publish(v state.View) {
+	if w := v.Write; w != nil {
+		cur := p.write.Load()
+		if cur == nil || cur.spec.Generation != w.Generation {
+			ws, err := newWriteState(w, p.opts.WritesPerGeneration)
+			if err != nil {
+				p.log.Error(err, "Cannot use the new DEK seed; keeping the previous one")
+			} else {
+				p.dek.put(ws.cacheKey, ws.entry)
+				p.write.Store(ws)
+				p.opts.Metrics.rotations.WithLabelValues(p.name).Inc()
+				p.log.V(2).Info("New DEK seed for writes", "keyIDHash", state.KeyIDHash(w.KeyID), "generation", w.Generation)
+			}
+		} else {
+			cur.expiry.Store(w.Expiry.UnixNano())
+		}
+		p.opts.Metrics.writeExpiry.WithLabelValues(p.name).Set(float64(w.Expiry.Unix()))
+	}
+	h := 0.0
+	if v.Healthy {
+		h = 1
+	}
+	p.opts.Metrics.healthy.WithLabelValues(p.name).Set(h)
+	p.mu.Lock()
+	p.view.Store(&v)
+	close(p.changed)
+	p.changed = make(chan struct{})
+	p.mu.Unlock()
+}
