@@ -1,0 +1,141 @@
+package kmsv2
+
+import (
+	"bytes"
+	"context"
+	"testing"
+	"time"
+
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apiserver/pkg/server/options/encryptionconfig"
+	"k8s.io/apiserver/pkg/storage/value"
+	"k8s.io/component-base/metrics"
+
+	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/transformers"
+)
+
+var secrets = schema.GroupResource{Resource: "secrets"}
+
+// loadUpstream builds kube-apiserver's transformers for the plugin; they stop with the test.
+func loadUpstream(t *testing.T, tp *testPlugin, name string) value.Transformer {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	ec, err := encryptionconfig.LoadEncryptionConfig(ctx, upstreamConfig(t, tp.dir, name, tp.endpoint), true, "id")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := ec.Transformers[secrets]
+	// Upstream primes inline; wait until its first write works.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := tr.TransformToStorage(ctx, []byte("probe"), aad); err == nil {
+			return tr
+		} else if time.Now().After(deadline) {
+			t.Fatalf("upstream transformer never became ready: %v", err)
+		}
+		time.Sleep(20 * time.Millisecond) // polling a foreign component, not the state machine
+	}
+}
+
+// loadOurs builds our Set through transformers.Build, as the agent does.
+func loadOurs(t *testing.T, tp *testPlugin, name string, o FactoryOptions) (value.Transformer, *Provider) {
+	t.Helper()
+	cfg, err := config.Load(upstreamConfig(t, tp.dir, name+"-ours", tp.endpoint), config.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Encryption.Resources[0].Providers[0].KMS.Name = name
+	o.Registry = metrics.NewKubeRegistry()
+	set, err := transformers.Build(context.Background(), cfg, transformers.Options{KMS: NewFactory(o)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(set.Close)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, k := range set.KMSProviders() {
+		if err := k.WaitReady(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return set.TransformerFor(secrets), set.KMSProviders()[0].(*Provider)
+}
+
+func roundTrip(t *testing.T, what string, w, r value.Transformer, wantStale bool) {
+	t.Helper()
+	ctx := context.Background()
+	for _, n := range []int{1, 256, 4096, 65536} {
+		pt := bytes.Repeat([]byte{byte(n)}, n)
+		stored, err := w.TransformToStorage(ctx, pt, aad)
+		if err != nil {
+			t.Fatalf("%s: write: %v", what, err)
+		}
+		got, stale, err := r.TransformFromStorage(ctx, stored, aad)
+		if err != nil || !bytes.Equal(got, pt) || stale != wantStale {
+			t.Fatalf("%s (%d bytes): read stale=%v err=%v equal=%v; want stale=%v", what, n, stale, err, bytes.Equal(got, pt), wantStale)
+		}
+		if _, _, err := r.TransformFromStorage(ctx, stored, value.DefaultContext("/registry/secrets/other/key")); err == nil {
+			t.Fatalf("%s: value moved to another etcd key was accepted", what)
+		}
+	}
+}
+
+func TestUpstreamCompatibilitySeed(t *testing.T) {
+	tp := startPlugin(t, "key-1")
+	up := loadUpstream(t, tp, "compat-seed")
+	ours, _ := loadOurs(t, tp, "compat-seed", FactoryOptions{})
+	roundTrip(t, "upstream → rekey", up, ours, false)
+	roundTrip(t, "rekey → upstream", ours, up, false)
+	roundTrip(t, "rekey → rekey", ours, ours, false)
+}
+
+func TestUpstreamCompatibilityAESGCMKey(t *testing.T) {
+	tp := startPlugin(t, "key-1")
+	restore := encryptionconfig.SetKDFForTests("compat-key", false)
+	defer restore()
+	up := loadUpstream(t, tp, "compat-key")
+	ours, _ := loadOurs(t, tp, "compat-key", FactoryOptions{})
+	// Same key id, other DEK source type: stale on both sides.
+	roundTrip(t, "upstream(AES_GCM_KEY) → rekey", up, ours, true)
+	roundTrip(t, "rekey(seed) → upstream(AES_GCM_KEY)", ours, up, true)
+}
+
+func TestUpstreamCompatibilityKeyIDChange(t *testing.T) {
+	tp := startPlugin(t, "key-1")
+	up1 := loadUpstream(t, tp, "compat-rot")
+	ours, oursProvider := loadOurs(t, tp, "compat-rot", FactoryOptions{HealthyTTL: time.Nanosecond})
+	ctx := context.Background()
+	upOld, _ := up1.TransformToStorage(ctx, []byte("upstream-old"), aad)
+	ourOld, _ := ours.TransformToStorage(ctx, []byte("ours-old"), aad)
+
+	tp.writeKeys(t, "key-2", "key-1")
+	// A fresh upstream load sees key-2 at once; ours rotates on its next Status.
+	up2 := loadUpstream(t, tp, "compat-rot")
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := oursProvider.Check(cctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		what  string
+		r     value.Transformer
+		v     []byte
+		want  string
+		stale bool
+	}{
+		{"rekey reads upstream key-1 value", ours, upOld, "upstream-old", true},
+		{"rekey reads its own key-1 value", ours, ourOld, "ours-old", true},
+		{"upstream reads rekey key-1 value", up2, ourOld, "ours-old", true},
+		{"upstream reads its own key-1 value", up2, upOld, "upstream-old", true},
+	} {
+		got, stale, err := c.r.TransformFromStorage(ctx, c.v, aad)
+		if err != nil || string(got) != c.want || stale != c.stale {
+			t.Errorf("%s: %q stale=%v err=%v; want stale=%v", c.what, got, stale, err, c.stale)
+		}
+	}
+	roundTrip(t, "upstream(key-2) → rekey(key-2)", up2, ours, false)
+	roundTrip(t, "rekey(key-2) → upstream(key-2)", ours, up2, false)
+}
+
