@@ -10,10 +10,13 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/http"
 	"path/filepath"
 	"strconv"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -77,8 +80,10 @@ type Options struct {
 	// Tokens are used when TokenAuthFile is empty (in-process callers).
 	Tokens map[string]*user.DefaultInfo
 
-	// MetricsRegistry receives rekey's metrics; default the process-wide registry
-	// served at /metrics. Running two shims in one process needs distinct registries.
+	// MetricsRegistry receives the encryption layer's metrics (default: a new one). It
+	// is served at /metrics together with the process-wide registry k8s.io/apiserver
+	// uses; keeping them apart lets upstream's own registrations of the same metric
+	// names (linked in for the upstream layer) coexist with rekey's.
 	MetricsRegistry metrics.KubeRegistry
 	// Logger defaults to klog's background logger.
 	Logger klog.Logger
@@ -145,10 +150,7 @@ func Run(ctx context.Context, o Options) error {
 	logger := o.Logger
 	reg := o.MetricsRegistry
 	if reg == nil {
-		var ok bool
-		if reg, ok = legacyregistry.DefaultGatherer.(metrics.KubeRegistry); !ok {
-			return errors.New("the process-wide metrics registry is not a KubeRegistry")
-		}
+		reg = metrics.NewKubeRegistry()
 	}
 
 	// Everything that can fail on user input is checked before etcd starts.
@@ -212,6 +214,9 @@ func Run(ctx context.Context, o Options) error {
 	}
 	c.ExternalAddress = net.JoinHostPort(c.PublicAddress.String(), strconv.Itoa(port))
 
+	c.BuildHandlerChainFunc = func(h http.Handler, c *genericapiserver.Config) http.Handler {
+		return genericapiserver.DefaultBuildHandlerChain(withMetrics(h, reg), c)
+	}
 	c.Authentication.Authenticator = authn
 	c.Authorization.Authorizer = authenticatedOnly()
 
@@ -279,4 +284,18 @@ func Run(ctx context.Context, o Options) error {
 	logger.Info("Serving", "url", info.URL, "etcd", etcdServers, "prefix", o.EtcdPrefix,
 		"encryptionLayer", o.EncryptionLayer, "encryptionConfig", o.EncryptionConfig)
 	return server.PrepareRun().RunWithContext(ctx)
+}
+
+// withMetrics serves GET /metrics from both the process-wide registry and reg, behind
+// the same authentication and authorization as every other path.
+func withMetrics(next http.Handler, reg metrics.KubeRegistry) http.Handler {
+	merged := promhttp.HandlerFor(prometheus.Gatherers{legacyregistry.DefaultGatherer, reg},
+		promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError})
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/metrics" && r.Method == http.MethodGet {
+			merged.ServeHTTP(w, r)
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
 }
