@@ -18,7 +18,7 @@ import (
 var secrets = schema.GroupResource{Resource: "secrets"}
 
 // loadUpstream builds kube-apiserver's transformers for the plugin; they stop with the test.
-func loadUpstream(t *testing.T, tp *testPlugin, name string) value.Transformer {
+func loadUpstream(t testing.TB, tp *testPlugin, name string) value.Transformer {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
@@ -40,7 +40,7 @@ func loadUpstream(t *testing.T, tp *testPlugin, name string) value.Transformer {
 }
 
 // loadOurs builds our Set through transformers.Build, as the agent does.
-func loadOurs(t *testing.T, tp *testPlugin, name string, o FactoryOptions) (value.Transformer, *Provider) {
+func loadOurs(t testing.TB, tp *testPlugin, name string, o FactoryOptions) (value.Transformer, *Provider) {
 	t.Helper()
 	cfg, err := config.Load(upstreamConfig(t, tp.dir, name+"-ours", tp.endpoint), config.Options{})
 	if err != nil {
@@ -138,4 +138,3 @@ func TestUpstreamCompatibilityKeyIDChange(t *testing.T) {
 	roundTrip(t, "upstream(key-2) → rekey(key-2)", up2, ours, false)
 	roundTrip(t, "rekey(key-2) → upstream(key-2)", ours, up2, false)
 }
-

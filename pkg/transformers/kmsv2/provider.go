@@ -193,8 +193,10 @@ func (p *Provider) Seal(_ context.Context, plaintext []byte, dataCtx value.Conte
 // any plugin call. stale is true when the value's key id or DEK source type differs
 // from what is written now.
 func (p *Provider) Open(ctx context.Context, data []byte, dataCtx value.Context) ([]byte, bool, error) {
+	var inline [wire.MaxInlineAnnotations]wire.Annotation
 	var o wire.Object
-	if err := wire.Decode(data, &o); err != nil {
+	annos, err := wire.Decode(data, &o, inline[:])
+	if err != nil {
 		return nil, false, err
 	}
 	ws := p.write.Load()
@@ -207,13 +209,12 @@ func (p *Provider) Open(ctx context.Context, data []byte, dataCtx value.Context)
 		if ws != nil {
 			stale = string(o.KeyID) != ws.keyID || o.SourceType != ws.typ
 		}
-		k := wire.ComputeCacheKey(o.SourceType, o.DEKSource, o.KeyID, o.Annotations)
+		k := wire.ComputeCacheKey(o.SourceType, o.DEKSource, o.KeyID, annos)
 		if e = p.dek.get(k); e != nil {
 			p.pm.hits.Inc()
 		} else {
 			p.pm.miss()
-			var err error
-			if e, err = p.fetch(ctx, &o, k); err != nil {
+			if e, err = p.fetch(ctx, &o, annos, k); err != nil {
 				return nil, false, err
 			}
 		}
@@ -260,11 +261,11 @@ func (p *Provider) decrypt(e *dekEntry, data, aad []byte, ws *writeState) ([]byt
 }
 
 // fetch asks the plugin to decrypt a DEK source and caches it.
-func (p *Provider) fetch(ctx context.Context, o *wire.Object, k wire.CacheKey) (*dekEntry, error) {
+func (p *Provider) fetch(ctx context.Context, o *wire.Object, annotations []wire.Annotation, k wire.CacheKey) (*dekEntry, error) {
 	var annos map[string][]byte
-	if len(o.Annotations) > 0 {
-		annos = make(map[string][]byte, len(o.Annotations))
-		for _, a := range o.Annotations {
+	if len(annotations) > 0 {
+		annos = make(map[string][]byte, len(annotations))
+		for _, a := range annotations {
 			annos[string(a.Key)] = a.Value
 		}
 	}

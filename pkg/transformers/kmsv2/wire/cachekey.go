@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
-	"hash"
 	"slices"
 	"sync"
 )
@@ -17,40 +16,35 @@ import (
 // wrapped key in annotations cannot make two DEKs collide (cache poisoning).
 type CacheKey [sha256.Size]byte
 
-type keyHasher struct {
-	h   hash.Hash
-	buf [4]byte
-	sum [sha256.Size]byte
+// keyBufs holds scratch buffers: the key bytes are assembled by copying, and hashed
+// with sha256.Sum256, so that nothing the caller passes escapes (its stack-allocated
+// Object stays on the stack).
+var keyBufs = sync.Pool{New: func() any { b := make([]byte, 0, 512); return &b }}
+
+func appendU16(b, v []byte) []byte {
+	b = binary.BigEndian.AppendUint16(b, uint16(len(v)))
+	return append(b, v...)
 }
 
-var hashers = sync.Pool{New: func() any { return &keyHasher{h: sha256.New()} }}
-
-func (k *keyHasher) u16(b []byte) {
-	binary.BigEndian.PutUint16(k.buf[:2], uint16(len(b)))
-	k.h.Write(k.buf[:2])
-	k.h.Write(b)
-}
-
-// ComputeCacheKey hashes the identity of o's DEK source. It sorts o.Annotations by key.
+// ComputeCacheKey hashes the identity of a DEK source. It sorts annos by key.
 func ComputeCacheKey(typ SourceType, dekSource, keyID []byte, annos []Annotation) CacheKey {
 	sortAnnotations(annos)
-	k := hashers.Get().(*keyHasher)
-	k.h.Reset()
-	binary.BigEndian.PutUint32(k.buf[:], uint32(typ))
-	k.h.Write(k.buf[:])
-	k.u16(dekSource)
-	k.u16(keyID)
+	bp := keyBufs.Get().(*[]byte)
+	b := binary.BigEndian.AppendUint32((*bp)[:0], uint32(typ))
+	b = appendU16(b, dekSource)
+	b = appendU16(b, keyID)
 	if len(annos) > 0 {
-		binary.BigEndian.PutUint32(k.buf[:], uint32(len(annos)))
-		k.h.Write(k.buf[:])
+		b = binary.BigEndian.AppendUint32(b, uint32(len(annos)))
 		for _, a := range annos {
-			k.u16(a.Key)
-			k.u16(a.Value)
+			b = appendU16(b, a.Key)
+			b = appendU16(b, a.Value)
 		}
 	}
-	k.h.Sum(k.sum[:0])
-	out := CacheKey(k.sum)
-	hashers.Put(k)
+	out := CacheKey(sha256.Sum256(b))
+	if cap(b) <= 64<<10 {
+		*bp = b
+		keyBufs.Put(bp)
+	}
 	return out
 }
 

@@ -54,8 +54,8 @@ const (
 	mapEntryValue = 2
 )
 
-// maxInlineAnnotations is how many annotations a decode holds without allocating.
-const maxInlineAnnotations = 8
+// MaxInlineAnnotations is a good size for the stack array callers pass to Decode.
+const MaxInlineAnnotations = 8
 
 // Annotation is one map entry, aliasing the stored bytes.
 type Annotation struct{ Key, Value []byte }
@@ -66,8 +66,6 @@ type Object struct {
 	KeyID       []byte
 	DEKSource   []byte
 	SourceType  SourceType
-	Annotations []Annotation
-	inline      [maxInlineAnnotations]Annotation
 	// tail is everything after a leading field 1, or nil when field 1 does not come
 	// first; values we write compare it with the write state's encoded tail.
 	Tail []byte
@@ -75,31 +73,39 @@ type Object struct {
 
 var errEmptyValue = errors.New("kms v2: stored value is empty after the prefix (want a protobuf EncryptedObject); the value is truncated or was not written by a KMS v2 provider")
 
-// Decode parses a protobuf EncryptedObject without allocating (up to
-// maxInlineAnnotations annotations) and validates it exactly as kube-apiserver does.
+// Decode parses a protobuf EncryptedObject into o and returns its annotations sorted by
+// key, appended to buf[:0]; with a stack array as buf (MaxInlineAnnotations) nothing is
+// allocated. It validates exactly as kube-apiserver does.
 // It never calls the plugin; every error is final for this value.
-func Decode(b []byte, o *Object) error {
+func Decode(b []byte, o *Object, buf []Annotation) ([]Annotation, error) {
+	annos, err := decode(b, o, buf[:0])
+	if err != nil {
+		return nil, err
+	}
+	return annos, nil
+}
+
+func decode(b []byte, o *Object, annos []Annotation) ([]Annotation, error) {
 	*o = Object{}
-	o.Annotations = o.inline[:0]
 	if len(b) == 0 {
-		return errEmptyValue
+		return nil, errEmptyValue
 	}
 	var typ uint64
 	first := true
 	for len(b) > 0 {
 		num, wt, n := protowire.ConsumeTag(b)
 		if n < 0 {
-			return wireError("field tag", n)
+			return nil, wireError("field tag", n)
 		}
 		b = b[n:]
 		switch num {
 		case fieldEncryptedData, fieldKeyID, fieldEncryptedDEKSource, fieldAnnotations:
 			if wt != protowire.BytesType {
-				return fmt.Errorf("kms v2: stored EncryptedObject field %d has wire type %d, want bytes; the value is corrupt", num, wt)
+				return nil, fmt.Errorf("kms v2: stored EncryptedObject field %d has wire type %d, want bytes; the value is corrupt", num, wt)
 			}
 			v, m := protowire.ConsumeBytes(b)
 			if m < 0 {
-				return wireError(fmt.Sprintf("field %d", num), m)
+				return nil, wireError(fmt.Sprintf("field %d", num), m)
 			}
 			b = b[m:]
 			switch num {
@@ -115,17 +121,17 @@ func Decode(b []byte, o *Object) error {
 			case fieldAnnotations:
 				a, err := decodeAnnotation(v)
 				if err != nil {
-					return err
+					return nil, err
 				}
-				o.Annotations = append(o.Annotations, a)
+				annos = append(annos, a)
 			}
 		case fieldSourceType:
 			if wt != protowire.VarintType {
-				return fmt.Errorf("kms v2: stored EncryptedObject field 5 has wire type %d, want varint; the value is corrupt", wt)
+				return nil, fmt.Errorf("kms v2: stored EncryptedObject field 5 has wire type %d, want varint; the value is corrupt", wt)
 			}
 			v, m := protowire.ConsumeVarint(b)
 			if m < 0 {
-				return wireError("field 5", m)
+				return nil, wireError("field 5", m)
 			}
 			b = b[m:]
 			typ = v
@@ -133,7 +139,7 @@ func Decode(b []byte, o *Object) error {
 			// Unknown fields are skipped, as proto.Unmarshal does.
 			m := protowire.ConsumeFieldValue(num, wt, b)
 			if m < 0 {
-				return wireError(fmt.Sprintf("unknown field %d", num), m)
+				return nil, wireError(fmt.Sprintf("unknown field %d", num), m)
 			}
 			b = b[m:]
 		}
@@ -141,16 +147,16 @@ func Decode(b []byte, o *Object) error {
 	}
 	// proto3 enums are int32 on the wire: negative values arrive sign-extended.
 	if int32(typ) != int32(SourceAESGCMKey) && int32(typ) != int32(SourceHKDFSeed) {
-		return fmt.Errorf("kms v2: failed to validate stored EncryptedObject: unknown encryptedDEKSourceType: %d", int32(typ))
+		return nil, fmt.Errorf("kms v2: failed to validate stored EncryptedObject: unknown encryptedDEKSourceType: %d", int32(typ))
 	}
 	o.SourceType = SourceType(typ)
-	sortAnnotations(o.Annotations)
-	for i := 1; i < len(o.Annotations); i++ {
-		if string(o.Annotations[i].Key) == string(o.Annotations[i-1].Key) {
-			return fmt.Errorf("kms v2: stored EncryptedObject repeats annotation %q; the value is corrupt", o.Annotations[i].Key)
+	sortAnnotations(annos)
+	for i := 1; i < len(annos); i++ {
+		if string(annos[i].Key) == string(annos[i-1].Key) {
+			return nil, fmt.Errorf("kms v2: stored EncryptedObject repeats annotation %q; the value is corrupt", annos[i].Key)
 		}
 	}
-	return validateObject(o.Data, o.KeyID, o.DEKSource, o.Annotations)
+	return annos, validateObject(o.Data, o.KeyID, o.DEKSource, annos)
 }
 
 func decodeAnnotation(b []byte) (Annotation, error) {
