@@ -1,0 +1,106 @@
+package migrate
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// checkpointVersion changes when the file format does.
+const checkpointVersion = 1
+
+// Checkpoint is the on-disk progress of a migration: which resources are done and the
+// last etcd key of the resource in progress whose page was completely handled. It holds
+// etcd keys, prefixes and counts — nothing secret. Resuming from an older checkpoint is
+// always safe: objects already rewritten are no longer stale and are skipped, and the
+// final verifying re-scan decides whether the migration is finished.
+type Checkpoint struct {
+	Version int `json:"version"`
+	// Targets is what each resource was being rewritten to ("<resource>" → prefix and
+	// KMS key id hash). A checkpoint is only resumed when they are unchanged.
+	Targets map[string]writeTarget `json:"targets"`
+	// Done lists the resources whose first pass finished.
+	Done []string `json:"done"`
+	// Resource is the resource in progress and LastKey its last handled key.
+	Resource string `json:"resource,omitempty"`
+	LastKey  string `json:"lastKey,omitempty"`
+	// Completed is set when the verifying re-scan found no stale object.
+	Completed bool      `json:"completed"`
+	Counters  Counters  `json:"counters"`
+	UpdatedAt time.Time `json:"updatedAt"`
+}
+
+// ReadCheckpoint reads the checkpoint at path; a missing file returns (nil, nil).
+func ReadCheckpoint(path string) (*Checkpoint, error) {
+	data, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("reading migration checkpoint: %w", err)
+	}
+	var c Checkpoint
+	if err := json.Unmarshal(data, &c); err != nil {
+		return nil, fmt.Errorf("migration checkpoint %q is not valid JSON (%v); delete it to start the migration over", path, err)
+	}
+	if c.Version != checkpointVersion {
+		return nil, fmt.Errorf("migration checkpoint %q has format version %d, this rekey reads %d; delete it to start the migration over", path, c.Version, checkpointVersion)
+	}
+	return &c, nil
+}
+
+// writeCheckpoint replaces the file at path atomically (temporary file, fsync, rename),
+// so a crash leaves either the old or the new checkpoint, never a torn one.
+func writeCheckpoint(path string, c *Checkpoint) error {
+	c.Version = checkpointVersion
+	data, err := json.MarshalIndent(c, "", "  ")
+	if err != nil {
+		return err
+	}
+	dir := filepath.Dir(path)
+	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
+	if err != nil {
+		return fmt.Errorf("writing migration checkpoint in %q: %w", dir, err)
+	}
+	tmp := f.Name()
+	_, err = f.Write(data)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp, path)
+	}
+	if err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("writing migration checkpoint %q: %w", path, err)
+	}
+	return nil
+}
+
+func (c *Checkpoint) isDone(resource string) bool {
+	for _, d := range c.Done {
+		if d == resource {
+			return true
+		}
+	}
+	return false
+}
+
+func sameTargets(a, b map[string]writeTarget) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		if b[k] != v {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,253 @@
+package migrate
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
+	"sort"
+	"strings"
+
+	"google.golang.org/protobuf/encoding/protowire"
+
+	"github.com/rekey-io/rekey/pkg/transformers"
+)
+
+// Provider names used in inventories and metrics.
+const (
+	ProviderIdentity  = "identity"
+	ProviderAESGCM    = "aesgcm"
+	ProviderAESCBC    = "aescbc"
+	ProviderSecretbox = "secretbox"
+	ProviderKMSv2     = "kms"
+	ProviderKMSv1     = "kmsv1"
+	ProviderUnknown   = "unknown"
+)
+
+const (
+	encryptedMarker = "k8s:enc:"
+	kmsv1Prefix     = "k8s:enc:kms:v1:"
+	// maxGuessedKeyName bounds how far a key name is looked for in a value whose key the
+	// configuration does not know.
+	maxGuessedKeyName = 64
+)
+
+// Bucket is one kind of stored value: the provider and key it was written with. It
+// never holds key material; a KMS key id only as "sha256:<hex>".
+type Bucket struct {
+	// Provider is identity, aesgcm, aescbc, secretbox, kms (v2), kmsv1 or unknown.
+	Provider string `json:"provider"`
+	// Key is the key name (local providers) or the KMS provider name. For a key the
+	// configuration does not know it is the name read from the value (up to the next
+	// ':'), or "" when none could be read.
+	Key string `json:"key,omitempty"`
+	// KeyIDHash is "sha256:<hex>" of a KMS v2 value's key id, read from the stored
+	// EncryptedObject without calling the plugin.
+	KeyIDHash string `json:"keyIDHash,omitempty"`
+	// DEKSourceType is a KMS v2 value's encryptedDEKSourceType.
+	DEKSourceType string `json:"dekSourceType,omitempty"`
+	// Prefix is the full stored prefix ("" for plaintext).
+	Prefix string `json:"prefix"`
+	// KnownKey is false when the configuration has no key for this prefix: such values
+	// cannot be read with it.
+	KnownKey bool `json:"knownKey"`
+	// Stale is true when the value was not written with the resource's current write
+	// provider and key (for KMS v2: key id), so a migration rewrites it.
+	Stale bool `json:"stale"`
+}
+
+// classifier sorts stored values of one resource into buckets by their prefix alone.
+type classifier struct {
+	target  writeTarget
+	dekType string // current KMS write DEK source type, "" if unknown
+	// known are the prefixes of the configuration, longest first, so a key name that
+	// is a prefix of another (k1 / k1:x) resolves to the longer one.
+	known [][]byte
+	// readable are the prefixes of this resource's rule.
+	readable map[string]bool
+}
+
+func newClassifier(rule transformers.RuleInfo, known []string) *classifier {
+	c := &classifier{target: targetOf(rule), readable: map[string]bool{}}
+	if rule.KMS != nil {
+		c.dekType = rule.KMS.DEKSourceType
+	}
+	all := append(append([]string(nil), known...), rule.ReadPrefixes...)
+	sort.Slice(all, func(i, j int) bool { return len(all[i]) > len(all[j]) })
+	for _, p := range all {
+		if p != "" {
+			c.known = append(c.known, []byte(p))
+		}
+	}
+	for _, p := range rule.ReadPrefixes {
+		c.readable[p] = true
+	}
+	return c
+}
+
+// classify returns the bucket of a stored value. It allocates only the strings of the
+// bucket; callers aggregate buckets by value.
+func (c *classifier) classify(v []byte) Bucket {
+	if !bytes.HasPrefix(v, []byte(encryptedMarker)) {
+		b := Bucket{Provider: ProviderIdentity, KnownKey: c.readable[""]}
+		b.Stale = c.target.Prefix != ""
+		return b
+	}
+	var b Bucket
+	for _, p := range c.known {
+		if bytes.HasPrefix(v, p) {
+			b.Prefix = string(p)
+			b.KnownKey = true
+			break
+		}
+	}
+	if b.Prefix == "" {
+		b.Prefix = guessPrefix(v)
+	}
+	b.Provider, b.Key = splitPrefix(b.Prefix)
+	if b.Provider == ProviderKMSv2 {
+		if keyID, typ, ok := kmsKeyID(v[len(b.Prefix):]); ok {
+			sum := sha256.Sum256(keyID)
+			b.KeyIDHash = "sha256:" + hex.EncodeToString(sum[:])
+			b.DEKSourceType = typ
+		} else {
+			// Cannot be read by any KMS v2 provider.
+			b.KnownKey = false
+		}
+	}
+	if !c.readable[b.Prefix] {
+		b.KnownKey = false
+	}
+	b.Stale = c.stale(b)
+	return b
+}
+
+func (c *classifier) stale(b Bucket) bool {
+	if b.Prefix != c.target.Prefix {
+		return true
+	}
+	if b.Provider != ProviderKMSv2 {
+		return false
+	}
+	if c.target.KeyIDHash != "" && b.KeyIDHash != c.target.KeyIDHash {
+		return true
+	}
+	return c.dekType != "" && b.DEKSourceType != "" && b.DEKSourceType != c.dekType
+}
+
+// guessPrefix reads the prefix of a value whose key the configuration does not know:
+// k8s:enc:<provider>:<version>:<name>: when the name is printable and short, else just
+// k8s:enc:<provider>:<version>: (or k8s:enc: alone).
+func guessPrefix(v []byte) string {
+	rest := v[len(encryptedMarker):]
+	end := len(encryptedMarker)
+	// provider and version
+	for field := 0; field < 2; field++ {
+		i := bytes.IndexByte(rest, ':')
+		if i <= 0 || i > 16 || !printable(rest[:i]) {
+			return string(v[:end])
+		}
+		end += i + 1
+		rest = rest[i+1:]
+	}
+	i := bytes.IndexByte(rest, ':')
+	if i <= 0 || i > maxGuessedKeyName || !printable(rest[:i]) {
+		return string(v[:end])
+	}
+	return string(v[:end+i+1])
+}
+
+func printable(b []byte) bool {
+	for _, c := range b {
+		if c < 0x21 || c > 0x7e {
+			return false
+		}
+	}
+	return true
+}
+
+// splitPrefix turns "k8s:enc:aesgcm:v1:key1:" into (aesgcm, key1) and
+// "k8s:enc:kms:v2:plugin:" into (kms, plugin).
+func splitPrefix(p string) (provider, key string) {
+	if p == "" {
+		return ProviderIdentity, ""
+	}
+	rest := strings.TrimPrefix(p, encryptedMarker)
+	parts := strings.SplitN(rest, ":", 3)
+	if len(parts) < 2 {
+		return ProviderUnknown, ""
+	}
+	key = ""
+	if len(parts) == 3 {
+		key = strings.TrimSuffix(parts[2], ":")
+	}
+	switch parts[0] + ":" + parts[1] {
+	case "aesgcm:v1":
+		return ProviderAESGCM, key
+	case "aescbc:v1":
+		return ProviderAESCBC, key
+	case "secretbox:v1":
+		return ProviderSecretbox, key
+	case "kms:v2":
+		return ProviderKMSv2, key
+	case "kms:v1":
+		return ProviderKMSv1, key
+	}
+	return ProviderUnknown, key
+}
+
+// Field numbers of the stored KMS v2 EncryptedObject protobuf.
+const (
+	kmsFieldEncryptedData = 1
+	kmsFieldKeyID         = 2
+	kmsFieldSourceType    = 5
+	kmsMaxKeyID           = 1024
+)
+
+// kmsKeyID reads the key id and DEK source type of a stored KMS v2 EncryptedObject
+// without decrypting anything. ok is false for a value no KMS v2 provider could read
+// (not protobuf, no data, no or oversized key id).
+func kmsKeyID(b []byte) (keyID []byte, sourceType string, ok bool) {
+	var hasData bool
+	typ := uint64(0)
+	for len(b) > 0 {
+		num, wt, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return nil, "", false
+		}
+		b = b[n:]
+		if wt == protowire.BytesType {
+			v, m := protowire.ConsumeBytes(b)
+			if m < 0 {
+				return nil, "", false
+			}
+			switch num {
+			case kmsFieldEncryptedData:
+				hasData = len(v) > 0
+			case kmsFieldKeyID:
+				keyID = v
+			}
+			b = b[m:]
+			continue
+		}
+		m := protowire.ConsumeFieldValue(num, wt, b)
+		if m < 0 {
+			return nil, "", false
+		}
+		if num == kmsFieldSourceType && wt == protowire.VarintType {
+			typ, _ = protowire.ConsumeVarint(b)
+		}
+		b = b[m:]
+	}
+	if !hasData || len(keyID) == 0 || len(keyID) > kmsMaxKeyID {
+		return nil, "", false
+	}
+	switch typ {
+	case 0:
+		sourceType = "AES_GCM_KEY"
+	case 1:
+		sourceType = "HKDF_SHA256_XNONCE_AES_GCM_SEED"
+	default:
+		return nil, "", false
+	}
+	return keyID, sourceType, true
+}

@@ -1,0 +1,277 @@
+package migrate
+
+import (
+	"crypto/sha256"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/klog/v2"
+
+	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/transformers"
+)
+
+// OverrideFlag is the flag of the apiserver shim and the rekey CLI that lets a change
+// through the guard anyway (disaster recovery: the data under the dropped key is
+// already lost or deliberately abandoned).
+const OverrideFlag = "unsafe-allow-dropping-keys-in-use"
+
+// Violation is one set of stored objects a configuration change would leave unreadable.
+type Violation struct {
+	Resource string
+	Bucket   Bucket
+	// Objects is the count from the inventory; -1 when it is not known.
+	Objects int64
+	// Reason says why the objects are (or may be) there.
+	Reason string
+}
+
+func (v Violation) String() string {
+	what := describeBucket(v.Bucket)
+	if v.Bucket.Prefix != "" {
+		what += fmt.Sprintf(" (prefix %q)", v.Bucket.Prefix)
+	}
+	if v.Objects >= 0 {
+		return fmt.Sprintf("%s: %d objects are stored under %s, %s", v.Resource, v.Objects, what, v.Reason)
+	}
+	return fmt.Sprintf("%s: %s %s", v.Resource, what, v.Reason)
+}
+
+// GuardError is returned when a change is refused. It lists every violation.
+type GuardError struct {
+	Next       string // the refused configuration: source and hash
+	Violations []Violation
+}
+
+func (e *GuardError) Error() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "refusing encryption configuration %s: it cannot read data that is still stored:", e.Next)
+	for _, v := range e.Violations {
+		b.WriteString("\n  - ")
+		b.WriteString(v.String())
+	}
+	b.WriteString("\nKeep these keys as read keys (not first in their list) until `rekey migrate` has rewritten the data and `rekey inventory` shows no object under them; the current configuration keeps serving. To drop them anyway (the data under them becomes unreadable), pass --" + OverrideFlag + ".")
+	return b.String()
+}
+
+// ErrRefused matches every *GuardError with errors.Is.
+var ErrRefused = errors.New("configuration change refused by the key-in-use guard")
+
+// Is makes errors.Is(err, ErrRefused) true.
+func (e *GuardError) Is(target error) bool { return target == ErrRefused }
+
+// CheckChange lists what replacing current with next would make unreadable:
+//
+//   - every (resource, provider, key) bucket of inv with objects > 0 that current can
+//     read and next cannot (a local key also counts as dropped when next has a key of
+//     the same name with a different secret; a KMS v2 provider counts as kept while
+//     next has a KMS v2 provider of the same name, since the plugin's own keyring
+//     cannot be seen from here);
+//   - for every rule of current, its write key, when next cannot read it: values may
+//     have been written with it since any inventory;
+//   - for every resource inv does not cover, or whose write key changed since inv was
+//     taken (the inventory no longer describes what was written since), every key of
+//     current that next cannot read, with an unknown count.
+//
+// inv may be nil (no inventory yet): then every dropped key is reported.
+func CheckChange(inv *Inventory, current, next *config.Config) []Violation {
+	cur, nxt := newChains(current), newChains(next)
+	var out []Violation
+	covered := map[schema.GroupResource]bool{}
+	seen := map[string]bool{}
+	add := func(v Violation) {
+		k := v.Resource + "\x00" + v.Bucket.Prefix + "\x00" + v.Bucket.KeyIDHash
+		if !seen[k] {
+			seen[k] = true
+			out = append(out, v)
+		}
+	}
+	if inv != nil {
+		for _, ri := range inv.Resources {
+			gr := schema.ParseGroupResource(ri.Resource)
+			cc, nc := cur.lookup(gr), nxt.lookup(gr)
+			if cc.writePrefix() != ri.WritePrefix {
+				continue // outdated for this resource; handled as not covered below
+			}
+			covered[gr] = true
+			for _, b := range ri.Buckets {
+				if b.Objects == 0 || !cc.canRead(b.Prefix) || nc.canReadAll(b.Prefix, cc) {
+					continue
+				}
+				add(Violation{Resource: ri.Resource, Bucket: b.Bucket, Objects: b.Objects, Reason: fmt.Sprintf("per the inventory taken at %s", inv.TakenAt.UTC().Format("2006-01-02T15:04:05Z"))})
+			}
+		}
+	}
+	// Resources to judge without counts: every rule of current plus every resource the
+	// inventory covers (their write keys).
+	grs := append([]schema.GroupResource(nil), cur.order...)
+	if inv != nil {
+		for _, ri := range inv.Resources {
+			grs = append(grs, schema.ParseGroupResource(ri.Resource))
+		}
+	}
+	for _, gr := range grs {
+		cc, nc := cur.lookup(gr), nxt.lookup(gr)
+		name := config.GroupResourceString(gr)
+		if wp := cc.writePrefix(); !nc.canReadAll(wp, cc) {
+			add(Violation{Resource: name, Bucket: bucketOf(wp), Objects: -1, Reason: "is the key this resource is written with now, so objects written since the last inventory use it; make the new key the write key first and keep this one as a read key"})
+		}
+		if covered[gr] {
+			continue
+		}
+		for _, e := range cc.entries {
+			if !nc.canReadAll(e.prefix, cc) {
+				add(Violation{Resource: name, Bucket: bucketOf(e.prefix), Objects: -1, Reason: "may still hold objects: no current inventory covers this resource; run `rekey inventory` (or let the apiserver take one) and retry"})
+			}
+		}
+	}
+	sort.SliceStable(out, func(i, j int) bool { return out[i].Resource < out[j].Resource })
+	return out
+}
+
+func bucketOf(prefix string) Bucket {
+	p, k := splitPrefix(prefix)
+	return Bucket{Provider: p, Key: k, Prefix: prefix, KnownKey: true}
+}
+
+// NewGuard returns a reload guard (reload.Options.Guard) backed by the latest
+// inventory in store. A change that CheckChange objects to is refused with a
+// *GuardError, unless override returns true (then it is logged and allowed). m may be
+// nil.
+func NewGuard(store *InventoryStore, override func() bool, m *Metrics, logger klog.Logger) func(current, next *config.Config) error {
+	if logger.GetSink() == nil {
+		logger = klog.Background()
+	}
+	return func(current, next *config.Config) error {
+		vs := CheckChange(store.Latest(), current, next)
+		if len(vs) == 0 {
+			return nil
+		}
+		gerr := &GuardError{Next: fmt.Sprintf("%q (%s)", next.Source, next.Hash), Violations: vs}
+		if override != nil && override() {
+			logger.Info("Allowing a configuration change that drops keys still in use, because the override is set", "config", next.Source, "hash", next.Hash, "violations", len(vs), "detail", gerr.Error())
+			return nil
+		}
+		m.guardRefused()
+		return gerr
+	}
+}
+
+// ---- the read capabilities of a configuration, without building it ----
+
+type chainEntry struct {
+	prefix string
+	// fp fingerprints a local key's secret (SHA-256 of the decoded bytes); zero for
+	// identity and KMS.
+	fp [32]byte
+}
+
+type chain struct{ entries []chainEntry }
+
+func (c chain) writePrefix() string {
+	if len(c.entries) == 0 {
+		return ""
+	}
+	return c.entries[0].prefix
+}
+
+func (c chain) canRead(prefix string) bool {
+	for _, e := range c.entries {
+		if e.prefix == prefix {
+			return true
+		}
+	}
+	return false
+}
+
+// canReadAll reports whether c reads prefix with every secret that from reads it with.
+func (c chain) canReadAll(prefix string, from chain) bool {
+	if !c.canRead(prefix) {
+		return false
+	}
+	for _, fe := range from.entries {
+		if fe.prefix != prefix {
+			continue
+		}
+		found := false
+		for _, e := range c.entries {
+			if e.prefix == prefix && e.fp == fe.fp {
+				found = true
+				break
+			}
+		}
+		if !found {
+			return false
+		}
+	}
+	return true
+}
+
+type chains struct {
+	byGR  map[schema.GroupResource]chain
+	order []schema.GroupResource
+}
+
+var identityChain = chain{entries: []chainEntry{{prefix: ""}}}
+
+func newChains(cfg *config.Config) chains {
+	cs := chains{byGR: map[schema.GroupResource]chain{}}
+	if cfg == nil || cfg.Encryption == nil {
+		return cs
+	}
+	for _, rc := range cfg.Encryption.Resources {
+		var entries []chainEntry
+		for _, p := range rc.Providers {
+			switch {
+			case p.Identity != nil:
+				entries = append(entries, chainEntry{prefix: ""})
+			case p.AESGCM != nil:
+				entries = append(entries, keyEntries(transformers.AESGCMPrefix, p.AESGCM.Keys)...)
+			case p.AESCBC != nil:
+				entries = append(entries, keyEntries(transformers.AESCBCPrefix, p.AESCBC.Keys)...)
+			case p.Secretbox != nil:
+				entries = append(entries, keyEntries(transformers.SecretboxPrefix, p.Secretbox.Keys)...)
+			case p.KMS != nil && p.KMS.APIVersion == "v2":
+				entries = append(entries, chainEntry{prefix: transformers.KMSv2Prefix + p.KMS.Name + ":"})
+			case p.KMS != nil:
+				entries = append(entries, chainEntry{prefix: kmsv1Prefix + p.KMS.Name + ":"})
+			}
+		}
+		for _, r := range rc.Resources {
+			gr := schema.ParseGroupResource(r)
+			c, ok := cs.byGR[gr]
+			if !ok {
+				cs.order = append(cs.order, gr)
+			}
+			c.entries = append(c.entries, entries...)
+			cs.byGR[gr] = c
+		}
+	}
+	return cs
+}
+
+func keyEntries[K interface{ ~struct{ Name, Secret string } }](providerPrefix string, keys []K) []chainEntry {
+	out := make([]chainEntry, 0, len(keys))
+	for _, k := range keys {
+		kk := struct{ Name, Secret string }(k)
+		secret, err := base64.StdEncoding.DecodeString(kk.Secret)
+		if err != nil {
+			secret = []byte(kk.Secret)
+		}
+		out = append(out, chainEntry{prefix: providerPrefix + kk.Name + ":", fp: sha256.Sum256(append([]byte(providerPrefix), secret...))})
+	}
+	return out
+}
+
+func (cs chains) lookup(gr schema.GroupResource) chain {
+	for _, k := range []schema.GroupResource{gr, {Group: gr.Group, Resource: "*"}, {Group: "*", Resource: "*"}} {
+		if c, ok := cs.byGR[k]; ok {
+			return c
+		}
+	}
+	return identityChain
+}

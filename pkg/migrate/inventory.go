@@ -1,0 +1,281 @@
+package migrate
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"sort"
+	"sync"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"k8s.io/apiserver/pkg/storage/value"
+	"k8s.io/utils/clock"
+)
+
+// maxUnreadableSamples bounds how many keys of unreadable objects an inventory names.
+const maxUnreadableSamples = 10
+
+// compactedRetries bounds how often an inventory starts over because etcd compacted the
+// revision it was reading at.
+const compactedRetries = 3
+
+// Inventory counts the stored objects of some resources per provider, key and staleness.
+// It holds names, prefixes, counts and "sha256:" key id hashes, never key material.
+type Inventory struct {
+	// TakenAt is when the scan started; Duration how long it took.
+	TakenAt  time.Time     `json:"takenAt"`
+	Duration time.Duration `json:"duration"`
+	// ConfigHash is the hash of the configuration the values were classified against.
+	ConfigHash string `json:"configHash,omitempty"`
+	// DecryptChecked is true when every value was also decrypted (Unreadable is exact).
+	DecryptChecked bool `json:"decryptChecked"`
+	// Resources, in the order scanned.
+	Resources []ResourceInventory `json:"resources"`
+}
+
+// ResourceInventory is the inventory of one resource, read at one etcd revision.
+type ResourceInventory struct {
+	Resource  string `json:"resource"`
+	KeyPrefix string `json:"keyPrefix"`
+	Revision  int64  `json:"revision"`
+	// WritePrefix and WriteKeyIDHash are what the resource was being written with when
+	// it was scanned; a value not written with them is stale.
+	WritePrefix    string `json:"writePrefix"`
+	WriteKeyIDHash string `json:"writeKeyIDHash,omitempty"`
+	Objects        int64  `json:"objects"`
+	// Stale counts readable objects not written with the write key: what a migration
+	// rewrites. Unreadable objects are counted apart.
+	Stale     int64 `json:"stale"`
+	Plaintext int64 `json:"plaintext"`
+	// Unreadable counts values the configuration cannot read: with a decrypt check,
+	// every failed read; without, values whose prefix no provider of the rule has.
+	Unreadable int64 `json:"unreadable"`
+	// UnreadableKeys names up to ten of them (etcd keys, which are not secret).
+	UnreadableKeys []string `json:"unreadableKeys,omitempty"`
+	Buckets        []Count  `json:"buckets"`
+}
+
+// Count is the number of objects in one bucket.
+type Count struct {
+	Bucket
+	Objects int64 `json:"objects"`
+	// Unreadable is how many of them failed to decrypt (decrypt check only).
+	Unreadable int64 `json:"unreadable,omitempty"`
+	// Bytes is the total stored size.
+	Bytes int64 `json:"bytes"`
+}
+
+// Find returns the inventory of resource r ("secrets"), or nil.
+func (inv *Inventory) Find(r string) *ResourceInventory {
+	if inv == nil {
+		return nil
+	}
+	for i := range inv.Resources {
+		if inv.Resources[i].Resource == r {
+			return &inv.Resources[i]
+		}
+	}
+	return nil
+}
+
+// TotalStale is the number of stale objects across all resources.
+func (inv *Inventory) TotalStale() int64 {
+	var n int64
+	for _, r := range inv.Resources {
+		n += r.Stale
+	}
+	return n
+}
+
+// TotalUnreadable is the number of unreadable objects across all resources.
+func (inv *Inventory) TotalUnreadable() int64 {
+	var n int64
+	for _, r := range inv.Resources {
+		n += r.Unreadable
+	}
+	return n
+}
+
+// InventoryOptions configure TakeInventory.
+type InventoryOptions struct {
+	Client    *clientv3.Client
+	Source    Source
+	Resources []Resource
+	// PageSize is the number of objects per etcd range request; default DefaultPageSize.
+	PageSize int64
+	// DecryptCheck decrypts every value with the current transformers: unreadable
+	// values are found exactly and staleness is the transformers' own verdict.
+	DecryptCheck bool
+	// ConfigHash is recorded in the inventory.
+	ConfigHash string
+	// Workers decrypt in parallel (decrypt check only); default GOMAXPROCS.
+	Workers int
+	Clock   clock.PassiveClock
+	Metrics *Metrics
+}
+
+// TakeInventory scans every resource at one etcd revision each and counts its objects
+// per bucket. Without DecryptCheck it never decrypts and never calls a KMS plugin.
+func TakeInventory(ctx context.Context, opts InventoryOptions) (*Inventory, error) {
+	if opts.Client == nil || opts.Source == nil {
+		return nil, errors.New("migrate: inventory needs an etcd client and the transformers' source")
+	}
+	if opts.Clock == nil {
+		opts.Clock = clock.RealClock{}
+	}
+	if opts.Workers <= 0 {
+		opts.Workers = runtime.GOMAXPROCS(0)
+	}
+	start := opts.Clock.Now()
+	inv := &Inventory{TakenAt: start, ConfigHash: opts.ConfigHash, DecryptChecked: opts.DecryptCheck}
+	for _, res := range opts.Resources {
+		var ri *ResourceInventory
+		var err error
+		for attempt := 0; ; attempt++ {
+			ri, err = inventoryOf(ctx, opts, res)
+			if errors.Is(err, errCompacted) && attempt < compactedRetries {
+				continue
+			}
+			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("inventory of %s: %w", res, err)
+		}
+		inv.Resources = append(inv.Resources, *ri)
+	}
+	inv.Duration = opts.Clock.Since(start)
+	opts.Metrics.recordInventory(inv)
+	return inv, nil
+}
+
+func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*ResourceInventory, error) {
+	rule := opts.Source.Rule(res.GroupResource)
+	cl := newClassifier(rule, opts.Source.KnownPrefixes())
+	tr := opts.Source.TransformerFor(res.GroupResource)
+	ri := &ResourceInventory{Resource: res.String(), KeyPrefix: res.KeyPrefix, WritePrefix: cl.target.Prefix, WriteKeyIDHash: cl.target.KeyIDHash}
+	counts := map[Bucket]*Count{}
+	p := newPager(opts.Client, res, "", opts.PageSize, true)
+	var results []checkResult
+	for {
+		kvs, err := p.page(ctx)
+		if err != nil {
+			return nil, err
+		}
+		if len(kvs) == 0 {
+			break
+		}
+		if opts.DecryptCheck {
+			results = checkAll(ctx, tr, kvs, opts.Workers, results)
+		}
+		for i, kv := range kvs {
+			b := cl.classify(kv.Value)
+			unreadable := !b.KnownKey
+			if opts.DecryptCheck {
+				r := results[i]
+				unreadable = r.err != nil
+				if !unreadable {
+					// The transformers' verdict wins: it also sees providers that share
+					// a prefix, which the prefix alone cannot tell apart.
+					b.Stale = r.stale
+				}
+			}
+			c := counts[b]
+			if c == nil {
+				c = &Count{Bucket: b}
+				counts[b] = c
+			}
+			c.Objects++
+			c.Bytes += int64(len(kv.Value))
+			ri.Objects++
+			if b.Stale && !unreadable {
+				ri.Stale++
+			}
+			if b.Provider == ProviderIdentity {
+				ri.Plaintext++
+			}
+			if unreadable {
+				if opts.DecryptCheck {
+					c.Unreadable++
+				}
+				ri.Unreadable++
+				if len(ri.UnreadableKeys) < maxUnreadableSamples {
+					ri.UnreadableKeys = append(ri.UnreadableKeys, string(kv.Key))
+				}
+			}
+		}
+	}
+	ri.Revision = p.rev
+	for _, c := range counts {
+		ri.Buckets = append(ri.Buckets, *c)
+	}
+	sort.Slice(ri.Buckets, func(i, j int) bool {
+		a, b := ri.Buckets[i], ri.Buckets[j]
+		if a.Prefix != b.Prefix {
+			return a.Prefix < b.Prefix
+		}
+		if a.KeyIDHash != b.KeyIDHash {
+			return a.KeyIDHash < b.KeyIDHash
+		}
+		return !a.Stale && b.Stale
+	})
+	return ri, nil
+}
+
+type checkResult struct {
+	stale bool
+	err   error
+}
+
+// checkAll decrypts a page with workers goroutines; results[i] belongs to kvs[i].
+func checkAll(ctx context.Context, tr value.Transformer, kvs []*mvccpb.KeyValue, workers int, results []checkResult) []checkResult {
+	results = append(results[:0], make([]checkResult, len(kvs))...)
+	if workers > len(kvs) {
+		workers = len(kvs)
+	}
+	var wg sync.WaitGroup
+	chunk := (len(kvs) + workers - 1) / workers
+	for w := 0; w < workers; w++ {
+		lo, hi := w*chunk, min((w+1)*chunk, len(kvs))
+		if lo >= hi {
+			break
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := lo; i < hi; i++ {
+				_, stale, err := tr.TransformFromStorage(ctx, kvs[i].Value, value.DefaultContext(kvs[i].Key))
+				results[i] = checkResult{stale: stale, err: err}
+			}
+		}()
+	}
+	wg.Wait()
+	return results
+}
+
+// InventoryStore holds the latest inventory for the guard, the status document and
+// metrics. It is safe for concurrent use.
+type InventoryStore struct {
+	mu  sync.RWMutex
+	inv *Inventory
+}
+
+// Set records inv as the latest inventory.
+func (s *InventoryStore) Set(inv *Inventory) {
+	s.mu.Lock()
+	s.inv = inv
+	s.mu.Unlock()
+}
+
+// Latest returns the latest inventory, or nil before the first one. Callers must not
+// modify it.
+func (s *InventoryStore) Latest() *Inventory {
+	if s == nil {
+		return nil
+	}
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.inv
+}

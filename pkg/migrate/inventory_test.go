@@ -1,0 +1,159 @@
+package migrate
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"testing"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"google.golang.org/protobuf/encoding/protowire"
+)
+
+// kmsValue hand-encodes a stored KMS v2 value: prefix ‖ protobuf EncryptedObject.
+func kmsValue(provider, keyID string) string {
+	var b []byte
+	b = protowire.AppendTag(b, 1, protowire.BytesType)
+	b = protowire.AppendBytes(b, []byte("ciphertext-not-decrypted-by-the-inventory"))
+	b = protowire.AppendTag(b, 2, protowire.BytesType)
+	b = protowire.AppendString(b, keyID)
+	b = protowire.AppendTag(b, 3, protowire.BytesType)
+	b = protowire.AppendBytes(b, []byte("encrypted-seed"))
+	b = protowire.AppendTag(b, 5, protowire.VarintType)
+	b = protowire.AppendVarint(b, 1)
+	return "k8s:enc:kms:v2:" + provider + ":" + string(b)
+}
+
+func sha(s string) string {
+	sum := sha256.Sum256([]byte(s))
+	return "sha256:" + hex.EncodeToString(sum[:])
+}
+
+func TestInventoryCountsPerProviderKeyAndState(t *testing.T) {
+	ctx := context.Background()
+	cli := startEtcd(t)
+	_, old := setFor(t, "secrets, configmaps", "aesgcm:key1")
+	writeObjects(t, cli, old, secrets, 30)
+	writeObjects(t, cli, old, configmaps, 20)
+	// Plaintext, a key no configuration knows, and KMS v2 values under two key ids.
+	for i := 0; i < 5; i++ {
+		mustPut(t, cli, keyOf(secrets, "plain", fmt.Sprint(i)), "k8s\x00plaintext")
+	}
+	for i := 0; i < 3; i++ {
+		mustPut(t, cli, keyOf(secrets, "ghost", fmt.Sprint(i)), "k8s:enc:aesgcm:v1:ghost:\x01\x02\x03nonce-and-ciphertext")
+	}
+	for i := 0; i < 4; i++ {
+		mustPut(t, cli, keyOf(secrets, "kms-a", fmt.Sprint(i)), kmsValue("plug", "key-a"))
+	}
+	mustPut(t, cli, keyOf(secrets, "kms-b", "0"), kmsValue("plug", "key-b"))
+	// Another resource's keys must not be counted.
+	mustPut(t, cli, "/registry/secretsfoo/x", "k8s:enc:aesgcm:v1:key1:zzz")
+
+	// New configuration: key2 writes, key1 and identity still read.
+	cfg, next := setFor(t, "secrets, configmaps", "aesgcm:key2,key1", "identity")
+	inv, err := TakeInventory(ctx, InventoryOptions{Client: cli, Source: FromSet(next), Resources: testResources(), ConfigHash: cfg.Hash, PageSize: 7})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := inv.Find("secrets")
+	if s == nil || s.Objects != 30+5+3+4+1 {
+		t.Fatalf("secrets inventory = %+v, want 43 objects", s)
+	}
+	if got := bucketCount(s, "k8s:enc:aesgcm:v1:key1:", true); got != 30 {
+		t.Errorf("stale key1 secrets = %d, want 30", got)
+	}
+	if got := bucketCount(s, "", true); got != 5 || s.Plaintext != 5 {
+		t.Errorf("stale plaintext secrets = %d (Plaintext %d), want 5", got, s.Plaintext)
+	}
+	if s.Stale != 35 {
+		t.Errorf("stale secrets = %d, want 35 (30 key1 + 5 plaintext; unreadable ones apart)", s.Stale)
+	}
+	// ghost (unknown key) and kms (no kms provider configured) cannot be read.
+	if s.Unreadable != 8 {
+		t.Errorf("unreadable secrets = %d, want 8: %+v", s.Unreadable, s.Buckets)
+	}
+	var ghost, kmsA, kmsB *Count
+	for i := range s.Buckets {
+		b := &s.Buckets[i]
+		switch {
+		case b.Key == "ghost":
+			ghost = b
+		case b.KeyIDHash == sha("key-a"):
+			kmsA = b
+		case b.KeyIDHash == sha("key-b"):
+			kmsB = b
+		}
+	}
+	if ghost == nil || ghost.KnownKey || ghost.Objects != 3 || ghost.Provider != ProviderAESGCM {
+		t.Errorf("ghost bucket = %+v, want 3 aesgcm objects under unknown key ghost", ghost)
+	}
+	if kmsA == nil || kmsA.Objects != 4 || kmsA.Key != "plug" || kmsA.Provider != ProviderKMSv2 || kmsA.DEKSourceType != "HKDF_SHA256_XNONCE_AES_GCM_SEED" {
+		t.Errorf("kms key-a bucket = %+v, want 4 objects of provider plug", kmsA)
+	}
+	if kmsB == nil || kmsB.Objects != 1 {
+		t.Errorf("kms key-b bucket = %+v, want 1 object", kmsB)
+	}
+	c := inv.Find("configmaps")
+	if c == nil || c.Objects != 20 || c.Stale != 20 || bucketCount(c, "k8s:enc:aesgcm:v1:key1:", true) != 20 {
+		t.Errorf("configmaps inventory = %+v, want 20 stale key1 objects", c)
+	}
+	if s.Revision == 0 || s.WritePrefix != "k8s:enc:aesgcm:v1:key2:" {
+		t.Errorf("revision %d, write prefix %q", s.Revision, s.WritePrefix)
+	}
+
+	// The decrypt check agrees, and finds a corrupted value the prefix cannot show.
+	mustPut(t, cli, keyOf(secrets, "ns0", "obj-000000"), "k8s:enc:aesgcm:v1:key1:corrupted-bytes-of-some-length")
+	inv, err = TakeInventory(ctx, InventoryOptions{Client: cli, Source: FromSet(next), Resources: testResources(), DecryptCheck: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s = inv.Find("secrets")
+	if s.Unreadable != 9 {
+		t.Errorf("decrypt check: unreadable = %d, want 9 (ghost 3, kms 5, corrupt 1); keys %v", s.Unreadable, s.UnreadableKeys)
+	}
+	if s.Stale != 34 {
+		// 29 readable key1 + 5 plaintext.
+		t.Errorf("decrypt check: stale = %d, want 34", s.Stale)
+	}
+}
+
+func TestInventoryWithCurrentKeyShowsNothingStale(t *testing.T) {
+	cli := startEtcd(t)
+	_, set := setFor(t, "secrets", "aescbc:k1", "identity")
+	writeObjects(t, cli, set, secrets, 25)
+	inv, err := TakeInventory(context.Background(), InventoryOptions{Client: cli, Source: FromSet(set), Resources: testResources()[:1], DecryptCheck: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := inv.Find("secrets")
+	if s.Objects != 25 || s.Stale != 0 || s.Unreadable != 0 || bucketCount(s, "k8s:enc:aescbc:v1:k1:", false) != 25 {
+		t.Fatalf("inventory = %+v, want 25 current aescbc k1 objects", s)
+	}
+}
+
+func TestClassifyKeyNamesWithColons(t *testing.T) {
+	_, set := setFor(t, "secrets", "aesgcm:a:b,a")
+	cl := newClassifier(FromSet(set).Rule(secrets), FromSet(set).KnownPrefixes())
+	for v, want := range map[string]string{
+		"k8s:enc:aesgcm:v1:a:b:\x00\x01": "k8s:enc:aesgcm:v1:a:b:",
+		"k8s:enc:aesgcm:v1:a:\x00\x01":   "k8s:enc:aesgcm:v1:a:",
+		"k8s:enc:aesgcm:v1:zz:\x00\x01":  "k8s:enc:aesgcm:v1:zz:",
+		"k8s:enc:aesgcm:v1:\xff\xfe:":    "k8s:enc:aesgcm:v1:",
+	} {
+		b := cl.classify([]byte(v))
+		if b.Prefix != want {
+			t.Errorf("classify(%q) prefix = %q, want %q", v, b.Prefix, want)
+		}
+	}
+	if b := cl.classify([]byte("k8s:enc:aesgcm:v1:a:b:xx")); b.Key != "a:b" || !b.KnownKey || b.Stale {
+		t.Errorf("write key a:b classified as %+v", b)
+	}
+}
+
+func mustPut(t testing.TB, cli *clientv3.Client, k, v string) {
+	t.Helper()
+	if _, err := cli.Put(context.Background(), k, v); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,334 @@
+package migrate
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"k8s.io/apiserver/pkg/storage/value"
+	"k8s.io/klog/v2"
+	"k8s.io/klog/v2/ktesting"
+
+	"github.com/rekey-io/rekey/pkg/transformers"
+)
+
+func TestMigrateRewritesEveryStaleObjectAndIsIdempotent(t *testing.T) {
+	ctx := context.Background()
+	cli := startEtcd(t)
+	_, old := setFor(t, "secrets, configmaps", "aesgcm:key1")
+	skeys := writeObjects(t, cli, old, secrets, 700)
+	ckeys := writeObjects(t, cli, old, configmaps, 300)
+	before := map[string]int64{}
+	for _, k := range skeys[:50] {
+		_, _, rev := readPlain(t, cli, old, secrets, k)
+		before[k] = rev
+	}
+
+	cfg, next := setFor(t, "secrets, configmaps", "aesgcm:key2,key1")
+	store := &InventoryStore{}
+	res, err := Migrate(ctx, Options{Client: cli, Source: FromSet(next), Resources: testResources(), PageSize: 64, BatchSize: 16, Inventory: store, ConfigHash: cfg.Hash})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Rewritten != 1000 || res.Current != 0 || res.Unreadable != 0 || res.Passes != 1 {
+		t.Fatalf("result = %+v, want 1000 rewritten in one pass", res)
+	}
+	for i, k := range append(skeys, ckeys...) {
+		gr := secrets
+		if i >= len(skeys) {
+			gr = configmaps
+		}
+		plain, stale, rev := readPlain(t, cli, next, gr, k)
+		if stale || !bytes.Equal(plain, plaintextFor(k, 0)) {
+			t.Fatalf("%s: stale=%v plaintext changed=%v", k, stale, !bytes.Equal(plain, plaintextFor(k, 0)))
+		}
+		if r, ok := before[k]; ok && rev <= r {
+			t.Fatalf("%s: ModRevision %d not advanced from %d", k, rev, r)
+		}
+	}
+	inv := store.Latest()
+	if inv == nil || inv.TotalStale() != 0 || !inv.DecryptChecked || bucketCount(inv.Find("secrets"), "k8s:enc:aesgcm:v1:key2:", false) != 700 {
+		t.Fatalf("verifying inventory = %+v", inv)
+	}
+
+	// A second run finds nothing to do and writes nothing.
+	revBefore := currentRev(t, cli)
+	res, err = Migrate(ctx, Options{Client: cli, Source: FromSet(next), Resources: testResources()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Rewritten != 0 || res.Current != 1000 {
+		t.Fatalf("second run = %+v, want 0 rewritten, 1000 current", res)
+	}
+	if rev := currentRev(t, cli); rev != revBefore {
+		t.Fatalf("second run wrote to etcd: revision %d → %d", revBefore, rev)
+	}
+}
+
+func TestMigratePlaintextToEncryptedAndKeepsLeases(t *testing.T) {
+	ctx := context.Background()
+	cli := startEtcd(t)
+	_, plain := setFor(t, "secrets", "identity")
+	keys := writeObjects(t, cli, plain, secrets, 40)
+	lease, err := cli.Grant(ctx, 3600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	leased := keyOf(secrets, "ev", "with-ttl")
+	if _, err := cli.Put(ctx, leased, string(plaintextFor(leased, 0)), clientv3.WithLease(lease.ID)); err != nil {
+		t.Fatal(err)
+	}
+	_, enc := setFor(t, "secrets", "secretbox:k1", "identity")
+	res, err := Migrate(ctx, Options{Client: cli, Source: FromSet(enc), Resources: testResources()[:1]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Rewritten != 41 {
+		t.Fatalf("rewritten = %d, want 41", res.Rewritten)
+	}
+	for _, k := range append(keys, leased) {
+		resp, err := cli.Get(ctx, k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !hasPrefix(resp.Kvs[0].Value, "k8s:enc:secretbox:v1:k1:") || bytes.Contains(resp.Kvs[0].Value, []byte("Secret{")) {
+			t.Fatalf("%s not encrypted with secretbox k1", k)
+		}
+	}
+	resp, _ := cli.Get(ctx, leased)
+	if clientv3.LeaseID(resp.Kvs[0].Lease) != lease.ID {
+		t.Fatalf("lease of %s = %x after rewrite, want %x", leased, resp.Kvs[0].Lease, lease.ID)
+	}
+}
+
+// TestCommitConflicts drives the compare-and-swap against real etcd: the object changes
+// between the read and the write, as when an apiserver updates it concurrently.
+func TestCommitConflicts(t *testing.T) {
+	ctx := context.Background()
+	cli := startEtcd(t)
+	_, old := setFor(t, "secrets", "aesgcm:key1")
+	_, next := setFor(t, "secrets", "aesgcm:key2,key1")
+	tr := next.TransformerFor(secrets)
+
+	newMigrator := func() *migrator {
+		return &migrator{opts: Options{Client: cli, Source: FromSet(next), BatchSize: 8}, log: testLogger(t)}
+	}
+	stage := func(name string) (rewrite, string) {
+		key := keyOf(secrets, "c", name)
+		writeAt(t, cli, old, key, plaintextFor(key, 0))
+		resp, _ := cli.Get(ctx, key)
+		rw, result, err := newMigrator().prepare(ctx, tr, resp.Kvs[0])
+		if err != nil || result != "" {
+			t.Fatalf("prepare %s: result %q err %v", key, result, err)
+		}
+		return rw, key
+	}
+
+	t.Run("concurrent update with the old key is rewritten from the new value", func(t *testing.T) {
+		rw, key := stage("old-writer")
+		writeAt(t, cli, old, key, plaintextFor(key, 1)) // the concurrent update
+		m := newMigrator()
+		if err := m.commit(ctx, tr, "secrets", []rewrite{rw}); err != nil {
+			t.Fatal(err)
+		}
+		plain, stale, _ := readPlain(t, cli, next, secrets, key)
+		if stale || !bytes.Equal(plain, plaintextFor(key, 1)) {
+			t.Fatalf("after conflict: stale=%v plaintext=%q, want the concurrent update's content on key2", stale, plain)
+		}
+		if c := m.c.snapshot(); c.Conflicts != 1 || c.Rewritten != 1 {
+			t.Fatalf("counters = %+v, want 1 conflict, 1 rewritten", c)
+		}
+	})
+	t.Run("concurrent update with the new key is left alone", func(t *testing.T) {
+		rw, key := stage("new-writer")
+		writeAt(t, cli, next, key, plaintextFor(key, 2))
+		resp, _ := cli.Get(ctx, key)
+		want := resp.Kvs[0]
+		m := newMigrator()
+		if err := m.commit(ctx, tr, "secrets", []rewrite{rw}); err != nil {
+			t.Fatal(err)
+		}
+		resp, _ = cli.Get(ctx, key)
+		if got := resp.Kvs[0]; got.ModRevision != want.ModRevision || !bytes.Equal(got.Value, want.Value) {
+			t.Fatalf("the migration overwrote a concurrent update")
+		}
+		if c := m.c.snapshot(); c.Conflicts != 1 || c.Current != 1 || c.Rewritten != 0 {
+			t.Fatalf("counters = %+v, want 1 conflict, 1 current", c)
+		}
+	})
+	t.Run("concurrent delete is not resurrected", func(t *testing.T) {
+		rw, key := stage("deleted")
+		if _, err := cli.Delete(ctx, key); err != nil {
+			t.Fatal(err)
+		}
+		m := newMigrator()
+		if err := m.commit(ctx, tr, "secrets", []rewrite{rw}); err != nil {
+			t.Fatal(err)
+		}
+		resp, _ := cli.Get(ctx, key)
+		if len(resp.Kvs) != 0 {
+			t.Fatal("a deleted object was written back")
+		}
+		if c := m.c.snapshot(); c.Gone != 1 {
+			t.Fatalf("counters = %+v, want 1 gone", c)
+		}
+	})
+	t.Run("one conflict in a batch does not lose the others", func(t *testing.T) {
+		var batch []rewrite
+		var keys []string
+		for _, n := range []string{"b0", "b1", "b2", "b3"} {
+			rw, key := stage(n)
+			batch = append(batch, rw)
+			keys = append(keys, key)
+		}
+		writeAt(t, cli, old, keys[2], plaintextFor(keys[2], 7))
+		m := newMigrator()
+		if err := m.commit(ctx, tr, "secrets", batch); err != nil {
+			t.Fatal(err)
+		}
+		for i, k := range keys {
+			gen := 0
+			if i == 2 {
+				gen = 7
+			}
+			plain, stale, _ := readPlain(t, cli, next, secrets, k)
+			if stale || !bytes.Equal(plain, plaintextFor(k, gen)) {
+				t.Fatalf("%s: stale=%v plaintext=%q", k, stale, plain)
+			}
+		}
+		if c := m.c.snapshot(); c.Rewritten != 4 || c.Conflicts != 1 {
+			t.Fatalf("counters = %+v, want 4 rewritten, 1 conflict", c)
+		}
+	})
+}
+
+func TestMigrateResumesFromCheckpoint(t *testing.T) {
+	cli := startEtcd(t)
+	_, old := setFor(t, "secrets, configmaps", "aescbc:key1")
+	writeObjects(t, cli, old, secrets, 1000)
+	writeObjects(t, cli, old, configmaps, 200)
+	_, next := setFor(t, "secrets, configmaps", "aesgcm:new", "aescbc:key1")
+	ckpt := filepath.Join(t.TempDir(), "migration.json")
+
+	// Stop the first run ("kill") once it has handled about half of the secrets.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	_, err := Migrate(ctx, Options{Client: cli, Source: FromSet(next), Resources: testResources(), PageSize: 100, CheckpointPath: ckpt,
+		Progress: func(p Progress) {
+			if p.Resource == "secrets" && p.Done >= 500 {
+				cancel()
+			}
+		}})
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("first run: err = %v, want context.Canceled", err)
+	}
+	c, err := ReadCheckpoint(ckpt)
+	if err != nil || c == nil || c.Resource != "secrets" || c.LastKey == "" || c.Completed {
+		t.Fatalf("checkpoint after the stop = %+v, %v", c, err)
+	}
+	stoppedAt := c.LastKey
+	// Everything up to the checkpoint is on the new key already.
+	inv, _ := TakeInventory(context.Background(), InventoryOptions{Client: cli, Source: FromSet(next), Resources: testResources()[:1]})
+	migratedBefore := bucketCount(inv.Find("secrets"), "k8s:enc:aesgcm:v1:new:", false)
+	if migratedBefore < 500 || migratedBefore >= 1000 {
+		t.Fatalf("%d secrets migrated when stopped, want about half", migratedBefore)
+	}
+
+	// Without --resume an unfinished checkpoint is refused.
+	_, err = Migrate(context.Background(), Options{Client: cli, Source: FromSet(next), Resources: testResources(), CheckpointPath: ckpt})
+	if err == nil || !strings.Contains(err.Error(), "--resume") {
+		t.Fatalf("run without resume: err = %v, want a hint to pass --resume", err)
+	}
+
+	var firstSecret string
+	res, err := Migrate(context.Background(), Options{Client: cli, Source: FromSet(next), Resources: testResources(), PageSize: 100, CheckpointPath: ckpt, Resume: true,
+		Progress: func(p Progress) {
+			if p.Resource == "secrets" && p.Done > 0 && firstSecret == "" {
+				firstSecret = "seen"
+			}
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The resumed run continued after the checkpoint: it scanned fewer secrets than
+	// exist, and its counters include the first run's.
+	if res.Rewritten != 1200 {
+		t.Fatalf("rewritten over both runs = %d, want 1200", res.Rewritten)
+	}
+	if res.Scanned >= 1000+1200 || res.Scanned < 1200 {
+		t.Fatalf("scanned over both runs = %d; a resume from %q should not rescan the first half", res.Scanned, stoppedAt)
+	}
+	c, _ = ReadCheckpoint(ckpt)
+	if c == nil || !c.Completed {
+		t.Fatalf("checkpoint after success = %+v, want completed", c)
+	}
+	if res.Verified.TotalStale() != 0 {
+		t.Fatalf("verified stale = %d", res.Verified.TotalStale())
+	}
+}
+
+func TestMigrateReportsUnreadableObjects(t *testing.T) {
+	cli := startEtcd(t)
+	_, old := setFor(t, "secrets", "aesgcm:key1")
+	writeObjects(t, cli, old, secrets, 10)
+	mustPut(t, cli, keyOf(secrets, "x", "lost"), "k8s:enc:aesgcm:v1:gone:0123456789abcdefghijklmnopqrstuvwxyz")
+	_, next := setFor(t, "secrets", "aesgcm:key2,key1")
+	res, err := Migrate(context.Background(), Options{Client: cli, Source: FromSet(next), Resources: testResources()[:1]})
+	if !errors.Is(err, ErrNotFinished) || !strings.Contains(err.Error(), "/registry/secrets/x/lost") {
+		t.Fatalf("err = %v, want ErrNotFinished naming the unreadable key", err)
+	}
+	if res.Rewritten != 10 || res.Unreadable != 1 {
+		t.Fatalf("result = %+v", res)
+	}
+	// The unreadable value is untouched.
+	resp, _ := cli.Get(context.Background(), keyOf(secrets, "x", "lost"))
+	if string(resp.Kvs[0].Value) != "k8s:enc:aesgcm:v1:gone:0123456789abcdefghijklmnopqrstuvwxyz" {
+		t.Fatal("an unreadable value was modified")
+	}
+}
+
+func TestMigrateRateLimit(t *testing.T) {
+	cli := startEtcd(t)
+	_, old := setFor(t, "secrets", "aesgcm:key1")
+	writeObjects(t, cli, old, secrets, 60)
+	_, next := setFor(t, "secrets", "aesgcm:key2,key1")
+	res, err := Migrate(context.Background(), Options{Client: cli, Source: FromSet(next), Resources: testResources()[:1], Rate: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Rewritten != 60 {
+		t.Fatalf("rewritten = %d", res.Rewritten)
+	}
+	res2, err := Migrate(context.Background(), Options{Client: cli, Source: FromSet(mustSet(t, mustConfig(t, configYAML("secrets", "aesgcm:key3", "aesgcm:key2,key1")))), Resources: testResources()[:1], Rate: 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A burst of 20, then 40 objects at 20/s: at least 2 s.
+	if res2.Duration.Seconds() < 1.8 {
+		t.Fatalf("60 objects at --rate 20 took %s, want ≥ 2 s", res2.Duration)
+	}
+}
+
+func writeAt(t testing.TB, cli *clientv3.Client, set *transformers.Set, key string, plain []byte) {
+	t.Helper()
+	out, err := set.TransformerFor(secrets).TransformToStorage(context.Background(), plain, value.DefaultContext(key))
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustPut(t, cli, key, string(out))
+}
+
+func currentRev(t testing.TB, cli *clientv3.Client) int64 {
+	t.Helper()
+	resp, err := cli.Get(context.Background(), "/rekey-test-revision-probe")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.Header.Revision
+}
+
+func testLogger(t testing.TB) klog.Logger { return ktesting.NewLogger(t, ktesting.NewConfig()) }
