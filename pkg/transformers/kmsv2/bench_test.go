@@ -24,7 +24,7 @@ var benchSizes = []struct {
 
 type benchImpls struct {
 	rekey, upstream value.Transformer
-	gcm              cipher.AEAD
+	gcm             cipher.AEAD
 }
 
 func setupBench(b *testing.B, name string) benchImpls {

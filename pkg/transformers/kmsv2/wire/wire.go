@@ -62,10 +62,10 @@ type Annotation struct{ Key, Value []byte }
 
 // Object is a decoded EncryptedObject whose byte fields alias the stored value.
 type Object struct {
-	Data        []byte
-	KeyID       []byte
-	DEKSource   []byte
-	SourceType  SourceType
+	Data       []byte
+	KeyID      []byte
+	DEKSource  []byte
+	SourceType SourceType
 	// tail is everything after a leading field 1, or nil when field 1 does not come
 	// first; values we write compare it with the write state's encoded tail.
 	Tail []byte
