@@ -82,6 +82,13 @@ authentication are always on; /healthz, /livez and /readyz are open to probes.`,
 	enc.StringVar(&f.opts.EncryptionLayer, "encryption-layer", f.opts.EncryptionLayer,
 		"Which implementation encrypts: rekey (the agent) or upstream (k8s.io/apiserver's encryptionconfig, for side-by-side benchmarks).")
 
+	enc.DurationVar(&f.opts.KMSTimings.StatusInterval, "kms-status-interval", 0, "KMS v2 Status period while healthy (default 1m). For tests.")
+	enc.DurationVar(&f.opts.KMSTimings.RetryInterval, "kms-retry-interval", 0, "KMS v2 Status period while unhealthy (default 10s). For tests.")
+	enc.DurationVar(&f.opts.KMSTimings.WriteTTL, "kms-write-ttl", 0, "How long KMS v2 writes continue after the last healthy Status (default 3m). For tests.")
+	for _, name := range []string{"kms-status-interval", "kms-retry-interval", "kms-write-ttl"} {
+		utilruntime.Must(enc.MarkHidden(name))
+	}
+
 	etcd := fss.FlagSet("etcd")
 	etcd.StringSliceVar(&f.opts.EtcdServers, "etcd-servers", f.opts.EtcdServers,
 		"etcd servers to connect to (scheme://ip:port), comma separated. Empty runs an embedded etcd in --data-dir.")

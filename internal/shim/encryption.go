@@ -3,17 +3,20 @@ package shim
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	genericapiserver "k8s.io/apiserver/pkg/server"
+	"k8s.io/apiserver/pkg/server/healthz"
 	genericoptions "k8s.io/apiserver/pkg/server/options"
 	"k8s.io/apiserver/pkg/storage/value"
 	"k8s.io/component-base/metrics"
 
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/transformers"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
 
 // Encryption layers the shim can run with.
@@ -86,12 +89,24 @@ func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry) (*
 	set, err := transformers.Build(ctx, cfg, transformers.Options{
 		Logger:  o.Logger,
 		Metrics: transformers.NewMetrics(reg),
-		KMS:     o.KMS,
+		KMS:     kmsFactory(o, reg),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("encryption provider configuration %q: %w", o.EncryptionConfig, err)
 	}
 	return &rekeyLayer{set: set}, nil
+}
+
+func kmsFactory(o *Options, reg metrics.KubeRegistry) transformers.KMSFactory {
+	if o.KMS != nil {
+		return o.KMS
+	}
+	return kmsv2.NewFactory(kmsv2.FactoryOptions{
+		Registry:       reg,
+		StatusInterval: o.KMSTimings.StatusInterval,
+		RetryInterval:  o.KMSTimings.RetryInterval,
+		WriteTTL:       o.KMSTimings.WriteTTL,
+	})
 }
 
 type setTransformers struct{ set *transformers.Set }
@@ -101,9 +116,21 @@ func (s setTransformers) TransformerForResource(gr schema.GroupResource) value.T
 }
 
 func (r *rekeyLayer) install(c *genericapiserver.Config, _ *genericoptions.EtcdOptions) error {
-	if r.set != nil {
-		c.ResourceTransformers = setTransformers{r.set}
+	if r.set == nil {
+		return nil
 	}
+	c.ResourceTransformers = setTransformers{r.set}
+	check := healthz.NamedCheck("kms-providers", func(req *http.Request) error {
+		var errs []error
+		for _, k := range r.set.KMSProviders() {
+			if err := k.Check(req.Context()); err != nil {
+				errs = append(errs, fmt.Errorf("kms provider %q: %w", k.Name(), err))
+			}
+		}
+		return errors.Join(errs...)
+	})
+	c.HealthzChecks = append(c.HealthzChecks, check)
+	c.ReadyzChecks = append(c.ReadyzChecks, check)
 	return nil
 }
 

@@ -53,8 +53,11 @@ type Options struct {
 	AutomaticReload bool
 	// EncryptionLayer is LayerRekey (default) or LayerUpstream.
 	EncryptionLayer string
-	// KMS builds KMS v2 providers for the rekey layer.
+	// KMS builds KMS v2 providers for the rekey layer; default kmsv2.NewFactory with
+	// KMSTimings.
 	KMS transformers.KMSFactory
+	// KMSTimings override the KMS v2 lifecycle defaults of the rekey layer (tests).
+	KMSTimings KMSTimings
 
 	// EtcdServers are etcd client URLs; empty starts an embedded etcd in DataDir.
 	EtcdServers []string
@@ -89,6 +92,17 @@ type Options struct {
 	Logger klog.Logger
 	// Started is called once the server listens, before /readyz turns ready.
 	Started func(Info)
+}
+
+// KMSTimings shorten the KMS v2 provider lifecycle for tests; zero keeps a default.
+type KMSTimings struct {
+	// StatusInterval is the Status period while healthy (default 1 min).
+	StatusInterval time.Duration
+	// RetryInterval is the Status period while unhealthy (default 10 s).
+	RetryInterval time.Duration
+	// WriteTTL is how long writes continue after the last healthy Status: the grace
+	// window of a plugin outage (default 3 min).
+	WriteTTL time.Duration
 }
 
 // Info describes a started shim.

@@ -1,0 +1,65 @@
+package testbed
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+)
+
+// Etcd is an etcd server process.
+type Etcd struct {
+	*Process
+	// Endpoint is the client URL.
+	Endpoint string
+}
+
+// StartEtcd runs a single-member etcd (fsync off) with its data under dir and waits
+// until it answers.
+func StartEtcd(ctx context.Context, bin, dir string) (*Etcd, error) {
+	data := filepath.Join(dir, "etcd-data")
+	if err := os.MkdirAll(data, 0o700); err != nil {
+		return nil, err
+	}
+	cport, err := FreePort()
+	if err != nil {
+		return nil, err
+	}
+	pport, err := FreePort()
+	if err != nil {
+		return nil, err
+	}
+	client := "http://127.0.0.1:" + strconv.Itoa(cport)
+	peer := "http://127.0.0.1:" + strconv.Itoa(pport)
+	p, err := Start("etcd", dir, bin,
+		"--name", "testbed", "--data-dir", data,
+		"--listen-client-urls", client, "--advertise-client-urls", client,
+		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+		"--initial-cluster", "testbed="+peer,
+		"--unsafe-no-fsync", "--log-level", "warn")
+	if err != nil {
+		return nil, err
+	}
+	e := &Etcd{Process: p, Endpoint: client}
+	cli, err := EtcdClient([]string{client})
+	if err != nil {
+		p.Kill()
+		return nil, err
+	}
+	defer cli.Close()
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	err = poll(ctx, p, 50*time.Millisecond, func() error {
+		c, cancel := context.WithTimeout(ctx, time.Second)
+		defer cancel()
+		_, err := cli.Get(c, "health")
+		return err
+	})
+	if err != nil {
+		p.Kill()
+		return nil, fmt.Errorf("etcd not ready: %w", err)
+	}
+	return e, nil
+}

@@ -1,0 +1,165 @@
+package testbed
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// VersionLDFlags stamps binaries with a Kubernetes version kubectl can parse; the
+// Makefile's VERSION_LDFLAGS are the same.
+const VersionLDFlags = "-X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37"
+
+// Binaries are the paths of the testbed's programs.
+type Binaries struct {
+	Shim, Etcd, Plugin string
+}
+
+// ModuleRoot returns the directory of this module's go.mod.
+func ModuleRoot() (string, error) {
+	out, err := exec.Command("go", "env", "GOMOD").Output()
+	if err != nil {
+		return "", fmt.Errorf("go env GOMOD: %w", err)
+	}
+	mod := strings.TrimSpace(string(out))
+	if mod == "" || mod == os.DevNull {
+		return "", errors.New("not inside the rekey module")
+	}
+	return filepath.Dir(mod), nil
+}
+
+// Build compiles the shim, the etcd wrapper and the KMS plugin into dir in one go
+// invocation (the links run in parallel) with VersionLDFlags.
+func Build(ctx context.Context, dir string) (Binaries, error) {
+	root, err := ModuleRoot()
+	if err != nil {
+		return Binaries{}, err
+	}
+	cmd := exec.CommandContext(ctx, "go", "build", "-ldflags", VersionLDFlags, "-o", dir+string(filepath.Separator),
+		"./cmd/apiserver-shim", "./hack/tools/etcd", "./cmd/kms-plugin")
+	cmd.Dir = root
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return Binaries{}, fmt.Errorf("go build: %w\n%s", err, out)
+	}
+	return Binaries{
+		Shim:   filepath.Join(dir, "apiserver-shim"),
+		Etcd:   filepath.Join(dir, "etcd"),
+		Plugin: filepath.Join(dir, "kms-plugin"),
+	}, nil
+}
+
+// Process is a started program. Its output goes to LogPath.
+type Process struct {
+	Name    string
+	LogPath string
+	cmd     *exec.Cmd
+	done    chan struct{}
+	err     error
+}
+
+// Start runs bin with args; stdout and stderr go to <logDir>/<name>.log.
+func Start(name, logDir, bin string, args ...string) (*Process, error) {
+	logPath := filepath.Join(logDir, name+".log")
+	logFile, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	// Own process group: a Ctrl-C in the test's terminal does not reach it first.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		logFile.Close()
+		return nil, fmt.Errorf("starting %s: %w", name, err)
+	}
+	p := &Process{Name: name, LogPath: logPath, cmd: cmd, done: make(chan struct{})}
+	go func() {
+		p.err = cmd.Wait()
+		logFile.Close()
+		close(p.done)
+	}()
+	return p, nil
+}
+
+// PID is the process id.
+func (p *Process) PID() int { return p.cmd.Process.Pid }
+
+// Done is closed when the process has exited.
+func (p *Process) Done() <-chan struct{} { return p.done }
+
+// ExitErr is the process's exit error once Done is closed.
+func (p *Process) ExitErr() error {
+	<-p.done
+	return p.err
+}
+
+// Stop sends SIGTERM to the process's PID and waits up to timeout, then SIGKILL.
+// Safe to call more than once and after the process exited.
+func (p *Process) Stop(timeout time.Duration) {
+	select {
+	case <-p.done:
+		return
+	default:
+	}
+	_ = syscall.Kill(p.PID(), syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(timeout):
+		_ = syscall.Kill(p.PID(), syscall.SIGKILL)
+		<-p.done
+	}
+}
+
+// Kill sends SIGKILL to the process's PID and waits for it.
+func (p *Process) Kill() {
+	select {
+	case <-p.done:
+		return
+	default:
+	}
+	_ = syscall.Kill(p.PID(), syscall.SIGKILL)
+	<-p.done
+}
+
+// Log returns the last max bytes of the process's output.
+func (p *Process) Log(max int) string {
+	b, _ := os.ReadFile(p.LogPath)
+	if len(b) > max {
+		b = b[len(b)-max:]
+	}
+	return string(b)
+}
+
+// FreePort returns a loopback TCP port that was free a moment ago.
+func FreePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// poll calls f every interval until it returns nil, ctx ends or p exits.
+func poll(ctx context.Context, p *Process, interval time.Duration, f func() error) error {
+	for {
+		err := f()
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w (last: %v)", ctx.Err(), err)
+		case <-p.Done():
+			return fmt.Errorf("%s exited (%v); log tail:\n%s", p.Name, p.ExitErr(), p.Log(4000))
+		case <-time.After(interval):
+		}
+	}
+}
