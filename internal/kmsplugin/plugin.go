@@ -229,9 +229,9 @@ func (p *Plugin) inject(ctx context.Context, fail bool, method string) (*Faults,
 	}
 	if fail {
 		code := codes.Unavailable
-		if f.FailCode != "" {
-			if err := code.UnmarshalJSON([]byte(`"` + f.FailCode + `"`)); err != nil {
-				code = codes.Unavailable
+		for c := codes.OK; c <= codes.Unauthenticated; c++ {
+			if f.FailCode != "" && c.String() == f.FailCode {
+				code = c
 			}
 		}
 		return f, status.Errorf(code, "kms-plugin: %s fails (injected fault)", method)

@@ -1,0 +1,110 @@
+package kmsplugin
+
+import (
+	"context"
+	"encoding/base64"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"k8s.io/kms/pkg/service"
+)
+
+func writeKeys(t *testing.T, path string, names ...string) {
+	t.Helper()
+	var b strings.Builder
+	b.WriteString("keys:\n")
+	for _, n := range names {
+		fmt.Fprintf(&b, "- name: %s\n  secret: %s\n", n, base64.StdEncoding.EncodeToString([]byte(strings.Repeat(n[:1], 32))))
+	}
+	if err := os.WriteFile(path+".tmp", []byte(b.String()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(path+".tmp", path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestRotationAndControlAPI(t *testing.T) {
+	dir, _ := os.MkdirTemp("", "kms")
+	defer os.RemoveAll(dir)
+	keys := filepath.Join(dir, "keys.yaml")
+	writeKeys(t, keys, "a1")
+	s, err := Start(Options{ListenAddr: "unix://" + filepath.Join(dir, "p.sock"), KeysFile: keys, ControlAddr: "127.0.0.1:0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Stop()
+	ctx := context.Background()
+	st, err := s.Status(ctx)
+	if err != nil || st.KeyID != "a1" || st.Healthz != "ok" || st.Version != "v2" {
+		t.Fatalf("Status %+v %v", st, err)
+	}
+	enc, err := s.Encrypt(ctx, "u", []byte("seed"))
+	if err != nil || enc.KeyID != "a1" {
+		t.Fatal(err)
+	}
+	writeKeys(t, keys, "b2", "a1")
+	if st, _ := s.Status(ctx); st.KeyID != "b2" {
+		t.Fatalf("after editing the file the key id is %q, want b2", st.KeyID)
+	}
+	pt, err := s.Decrypt(ctx, "u", &service.DecryptRequest{Ciphertext: enc.Ciphertext, KeyID: "a1"})
+	if err != nil || string(pt) != "seed" {
+		t.Fatalf("old key cannot decrypt after rotation: %v", err)
+	}
+	if _, err := s.Decrypt(ctx, "u", &service.DecryptRequest{Ciphertext: enc.Ciphertext, KeyID: "b2"}); err == nil {
+		t.Fatal("decrypt under the wrong key id succeeded")
+	}
+	os.WriteFile(keys, []byte("not: [valid"), 0o600)
+	if st, err := s.Status(ctx); err != nil || st.KeyID != "b2" {
+		t.Fatalf("an invalid file must keep the last keyring: %+v %v", st, err)
+	}
+
+	base := "http://" + s.ControlAddr() + "/faults"
+	req, _ := http.NewRequest(http.MethodPut, base, strings.NewReader(`{"statusHealthz":"sick","failEncrypt":true,"failCode":"PermissionDenied","latency":"1ms"}`))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("PUT faults: %v %v", resp, err)
+	}
+	resp.Body.Close()
+	if st, _ := s.Status(ctx); st.Healthz != "sick" {
+		t.Fatalf("healthz %q", st.Healthz)
+	}
+	if _, err := s.Encrypt(ctx, "u", []byte("x")); err == nil || !strings.Contains(err.Error(), "PermissionDenied") {
+		t.Fatalf("Encrypt with an injected failure: %v", err)
+	}
+	req, _ = http.NewRequest(http.MethodPut, base, strings.NewReader(`{"bogus":1}`))
+	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != 400 {
+		t.Fatalf("unknown field accepted: %v", resp.StatusCode)
+	}
+	req, _ = http.NewRequest(http.MethodDelete, base, nil)
+	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != 200 {
+		t.Fatal(err)
+	}
+	if st, _ := s.Status(ctx); st.Healthz != "ok" {
+		t.Fatal("DELETE /faults did not restore health")
+	}
+	if s.Stats().Status < 5 {
+		t.Fatalf("stats %+v", s.Stats())
+	}
+}
+
+func TestBadOptions(t *testing.T) {
+	if _, err := Start(Options{ListenAddr: "tcp://x", KeysFile: "x"}); err == nil {
+		t.Fatal("non-unix listen address accepted")
+	}
+	dir, _ := os.MkdirTemp("", "kms")
+	defer os.RemoveAll(dir)
+	keys := filepath.Join(dir, "k.yaml")
+	os.WriteFile(keys, []byte("keys:\n- name: a\n  secret: c2hvcnQ=\n"), 0o600)
+	if _, err := Start(Options{ListenAddr: "unix://" + dir + "/s", KeysFile: keys}); err == nil || !strings.Contains(err.Error(), "32 bytes") {
+		t.Fatalf("short secret: %v", err)
+	}
+	writeKeys(t, keys, "a")
+	if _, err := Start(Options{ListenAddr: "unix://" + dir + "/s", KeysFile: keys, ControlAddr: "10.1.2.3:80"}); err == nil {
+		t.Fatal("non-loopback control address accepted")
+	}
+}
