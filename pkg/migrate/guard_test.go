@@ -53,7 +53,7 @@ func TestCheckChange(t *testing.T) {
 		{
 			name: "drop a read key with no objects left",
 			cur:  configYAML("secrets", "aesgcm:key2,key1"), next: configYAML("secrets", "aesgcm:key2"),
-			inv:  guardInventory(k2, map[string]int64{k1: 0, k2: 10000}),
+			inv: guardInventory(k2, map[string]int64{k1: 0, k2: 10000}),
 		},
 		{
 			name: "drop the write key in one step",
@@ -70,7 +70,7 @@ func TestCheckChange(t *testing.T) {
 		{
 			name: "move a key to read position and add a new one",
 			cur:  configYAML("secrets", "aesgcm:key1"), next: configYAML("secrets", "aesgcm:key2,key1"),
-			inv:  guardInventory(k1, map[string]int64{k1: 100}),
+			inv: guardInventory(k1, map[string]int64{k1: 100}),
 		},
 		{
 			name: "drop identity while plaintext objects remain",
@@ -81,7 +81,7 @@ func TestCheckChange(t *testing.T) {
 		{
 			name: "drop aescbc after migrating to kms, kms kept",
 			cur:  withKMS("plug", "aescbc:old"), next: withKMS("plug"),
-			inv:  guardInventory(kms, map[string]int64{kms: 50, cbc: 0}),
+			inv: guardInventory(kms, map[string]int64{kms: 50, cbc: 0}),
 		},
 		{
 			name: "drop a kms provider that still holds objects",
