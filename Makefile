@@ -43,5 +43,9 @@ bench:
 bench-go:
 	$(GO) test -run '^$$' -bench . -benchmem -count $${COUNT:-5} ./pkg/...
 
+## fuzz: every fuzz target for FUZZTIME each (default 20s).
+fuzz:
+	@bash hack/fuzz.sh
+
 clean:
 	rm -rf $(BIN)
