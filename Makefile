@@ -8,7 +8,7 @@ RACE_PKGS ?= ./pkg/...
 BIN := bin
 VERSION_LDFLAGS := -X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 
-.PHONY: all build test lint fmt vet run bench bench-go fuzz clean
+.PHONY: all build test lint fmt vet run e2e bench bench-go fuzz clean
 
 all: build
 
@@ -33,6 +33,11 @@ vet:
 ## run: start the local KMS v2 plugin and the apiserver shim with embedded etcd.
 run:
 	@bash hack/run.sh
+
+## e2e: process-level tests (etcd, KMS v2 plugin and apiserver shim as real processes,
+## kubectl and client-go); also part of `make test`. E2E_LONG=1 adds the throughput run.
+e2e:
+	$(GO) test -count=1 -v -timeout 20m ./test/e2e
 
 ## bench: the side-by-side harness (rekey vs upstream in one run); writes BENCHMARKS.md
 ## and charts under docs/bench. BENCH_FLAGS=-short finishes in under 2 minutes.

@@ -45,11 +45,14 @@ func WritePluginKeys(path string, keys ...PluginKey) error {
 func PluginSocket(sockDir string) string { return filepath.Join(sockDir, "kms.sock") }
 
 // StartPlugin starts the plugin with keys, its socket in sockDir and its log in dir,
-// and waits until the socket exists.
+// and waits until the socket exists. With no keys it reuses dir's keys file, as a
+// restarted plugin would.
 func StartPlugin(ctx context.Context, bin, dir, sockDir string, keys ...PluginKey) (*Plugin, error) {
 	keysFile := filepath.Join(dir, "kms-keys.json")
-	if err := WritePluginKeys(keysFile, keys...); err != nil {
-		return nil, err
+	if len(keys) > 0 {
+		if err := WritePluginKeys(keysFile, keys...); err != nil {
+			return nil, err
+		}
 	}
 	port, err := FreePort()
 	if err != nil {
