@@ -16,6 +16,7 @@ type Scenario struct {
 func Scenarios() []Scenario {
 	return []Scenario{
 		{Name: "transform", Desc: "every local provider × payload size × serial/parallel × write/read; rekey vs upstream vs raw AES-256-GCM; allocations and retained heap", Run: runTransform},
+		{Name: "kms", Desc: "KMS v2 writes and warm reads, gRPC round trips, a cold DEK-cache read storm and retained heap, against an in-process plugin on a unix socket", Run: runKMS},
 	}
 }
 

@@ -129,3 +129,7 @@ func (pm *providerMetrics) miss() {
 	pm.misses.Inc()
 	pm.m.cacheMisses.Inc()
 }
+
+// RPCRecorder returns the latency recorder for provider's gRPC client, for callers that
+// build a client.Client directly (the benchmark harness, tools).
+func (m *Metrics) RPCRecorder(provider string) client.LatencyRecorder { return m.forProvider(provider) }
