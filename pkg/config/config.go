@@ -10,6 +10,7 @@ package config
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"os"
 
@@ -95,6 +96,13 @@ func Parse(data []byte, source string, opts Options) (*Config, error) {
 	}
 	obj, gvk, err := decoder.Decode(data, nil, nil)
 	if err != nil {
+		// These two errors quote the whole input, keys included.
+		switch {
+		case runtime.IsMissingKind(err):
+			err = errors.New("Object 'Kind' is missing")
+		case runtime.IsMissingVersion(err):
+			err = errors.New("Object 'apiVersion' is missing")
+		}
 		return nil, fmt.Errorf("error decoding encryption provider configuration file %q: %w", source, err)
 	}
 	enc, ok := obj.(*apiserver.EncryptionConfiguration)

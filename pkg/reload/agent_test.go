@@ -1,0 +1,606 @@
+package reload
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/runtime/serializer"
+	genericapiserver "k8s.io/apiserver/pkg/server"
+	"k8s.io/component-base/metrics"
+
+	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/transformers"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+const (
+	gcmK1 = "k8s:enc:aesgcm:v1:k1:"
+	gcmK2 = "k8s:enc:aesgcm:v1:k2:"
+)
+
+func TestNewAgentErrors(t *testing.T) {
+	dir := t.TempDir()
+	for name, content := range map[string]*string{
+		"missing":  nil,
+		"empty":    ptr(""),
+		"invalid":  ptr("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources: [{resources: [secrets]}]\n"),
+		"kms v1":   ptr(configYAML(rule([]string{"secrets"}, "aesgcm:k1")) + "- resources: [configmaps]\n  providers:\n  - kms: {name: a, endpoint: 'unix:///a.sock', cachesize: 10}\n"),
+		"not yaml": ptr("{{{"),
+	} {
+		t.Run(name, func(t *testing.T) {
+			path := filepath.Join(dir, strings.ReplaceAll(name, " ", "-")+".yaml")
+			if content != nil {
+				if err := os.WriteFile(path, []byte(*content), 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
+			a, err := NewAgent(context.Background(), Options{Path: path, AutomaticReload: true})
+			if err == nil {
+				a.Close()
+				t.Fatal("NewAgent succeeded")
+			}
+			t.Log(err)
+		})
+	}
+	if _, err := NewAgent(context.Background(), Options{}); err == nil {
+		t.Fatal("NewAgent without a path succeeded")
+	}
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// A KMS plugin that is down at start is not fatal: the agent starts and reports it.
+func TestStartWithKMSPluginDown(t *testing.T) {
+	f := &fixture{t: t, dir: t.TempDir(), plugins: newFakePlugins(), reg: metrics.NewKubeRegistry()}
+	f.path = filepath.Join(f.dir, "c.yaml")
+	writeRename(t, f.path, secretsConfig("kms:vault", "identity"))
+	f.plugins.setDown("vault", errors.New("connection refused"))
+	a, err := NewAgent(context.Background(), f.options())
+	if err != nil {
+		t.Fatalf("NewAgent with a plugin down: %v", err)
+	}
+	defer a.Close()
+	err = a.HealthChecker().Check(httptest.NewRequest("GET", "/healthz/kms-providers", nil))
+	if err == nil || !strings.Contains(err.Error(), `kms-provider-0: provider "vault": connection refused`) {
+		t.Fatalf("health = %v", err)
+	}
+}
+
+// R1: an invalid new config (syntax, kind, version, unknown field, failed validation,
+// masked wildcard) keeps the old transformers and hash and counts a failure.
+func TestR1InvalidConfigKeepsOld(t *testing.T) {
+	f := newFixture(t, secretsConfig("aesgcm:k1"))
+	oldHash := f.agent.Status().ActiveConfigHash
+	stored := f.mustWrite(secrets, "/registry/secrets/ns/a", "v1")
+	bad := map[string]string{
+		"syntax":        "apiVersion: [",
+		"wrong kind":    strings.Replace(secretsConfig("aesgcm:k2"), "kind: EncryptionConfiguration", "kind: ConfigMap", 1),
+		"wrong version": strings.Replace(secretsConfig("aesgcm:k2"), "apiserver.config.k8s.io/v1", "apiserver.config.k8s.io/v9", 1),
+		"unknown field": strings.Replace(secretsConfig("aesgcm:k2"), "  providers:", "  pandas: 1\n  providers:", 1),
+		"bad key size":  strings.Replace(secretsConfig("aesgcm:k2"), key("k2"), "c2hvcnQ=", 1),
+		"masked":        configYAML(rule([]string{"*.*"}, "aesgcm:k2"), rule([]string{"secrets"}, "identity")),
+	}
+	failures := 0.0
+	for name, content := range bad {
+		t.Run(name, func(t *testing.T) {
+			writeRename(t, f.path, content)
+			if err := f.agent.Reload(context.Background()); err == nil {
+				t.Fatal("Reload accepted an invalid config")
+			}
+			failures++
+			if got := f.agent.Status().ActiveConfigHash; got != oldHash {
+				t.Fatalf("hash changed to %s", got)
+			}
+			if p := f.writePrefix(secrets); p != gcmK1 {
+				t.Fatalf("write prefix %q, want %q", p, gcmK1)
+			}
+			if v, _, err := f.read(secrets, "/registry/secrets/ns/a", stored); err != nil || v != "v1" {
+				t.Fatalf("read = %q, %v", v, err)
+			}
+			st := f.agent.Status()
+			if st.LastError == "" || st.LastErrorConfigHash != config.Hash([]byte(content)) {
+				t.Fatalf("status does not record the failure: %+v", st)
+			}
+			if strings.Contains(st.LastError, key("k2")) {
+				t.Fatal("status error leaks the key")
+			}
+			if got := f.metric("apiserver_encryption_config_controller_automatic_reloads_total",
+				map[string]string{"status": "failure", "apiserver_id_hash": hashLabel("apiserver-test-1")}); got != failures {
+				t.Fatalf("failure counter = %v, want %v", got, failures)
+			}
+		})
+	}
+	if got := f.metric("apiserver_encryption_config_controller_automatic_reloads_total", map[string]string{"status": "success"}); got != 0 {
+		t.Fatalf("success counter = %v", got)
+	}
+	if got := f.metric("apiserver_encryption_config_controller_last_config_info", map[string]string{"hash": oldHash}); got != 1 {
+		t.Fatalf("last_config_info{hash=old} = %v", got)
+	}
+}
+
+// R2: a valid, different config is swapped in; hash, success metric (with the hashed
+// apiserver id), timestamp and last_config_info follow.
+func TestR2ValidConfigSwaps(t *testing.T) {
+	f := newFixture(t, secretsConfig("aesgcm:k1"))
+	old := f.mustWrite(secrets, "/registry/secrets/ns/a", "v1")
+	next := secretsConfig("aesgcm:k2,k1")
+	writeRename(t, f.path, next)
+	before := time.Now()
+	if err := f.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if p := f.writePrefix(secrets); p != gcmK2 {
+		t.Fatalf("write prefix %q", p)
+	}
+	if v, stale, err := f.read(secrets, "/registry/secrets/ns/a", old); err != nil || v != "v1" || !stale {
+		t.Fatalf("old value: %q stale=%v %v", v, stale, err)
+	}
+	hash := config.Hash([]byte(next))
+	if got := f.agent.Status().ActiveConfigHash; got != hash {
+		t.Fatalf("hash %s, want %s", got, hash)
+	}
+	id := map[string]string{"status": "success", "apiserver_id_hash": "sha256:" + sha256hex("apiserver-test-1")}
+	if got := f.metric("apiserver_encryption_config_controller_automatic_reloads_total", id); got != 1 {
+		t.Fatalf("success counter = %v", got)
+	}
+	if ts := f.metric("apiserver_encryption_config_controller_automatic_reload_last_timestamp_seconds", id); ts < float64(before.Unix()) {
+		t.Fatalf("last timestamp = %v", ts)
+	}
+	if got := f.metric("apiserver_encryption_config_controller_last_config_info",
+		map[string]string{"hash": hash, "apiserver_id_hash": id["apiserver_id_hash"]}); got != 1 {
+		t.Fatalf("last_config_info = %v", got)
+	}
+}
+
+// R3: unchanged content (rewritten, touched) builds nothing and records nothing.
+func TestR3UnchangedIsNoop(t *testing.T) {
+	content := secretsConfig("kms:vault", "aesgcm:k1")
+	f := newFixture(t, content)
+	if n := f.plugins.builds.Load(); n != 1 {
+		t.Fatalf("builds = %d", n)
+	}
+	writeRename(t, f.path, content)
+	now := time.Now().Add(time.Minute)
+	_ = os.Chtimes(f.path, now, now)
+	for range 3 {
+		if err := f.agent.Reload(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := f.plugins.builds.Load(); n != 1 {
+		t.Fatalf("unchanged content built %d more providers", n-1)
+	}
+	for _, s := range []string{"success", "failure"} {
+		if got := f.metric("apiserver_encryption_config_controller_automatic_reloads_total", map[string]string{"status": s}); got != 0 {
+			t.Fatalf("%s counter = %v", s, got)
+		}
+	}
+}
+
+// R4: the file deleted, empty, half written or unreadable keeps the old config; the
+// good content that follows is applied.
+func TestR4ReadFailuresKeepOld(t *testing.T) {
+	full := secretsConfig("aesgcm:k2", "aesgcm:k1")
+	f := newFixture(t, secretsConfig("aesgcm:k1"))
+	cases := map[string]func(){
+		"deleted": func() { _ = os.Remove(f.path) },
+		"empty":   func() { writeRename(t, f.path, "") },
+		"half written": func() {
+			writeRename(t, f.path, full[:len(full)-20]) // cut inside the last key
+		},
+		"a directory": func() {
+			_ = os.Remove(f.path)
+			if err := os.Mkdir(f.path, 0o700); err != nil {
+				t.Fatal(err)
+			}
+		},
+	}
+	for name, breakIt := range cases {
+		t.Run(name, func(t *testing.T) {
+			breakIt()
+			if err := f.agent.Reload(context.Background()); err == nil {
+				t.Fatal("Reload succeeded")
+			}
+			if p := f.writePrefix(secrets); p != gcmK1 {
+				t.Fatalf("write prefix %q", p)
+			}
+			_ = os.RemoveAll(f.path)
+			writeRename(t, f.path, secretsConfig("aesgcm:k1"))
+			if err := f.agent.Reload(context.Background()); err != nil {
+				t.Fatalf("restoring: %v", err)
+			}
+		})
+	}
+	writeRename(t, f.path, full)
+	if err := f.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if p := f.writePrefix(secrets); p != gcmK2 {
+		t.Fatalf("write prefix %q", p)
+	}
+}
+
+// R5: a new KMS plugin that fails its health gate: the old config keeps serving, the
+// half-built providers are closed, a failure is counted; once the plugin is up the
+// retry (with backoff, no file event) applies the change.
+func TestR5HealthGateFailureThenRetry(t *testing.T) {
+	f := newFixture(t, secretsConfig("aesgcm:k1"), func(o *Options) { o.HealthGateTimeout = 100 * time.Millisecond })
+	f.plugins.setDown("vault", errors.New("plugin not listening"))
+	writeRename(t, f.path, secretsConfig("kms:vault", "aesgcm:k1"))
+	err := f.agent.Reload(context.Background())
+	if err == nil || !strings.Contains(err.Error(), `kms provider "vault"`) {
+		t.Fatalf("Reload = %v", err)
+	}
+	if p := f.writePrefix(secrets); p != gcmK1 {
+		t.Fatalf("write prefix %q", p)
+	}
+	for _, k := range f.plugins.all() {
+		if !k.closed.Load() {
+			t.Fatal("half-built KMS provider left open")
+		}
+	}
+	if got := f.metric("apiserver_encryption_config_controller_automatic_reloads_total", map[string]string{"status": "failure"}); got != 1 {
+		t.Fatalf("failure counter = %v", got)
+	}
+	if err := f.agent.HealthChecker().Check(nil); err != nil {
+		t.Fatalf("the serving config has no KMS, health = %v", err)
+	}
+
+	f.run()
+	f.plugins.setDown("vault", nil)
+	eventually(t, "retry to apply the KMS config", func() bool {
+		return f.writePrefix(secrets) == "k8s:enc:kms:v2:vault:"
+	})
+}
+
+// R6: by construction there is exactly one kms-providers check whatever the number of
+// KMS providers, on /healthz and /readyz only (H1, H4); it exists without KMS when
+// reload is on and not when reload is off (upstream's rule).
+func TestR6H1H4InstallInto(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		content   string
+		reload    bool
+		wantCheck bool
+	}{
+		{"reload, two KMS", configYAML(rule([]string{"secrets"}, "kms:a", "kms:b"), rule([]string{"configmaps"}, "kms:c")), true, true},
+		{"reload, no KMS", secretsConfig("aesgcm:k1"), true, true},
+		{"no reload, KMS", secretsConfig("kms:a"), false, true},
+		{"no reload, no KMS", secretsConfig("aesgcm:k1"), false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, tc.content, func(o *Options) { o.AutomaticReload = tc.reload })
+			c := genericapiserver.NewConfig(serializer.CodecFactory{})
+			base := map[string]int{"healthz": len(c.HealthzChecks), "readyz": len(c.ReadyzChecks), "livez": len(c.LivezChecks)}
+			if err := f.agent.InstallInto(c); err != nil {
+				t.Fatal(err)
+			}
+			if c.ResourceTransformers != f.agent {
+				t.Fatal("ResourceTransformers not set")
+			}
+			count := func(list []string) int {
+				n := 0
+				for _, name := range list {
+					if name == "kms-providers" || strings.HasPrefix(name, "kms-provider-") {
+						n++
+					}
+				}
+				return n
+			}
+			want := 0
+			if tc.wantCheck {
+				want = 1
+			}
+			for endpoint, checks := range map[string][]string{"healthz": names(c.HealthzChecks), "readyz": names(c.ReadyzChecks)} {
+				if got := count(checks); got != want {
+					t.Fatalf("%s has %d kms checks, want %d: %v", endpoint, got, want, checks)
+				}
+			}
+			if got := count(names(c.LivezChecks)); got != 0 || len(c.LivezChecks) != base["livez"] {
+				t.Fatalf("livez changed: %v", names(c.LivezChecks))
+			}
+			_, hooked := c.PostStartHooks[PostStartHookName]
+			if hooked != tc.reload {
+				t.Fatalf("post-start hook registered = %v", hooked)
+			}
+			if err := f.agent.InstallInto(c); err == nil {
+				t.Fatal("second InstallInto succeeded")
+			}
+		})
+	}
+}
+
+func names[T interface{ Name() string }](checks []T) []string {
+	var out []string
+	for _, c := range checks {
+		out = append(out, c.Name())
+	}
+	return out
+}
+
+// R10 + R13: add a provider in front, rewrite, remove the old one; then restart with
+// the last applied config and read everything back.
+func TestR10R13AddMigrateRemoveRestart(t *testing.T) {
+	f := newFixture(t, secretsConfig("aescbc:old"))
+	stored := map[string][]byte{"/registry/secrets/ns/a": f.mustWrite(secrets, "/registry/secrets/ns/a", "a")}
+
+	writeRename(t, f.path, secretsConfig("secretbox:new", "aescbc:old"))
+	if err := f.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	stored["/registry/secrets/ns/b"] = f.mustWrite(secrets, "/registry/secrets/ns/b", "b")
+	if !strings.HasPrefix(string(stored["/registry/secrets/ns/b"]), "k8s:enc:secretbox:v1:new:") {
+		t.Fatal("new write does not carry the new prefix")
+	}
+	// Storage migration: rewrite every stale value.
+	for k, v := range stored {
+		plain, stale, err := f.read(secrets, k, v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if stale {
+			stored[k] = f.mustWrite(secrets, k, plain)
+		}
+	}
+	final := secretsConfig("secretbox:new")
+	writeRename(t, f.path, final)
+	if err := f.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	check := func(a *Agent) {
+		t.Helper()
+		for k, v := range stored {
+			out, stale, err := a.TransformerForResource(secrets).TransformFromStorage(context.Background(), v, valueCtx(k))
+			if err != nil || stale || string(out) != k[len(k)-1:] {
+				t.Fatalf("%s: %q stale=%v %v", k, out, stale, err)
+			}
+		}
+	}
+	check(f.agent)
+	f.agent.Close()
+	opts := f.options()
+	opts.Registry = metrics.NewKubeRegistry() // a new process
+	restarted, err := NewAgent(context.Background(), opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer restarted.Close()
+	if restarted.Status().ActiveConfigHash != config.Hash([]byte(final)) {
+		t.Fatal("restart did not load the last applied config")
+	}
+	check(restarted)
+}
+
+// R11: a reload to a key that cannot decrypt existing data: reads fail, writes work.
+func TestR11UndecryptableAfterReload(t *testing.T) {
+	f := newFixture(t, secretsConfig("aesgcm:k1"))
+	old := f.mustWrite(secrets, "/registry/secrets/ns/a", "a")
+	writeRename(t, f.path, secretsConfig("aesgcm:k2"))
+	if err := f.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := f.read(secrets, "/registry/secrets/ns/a", old); err == nil || !strings.Contains(err.Error(), "no matching prefix found") {
+		t.Fatalf("read of undecryptable value: %v", err)
+	}
+	// Same key name, different secret: the prefix matches but decryption fails.
+	writeRename(t, f.path, strings.Replace(secretsConfig("aesgcm:k1"), key("k1"), key("other"), 1))
+	if err := f.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := f.read(secrets, "/registry/secrets/ns/a", old); err == nil {
+		t.Fatal("read with the wrong key succeeded")
+	}
+	if p := f.writePrefix(secrets); p != gcmK1 {
+		t.Fatalf("write prefix %q", p)
+	}
+}
+
+// R12: wildcards after a reload: first matching entry wins, identity opt-out before a
+// wildcard works, and overlapping wildcards are refused.
+func TestR12Wildcards(t *testing.T) {
+	f := newFixture(t, secretsConfig("aesgcm:k1"))
+	writeRename(t, f.path, configYAML(
+		rule([]string{"configmaps"}, "identity"),
+		rule([]string{"*.apps"}, "aescbc:apps"),
+		rule([]string{"*.*"}, "aesgcm:all"),
+	))
+	if err := f.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	for gr, want := range map[schema.GroupResource]string{
+		{Resource: "configmaps"}:                   "",
+		{Group: "apps", Resource: "deployments"}:   "k8s:enc:aescbc:v1:apps:",
+		{Resource: "secrets"}:                      "k8s:enc:aesgcm:v1:all:",
+		{Group: "batch", Resource: "jobs"}:         "k8s:enc:aesgcm:v1:all:",
+		{Group: "example.com", Resource: "things"}: "k8s:enc:aesgcm:v1:all:",
+	} {
+		if got := f.writePrefix(gr); got != want {
+			t.Errorf("%v writes %q, want %q", gr, got, want)
+		}
+	}
+	hash := f.agent.Status().ActiveConfigHash
+	writeRename(t, f.path, configYAML(rule([]string{"*.*"}, "aesgcm:all"), rule([]string{"*.apps"}, "identity")))
+	if err := f.agent.Reload(context.Background()); err == nil {
+		t.Fatal("masked wildcard accepted")
+	}
+	if f.agent.Status().ActiveConfigHash != hash {
+		t.Fatal("config changed")
+	}
+}
+
+// R14: a key moves between two providers of the same type: later providers are still
+// tried and the read is stale unless the first key read it.
+func TestR14SamePrefixDifferentProviders(t *testing.T) {
+	f := newFixture(t, secretsConfig("aescbc:k1"))
+	old := f.mustWrite(secrets, "/registry/secrets/ns/a", "a")
+	writeRename(t, f.path, secretsConfig("aescbc:k2", "aescbc:k1"))
+	if err := f.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if v, stale, err := f.read(secrets, "/registry/secrets/ns/a", old); err != nil || v != "a" || !stale {
+		t.Fatalf("read = %q stale=%v %v", v, stale, err)
+	}
+	fresh := f.mustWrite(secrets, "/registry/secrets/ns/b", "b")
+	if v, stale, err := f.read(secrets, "/registry/secrets/ns/b", fresh); err != nil || v != "b" || stale {
+		t.Fatalf("read = %q stale=%v %v", v, stale, err)
+	}
+}
+
+// Guard vetoes a config; the old one keeps serving.
+func TestGuardVeto(t *testing.T) {
+	var calls int
+	f := newFixture(t, secretsConfig("aesgcm:k1"), func(o *Options) {
+		o.Guard = func(cur, next *config.Config) error {
+			calls++
+			if cur == nil || next == nil {
+				return errors.New("guard got nil")
+			}
+			if strings.Contains(string(mustRead(o.Path)), "k2") {
+				return errors.New("key k1 still in use")
+			}
+			return nil
+		}
+	})
+	writeRename(t, f.path, secretsConfig("aesgcm:k2"))
+	if err := f.agent.Reload(context.Background()); err == nil || !strings.Contains(err.Error(), "key k1 still in use") {
+		t.Fatalf("Reload = %v", err)
+	}
+	if p := f.writePrefix(secrets); p != gcmK1 || calls != 1 {
+		t.Fatalf("prefix %q, guard calls %d", p, calls)
+	}
+}
+
+func mustRead(path string) []byte {
+	b, _ := os.ReadFile(path)
+	return b
+}
+
+// The status document: JSON, the active hash, per-resource write provider and key or
+// KMS key-id hash and health, the last error; no key material.
+func TestStatusDocument(t *testing.T) {
+	content := configYAML(rule([]string{"secrets"}, "kms:vault", "aesgcm:k1"), rule([]string{"configmaps"}, "aesgcm:k1"))
+	f := newFixture(t, content)
+	writeRename(t, f.path, "kind: Nope\nsecret: "+key("leak"))
+	_ = f.agent.Reload(context.Background())
+
+	srv := httptest.NewServer(f.agent.StatusHandler())
+	defer srv.Close()
+	resp, err := http.Get(srv.URL + StatusPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 || resp.Header.Get("Content-Type") != "application/json" {
+		t.Fatalf("status %d %s", resp.StatusCode, resp.Header.Get("Content-Type"))
+	}
+	var raw json.RawMessage
+	if err := json.NewDecoder(resp.Body).Decode(&raw); err != nil {
+		t.Fatal(err)
+	}
+	for _, secret := range []string{key("k1"), key("leak")} {
+		if strings.Contains(string(raw), secret) {
+			t.Fatalf("status leaks key material %s: %s", secret, raw)
+		}
+	}
+	var st Status
+	if err := json.Unmarshal(raw, &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.ActiveConfigHash != config.Hash([]byte(content)) || st.LoadedAt.IsZero() || st.LastError == "" || st.LastErrorAt.IsZero() || st.ReloadsFailed != 1 {
+		t.Fatalf("status: %s", raw)
+	}
+	if len(st.Resources) != 2 || st.Resources[0].WriteProvider != "kms" || st.Resources[0].KMS == nil ||
+		!strings.HasPrefix(st.Resources[0].KMS.KeyIDHash, "sha256:") || !st.Resources[0].KMS.Healthy ||
+		st.Resources[1].WriteProvider != "aesgcm" || st.Resources[1].WriteKey != "k1" {
+		t.Fatalf("resources: %s", raw)
+	}
+	if len(st.KMSProviders) != 1 || st.KMSProviders[0].Name != "vault" {
+		t.Fatalf("kms providers: %s", raw)
+	}
+	t.Logf("%s", raw)
+	if resp, err := http.Post(srv.URL, "text/plain", nil); err != nil || resp.StatusCode != http.StatusMethodNotAllowed {
+		t.Fatalf("POST: %v %v", resp, err)
+	} else {
+		resp.Body.Close()
+	}
+}
+
+// H2 through the agent: the single check follows the Set across a reload.
+func TestH2HealthFollowsReload(t *testing.T) {
+	f := newFixture(t, configYAML(rule([]string{"secrets"}, "kms:a"), rule([]string{"configmaps"}, "kms:b")))
+	check := func() error { return f.agent.HealthChecker().Check(nil) }
+	if err := check(); err != nil {
+		t.Fatal(err)
+	}
+	writeRename(t, f.path, secretsConfig("kms:c"))
+	if err := f.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	f.plugins.setDown("a", errors.New("a down")) // a is no longer configured
+	if err := check(); err != nil {
+		t.Fatalf("check probes a replaced provider: %v", err)
+	}
+	f.plugins.setDown("c", errors.New("c down"))
+	// c's success is cached for 20 s; a fresh agent state is not needed: query the
+	// provider's own view through the status document instead.
+	if st := f.agent.Status(); st.KMSProviders[0].Healthy {
+		t.Fatal("status shows c healthy")
+	}
+}
+
+// Metrics can be left out; two agents cannot share one registry.
+func TestMetricsRegistry(t *testing.T) {
+	f := newFixture(t, secretsConfig("aesgcm:k1"), func(o *Options) { o.Registry = nil })
+	writeRename(t, f.path, secretsConfig("aesgcm:k2"))
+	if err := f.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	reg := metrics.NewKubeRegistry()
+	opts := f.options()
+	opts.Registry = reg
+	a, err := NewAgent(context.Background(), opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	if b, err := NewAgent(context.Background(), opts); err == nil {
+		b.Close()
+		t.Fatal("second agent registered into the same registry")
+	}
+}
+
+func TestDefaults(t *testing.T) {
+	f := newFixture(t, configYAML(rule([]string{"secrets"}, "kms:a", "kms:b"), rule([]string{"configmaps"}, "aesgcm:k1")),
+		func(o *Options) { o.GracePeriod, o.HealthGateTimeout = 0, 0 })
+	cfg := f.agent.cur.Load().cfg
+	// Two v2 providers with a 1 s timeout each.
+	if got := f.agent.gracePeriod(cfg); got != MinGracePeriod {
+		t.Fatalf("grace = %v", got)
+	}
+	if got := f.agent.healthGateTimeout(cfg); got != MinHealthGateTimeout {
+		t.Fatalf("gate = %v", got)
+	}
+	big := strings.ReplaceAll(secretsConfig("kms:a", "kms:b"), "timeout: 1s", "timeout: 7s")
+	c, err := config.Parse([]byte(big), "big", config.Options{Reload: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := f.agent.gracePeriod(c); got != 28*time.Second {
+		t.Fatalf("grace = %v", got)
+	}
+	if got := f.agent.healthGateTimeout(c); got != 14*time.Second {
+		t.Fatalf("gate = %v", got)
+	}
+	var _ transformers.KMSProvider = (*fakeKMS)(nil)
+}
