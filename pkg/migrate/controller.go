@@ -1,0 +1,238 @@
+package migrate
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/clock"
+)
+
+// Controller defaults.
+const (
+	DefaultCheckInterval     = 5 * time.Second
+	DefaultInventoryInterval = 10 * time.Minute
+)
+
+// ControllerOptions configure a Controller.
+type ControllerOptions struct {
+	Client    *clientv3.Client
+	Source    Source
+	Resources []Resource
+	// AutoMigrate starts a migration when a resource's write key changes (and at start
+	// when stale objects exist). When false the controller only takes inventories.
+	AutoMigrate bool
+	// CheckInterval is how often the write keys are compared; InventoryInterval how
+	// often a fresh inventory is taken when nothing changes.
+	CheckInterval     time.Duration
+	InventoryInterval time.Duration
+	// Rate limits rewrites (objects/s); 0 is unlimited.
+	Rate float64
+	// ConfigHash returns the active configuration's hash (recorded in inventories).
+	ConfigHash func() string
+	Inventory  *InventoryStore
+	Metrics    *Metrics
+	Logger     klog.Logger
+	Clock      clock.WithTicker
+}
+
+// ControllerStatus is the controller's part of the agent's status document.
+type ControllerStatus struct {
+	AutoMigrate bool `json:"autoMigrate"`
+	// Running is the resources being migrated now.
+	Running []string `json:"running,omitempty"`
+	// LastMigration is the latest finished migration.
+	LastMigration *MigrationRecord `json:"lastMigration,omitempty"`
+	// Inventory is the latest inventory.
+	Inventory *Inventory `json:"inventory,omitempty"`
+	LastError string     `json:"lastError,omitempty"`
+}
+
+// MigrationRecord summarises one finished migration.
+type MigrationRecord struct {
+	Resources []string      `json:"resources"`
+	Finished  time.Time     `json:"finished"`
+	Duration  time.Duration `json:"duration"`
+	Counters  Counters      `json:"counters"`
+	Error     string        `json:"error,omitempty"`
+}
+
+// Controller migrates stored data inside an apiserver: it watches the write target
+// (prefix and KMS key id hash) of every resource and, when one changes, rewrites that
+// resource's stale objects and records the verifying inventory, which the guard uses.
+type Controller struct {
+	opts ControllerOptions
+	log  klog.Logger
+
+	mu      sync.Mutex
+	status  ControllerStatus
+	applied map[string]writeTarget // targets the last successful migration or inventory saw
+}
+
+// NewController returns a controller; call Run to start it.
+func NewController(opts ControllerOptions) *Controller {
+	if opts.CheckInterval <= 0 {
+		opts.CheckInterval = DefaultCheckInterval
+	}
+	if opts.InventoryInterval <= 0 {
+		opts.InventoryInterval = DefaultInventoryInterval
+	}
+	if opts.Clock == nil {
+		opts.Clock = clock.RealClock{}
+	}
+	if opts.Logger.GetSink() == nil {
+		opts.Logger = klog.Background()
+	}
+	if opts.Inventory == nil {
+		opts.Inventory = &InventoryStore{}
+	}
+	if opts.ConfigHash == nil {
+		opts.ConfigHash = func() string { return "" }
+	}
+	return &Controller{opts: opts, log: opts.Logger.WithName("storage-migration-controller"), status: ControllerStatus{AutoMigrate: opts.AutoMigrate}}
+}
+
+// Inventory is the store the controller's inventories land in; pass it to NewGuard.
+func (c *Controller) Inventory() *InventoryStore { return c.opts.Inventory }
+
+// Status returns a snapshot for the status document.
+func (c *Controller) Status() ControllerStatus {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	st := c.status
+	st.Running = append([]string(nil), st.Running...)
+	st.Inventory = c.opts.Inventory.Latest()
+	return st
+}
+
+// Run checks every CheckInterval until ctx ends.
+func (c *Controller) Run(ctx context.Context) {
+	t := c.opts.Clock.NewTicker(c.opts.CheckInterval)
+	defer t.Stop()
+	var lastInventory time.Time
+	for {
+		if c.step(ctx, c.opts.Clock.Since(lastInventory) >= c.opts.InventoryInterval) {
+			lastInventory = c.opts.Clock.Now()
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C():
+		}
+	}
+}
+
+// step runs one check; it returns true when it took an inventory.
+func (c *Controller) step(ctx context.Context, inventoryDue bool) bool {
+	now := c.currentTargets()
+	changed, ready := c.plan(now)
+	switch {
+	case c.opts.AutoMigrate && len(changed) > 0 && ready:
+		c.migrate(ctx, changed, now)
+		return true
+	case len(changed) > 0 || inventoryDue:
+		inv, err := TakeInventory(ctx, InventoryOptions{Client: c.opts.Client, Source: c.opts.Source, Resources: c.opts.Resources, ConfigHash: c.opts.ConfigHash(), Metrics: c.opts.Metrics, Clock: c.opts.Clock})
+		if err != nil {
+			c.setErr(err)
+			return false
+		}
+		c.opts.Inventory.Set(inv)
+		c.mu.Lock()
+		first := c.applied == nil
+		c.applied = now
+		c.mu.Unlock()
+		// At start, stale data (e.g. from a migration cut short by a restart) is
+		// migrated too.
+		if first && c.opts.AutoMigrate && inv.TotalStale() > 0 && ready {
+			var stale []Resource
+			for _, r := range c.opts.Resources {
+				if ri := inv.Find(r.String()); ri != nil && ri.Stale > 0 {
+					stale = append(stale, r)
+				}
+			}
+			c.migrate(ctx, stale, now)
+		}
+		return true
+	}
+	return false
+}
+
+func (c *Controller) currentTargets() map[string]writeTarget {
+	t := map[string]writeTarget{}
+	for _, r := range c.opts.Resources {
+		t[r.String()] = targetOf(c.opts.Source.Rule(r.GroupResource))
+	}
+	return t
+}
+
+// plan lists the resources whose write target differs from the last applied one, and
+// whether all of them can be written now (a KMS v2 target needs a known key id).
+func (c *Controller) plan(now map[string]writeTarget) (changed []Resource, ready bool) {
+	c.mu.Lock()
+	applied := c.applied
+	c.mu.Unlock()
+	ready = true
+	for _, r := range c.opts.Resources {
+		t := now[r.String()]
+		if strings.HasPrefix(t.Prefix, "k8s:enc:kms:v2:") && t.KeyIDHash == "" {
+			ready = false
+		}
+		if applied == nil {
+			continue // first round: inventory decides
+		}
+		if applied[r.String()] != t {
+			changed = append(changed, r)
+		}
+	}
+	if applied == nil {
+		return []Resource{}, ready
+	}
+	return changed, ready
+}
+
+func (c *Controller) migrate(ctx context.Context, rs []Resource, targets map[string]writeTarget) {
+	if len(rs) == 0 {
+		return
+	}
+	names := make([]string, len(rs))
+	for i, r := range rs {
+		names[i] = r.String()
+	}
+	c.mu.Lock()
+	c.status.Running = names
+	c.mu.Unlock()
+	c.log.Info("Write key changed; migrating stored objects", "resources", names)
+	res, err := Migrate(ctx, Options{Client: c.opts.Client, Source: c.opts.Source, Resources: rs, Rate: c.opts.Rate,
+		Inventory: c.opts.Inventory, Metrics: c.opts.Metrics, ConfigHash: c.opts.ConfigHash(), Logger: c.opts.Logger})
+	rec := &MigrationRecord{Resources: names, Finished: c.opts.Clock.Now()}
+	if res != nil {
+		rec.Duration, rec.Counters = res.Duration, res.Counters
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.status.Running = nil
+	c.status.LastMigration = rec
+	if err != nil {
+		rec.Error = err.Error()
+		c.status.LastError = err.Error()
+		c.log.Error(err, "Storage migration failed; retrying at the next check", "resources", names)
+		return // applied stays: the next step sees the change again
+	}
+	c.status.LastError = ""
+	if c.applied == nil {
+		c.applied = map[string]writeTarget{}
+	}
+	for k, v := range targets {
+		c.applied[k] = v
+	}
+}
+
+func (c *Controller) setErr(err error) {
+	c.mu.Lock()
+	c.status.LastError = err.Error()
+	c.mu.Unlock()
+	c.log.Error(err, "Inventory failed; retrying at the next check")
+}

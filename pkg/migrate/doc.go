@@ -1,0 +1,60 @@
+// Package migrate keeps stored data on the current keys: it takes inventories of which
+// provider and key encrypt every stored object, re-encrypts stale objects in etcd with
+// compare-and-swap, and guards configuration changes so that a key still in use is never
+// dropped.
+//
+// # Inventory
+//
+// TakeInventory scans each resource's etcd key range at one revision, page by page, and
+// counts objects per provider, key (aes/secretbox key name, or KMS v2 provider name and
+// "sha256:" hash of the key id read from the stored EncryptedObject — no plugin call) and
+// state (current or stale), plus plaintext and unreadable objects; DecryptCheck also
+// decrypts every value. Memory is bounded by one page.
+//
+// # Migration
+//
+// Migrate rewrites every stale object through the current transformers: read at
+// ModRevision R, decrypt, encrypt with the write key, and commit only if the object is
+// still at R (batched: one transaction per up to 64 objects, falling back to one per
+// object when any of them changed). A concurrent update always wins; the object is then
+// re-read and rewritten only if still stale. Progress is checkpointed to a file so a
+// stopped run resumes after the last completed page; it is idempotent; it is
+// rate-limited; and it returns nil only after a re-scan with a decrypt check finds no
+// stale and no unreadable object.
+//
+//	res, err := migrate.Migrate(ctx, migrate.Options{
+//		Client:    etcdClient,
+//		Source:    migrate.FromSet(set),
+//		Resources: []migrate.Resource{migrate.ResourceFor("/registry", schema.GroupResource{Resource: "secrets"})},
+//		Rate:      2000,
+//		CheckpointPath: "/var/lib/rekey/migration.json",
+//	})
+//
+// # Inside an apiserver (the shim)
+//
+// A Controller watches each resource's write key (prefix and KMS key id hash) through
+// the reload agent and migrates a resource when its write key changes; its inventories
+// feed the guard that the agent runs before every reload:
+//
+//	src := migrate.FromRules(agent, func() []transformers.RuleInfo { return agent.Status().Resources })
+//	m, _ := migrate.NewMetrics(registry)
+//	ctrl := migrate.NewController(migrate.ControllerOptions{
+//		Client: etcdClient, Source: src, Resources: resources,
+//		AutoMigrate: storageMigrationFlag, // --storage-migration
+//		Metrics: m, ConfigHash: func() string { return agent.Status().ActiveConfigHash },
+//	})
+//	agentOpts.Guard = migrate.NewGuard(ctrl.Inventory(), func() bool { return overrideFlag }, m, logger)
+//	go ctrl.Run(ctx)
+//
+// Because the guard is built before the agent and the controller needs the agent, the
+// shim creates one InventoryStore, passes it to both (ControllerOptions.Inventory) and
+// builds the guard from it.
+//
+// # Guard
+//
+// CheckChange / NewGuard refuse a configuration that cannot read a (resource, provider,
+// key) the latest inventory counts objects under, that drops the current write key in
+// one step, or that drops a key of a resource no up-to-date inventory covers. The
+// refusal names the resource, key and object count; OverrideFlag lets it through for
+// disaster recovery.
+package migrate
