@@ -13,7 +13,9 @@ import (
 )
 
 // swappable serves whichever Set is current, like the reload agent.
-type swappable struct{ cur atomic.Pointer[transformers.Set] }
+type swappable struct {
+	cur atomic.Pointer[transformers.Set]
+}
 
 func (s *swappable) TransformerForResource(gr schema.GroupResource) value.Transformer {
 	return s.cur.Load().TransformerFor(gr)
