@@ -2,19 +2,14 @@ package shim
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"net/http"
 
-	"k8s.io/apimachinery/pkg/runtime/schema"
 	genericapiserver "k8s.io/apiserver/pkg/server"
-	"k8s.io/apiserver/pkg/server/healthz"
 	genericoptions "k8s.io/apiserver/pkg/server/options"
-	"k8s.io/apiserver/pkg/storage/value"
 	"k8s.io/component-base/metrics"
 
-	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/reload"
 	"github.com/rekey-io/rekey/pkg/transformers"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
@@ -39,10 +34,10 @@ type encryptionLayer interface {
 	close()
 }
 
-func newEncryptionLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry) (encryptionLayer, error) {
+func newEncryptionLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, apiServerID string) (encryptionLayer, error) {
 	switch o.EncryptionLayer {
 	case "", LayerRekey:
-		return newRekeyLayer(ctx, o, reg)
+		return newRekeyLayer(ctx, o, reg, apiServerID)
 	case LayerUpstream:
 		return &upstreamLayer{path: o.EncryptionConfig, reload: o.AutomaticReload}, nil
 	default:
@@ -69,32 +64,33 @@ func (u *upstreamLayer) statusPath() string          { return "" }
 func (u *upstreamLayer) statusHandler() http.Handler { return nil }
 func (u *upstreamLayer) close()                      {}
 
-// rekeyLayer serves a Set built once at start.
-// TODO(issue 5): replace with reload.Agent once pkg/reload lands.
+// rekeyLayer is the agent: it loads and watches the file, swaps configurations and
+// serves the kms-providers check and the status document.
 type rekeyLayer struct {
-	set *transformers.Set
+	agent *reload.Agent
 }
 
-// StatusPath is where the shim serves the encryption layer's status document.
-const StatusPath = "/rekey/status"
-
-func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry) (*rekeyLayer, error) {
+func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, apiServerID string) (*rekeyLayer, error) {
 	if o.EncryptionConfig == "" {
 		return &rekeyLayer{}, nil
 	}
-	cfg, err := config.Load(o.EncryptionConfig, config.Options{Reload: o.AutomaticReload})
+	agent, err := reload.NewAgent(ctx, reload.Options{
+		Path:            o.EncryptionConfig,
+		AutomaticReload: o.AutomaticReload,
+		PollInterval:    o.ReloadPollInterval,
+		Transformers: transformers.Options{
+			Logger:  o.Logger,
+			Metrics: transformers.NewMetrics(reg),
+			KMS:     kmsFactory(o, reg),
+		},
+		Registry:    reg,
+		APIServerID: apiServerID,
+		Logger:      o.Logger,
+	})
 	if err != nil {
 		return nil, err
 	}
-	set, err := transformers.Build(ctx, cfg, transformers.Options{
-		Logger:  o.Logger,
-		Metrics: transformers.NewMetrics(reg),
-		KMS:     kmsFactory(o, reg),
-	})
-	if err != nil {
-		return nil, fmt.Errorf("encryption provider configuration %q: %w", o.EncryptionConfig, err)
-	}
-	return &rekeyLayer{set: set}, nil
+	return &rekeyLayer{agent: agent}, nil
 }
 
 func kmsFactory(o *Options, reg metrics.KubeRegistry) transformers.KMSFactory {
@@ -109,47 +105,29 @@ func kmsFactory(o *Options, reg metrics.KubeRegistry) transformers.KMSFactory {
 	})
 }
 
-type setTransformers struct{ set *transformers.Set }
-
-func (s setTransformers) TransformerForResource(gr schema.GroupResource) value.Transformer {
-	return s.set.TransformerFor(gr)
-}
-
 func (r *rekeyLayer) install(c *genericapiserver.Config, _ *genericoptions.EtcdOptions) error {
-	if r.set == nil {
+	if r.agent == nil {
 		return nil
 	}
-	c.ResourceTransformers = setTransformers{r.set}
-	check := healthz.NamedCheck("kms-providers", func(req *http.Request) error {
-		var errs []error
-		for _, k := range r.set.KMSProviders() {
-			if err := k.Check(req.Context()); err != nil {
-				errs = append(errs, fmt.Errorf("kms provider %q: %w", k.Name(), err))
-			}
-		}
-		return errors.Join(errs...)
-	})
-	c.HealthzChecks = append(c.HealthzChecks, check)
-	c.ReadyzChecks = append(c.ReadyzChecks, check)
-	return nil
+	return r.agent.InstallInto(c)
 }
 
-func (r *rekeyLayer) statusPath() string { return StatusPath }
+func (r *rekeyLayer) statusPath() string {
+	if r.agent == nil {
+		return ""
+	}
+	return reload.StatusPath
+}
 
 func (r *rekeyLayer) statusHandler() http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
-		doc := map[string]any{"configHash": "", "rules": []transformers.RuleInfo{}}
-		if r.set != nil {
-			doc["configHash"] = r.set.Hash()
-			doc["rules"] = r.set.Rules()
-		}
-		w.Header().Set("Content-Type", "application/json")
-		_ = json.NewEncoder(w).Encode(doc)
-	})
+	if r.agent == nil {
+		return nil
+	}
+	return r.agent.StatusHandler()
 }
 
 func (r *rekeyLayer) close() {
-	if r.set != nil {
-		r.set.Close()
+	if r.agent != nil {
+		r.agent.Close()
 	}
 }

@@ -51,6 +51,9 @@ type Options struct {
 	EncryptionConfig string
 	// AutomaticReload watches EncryptionConfig and applies edits without a restart.
 	AutomaticReload bool
+	// ReloadPollInterval is how often the file is re-read without file events
+	// (default 1 min; file events apply edits at once).
+	ReloadPollInterval time.Duration
 	// EncryptionLayer is LayerRekey (default) or LayerUpstream.
 	EncryptionLayer string
 	// KMS builds KMS v2 providers for the rekey layer; default kmsv2.NewFactory with
@@ -176,7 +179,8 @@ func Run(ctx context.Context, o Options) error {
 	if err != nil {
 		return err
 	}
-	layer, err := newEncryptionLayer(ctx, &o, reg)
+	c := genericapiserver.NewConfig(sch.codecs)
+	layer, err := newEncryptionLayer(ctx, &o, reg, c.APIServerID)
 	if err != nil {
 		return err
 	}
@@ -196,7 +200,6 @@ func Run(ctx context.Context, o Options) error {
 		return err
 	}
 
-	c := genericapiserver.NewConfig(sch.codecs)
 	c.EffectiveVersion = compatibility.DefaultBuildEffectiveVersion()
 	c.FeatureGate = utilfeature.DefaultFeatureGate
 	c.PublicAddress = o.BindAddress
