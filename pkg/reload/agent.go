@@ -52,6 +52,9 @@ const (
 	// maxDebounceWait keeps a writer that never stops writing from postponing a reload
 	// forever.
 	maxDebounceWaitFactor = 10
+	// drainLimit bounds how long a replaced Set waits, after its grace period, for the
+	// calls still running on it; only a call stuck far beyond every KMS timeout hits it.
+	drainLimit = time.Minute
 	// changedDuringLoadRetries bounds how often one Reload starts over because the file
 	// changed while it was being loaded.
 	changedDuringLoadRetries = 3
@@ -140,6 +143,9 @@ type Agent struct {
 	closeCancel context.CancelFunc
 	retiring    sync.WaitGroup // grace-period closers
 	pending     atomic.Int64   // replaced Sets not yet closed
+
+	// pollOnly skips file events, as on a file system without them (tests).
+	pollOnly bool
 }
 
 // attemptState is what the status document reports about reload attempts.
@@ -373,8 +379,8 @@ func healthGate(ctx context.Context, set *transformers.Set) error {
 }
 
 // retire closes g's Set once its grace period has passed and the calls that started on
-// it have returned (waiting at most one more grace period for those), or at once when
-// the agent closes.
+// it have returned (waiting at most drainLimit more for those), or at once when the
+// agent closes.
 func (a *Agent) retire(g *generation) {
 	grace := a.gracePeriod(g.cfg)
 	a.pending.Add(1)
@@ -390,7 +396,7 @@ func (a *Agent) retire(g *generation) {
 		t.Stop()
 		g.retired.Store(true)
 		if g.inflight.Load() > 0 {
-			t := a.clock.NewTimer(grace)
+			t := a.clock.NewTimer(max(grace, drainLimit))
 			select {
 			case <-g.drained:
 			case <-t.C():

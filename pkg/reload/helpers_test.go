@@ -238,9 +238,16 @@ type fixture struct {
 
 func newFixture(t testing.TB, content string, mutate ...func(*Options)) *fixture {
 	t.Helper()
-	f := &fixture{t: t, dir: t.TempDir(), plugins: newFakePlugins(), reg: metrics.NewKubeRegistry()}
-	f.path = filepath.Join(f.dir, "encryption-config.yaml")
-	writeRename(t, f.path, content)
+	dir := t.TempDir()
+	path := filepath.Join(dir, "encryption-config.yaml")
+	writeRename(t, path, content)
+	return newFixtureAt(t, dir, path, mutate...)
+}
+
+// newFixtureAt starts an agent on an existing file.
+func newFixtureAt(t testing.TB, dir, path string, mutate ...func(*Options)) *fixture {
+	t.Helper()
+	f := &fixture{t: t, dir: dir, path: path, plugins: newFakePlugins(), reg: metrics.NewKubeRegistry()}
 	opts := f.options()
 	for _, m := range mutate {
 		m(&opts)
@@ -269,18 +276,21 @@ func (f *fixture) options() Options {
 	}
 }
 
-// run starts the watch loop; it stops (and is waited for) at cleanup.
-func (f *fixture) run() {
+// run starts the watch loop; it stops (and is waited for) when the returned function
+// is called, at the latest at cleanup.
+func (f *fixture) run() (stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		f.agent.Run(ctx)
 	}()
-	f.t.Cleanup(func() {
+	stop = func() {
 		cancel()
 		<-done
-	})
+	}
+	f.t.Cleanup(stop)
+	return stop
 }
 
 // write encrypts plaintext for gr through the agent.

@@ -92,7 +92,9 @@ func (a *Agent) watch(ctx context.Context, kick chan<- struct{}) {
 		errs   <-chan error
 		w      *fsnotify.Watcher
 	)
-	if nw, err := fsnotify.NewWatcher(); err != nil {
+	if a.pollOnly {
+		a.log.V(2).Info("Not watching for file events; polling only", "pollInterval", a.opts.PollInterval)
+	} else if nw, err := fsnotify.NewWatcher(); err != nil {
 		a.log.Error(err, "Cannot watch the encryption configuration for changes; polling only", "pollInterval", a.opts.PollInterval)
 	} else {
 		w = nw
