@@ -321,12 +321,12 @@ func (a *Agent) reloadOnce(ctx context.Context) (string, error) {
 	}
 
 	now := a.clock.Now()
+	a.stateMu.Lock() // the status document sees the swap and its count together
 	old := a.install(newGeneration(cfg, set, now))
-	a.retire(old)
-	a.metrics.record(statusSuccess, now, hash)
-	a.stateMu.Lock()
 	a.state.succeeded++
 	a.stateMu.Unlock()
+	a.retire(old)
+	a.metrics.record(statusSuccess, now, hash)
 	a.log.Info("Applied new encryption provider configuration", "path", a.opts.Path,
 		"hash", hash, "previousHash", old.cfg.Hash, "took", now.Sub(start),
 		"kmsProviders", len(set.KMSProviders()))

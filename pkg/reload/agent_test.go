@@ -604,3 +604,29 @@ func TestDefaults(t *testing.T) {
 	}
 	var _ transformers.KMSProvider = (*fakeKMS)(nil)
 }
+
+// A file replaced while it is being loaded (a writer that truncated, then wrote the
+// rest) is not applied in its intermediate state: the load starts over on what the file
+// holds now, and no failure is recorded.
+func TestChangedDuringLoadStartsOver(t *testing.T) {
+	final := secretsConfig("aesgcm:k2")
+	var rewrote bool
+	f := newFixture(t, secretsConfig("aesgcm:k1"), func(o *Options) {
+		o.Guard = func(_, next *config.Config) error {
+			if !rewrote {
+				rewrote = true
+				writeRename(t, o.Path, final)
+			}
+			return nil
+		}
+	})
+	intermediate := secretsConfig("aescbc:k3")
+	writeRename(t, f.path, intermediate)
+	if err := f.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	st := f.agent.Status()
+	if st.ActiveConfigHash != config.Hash([]byte(final)) || st.ReloadsSucceeded != 1 || st.ReloadsFailed != 0 {
+		t.Fatalf("status: %+v", st)
+	}
+}

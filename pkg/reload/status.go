@@ -44,7 +44,10 @@ type Status struct {
 
 // Status returns the status document.
 func (a *Agent) Status() Status {
+	a.stateMu.Lock()
 	g := a.cur.Load()
+	s := a.state
+	a.stateMu.Unlock()
 	st := Status{
 		ConfigPath:           a.opts.Path,
 		AutomaticReload:      a.opts.AutomaticReload,
@@ -57,9 +60,6 @@ func (a *Agent) Status() Status {
 	for _, k := range g.set.KMSProviders() {
 		st.KMSProviders = append(st.KMSProviders, k.Status())
 	}
-	a.stateMu.Lock()
-	s := a.state
-	a.stateMu.Unlock()
 	st.ReloadsSucceeded, st.ReloadsFailed = s.succeeded, s.failed
 	st.LastAttemptAt = s.lastAttemptAt
 	st.LastError, st.LastErrorAt, st.LastErrorConfigHash = s.lastErr, s.lastErrAt, s.lastErrHash
