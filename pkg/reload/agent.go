@@ -282,7 +282,7 @@ func (a *Agent) reloadOnce(ctx context.Context) (string, error) {
 
 	data, hash, err := config.ReadFile(a.opts.Path)
 	if err != nil {
-		return "", a.fail("", err)
+		return "", a.fail(ctx, "", err)
 	}
 	cur := a.cur.Load()
 	if hash == cur.cfg.Hash {
@@ -291,22 +291,22 @@ func (a *Agent) reloadOnce(ctx context.Context) (string, error) {
 	}
 	cfg, err := config.Parse(data, a.opts.Path, config.Options{Reload: true})
 	if err != nil {
-		return hash, a.fail(hash, err)
+		return hash, a.fail(ctx, hash, err)
 	}
 	if a.opts.Guard != nil {
 		if err := a.opts.Guard(cur.cfg, cfg); err != nil {
-			return hash, a.fail(hash, fmt.Errorf("new configuration refused: %w", err))
+			return hash, a.fail(ctx, hash, fmt.Errorf("new configuration refused: %w", err))
 		}
 	}
 	buildCtx, cancel := context.WithTimeout(ctx, a.healthGateTimeout(cfg))
 	defer cancel()
 	set, err := transformers.Build(buildCtx, cfg, a.opts.Transformers)
 	if err != nil {
-		return hash, a.fail(hash, fmt.Errorf("building transformers: %w", err))
+		return hash, a.fail(ctx, hash, fmt.Errorf("building transformers: %w", err))
 	}
 	if err := healthGate(buildCtx, set); err != nil {
 		set.Close()
-		return hash, a.fail(hash, err)
+		return hash, a.fail(ctx, hash, err)
 	}
 	// A writer may have replaced the file again while this one was being built (for
 	// example a truncate that was followed by the rest of the content): apply only
@@ -334,9 +334,12 @@ func (a *Agent) reloadOnce(ctx context.Context) (string, error) {
 }
 
 // fail records a refused reload and returns err.
-func (a *Agent) fail(hash string, err error) error {
-	if a.closed.Load() || errors.Is(err, context.Canceled) && a.closeCtx.Err() != nil {
+func (a *Agent) fail(ctx context.Context, hash string, err error) error {
+	if a.closed.Load() {
 		return errClosed
+	}
+	if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
+		return err // the caller gave up (shutdown): not a verdict on the file
 	}
 	now := a.clock.Now()
 	a.metrics.record(statusFailure, now, "")
