@@ -44,12 +44,14 @@ func TestLoadMissingFileNamesIt(t *testing.T) {
 func TestErrorsNeverEchoSecrets(t *testing.T) {
 	const secret = "c3VwZXJzZWNyZXRrZXltYXRlcmlhbCE=" // 23 bytes: the wrong length for every provider
 	cases := map[string]string{
-		"wrong length":    doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys: [{name: k, secret: " + secret + "}]\n"),
-		"not base64":      doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys: [{name: k, secret: '" + secret + "!!'}]\n"),
-		"secret as array": doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys: [{name: k, secret: ['" + secret + "']}]\n"),
-		"broken yaml":     doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys: [{name: k, secret: " + secret + "}\n   : : [\n"),
-		"bad indentation": doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys:\n          - name: k\n             secret: " + secret + "\n"),
-		"tab":             doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n\t\tkeys: [{name: k, secret: " + secret + "}]\n"),
+		"wrong length":       doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys: [{name: k, secret: " + secret + "}]\n"),
+		"not base64":         doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys: [{name: k, secret: '" + secret + "!!'}]\n"),
+		"secret as array":    doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys: [{name: k, secret: ['" + secret + "']}]\n"),
+		"broken yaml":        doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys: [{name: k, secret: " + secret + "}\n   : : [\n"),
+		"bad indentation":    doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys:\n          - name: k\n             secret: " + secret + "\n"),
+		"missing kind":       "apiVersion: apiserver.config.k8s.io/v1\nresources:\n  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys: [{name: k, secret: " + secret + "}]\n",
+		"missing apiVersion": "kind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys: [{name: k, secret: " + secret + "}]\n",
+		"tab":                doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n\t\tkeys: [{name: k, secret: " + secret + "}]\n"),
 	}
 	dir := t.TempDir()
 	for name, data := range cases {
