@@ -28,6 +28,8 @@ type Figure struct {
 	Allocs, Bytes float64
 	// Retained is heap bytes still live after the run, when measured (else negative).
 	Retained float64
+	// Note replaces the figure in the table (e.g. "not run in short mode").
+	Note string
 }
 
 // Check is one target verdict.
@@ -80,6 +82,9 @@ func (r *Report) Missed() int {
 }
 
 func fmtStat(f Figure) string {
+	if f.Note != "" {
+		return f.Note
+	}
 	unit := f.Unit
 	v := f.Stats
 	scale := func(x float64) string {
@@ -90,8 +95,12 @@ func fmtStat(f Figure) string {
 			return fmt.Sprintf("%.2f µs", x/1e3)
 		case unit == "ns/op":
 			return fmt.Sprintf("%.0f ns", x)
+		case x >= 100 || x <= -100:
+			return fmt.Sprintf("%.0f %s", x, unit)
+		case x >= 10 || x <= -10:
+			return fmt.Sprintf("%.1f %s", x, unit)
 		default:
-			return fmt.Sprintf("%.4g %s", x, unit)
+			return fmt.Sprintf("%.3g %s", x, unit)
 		}
 	}
 	if v.Min == v.Max {

@@ -17,6 +17,9 @@ func Scenarios() []Scenario {
 	return []Scenario{
 		{Name: "transform", Desc: "every local provider × payload size × serial/parallel × write/read; rekey vs upstream vs raw AES-256-GCM; allocations and retained heap", Run: runTransform},
 		{Name: "kms", Desc: "KMS v2 writes and warm reads, gRPC round trips, a cold DEK-cache read storm and retained heap, against an in-process plugin on a unix socket", Run: runKMS},
+		{Name: "reload", Desc: "time from a config rename to the first write using it: rekey's agent (local and new KMS v2 provider) vs upstream's 1-minute-poll controller (skipped in short mode)", Run: runReload},
+		{Name: "migrate", Desc: "storage migration against an etcd process: objects/s re-encrypted (aesgcm key change, aesgcm ↔ KMS v2), inventory time, peak heap", Run: runMigrate},
+		{Name: "e2e", Desc: "the apiserver shim on embedded etcd, Secrets with KMS v2: create+get throughput and latency, rekey's layer vs the same shim with upstream's layer", Run: runE2E},
 	}
 }
 

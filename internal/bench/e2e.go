@@ -1,0 +1,197 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/rekey-io/rekey/internal/testbed"
+)
+
+// runE2E starts the apiserver shim twice on embedded etcd — once with rekey's layer,
+// once with upstream's encryptionconfig layer (--encryption-layer=upstream) — both
+// encrypting Secrets with KMS v2 through one local plugin process, and drives
+// create+get pairs through client-go, alternating rounds.
+func runE2E(s Settings) ([]Row, error) {
+	ctx := context.Background()
+	dir, err := os.MkdirTemp("", "rke")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(dir)
+	if s.Progress != nil {
+		fmt.Fprintln(s.Progress, "e2e: building the shim, etcd and plugin binaries")
+	}
+	bins, err := testbed.Build(ctx, filepath.Join(dir, "bin"))
+	if err != nil {
+		return nil, err
+	}
+	plugin, err := testbed.StartPlugin(ctx, bins.Plugin, dir, dir, testbed.PluginKey{Name: "bench-key", Secret: testbed.RandomKey()})
+	if err != nil {
+		return nil, err
+	}
+	defer plugin.Stop(5 * time.Second)
+	configPath := filepath.Join(dir, "encryption.yaml")
+	if err := os.WriteFile(configPath, []byte(fmt.Sprintf(`apiVersion: apiserver.config.k8s.io/v1
+kind: EncryptionConfiguration
+resources:
+  - resources: [secrets]
+    providers:
+      - kms:
+          apiVersion: v2
+          name: bench
+          endpoint: %s
+          timeout: 3s
+      - identity: {}
+`, plugin.Endpoint)), 0o600); err != nil {
+		return nil, err
+	}
+	layers := []string{"rekey", "upstream"}
+	shims := map[string]*testbed.Shim{}
+	clients := map[string]*kubernetes.Clientset{}
+	for _, layer := range layers {
+		sh, err := testbed.StartShim(ctx, bins.Shim, testbed.ShimConfig{Name: "shim-" + layer, Dir: filepath.Join(dir, layer), EncryptionConfig: configPath, Layer: layer})
+		if err != nil {
+			return nil, err
+		}
+		defer sh.Stop(10 * time.Second)
+		cfg := sh.RESTConfig()
+		c, err := kubernetes.NewForConfig(cfg)
+		if err != nil {
+			return nil, err
+		}
+		shims[layer], clients[layer] = sh, c
+	}
+	round, workers := 10*time.Second, 8
+	if s.Short {
+		round = 3 * time.Second
+	}
+	type result struct {
+		pairsPerSec      []float64
+		create, get      []float64 // latencies in ms, all rounds
+		failed, finished int64
+	}
+	res := map[string]*result{"rekey": {}, "upstream": {}}
+	for r := 0; r < s.Rounds; r++ {
+		order := layers
+		if r%2 == 1 {
+			order = []string{"upstream", "rekey"}
+		}
+		for _, layer := range order {
+			st := loadShim(ctx, clients[layer], fmt.Sprintf("bench-%s-%d", layer, r), workers, round)
+			rr := res[layer]
+			rr.pairsPerSec = append(rr.pairsPerSec, float64(st.pairs)/round.Seconds())
+			rr.create = append(rr.create, st.create...)
+			rr.get = append(rr.get, st.get...)
+			rr.failed += st.failed
+			if s.Progress != nil {
+				fmt.Fprintf(s.Progress, "e2e round %d %-8s %6.0f create+get pairs/s, %d failed\n", r, layer, float64(st.pairs)/round.Seconds(), st.failed)
+			}
+		}
+	}
+	fig := func(layer, unit string, st Stats, higher bool) Figure {
+		return Figure{Impl: layer, Unit: unit, Stats: st, HigherIsBetter: higher, Allocs: -1, Bytes: -1, Retained: -1}
+	}
+	var rows []Row
+	tp := Row{Scenario: "e2e (shim on embedded etcd, Secrets with KMS v2)", Case: fmt.Sprintf("create+get pairs/s, %d client-go workers, %v rounds", workers, round)}
+	for _, l := range layers {
+		tp.Figures = append(tp.Figures, fig(l, "pairs/s", summarize(res[l].pairsPerSec), true))
+	}
+	tp.Checks = []Check{evaluate(tp, Target{Desc: "at least equal to upstream", Against: 1, MinSpeedup: 1})}
+	if f := res["rekey"].failed + res["upstream"].failed; f > 0 {
+		tp.Checks = append(tp.Checks, Check{Desc: "no failed requests", Met: false, Got: fmt.Sprintf("%d failed", f)})
+	}
+	rows = append(rows, tp)
+	for _, q := range []struct {
+		name string
+		p    float64
+		pick func(*result) []float64
+	}{
+		{"create latency p50", 50, func(r *result) []float64 { return r.create }},
+		{"create latency p99", 99, func(r *result) []float64 { return r.create }},
+		{"get latency p50", 50, func(r *result) []float64 { return r.get }},
+		{"get latency p99", 99, func(r *result) []float64 { return r.get }},
+	} {
+		row := Row{Scenario: tp.Scenario, Case: q.name}
+		for _, l := range layers {
+			v := percentile(q.pick(res[l]), q.p)
+			row.Figures = append(row.Figures, fig(l, "ms", Stats{Median: v, Min: v, Max: v}, false))
+		}
+		rows = append(rows, row)
+	}
+	ready := Row{Scenario: tp.Scenario, Case: "start → /readyz (embedded etcd, fresh data dir and cert)"}
+	rss := Row{Scenario: tp.Scenario, Case: "RSS after the load (shim + embedded etcd)"}
+	for _, l := range layers {
+		ms := float64(shims[l].Ready.Microseconds()) / 1000
+		ready.Figures = append(ready.Figures, fig(l, "ms", Stats{Median: ms, Min: ms, Max: ms}, false))
+		b, err := testbed.RSS(shims[l].PID())
+		if err != nil {
+			return nil, err
+		}
+		mib := float64(b) / (1 << 20)
+		rss.Figures = append(rss.Figures, fig(l, "MiB", Stats{Median: mib, Min: mib, Max: mib}, false))
+	}
+	ready.Checks = []Check{{Desc: "< 2 s", Met: ready.Figures[0].Stats.Median < 2000, Got: fmt.Sprintf("%.0f ms", ready.Figures[0].Stats.Median)}}
+	return append(rows, ready, rss), nil
+}
+
+type loadStats struct {
+	pairs, failed int64
+	create, get   []float64
+}
+
+// loadShim runs workers goroutines that create a 256-byte Secret and read it back, for d.
+func loadShim(ctx context.Context, c *kubernetes.Clientset, ns string, workers int, d time.Duration) loadStats {
+	ctx, cancel := context.WithTimeout(ctx, d)
+	defer cancel()
+	payload := make([]byte, 256)
+	for i := range payload {
+		payload[i] = byte('a' + i%26)
+	}
+	var mu sync.Mutex
+	var total loadStats
+	var wg sync.WaitGroup
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var st loadStats
+			secrets := c.CoreV1().Secrets(ns)
+			for i := 0; ctx.Err() == nil; i++ {
+				name := "s-" + strconv.Itoa(w) + "-" + strconv.Itoa(i)
+				t0 := time.Now()
+				_, err := secrets.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: name}, Data: map[string][]byte{"payload": payload}}, metav1.CreateOptions{})
+				t1 := time.Now()
+				if err == nil {
+					_, err = secrets.Get(ctx, name, metav1.GetOptions{})
+				}
+				t2 := time.Now()
+				switch {
+				case ctx.Err() != nil:
+				case err != nil:
+					st.failed++
+				default:
+					st.pairs++
+					st.create = append(st.create, float64(t1.Sub(t0).Microseconds())/1000)
+					st.get = append(st.get, float64(t2.Sub(t1).Microseconds())/1000)
+				}
+			}
+			mu.Lock()
+			total.pairs += st.pairs
+			total.failed += st.failed
+			total.create = append(total.create, st.create...)
+			total.get = append(total.get, st.get...)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	return total
+}
