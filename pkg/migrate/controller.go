@@ -205,8 +205,14 @@ func (c *Controller) migrate(ctx context.Context, rs []Resource, targets map[str
 	c.status.Running = names
 	c.mu.Unlock()
 	c.log.Info("Write key changed; migrating stored objects", "resources", names)
+	// The verifying re-scan covers only rs; it is merged into the latest inventory so
+	// that the guard keeps counting the other resources.
+	verified := &InventoryStore{}
 	res, err := Migrate(ctx, Options{Client: c.opts.Client, Source: c.opts.Source, Resources: rs, Rate: c.opts.Rate,
-		Inventory: c.opts.Inventory, Metrics: c.opts.Metrics, ConfigHash: c.opts.ConfigHash(), Logger: c.opts.Logger})
+		Inventory: verified, Metrics: c.opts.Metrics, ConfigHash: c.opts.ConfigHash(), Logger: c.opts.Logger})
+	if inv := verified.Latest(); inv != nil {
+		c.opts.Inventory.Set(mergeInventories(c.opts.Inventory.Latest(), inv, c.opts.Resources))
+	}
 	rec := &MigrationRecord{Resources: names, Finished: c.opts.Clock.Now()}
 	if res != nil {
 		rec.Duration, rec.Counters = res.Duration, res.Counters
@@ -235,4 +241,24 @@ func (c *Controller) setErr(err error) {
 	c.status.LastError = err.Error()
 	c.mu.Unlock()
 	c.log.Error(err, "Inventory failed; retrying at the next check")
+}
+
+// mergeInventories returns newer with the resources it does not cover taken from older,
+// in the order of resources. TakenAt and ConfigHash are newer's; every resource keeps
+// its own revision and write key, which is what the guard compares.
+func mergeInventories(older, newer *Inventory, resources []Resource) *Inventory {
+	if older == nil {
+		return newer
+	}
+	out := *newer
+	out.Resources = nil
+	for _, r := range resources {
+		if ri := newer.Find(r.String()); ri != nil {
+			out.Resources = append(out.Resources, *ri)
+		} else if ri := older.Find(r.String()); ri != nil {
+			out.Resources = append(out.Resources, *ri)
+			out.DecryptChecked = out.DecryptChecked && older.DecryptChecked
+		}
+	}
+	return &out
 }

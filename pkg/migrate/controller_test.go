@@ -85,3 +85,36 @@ func waitFor(t *testing.T, cond func() bool) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// A migration of one resource keeps the other resources in the inventory the guard
+// reads, so a later change to them is still judged with counts.
+func TestControllerMigrationKeepsOtherResourcesInInventory(t *testing.T) {
+	cli := startEtcd(t)
+	_, s0 := setFor(t, "secrets", "aesgcm:key1") // configmaps: identity throughout
+	writeObjects(t, cli, s0, secrets, 20)
+	writeObjects(t, cli, s0, configmaps, 5)
+	sw := &swappable{}
+	sw.cur.Store(s0)
+	src := FromRules(sw, func() []transformers.RuleInfo { return sw.cur.Load().Rules() })
+	c := NewController(ControllerOptions{Client: cli, Source: src, Resources: testResources(), AutoMigrate: true, CheckInterval: 20 * time.Millisecond, Logger: testLogger(t)})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); c.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	waitFor(t, func() bool { return c.Inventory().Latest() != nil })
+
+	// Only secrets change their write key.
+	_, s1 := setFor(t, "secrets", "aesgcm:key2,key1")
+	sw.cur.Store(s1)
+	waitFor(t, func() bool {
+		st := c.Status()
+		return st.LastMigration != nil && st.LastMigration.Error == ""
+	})
+	inv := c.Inventory().Latest()
+	if inv.Find("secrets") == nil || inv.Find("configmaps") == nil || inv.Find("configmaps").Objects != 5 {
+		t.Fatalf("inventory after migrating secrets covers %+v, want secrets and configmaps", inv.Resources)
+	}
+	if got := bucketCount(inv.Find("secrets"), "k8s:enc:aesgcm:v1:key2:", false); got != 20 {
+		t.Fatalf("secrets on key2: %d", got)
+	}
+}
