@@ -96,6 +96,11 @@ type Options struct {
 	Clock clock.Clock
 	// Guard, when set, may veto a new configuration; an error refuses the reload.
 	Guard func(current, next *config.Config) error
+	// StatusExtras, when set, adds sections to the status document: each key becomes a
+	// top-level member (e.g. "storage") next to the agent's own, which win on a clash.
+	// It is called on every Status call and must be safe for concurrent use; what it
+	// returns must hold no key material.
+	StatusExtras func() map[string]any
 }
 
 // generation is one applied configuration and the calls running on it.

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -628,5 +629,55 @@ func TestChangedDuringLoadStartsOver(t *testing.T) {
 	st := f.agent.Status()
 	if st.ActiveConfigHash != config.Hash([]byte(final)) || st.ReloadsSucceeded != 1 || st.ReloadsFailed != 0 {
 		t.Fatalf("status: %+v", st)
+	}
+}
+
+// Options.StatusExtras: each section is a top-level member of the document, read
+// afresh on every request; a section named like one of the agent's members is left
+// out and the agent's member stays.
+func TestStatusExtras(t *testing.T) {
+	var calls atomic.Int64
+	f := newFixture(t, secretsConfig("aesgcm:k1"), func(o *Options) {
+		o.StatusExtras = func() map[string]any {
+			n := calls.Add(1)
+			return map[string]any{
+				"storage":          map[string]any{"calls": n},
+				"activeConfigHash": "not the agent's",
+			}
+		}
+	})
+	srv := httptest.NewServer(f.agent.StatusHandler())
+	defer srv.Close()
+	for want := int64(1); want <= 2; want++ {
+		resp, err := http.Get(srv.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var doc map[string]json.RawMessage
+		err = json.NewDecoder(resp.Body).Decode(&doc)
+		resp.Body.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var storage struct{ Calls int64 }
+		if err := json.Unmarshal(doc["storage"], &storage); err != nil || storage.Calls != want {
+			t.Fatalf("storage section %s (%v), want calls %d", doc["storage"], err, want)
+		}
+		var hash string
+		if err := json.Unmarshal(doc["activeConfigHash"], &hash); err != nil || hash != f.agent.ActiveConfig().Hash {
+			t.Fatalf("activeConfigHash %s, want the agent's %s", doc["activeConfigHash"], f.agent.ActiveConfig().Hash)
+		}
+		if _, ok := doc["resources"]; !ok {
+			t.Fatalf("agent members missing: %v", doc)
+		}
+	}
+	// Without extras the document is the plain struct.
+	var st Status
+	b, err := json.Marshal(Status{ConfigPath: "p"})
+	if err != nil || json.Unmarshal(b, &st) != nil || st.ConfigPath != "p" || strings.Contains(string(b), "storage") {
+		t.Fatalf("plain document %s %v", b, err)
+	}
+	if got := f.agent.Rules(); len(got) != 1 || got[0].WriteKey != "k1" {
+		t.Fatalf("Rules() = %+v", got)
 	}
 }

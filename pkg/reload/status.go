@@ -1,9 +1,14 @@
 package reload
 
 import (
+	"bytes"
 	"encoding/json"
+	"fmt"
 	"net/http"
+	"slices"
 	"time"
+
+	"github.com/rekey-io/rekey/pkg/config"
 
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
@@ -40,6 +45,50 @@ type Status struct {
 	Resources []transformers.RuleInfo `json:"resources"`
 	// KMSProviders lists every KMS provider of the active configuration in file order.
 	KMSProviders []transformers.KMSStatus `json:"kmsProviders"`
+	// Extras are the sections Options.StatusExtras added. They are marshalled as
+	// top-level members after the ones above (sorted by key); a key that names one of
+	// the members above is left out. Unmarshalling leaves Extras empty.
+	Extras map[string]any `json:"-"`
+}
+
+// statusFields is Status without its MarshalJSON.
+type statusFields Status
+
+// MarshalJSON writes the fields of Status, then each of Extras as a member of its own.
+func (s Status) MarshalJSON() ([]byte, error) {
+	base, err := json.Marshal(statusFields(s))
+	if err != nil {
+		return nil, err
+	}
+	if len(s.Extras) == 0 {
+		return base, nil
+	}
+	var own map[string]json.RawMessage
+	if err := json.Unmarshal(base, &own); err != nil {
+		return nil, err
+	}
+	keys := make([]string, 0, len(s.Extras))
+	for k := range s.Extras {
+		if _, clash := own[k]; !clash {
+			keys = append(keys, k)
+		}
+	}
+	slices.Sort(keys)
+	var b bytes.Buffer
+	b.Write(base[:len(base)-1]) // without the closing brace
+	for _, k := range keys {
+		v, err := json.Marshal(s.Extras[k])
+		if err != nil {
+			return nil, fmt.Errorf("status document section %q: %w", k, err)
+		}
+		name, _ := json.Marshal(k)
+		b.WriteByte(',')
+		b.Write(name)
+		b.WriteByte(':')
+		b.Write(v)
+	}
+	b.WriteByte('}')
+	return b.Bytes(), nil
 }
 
 // Status returns the status document.
@@ -63,8 +112,18 @@ func (a *Agent) Status() Status {
 	st.ReloadsSucceeded, st.ReloadsFailed = s.succeeded, s.failed
 	st.LastAttemptAt = s.lastAttemptAt
 	st.LastError, st.LastErrorAt, st.LastErrorConfigHash = s.lastErr, s.lastErrAt, s.lastErrHash
+	if a.opts.StatusExtras != nil {
+		st.Extras = a.opts.StatusExtras()
+	}
 	return st
 }
+
+// Rules describes the resource rules of the active configuration (Status().Resources
+// without the rest of the document).
+func (a *Agent) Rules() []transformers.RuleInfo { return a.cur.Load().set.Rules() }
+
+// ActiveConfig returns the configuration in use. Callers must not modify it.
+func (a *Agent) ActiveConfig() *config.Config { return a.cur.Load().cfg }
 
 // StatusHandler serves the status document as JSON on GET and HEAD.
 func (a *Agent) StatusHandler() http.Handler {
