@@ -43,11 +43,12 @@ type flags struct {
 func newCommand() *cobra.Command {
 	f := &flags{
 		opts: shim.Options{
-			AutomaticReload: true,
-			EncryptionLayer: shim.LayerRekey,
-			EtcdPrefix:      shim.DefaultEtcdPrefix,
-			SecurePort:      6443,
-			DataDir:         "rekey-data",
+			AutomaticReload:  true,
+			StorageMigration: true,
+			EncryptionLayer:  shim.LayerRekey,
+			EtcdPrefix:       shim.DefaultEtcdPrefix,
+			SecurePort:       6443,
+			DataDir:          "rekey-data",
 		},
 		bindAddress: "127.0.0.1",
 		logging:     logsapi.NewLoggingConfiguration(),
@@ -60,7 +61,14 @@ func newCommand() *cobra.Command {
 		Long: `apiserver-shim serves core/v1 Secrets and ConfigMaps from etcd, stored exactly as
 kube-apiserver stores them (protobuf at <etcd-prefix>/<resource>/<namespace>/<name>),
 encrypted by the configuration in --encryption-provider-config. TLS and bearer-token
-authentication are always on; /healthz, /livez and /readyz are open to probes.`,
+authentication are always on; /healthz, /livez and /readyz are open to probes.
+
+Stored data follows the keys: when the write key of a resource changes, its stored
+objects are re-encrypted in etcd (--storage-migration=false only counts them), and a
+reload that would drop a key still encrypting stored objects is refused, the old
+configuration serving on (--unsafe-allow-dropping-keys-in-use overrides this for
+disaster recovery). The inventory and the migration state are in /rekey/status under
+"storage" and in /metrics as rekey_storage_*.`,
 		SilenceUsage: true,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			verflag.PrintAndExitIfRequested()
@@ -87,6 +95,20 @@ authentication are always on; /healthz, /livez and /readyz are open to probes.`,
 	enc.DurationVar(&f.opts.KMSTimings.WriteTTL, "kms-write-ttl", 0, "How long KMS v2 writes continue after the last healthy Status (default 3m). For tests.")
 	for _, name := range []string{"kms-status-interval", "kms-retry-interval", "kms-write-ttl"} {
 		utilruntime.Must(enc.MarkHidden(name))
+	}
+
+	storage := fss.FlagSet("storage migration")
+	storage.BoolVar(&f.opts.StorageMigration, "storage-migration", f.opts.StorageMigration,
+		"When the write key of secrets or configmaps changes (a reload, or a new KMS v2 key id), re-encrypt their stored objects in etcd with it "+
+			"(compare-and-swap; a concurrent update always wins). False only takes inventories of which keys encrypt stored data.")
+	storage.Float64Var(&f.opts.StorageMigrationRate, "storage-migration-rate", 0, "Maximum objects re-encrypted per second by --storage-migration; 0 is unlimited.")
+	storage.BoolVar(&f.opts.AllowDroppingKeysInUse, "unsafe-allow-dropping-keys-in-use", false,
+		"Apply a reload even when it removes a provider or key that the latest inventory says still encrypts stored objects "+
+			"(refused otherwise, naming resource, key and object count). Disaster recovery only: the data under that key becomes unreadable.")
+	storage.DurationVar(&f.opts.StorageCheckInterval, "storage-migration-check-interval", 0, "How often write keys are compared (default 5s). For tests.")
+	storage.DurationVar(&f.opts.StorageInventoryInterval, "storage-inventory-interval", 0, "How often a fresh inventory is taken without a key change (default 10m). For tests.")
+	for _, name := range []string{"storage-migration-check-interval", "storage-inventory-interval"} {
+		utilruntime.Must(storage.MarkHidden(name))
 	}
 
 	etcd := fss.FlagSet("etcd")

@@ -4,15 +4,30 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"sync"
+	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	genericoptions "k8s.io/apiserver/pkg/server/options"
 	"k8s.io/component-base/metrics"
+	"k8s.io/klog/v2"
 
+	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/reload"
 	"github.com/rekey-io/rekey/pkg/transformers"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
+
+// StorageMigrationHookName is the post-start hook that starts the storage migration
+// controller of the rekey layer.
+const StorageMigrationHookName = "start-rekey-storage-migration"
+
+// StorageStatusKey is the member of the status document that holds the storage
+// inventory and the migration controller's state.
+const StorageStatusKey = "storage"
 
 // Encryption layers the shim can run with.
 const (
@@ -28,6 +43,9 @@ type encryptionLayer interface {
 	// install runs before etcd.ApplyTo: it sets c.ResourceTransformers and health
 	// checks, or configures etcd to do so.
 	install(c *genericapiserver.Config, etcd *genericoptions.EtcdOptions) error
+	// startStorage adds what keeps stored data on the current keys (inventory and
+	// migration against etcdServers) as a post-start hook; it stops with the server.
+	startStorage(c *genericapiserver.Config, etcdServers []string) error
 	// statusPath and statusHandler describe the layer's status document ("" when none).
 	statusPath() string
 	statusHandler() http.Handler
@@ -60,20 +78,63 @@ func (u *upstreamLayer) install(_ *genericapiserver.Config, etcd *genericoptions
 	return nil
 }
 
-func (u *upstreamLayer) statusPath() string          { return "" }
-func (u *upstreamLayer) statusHandler() http.Handler { return nil }
-func (u *upstreamLayer) close()                      {}
+func (u *upstreamLayer) startStorage(*genericapiserver.Config, []string) error { return nil }
+func (u *upstreamLayer) statusPath() string                                    { return "" }
+func (u *upstreamLayer) statusHandler() http.Handler                           { return nil }
+func (u *upstreamLayer) close()                                                {}
 
 // rekeyLayer is the agent: it loads and watches the file, swaps configurations and
-// serves the kms-providers check and the status document.
+// serves the kms-providers check and the status document. Next to it runs the storage
+// migration controller: it takes inventories of the stored Secrets and ConfigMaps,
+// re-encrypts them when a write key changes (unless StorageMigration is off), and its
+// inventories feed the guard that refuses a reload dropping a key still in use.
 type rekeyLayer struct {
 	agent *reload.Agent
+	// store is the latest inventory, shared by the controller and the guard.
+	store   *migrate.InventoryStore
+	metrics *migrate.Metrics
+	opts    storageOptions
+	log     klog.Logger
+
+	mu     sync.Mutex
+	ctrl   *migrate.Controller
+	client *clientv3.Client
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// storageOptions are the parts of Options the controller uses.
+type storageOptions struct {
+	autoMigrate       bool
+	allowDropping     bool
+	etcdPrefix        string
+	rate              float64
+	checkInterval     time.Duration
+	inventoryInterval time.Duration
 }
 
 func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, apiServerID string) (*rekeyLayer, error) {
 	if o.EncryptionConfig == "" {
 		return &rekeyLayer{}, nil
 	}
+	m, err := migrate.NewMetrics(reg)
+	if err != nil {
+		return nil, fmt.Errorf("registering storage migration metrics: %w", err)
+	}
+	r := &rekeyLayer{
+		store:   &migrate.InventoryStore{},
+		metrics: m,
+		log:     o.Logger,
+		opts: storageOptions{
+			autoMigrate:       o.StorageMigration,
+			allowDropping:     o.AllowDroppingKeysInUse,
+			etcdPrefix:        o.EtcdPrefix,
+			rate:              o.StorageMigrationRate,
+			checkInterval:     o.StorageCheckInterval,
+			inventoryInterval: o.StorageInventoryInterval,
+		},
+	}
+	allow := r.opts.allowDropping
 	agent, err := reload.NewAgent(ctx, reload.Options{
 		Path:            o.EncryptionConfig,
 		AutomaticReload: o.AutomaticReload,
@@ -83,14 +144,75 @@ func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, ap
 			Metrics: transformers.NewMetrics(reg),
 			KMS:     kmsFactory(o, reg),
 		},
-		Registry:    reg,
-		APIServerID: apiServerID,
-		Logger:      o.Logger,
+		Registry:     reg,
+		APIServerID:  apiServerID,
+		Logger:       o.Logger,
+		Guard:        migrate.NewGuard(r.store, func() bool { return allow }, m, o.Logger),
+		StatusExtras: func() map[string]any { return map[string]any{StorageStatusKey: r.storageStatus()} },
 	})
 	if err != nil {
 		return nil, err
 	}
-	return &rekeyLayer{agent: agent}, nil
+	r.agent = agent
+	return r, nil
+}
+
+// storageResources are the resources the shim stores.
+func storageResources(etcdPrefix string) []migrate.Resource {
+	return []migrate.Resource{
+		migrate.ResourceFor(etcdPrefix, schema.GroupResource{Resource: "secrets"}),
+		migrate.ResourceFor(etcdPrefix, schema.GroupResource{Resource: "configmaps"}),
+	}
+}
+
+func (r *rekeyLayer) startStorage(c *genericapiserver.Config, etcdServers []string) error {
+	if r.agent == nil {
+		return nil
+	}
+	return c.AddPostStartHook(StorageMigrationHookName, func(hc genericapiserver.PostStartHookContext) error {
+		cli, err := clientv3.New(clientv3.Config{Endpoints: etcdServers, DialTimeout: DefaultEtcdConnectTimeout, Logger: zap.NewNop()})
+		if err != nil {
+			return fmt.Errorf("storage migration: etcd client for %v: %w", etcdServers, err)
+		}
+		agent := r.agent
+		ctrl := migrate.NewController(migrate.ControllerOptions{
+			Client:            cli,
+			Source:            migrate.FromRules(agent, agent.Rules),
+			Resources:         storageResources(r.opts.etcdPrefix),
+			AutoMigrate:       r.opts.autoMigrate,
+			CheckInterval:     r.opts.checkInterval,
+			InventoryInterval: r.opts.inventoryInterval,
+			Rate:              r.opts.rate,
+			ConfigHash:        func() string { return agent.ActiveConfig().Hash },
+			Inventory:         r.store,
+			Metrics:           r.metrics,
+			Logger:            r.log,
+		})
+		ctx, cancel := context.WithCancel(hc.Context)
+		done := make(chan struct{})
+		r.mu.Lock()
+		r.ctrl, r.client, r.cancel, r.done = ctrl, cli, cancel, done
+		r.mu.Unlock()
+		go func() {
+			defer close(done)
+			ctrl.Run(ctx)
+		}()
+		r.log.Info("Started storage migration controller", "automaticMigration", r.opts.autoMigrate,
+			"allowDroppingKeysInUse", r.opts.allowDropping, "etcdPrefix", r.opts.etcdPrefix)
+		return nil
+	})
+}
+
+// storageStatus is the storage member of the status document: the controller's state,
+// or before it starts, the latest inventory alone.
+func (r *rekeyLayer) storageStatus() migrate.ControllerStatus {
+	r.mu.Lock()
+	ctrl := r.ctrl
+	r.mu.Unlock()
+	if ctrl != nil {
+		return ctrl.Status()
+	}
+	return migrate.ControllerStatus{AutoMigrate: r.opts.autoMigrate, Inventory: r.store.Latest()}
 }
 
 func kmsFactory(o *Options, reg metrics.KubeRegistry) transformers.KMSFactory {
@@ -127,6 +249,14 @@ func (r *rekeyLayer) statusHandler() http.Handler {
 }
 
 func (r *rekeyLayer) close() {
+	r.mu.Lock()
+	cancel, done, cli := r.cancel, r.done, r.client
+	r.mu.Unlock()
+	if cancel != nil {
+		cancel()
+		<-done
+		_ = cli.Close()
+	}
 	if r.agent != nil {
 		r.agent.Close()
 	}

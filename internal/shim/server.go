@@ -86,6 +86,22 @@ type Options struct {
 	// Tokens are used when TokenAuthFile is empty (in-process callers).
 	Tokens map[string]*user.DefaultInfo
 
+	// StorageMigration re-encrypts the stored Secrets and ConfigMaps when the write key
+	// of their rule changes (rekey layer; --storage-migration, on by default in the
+	// command). Off, the layer still takes inventories for the status document, the
+	// metrics and the key-in-use guard.
+	StorageMigration bool
+	// StorageMigrationRate bounds rewrites per second; 0 is unlimited.
+	StorageMigrationRate float64
+	// StorageCheckInterval is how often the write keys are compared (default 5 s);
+	// StorageInventoryInterval how often a fresh inventory is taken without a change
+	// (default 10 min).
+	StorageCheckInterval     time.Duration
+	StorageInventoryInterval time.Duration
+	// AllowDroppingKeysInUse lets a reload through the key-in-use guard anyway
+	// (--unsafe-allow-dropping-keys-in-use; disaster recovery only).
+	AllowDroppingKeysInUse bool
+
 	// MetricsRegistry receives the encryption layer's metrics (default: a new one). It
 	// is served at /metrics together with the process-wide registry k8s.io/apiserver
 	// uses; keeping them apart lets upstream's own registrations of the same metric
@@ -263,6 +279,9 @@ func Run(ctx context.Context, o Options) error {
 	}
 	if err := etcdOpts.ApplyTo(c); err != nil {
 		return fmt.Errorf("etcd storage: %w", err)
+	}
+	if err := layer.startStorage(c, etcdServers); err != nil {
+		return err
 	}
 
 	info := Info{

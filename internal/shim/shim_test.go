@@ -78,6 +78,7 @@ func runMain(m *testing.M) int {
 		done <- shim.Run(ctx, shim.Options{
 			EncryptionConfig:  configPath,
 			AutomaticReload:   true,
+			StorageMigration:  true,
 			DataDir:           filepath.Join(dir, "etcd"),
 			EtcdUnsafeNoFsync: true,
 			CertDir:           filepath.Join(dir, "certs"),
@@ -322,4 +323,65 @@ func mustTransport(t *testing.T, c *rest.Config) http.RoundTripper {
 		t.Fatal(err)
 	}
 	return rt
+}
+
+// The rekey layer's storage controller: its inventory of secrets and configmaps is in
+// the status document under "storage" and in /metrics as rekey_storage_*.
+func TestStorageInventoryInStatusAndMetrics(t *testing.T) {
+	ctx := t.Context()
+	if _, err := client.CoreV1().Secrets("inventory").Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "s"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	authed := &http.Client{Transport: mustTransport(t, restConfig)}
+	get := func(path string) []byte {
+		resp, err := authed.Get(info.URL + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("GET %s: %d %s", path, resp.StatusCode, body)
+		}
+		return body
+	}
+	var doc struct {
+		ActiveConfigHash string `json:"activeConfigHash"`
+		Storage          *struct {
+			AutoMigrate bool `json:"autoMigrate"`
+			Inventory   *struct {
+				ConfigHash string `json:"configHash"`
+				Resources  []struct {
+					Resource    string `json:"resource"`
+					KeyPrefix   string `json:"keyPrefix"`
+					WritePrefix string `json:"writePrefix"`
+				} `json:"resources"`
+			} `json:"inventory"`
+		} `json:"storage"`
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		if err := json.Unmarshal(get(info.StatusPath), &doc); err != nil {
+			t.Fatal(err)
+		}
+		if doc.Storage != nil && doc.Storage.Inventory != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no inventory in the status document: %s", get(info.StatusPath))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	inv := doc.Storage.Inventory
+	if !doc.Storage.AutoMigrate || inv.ConfigHash != doc.ActiveConfigHash || len(inv.Resources) != 2 ||
+		inv.Resources[0].Resource != "secrets" || inv.Resources[0].KeyPrefix != "/registry/secrets/" ||
+		inv.Resources[1].Resource != "configmaps" || inv.Resources[1].KeyPrefix != "/registry/configmaps/" {
+		t.Fatalf("storage section: %s", get(info.StatusPath))
+	}
+	m := string(get("/metrics"))
+	for _, name := range []string{"rekey_storage_inventory_last_timestamp_seconds", "rekey_storage_guard_refusals_total", "rekey_storage_migration_running"} {
+		if !strings.Contains(m, name) {
+			t.Errorf("/metrics lacks %s", name)
+		}
+	}
 }
