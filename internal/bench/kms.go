@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"os"
@@ -76,10 +77,12 @@ func (e *kmsEnv) kmsPair(name string) (*LocalPair, error) {
 	}
 }
 
-var kmsNames = func() func() string {
-	n := 0
-	return func() string { n++; return fmt.Sprintf("bench-kms-%d", n) }
-}()
+// kmsNames returns a fresh provider name: every new provider gets its own seed (DEK).
+func kmsNames() string {
+	b := make([]byte, 4)
+	_, _ = rand.Read(b)
+	return fmt.Sprintf("bench-kms-%x", b)
+}
 
 func runKMS(s Settings) ([]Row, error) {
 	env, err := startKMS()
