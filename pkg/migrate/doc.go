@@ -36,19 +36,22 @@
 // the reload agent and migrates a resource when its write key changes; its inventories
 // feed the guard that the agent runs before every reload:
 //
-//	src := migrate.FromRules(agent, func() []transformers.RuleInfo { return agent.Status().Resources })
+//	store := &migrate.InventoryStore{}
 //	m, _ := migrate.NewMetrics(registry)
+//	agentOpts.Guard = migrate.NewGuard(store, func() bool { return overrideFlag }, m, logger)
+//	agent, _ := reload.NewAgent(ctx, agentOpts)
 //	ctrl := migrate.NewController(migrate.ControllerOptions{
-//		Client: etcdClient, Source: src, Resources: resources,
+//		Client: etcdClient, Source: migrate.FromRules(agent, agent.Rules), Resources: resources,
 //		AutoMigrate: storageMigrationFlag, // --storage-migration
-//		Metrics: m, ConfigHash: func() string { return agent.Status().ActiveConfigHash },
+//		Inventory: store, Metrics: m,
+//		ConfigHash: func() string { return agent.ActiveConfig().Hash },
 //	})
-//	agentOpts.Guard = migrate.NewGuard(ctrl.Inventory(), func() bool { return overrideFlag }, m, logger)
 //	go ctrl.Run(ctx)
 //
-// Because the guard is built before the agent and the controller needs the agent, the
-// shim creates one InventoryStore, passes it to both (ControllerOptions.Inventory) and
-// builds the guard from it.
+// The guard is built before the agent and the controller needs the agent, so both share
+// one InventoryStore. A migration of some resources merges its verifying re-scan into
+// the store's latest inventory. internal/shim wires it this way, with the controller's
+// Status under "storage" in the agent's status document (reload.Options.StatusExtras).
 //
 // # Guard
 //
