@@ -110,7 +110,9 @@ func TestReloadUnderWriter(t *testing.T) {
 	config := filepath.Join(dir, "encryption.yaml")
 	key1, key2 := testbed.RandomKey(), testbed.RandomKey()
 	writeConfig(t, config, encryptionConfig([]string{aesgcm("key1", key1), identity}, []string{identity}))
-	s := startShim(t, testbed.ShimConfig{Dir: dir, EncryptionConfig: config})
+	// The reload path alone: automatic storage migration would rewrite objects under the
+	// writers, whose blind updates would then meet 409 conflicts they do not retry.
+	s := startShim(t, testbed.ShimConfig{Dir: dir, EncryptionConfig: config, Args: []string{"--storage-migration=false"}})
 	c := clientFor(t, s)
 	ns := "reload-writer"
 	if _, err := c.CoreV1().Secrets(ns).Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "old"},
@@ -174,7 +176,9 @@ func TestBadConfigKeepsServing(t *testing.T) {
 	dir := t.TempDir()
 	config := filepath.Join(dir, "encryption.yaml")
 	writeConfig(t, config, encryptionConfig([]string{aesgcm("key1", testbed.RandomKey()), identity}, []string{identity}))
-	s := startShim(t, testbed.ShimConfig{Dir: dir, EncryptionConfig: config})
+	// The reload path alone: automatic storage migration would rewrite objects under the
+	// writers, whose blind updates would then meet 409 conflicts they do not retry.
+	s := startShim(t, testbed.ShimConfig{Dir: dir, EncryptionConfig: config, Args: []string{"--storage-migration=false"}})
 	c := clientFor(t, s)
 	ns := "bad-config"
 	w := startWriters(t, c, ns, 2)
