@@ -173,11 +173,15 @@ func upstreamReload(dir string, samples int, s Settings) ([]float64, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	loaded, err := encryptionconfig.LoadEncryptionConfig(ctx, path, true, "bench")
+	// The first transformers get their own context: the controller cancels it when it
+	// replaces them, which must not stop the controller itself.
+	loadCtx, closeFirst := context.WithCancel(ctx)
+	loaded, err := encryptionconfig.LoadEncryptionConfig(loadCtx, path, true, "bench")
 	if err != nil {
+		closeFirst()
 		return nil, err
 	}
-	dyn := encryptionconfig.NewDynamicTransformers(loaded.Transformers, loaded.HealthChecks[0], cancel, loaded.KMSCloseGracePeriod)
+	dyn := encryptionconfig.NewDynamicTransformers(loaded.Transformers, loaded.HealthChecks[0], closeFirst, loaded.KMSCloseGracePeriod)
 	ctrl := controller.NewDynamicEncryptionConfiguration("bench", path, dyn, loaded.EncryptionFileContentHash, "bench")
 	go ctrl.Run(ctx)
 	tr := dyn.TransformerForResource(secretsGR)

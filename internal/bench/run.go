@@ -23,6 +23,10 @@ type Settings struct {
 type Impl struct {
 	Name string
 	Op   Op
+	// Reset, when set, runs (untimed) before every sample: implementations that retain
+	// memory per operation get a fresh instance, so their heap does not tax the others'
+	// garbage collection in the shared process.
+	Reset func() error
 }
 
 // Target is a goal for rekey (Impls[0]) in one case.
@@ -52,6 +56,11 @@ func RunOpCases(s Settings, cases []OpCase) ([]Row, error) {
 		for r := 0; r < s.Rounds; r++ {
 			for k := range c.Impls {
 				i := (k + r) % len(c.Impls)
+				if reset := c.Impls[i].Reset; reset != nil {
+					if err := reset(); err != nil {
+						return nil, fmt.Errorf("%s %s (%s): reset: %w", c.Scenario, c.Case, c.Impls[i].Name, err)
+					}
+				}
 				smp, err := measure(c.Impls[i].Op, Budget{SampleTime: s.SampleTime, Parallel: c.Parallel})
 				if err != nil {
 					return nil, fmt.Errorf("%s %s (%s): %w", c.Scenario, c.Case, c.Impls[i].Name, err)

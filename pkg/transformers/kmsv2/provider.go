@@ -75,6 +75,13 @@ type Provider struct {
 	pm     *providerMetrics
 	dek    *dekCache
 	aeads  *aeadCache
+	// recent maps the stored identity fields (everything after a leading field 1:
+	// key id, DEK source, annotations, type — verbatim) of recently read values to their
+	// DEK entry. It spares the common read of a value from another generation (another
+	// apiserver, or before a restart) the SHA-256 cache key. Copy-on-write, so reads take
+	// no lock; bounded by recentTails.
+	recent   atomic.Pointer[map[string]*dekEntry]
+	recentMu sync.Mutex
 
 	write atomic.Pointer[writeState]
 	view  atomic.Pointer[state.View]
@@ -209,14 +216,19 @@ func (p *Provider) Open(ctx context.Context, data []byte, dataCtx value.Context)
 		if ws != nil {
 			stale = string(o.KeyID) != ws.keyID || o.SourceType != ws.typ
 		}
-		k := wire.ComputeCacheKey(o.SourceType, o.DEKSource, o.KeyID, annos)
-		if e = p.dek.get(k); e != nil {
+		if e = p.recentEntry(o.Tail); e != nil {
 			p.pm.hits.Inc()
 		} else {
-			p.pm.miss()
-			if e, err = p.fetch(ctx, &o, annos, k); err != nil {
-				return nil, false, err
+			k := wire.ComputeCacheKey(o.SourceType, o.DEKSource, o.KeyID, annos)
+			if e = p.dek.get(k); e != nil {
+				p.pm.hits.Inc()
+			} else {
+				p.pm.miss()
+				if e, err = p.fetch(ctx, &o, annos, k); err != nil {
+					return nil, false, err
+				}
 			}
+			p.rememberTail(o.Tail, e)
 		}
 	}
 	out, err := p.decrypt(e, o.Data, dataCtx.AuthenticatedData(), ws)
@@ -224,6 +236,40 @@ func (p *Provider) Open(ctx context.Context, data []byte, dataCtx value.Context)
 		return nil, false, err
 	}
 	return out, stale, nil
+}
+
+// recentTails bounds Provider.recent; a full map starts over (entries stay in the DEK
+// cache, so the price of a reset is one SHA-256 per distinct DEK source).
+const recentTails = 64
+
+// recentEntry returns the DEK entry of a value whose identity fields are tail. The tail
+// determines every identity field (the decoder takes them from these bytes alone), so
+// equal tails mean the same DEK source.
+func (p *Provider) recentEntry(tail []byte) *dekEntry {
+	if tail == nil {
+		return nil
+	}
+	if m := p.recent.Load(); m != nil {
+		return (*m)[string(tail)]
+	}
+	return nil
+}
+
+func (p *Provider) rememberTail(tail []byte, e *dekEntry) {
+	if tail == nil {
+		return
+	}
+	p.recentMu.Lock()
+	defer p.recentMu.Unlock()
+	old := p.recent.Load()
+	next := make(map[string]*dekEntry, recentTails)
+	if old != nil && len(*old) < recentTails {
+		for k, v := range *old {
+			next[k] = v
+		}
+	}
+	next[string(tail)] = e
+	p.recent.Store(&next)
 }
 
 func (p *Provider) decrypt(e *dekEntry, data, aad []byte, ws *writeState) ([]byte, error) {
