@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"sort"
@@ -188,7 +189,7 @@ func upstreamReload(dir string, samples int, s Settings) ([]float64, error) {
 	var ms []float64
 	for i := 1; i <= samples; i++ {
 		// A random offset into the 1-minute cycle, so samples are not phase-locked.
-		time.Sleep(time.Duration(time.Now().UnixNano() % int64(controller.EncryptionConfigFileChangePollDuration)))
+		time.Sleep(rand.N(controller.EncryptionConfigFileChangePollDuration))
 		name := fmt.Sprintf("u%d", i)
 		start := time.Now()
 		if err := writeRename(path, aesgcmConfig(name)); err != nil {
