@@ -22,7 +22,8 @@ func main() {
 		rounds     = flag.Int("rounds", 0, "alternating samples per implementation and case (default 5, short 3)")
 		sampleTime = flag.Duration("sample-time", 0, "target duration of one sample (default 100ms, short 25ms)")
 		markdown   = flag.String("markdown", "", "write the report to this file (default: stdout only)")
-		charts     = flag.String("charts", "", "write one SVG chart per scenario group into this directory")
+		charts     = flag.String("charts", "", "write one chart per scenario group into this directory")
+		chartFmt   = flag.String("chart-format", "svg", "chart file type: svg or png")
 		failOnMiss = flag.Bool("fail-on-miss", false, "exit 1 when a target is missed")
 	)
 	flag.Parse()
@@ -51,7 +52,11 @@ func main() {
 		fmt.Fprintln(os.Stderr, "rekey-bench:", err)
 		os.Exit(2)
 	}
-	report := &bench.Report{Command: "rekey-bench " + strings.Join(os.Args[1:], " "), Started: time.Now()}
+	if *chartFmt != "svg" && *chartFmt != "png" {
+		fmt.Fprintf(os.Stderr, "rekey-bench: -chart-format %q: use svg or png\n", *chartFmt)
+		os.Exit(2)
+	}
+	report := &bench.Report{ChartFormat: *chartFmt, Command: "rekey-bench " + strings.Join(os.Args[1:], " "), Started: time.Now()}
 	for _, sc := range selected {
 		fmt.Fprintf(os.Stderr, "== %s: %s\n", sc.Name, sc.Desc)
 		rows, err := sc.Run(settings)

@@ -63,9 +63,11 @@ func (r Row) Speedup(i int) float64 {
 
 // Report collects rows and renders them.
 type Report struct {
-	Command string
-	Started time.Time
-	Rows    []Row
+	// ChartFormat is the chart file type: "svg" (default) or "png".
+	ChartFormat string
+	Command     string
+	Started     time.Time
+	Rows        []Row
 }
 
 // Missed counts target checks that were not met.
@@ -189,7 +191,7 @@ func (r *Report) WriteMarkdown(w io.Writer, chartDir string) {
 		}
 		if chartDir != "" {
 			for _, chart := range r.chartsOf(sc) {
-				fmt.Fprintf(w, "\n![%s](%s)\n", chart, filepath.ToSlash(filepath.Join(chartDir, chartFile(sc, chart))))
+				fmt.Fprintf(w, "\n![%s](%s)\n", chart, filepath.ToSlash(filepath.Join(chartDir, r.chartFile(sc, chart))))
 			}
 		}
 		fmt.Fprintln(w)
@@ -231,7 +233,7 @@ func (r *Report) chartsOf(sc string) []string {
 	return out
 }
 
-func chartFile(scenario, chart string) string {
+func (r *Report) chartFile(scenario, chart string) string {
 	clean := func(s string) string {
 		return strings.Map(func(r rune) rune {
 			if r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '-' {
@@ -243,7 +245,11 @@ func chartFile(scenario, chart string) string {
 			return '-'
 		}, s)
 	}
-	return clean(scenario) + "_" + clean(chart) + ".svg"
+	ext := r.ChartFormat
+	if ext == "" {
+		ext = "svg"
+	}
+	return clean(scenario) + "_" + clean(chart) + "." + ext
 }
 
 // WriteCharts draws one grouped bar chart per chart group: rekey's speedup over each
@@ -262,13 +268,18 @@ func (r *Report) WriteCharts(dir string) error {
 			}
 			p := plot.New()
 			p.Title.Text = sc + ": " + chart
-			p.Y.Label.Text = "rekey speedup (×, higher is better)"
+			p.Y.Label.Text = "rekey speedup (×, higher is better; capped at 12)"
 			var labels []string
 			for _, row := range rows {
 				labels = append(labels, row.X)
 			}
 			nBase := len(rows[0].Figures) - 1
 			width := vg.Points(18)
+			// Speedups span 0.3× to thousands (identity). Bars are drawn up to chartCap and
+			// every bar carries its value, so the interesting range stays readable.
+			const chartCap = 12.0
+			var labelXYs []plotter.XY
+			var labelTexts []string
 			for b := 1; b <= nBase; b++ {
 				vals := make(plotter.Values, len(rows))
 				for i, row := range rows {
@@ -277,7 +288,14 @@ func (r *Report) WriteCharts(dir string) error {
 						if math.IsNaN(s) || math.IsInf(s, 0) {
 							s = 0
 						}
-						vals[i] = s
+						vals[i] = min(s, chartCap)
+						offset := float64(b-1) - float64(nBase-1)/2
+						labelXYs = append(labelXYs, plotter.XY{X: float64(i) + offset*0.3, Y: min(s, chartCap) + 0.15})
+						label := fmt.Sprintf("%.2f", s)
+						if s >= 100 {
+							label = fmt.Sprintf("%.0f", s)
+						}
+						labelTexts = append(labelTexts, label)
 					}
 				}
 				bars, err := plotter.NewBarChart(vals, width)
@@ -290,13 +308,21 @@ func (r *Report) WriteCharts(dir string) error {
 				p.Add(bars)
 				p.Legend.Add("vs "+rows[0].Figures[b].Impl, bars)
 			}
+			if labels, err := plotter.NewLabels(plotter.XYLabels{XYs: labelXYs, Labels: labelTexts}); err == nil {
+				for i := range labels.TextStyle {
+					labels.TextStyle[i].Font.Size = vg.Points(7)
+					labels.TextStyle[i].XAlign = -0.5
+				}
+				p.Add(labels)
+			}
+			p.Y.Max = chartCap + 1
 			parity := plotter.NewFunction(func(float64) float64 { return 1 })
 			parity.Dashes = []vg.Length{vg.Points(3), vg.Points(3)}
 			p.Add(parity)
 			p.Legend.Top = true
 			p.NominalX(labels...)
 			p.Y.Min = 0
-			if err := p.Save(vg.Length(80+60*len(rows))*vg.Points(1)+4*vg.Inch, 3.5*vg.Inch, filepath.Join(dir, chartFile(sc, chart))); err != nil {
+			if err := p.Save(vg.Length(80+60*len(rows))*vg.Points(1)+4*vg.Inch, 3.5*vg.Inch, filepath.Join(dir, r.chartFile(sc, chart))); err != nil {
 				return err
 			}
 		}
