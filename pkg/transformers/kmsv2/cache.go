@@ -62,54 +62,71 @@ func deriveGCM(seed, info []byte) (cipher.AEAD, error) {
 	return newGCM(key)
 }
 
-// dekCache maps DEK-source identities to decrypted sources. It is bounded in entries
-// (so in memory: an entry is a ≤1 KiB-bounded seed or one AES key schedule) and evicts
-// the oldest insertion first; nothing is added per write.
-type dekCache struct {
+// fifoCache is a map bounded in entries that evicts the oldest insertion first; nothing
+// is added per write. It backs the DEK-source cache (an entry is a ≤1 KiB-bounded seed or
+// one AES key schedule, so entries bound memory too) and the derived-key cache.
+type fifoCache[K comparable, V any] struct {
 	mu   sync.RWMutex
-	m    map[wire.CacheKey]*dekEntry
-	ring []wire.CacheKey
+	m    map[K]V
+	ring []K
 	next int
-	pm   *providerMetrics
+	// changed, when set, runs under the lock after an insertion with the new size and
+	// whether an entry was evicted (for metrics).
+	changed func(size int, evicted bool)
 }
 
-func newDEKCache(size int, pm *providerMetrics) *dekCache {
-	if size < 1 {
-		size = 1
-	}
-	return &dekCache{m: make(map[wire.CacheKey]*dekEntry, size), ring: make([]wire.CacheKey, 0, size), pm: pm}
+func newFIFOCache[K comparable, V any](size int, changed func(size int, evicted bool)) *fifoCache[K, V] {
+	size = max(size, 1)
+	return &fifoCache[K, V]{m: make(map[K]V, size), ring: make([]K, 0, size), changed: changed}
 }
 
-func (c *dekCache) get(k wire.CacheKey) *dekEntry {
+// get returns the value for k, or the zero value.
+func (c *fifoCache[K, V]) get(k K) V {
 	c.mu.RLock()
-	e := c.m[k]
+	v := c.m[k]
 	c.mu.RUnlock()
-	return e
+	return v
 }
 
-func (c *dekCache) put(k wire.CacheKey, e *dekEntry) *dekEntry {
+// put stores v under k unless k is present, and returns the value now cached for k.
+func (c *fifoCache[K, V]) put(k K, v V) V {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if old, ok := c.m[k]; ok {
 		return old
 	}
+	evicted := false
 	if len(c.ring) < cap(c.ring) {
 		c.ring = append(c.ring, k)
 	} else {
 		delete(c.m, c.ring[c.next])
 		c.ring[c.next] = k
 		c.next = (c.next + 1) % len(c.ring)
-		c.pm.evictions.Inc()
+		evicted = true
 	}
-	c.m[k] = e
-	c.pm.size.Set(float64(len(c.m)))
-	return e
+	c.m[k] = v
+	if c.changed != nil {
+		c.changed(len(c.m), evicted)
+	}
+	return v
 }
 
-func (c *dekCache) len() int {
+func (c *fifoCache[K, V]) len() int {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	return len(c.m)
+}
+
+// dekCache maps DEK-source identities to decrypted sources.
+type dekCache = fifoCache[wire.CacheKey, *dekEntry]
+
+func newDEKCache(size int, pm *providerMetrics) *dekCache {
+	return newFIFOCache[wire.CacheKey, *dekEntry](size, func(n int, evicted bool) {
+		if evicted {
+			pm.evictions.Inc()
+		}
+		pm.size.Set(float64(n))
+	})
 }
 
 // aeadKey names one derived key: the seed it comes from and the info.
@@ -120,36 +137,6 @@ type aeadKey struct {
 
 // aeadCache keeps recently derived AES-GCM instances, so reading values written under
 // one generation (ours reuse an info for many writes) skips HKDF and key expansion.
-type aeadCache struct {
-	mu   sync.RWMutex
-	m    map[aeadKey]cipher.AEAD
-	ring []aeadKey
-	next int
-}
+type aeadCache = fifoCache[aeadKey, cipher.AEAD]
 
-func newAEADCache(size int) *aeadCache {
-	return &aeadCache{m: make(map[aeadKey]cipher.AEAD, size), ring: make([]aeadKey, 0, size)}
-}
-
-func (c *aeadCache) get(k aeadKey) cipher.AEAD {
-	c.mu.RLock()
-	a := c.m[k]
-	c.mu.RUnlock()
-	return a
-}
-
-func (c *aeadCache) put(k aeadKey, a cipher.AEAD) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if _, ok := c.m[k]; ok {
-		return
-	}
-	if len(c.ring) < cap(c.ring) {
-		c.ring = append(c.ring, k)
-	} else {
-		delete(c.m, c.ring[c.next])
-		c.ring[c.next] = k
-		c.next = (c.next + 1) % len(c.ring)
-	}
-	c.m[k] = a
-}
+func newAEADCache(size int) *aeadCache { return newFIFOCache[aeadKey, cipher.AEAD](size, nil) }
