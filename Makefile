@@ -42,7 +42,7 @@ e2e:
 ## bench: the side-by-side harness (rekey vs upstream in one run); writes BENCHMARKS.md
 ## and charts under docs/bench. BENCH_FLAGS=-short finishes in under 2 minutes.
 bench:
-	$(GO) run ./cmd/rekey-bench $(BENCH_FLAGS) -markdown BENCHMARKS.md -charts docs/bench
+	$(GO) run ./cmd/rekey-bench $(BENCH_FLAGS) -notes docs/benchmark-notes.md -markdown BENCHMARKS.md -charts docs/bench
 
 ## bench-go: the Go benchmarks (go test -bench), also side by side with upstream.
 bench-go:

@@ -24,6 +24,7 @@ func main() {
 		markdown   = flag.String("markdown", "", "write the report to this file (default: stdout only)")
 		charts     = flag.String("charts", "", "write one chart per scenario group into this directory")
 		chartFmt   = flag.String("chart-format", "svg", "chart file type: svg or png")
+		notes      = flag.String("notes", "", "a markdown file inserted at the top of the report (the analysis of what the figures mean)")
 		failOnMiss = flag.Bool("fail-on-miss", false, "exit 1 when a target is missed")
 	)
 	flag.Parse()
@@ -80,6 +81,16 @@ func main() {
 		}
 	}
 	var buf bytes.Buffer
+	buf.WriteString("# Benchmarks\n\n")
+	if *notes != "" {
+		text, err := os.ReadFile(*notes)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "rekey-bench:", err)
+			os.Exit(1)
+		}
+		buf.Write(text)
+		buf.WriteString("\n## Results\n\n")
+	}
 	report.WriteMarkdown(&buf, chartRef)
 	os.Stdout.Write(buf.Bytes())
 	if *markdown != "" {
