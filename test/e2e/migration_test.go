@@ -3,11 +3,9 @@ package e2e
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"math/rand/v2"
-	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -58,24 +56,7 @@ type storageDoc struct {
 
 func getStorageDoc(t *testing.T, s *testbed.Shim) (storageDoc, string) {
 	t.Helper()
-	hc, err := s.HTTPClient(true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	resp, err := hc.Get(s.URL + "/rekey/status")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("status document: %s %s", resp.Status, body)
-	}
-	var d storageDoc
-	if err := json.Unmarshal(body, &d); err != nil {
-		t.Fatal(err)
-	}
-	return d, string(body)
+	return statusDoc[storageDoc](t, s)
 }
 
 // settled checks that the latest inventory shows resource written with

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"path/filepath"
 	"strings"
@@ -33,6 +34,15 @@ type reloadStatus struct {
 
 func getStatus(t *testing.T, s *testbed.Shim) reloadStatus {
 	t.Helper()
+	st, _ := statusDoc[reloadStatus](t, s)
+	return st
+}
+
+// statusDoc fetches the agent's status document, decodes it into T and also returns
+// the raw body (for checks that no key material appears in it).
+func statusDoc[T any](t *testing.T, s *testbed.Shim) (T, string) {
+	t.Helper()
+	var doc T
 	hc, err := s.HTTPClient(true)
 	if err != nil {
 		t.Fatal(err)
@@ -42,14 +52,14 @@ func getStatus(t *testing.T, s *testbed.Shim) reloadStatus {
 		t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	var st reloadStatus
+	body, _ := io.ReadAll(resp.Body)
 	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("status document: %s", resp.Status)
+		t.Fatalf("status document: %s %s", resp.Status, body)
 	}
-	if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
+	if err := json.Unmarshal(body, &doc); err != nil {
 		t.Fatal(err)
 	}
-	return st
+	return doc, string(body)
 }
 
 // writer creates and updates Secrets in a loop until stopped, counting failures.
