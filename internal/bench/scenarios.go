@@ -33,7 +33,12 @@ func runTransform(s Settings) ([]Row, error) {
 	if err != nil {
 		return nil, err
 	}
-	rows, err := RunOpCases(s, cases)
+	agentCases, agentClosers, err := AgentCases(s)
+	closers = append(closers, agentClosers...)
+	if err != nil {
+		return nil, err
+	}
+	rows, err := RunOpCases(s, append(cases, agentCases...))
 	if err != nil {
 		return nil, err
 	}

@@ -14,8 +14,10 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/server/options/encryptionconfig"
 	"k8s.io/apiserver/pkg/storage/value"
+	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/reload"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -219,4 +221,66 @@ func TransformRetained(n int) ([]Row, error) {
 		rows = append(rows, row)
 	}
 	return rows, nil
+}
+
+// AgentCases measures what an apiserver embedding rekey actually calls: the reload
+// Agent's per-resource transformer (current configuration loaded per call, calls counted
+// so a replaced Set drains before it closes) against upstream's reload path
+// (DynamicTransformers), both with aesgcm.
+func AgentCases(s Settings) ([]OpCase, []func(), error) {
+	dir, err := os.MkdirTemp("", "rka")
+	if err != nil {
+		return nil, nil, err
+	}
+	closers := []func(){func() { os.RemoveAll(dir) }}
+	path := filepath.Join(dir, "enc.yaml")
+	if err := os.WriteFile(path, []byte(LocalProviderYAML("aesgcm")), 0o600); err != nil {
+		return nil, closers, err
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	closers = append(closers, cancel)
+	agent, err := reload.NewAgent(ctx, reload.Options{Path: path, Logger: klog.Background().V(10)})
+	if err != nil {
+		return nil, closers, err
+	}
+	closers = append(closers, agent.Close)
+	up, err := encryptionconfig.LoadEncryptionConfig(ctx, path, true, "bench")
+	if err != nil {
+		return nil, closers, err
+	}
+	dyn := encryptionconfig.NewDynamicTransformers(up.Transformers, up.HealthChecks[0], cancel, up.KMSCloseGracePeriod)
+	ours, theirs := agent.TransformerForResource(secretsGR), dyn.TransformerForResource(secretsGR)
+	var aad value.Context = value.DefaultContext("/registry/secrets/default/benchmark-secret")
+	var cases []OpCase
+	for _, mode := range []string{"serial", "parallel"} {
+		for _, op := range []string{"write", "read"} {
+			for _, size := range []int{256, 4 << 10} {
+				pt := make([]byte, size)
+				oursStored, err := ours.TransformToStorage(ctx, pt, aad)
+				if err != nil {
+					return nil, closers, err
+				}
+				theirsStored, err := theirs.TransformToStorage(ctx, pt, aad)
+				if err != nil {
+					return nil, closers, err
+				}
+				mk := func(t value.Transformer, stored []byte) Op {
+					if op == "write" {
+						return func() error { _, err := t.TransformToStorage(ctx, pt, aad); return err }
+					}
+					return func() error { _, _, err := t.TransformFromStorage(ctx, stored, aad); return err }
+				}
+				cases = append(cases, OpCase{
+					Scenario: "transform through the reload path (aesgcm)",
+					Case:     fmt.Sprintf("%s %s %s: reload.Agent vs DynamicTransformers", op, sizeLabel(size), mode),
+					Impls: []Impl{
+						{Name: "rekey", Op: mk(ours, oursStored)},
+						{Name: "upstream", Op: mk(theirs, theirsStored)},
+					},
+					Parallel: mode == "parallel",
+				})
+			}
+		}
+	}
+	return cases, closers, nil
 }
