@@ -112,7 +112,7 @@ func TestCrossReadMatrix(t *testing.T) {
 	ctx := context.Background()
 	checked := 0
 	for _, w := range pairs {
-		for wi, writer := range []struct {
+		for _, writer := range []struct {
 			who string
 			t   value.Transformer
 		}{{"upstream", w.up(secrets)}, {"rekey", w.our(secrets)}} {
@@ -134,12 +134,20 @@ func TestCrossReadMatrix(t *testing.T) {
 					if upStale != ourStale {
 						t.Fatalf("%s: upstream stale=%v, ours stale=%v", where, upStale, ourStale)
 					}
-					if !bytes.Equal(upOut, ourOut) || !bytes.Equal(ourOut, pt) {
+					if !bytes.Equal(upOut, ourOut) {
+						t.Fatalf("%s: upstream and rekey read different plaintexts", where)
+					}
+					// aescbc has no MAC: when two aescbc keys share a prefix (aescbc-other
+					// and aescbc both name key1), the wrong key "succeeds"
+					// whenever its garbage ends in valid padding (about 1 read in 256), on
+					// both sides alike. Everything else must return the plaintext.
+					cbcAmbiguous := (strings.Contains(r.name, "aescbc-other") || strings.Contains(w.name, "aescbc-other")) &&
+						strings.Contains(r.name, "aescbc") && strings.Contains(w.name, "aescbc")
+					if !bytes.Equal(ourOut, pt) && !cbcAmbiguous {
 						t.Fatalf("%s: plaintext differs", where)
 					}
 					checked++
 				}
-				_ = wi
 			}
 		}
 	}
