@@ -329,7 +329,9 @@ func mustTransport(t *testing.T, c *rest.Config) http.RoundTripper {
 // the status document under "storage" and in /metrics as rekey_storage_*.
 func TestStorageInventoryInStatusAndMetrics(t *testing.T) {
 	ctx := t.Context()
-	if _, err := client.CoreV1().Secrets("inventory").Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "s"}}, metav1.CreateOptions{}); err != nil {
+	// The server is shared by the package's tests (and by -count runs): the secret may
+	// already be there.
+	if _, err := client.CoreV1().Secrets("inventory").Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "s"}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Fatal(err)
 	}
 	authed := &http.Client{Transport: mustTransport(t, restConfig)}
