@@ -3,14 +3,13 @@
 // validation from k8s.io/apiserver, and additionally rejects at validation time what
 // upstream only discovers while building transformers (masked wildcard rules, KMS v1).
 //
-// Nothing in this package keeps or prints key material: errors carry the file name
-// and the field path, and secrets are rendered as "REDACTED" by upstream validation.
+// Nothing in this package prints key material: errors carry the file name, the field
+// path or line and what is wrong, never a value from under `providers` (see redact.go).
 package config
 
 import (
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"os"
 
@@ -96,14 +95,18 @@ func Parse(data []byte, source string, opts Options) (*Config, error) {
 	}
 	obj, gvk, err := decoder.Decode(data, nil, nil)
 	if err != nil {
-		// These two errors quote the whole input, keys included.
+		// Decoder errors can quote the input, keys included (the missing kind/version
+		// errors quote all of it), so none is passed on as it is.
+		var msg string
 		switch {
 		case runtime.IsMissingKind(err):
-			err = errors.New("Object 'Kind' is missing")
+			msg = "Object 'Kind' is missing"
 		case runtime.IsMissingVersion(err):
-			err = errors.New("Object 'apiVersion' is missing")
+			msg = "Object 'apiVersion' is missing"
+		default:
+			msg = describeDecodeError(err)
 		}
-		return nil, fmt.Errorf("error decoding encryption provider configuration file %q: %w", source, err)
+		return nil, fmt.Errorf("error decoding encryption provider configuration file %q: %s", source, msg)
 	}
 	enc, ok := obj.(*apiserver.EncryptionConfiguration)
 	if !ok {
@@ -116,7 +119,7 @@ func Parse(data []byte, source string, opts Options) (*Config, error) {
 		errs = append(errs, validateNoKMSv1(enc)...)
 	}
 	if len(errs) > 0 {
-		return nil, fmt.Errorf("invalid encryption provider configuration file %q: %w", source, errs.ToAggregate())
+		return nil, fmt.Errorf("invalid encryption provider configuration file %q: %w", source, redactErrors(errs).ToAggregate())
 	}
 	return &Config{Source: source, Hash: Hash(data), Encryption: enc}, nil
 }

@@ -1,12 +1,14 @@
 package config_test
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/config/configtest"
 )
 
 func TestHashMatchesUpstreamVector(t *testing.T) {
@@ -66,6 +68,76 @@ func TestErrorsNeverEchoSecrets(t *testing.T) {
 		}
 		if strings.Contains(err.Error(), secret[:16]) {
 			t.Errorf("%s: error echoes the secret: %v", name, err)
+		}
+	}
+}
+
+// TestSecretEchoTable: no error for a malformed file quotes a secret from it, through
+// Parse and through Load. Before redaction the two-provider typo rendered the whole
+// provider, keys included, and YAML errors quoted tagged values and map keys.
+func TestSecretEchoTable(t *testing.T) {
+	dir := t.TempDir()
+	for i, tc := range configtest.SecretEcho() {
+		t.Run(tc.Name, func(t *testing.T) {
+			_, err := config.Parse([]byte(tc.Data), "mem.yaml", config.Options{Reload: true})
+			if err == nil {
+				t.Fatal("Parse accepted a malformed config")
+			}
+			if leaks := configtest.Leaks(err.Error(), tc.Secrets...); len(leaks) > 0 {
+				t.Errorf("Parse error quotes a secret (%q): %v", leaks, err)
+			}
+			path := filepath.Join(dir, fmt.Sprintf("case%d.yaml", i))
+			if err := os.WriteFile(path, []byte(tc.Data), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			_, err = config.Load(path, config.Options{})
+			if err == nil {
+				t.Fatal("Load accepted a malformed config")
+			}
+			if leaks := configtest.Leaks(err.Error(), tc.Secrets...); len(leaks) > 0 {
+				t.Errorf("Load error quotes a secret (%q): %v", leaks, err)
+			}
+			t.Logf("%v", err)
+		})
+	}
+}
+
+// TestRedactedErrorsKeepPathTypeAndDetail: redaction keeps what makes an error useful.
+func TestRedactedErrorsKeepPathTypeAndDetail(t *testing.T) {
+	cases := []struct{ data, want string }{
+		{
+			configtest.SecretEcho()[0].Data,
+			"resources[0].providers[0]: Invalid value: <redacted>: more than one provider specified in a single element, should split into different list elements",
+		},
+		{
+			doc("  - resources: [Secrets]\n    providers:\n      - identity: {}\n"),
+			`resources[0].resources[0]: Invalid value: "Secrets": resource name should not contain capital letters`,
+		},
+		{
+			doc("  - resources: [secrets]\n    providers:\n      - kms: {apiVersion: v2, name: 'a:b', endpoint: 'unix:///x.sock'}\n"),
+			"resources[0].providers[0].kms.name: Invalid value: <redacted>: invalid KMS provider name a:b, must not contain ':'",
+		},
+		{
+			configtest.SecretEcho()[4].Data, // !!int
+			`error decoding encryption provider configuration file "mem.yaml": a value tagged !!int is not a valid int`,
+		},
+		{
+			configtest.SecretEcho()[13].Data, // secret as a field name
+			`strict decoding error: unknown field "resources[0].providers[0].aesgcm.keys[0].<redacted>"`,
+		},
+		{
+			doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys: [{name: k, secret: 12}]\n"),
+			"field resources.providers.aesgcm.keys.secret must be of type string, got a JSON number",
+		},
+		{
+			doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys: [{name: k, secret: x}\n   : : [\n"),
+			"YAML syntax error at line 7: did not find expected ',' or ']'",
+		},
+	}
+	for _, tc := range cases {
+		_, err := config.Parse([]byte(tc.data), "mem.yaml", config.Options{})
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("error %v\ndoes not contain %q", err, tc.want)
 		}
 	}
 }
