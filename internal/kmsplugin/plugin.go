@@ -30,6 +30,8 @@ import (
 	kmsapi "k8s.io/kms/apis/v2"
 	"k8s.io/kms/pkg/service"
 	"sigs.k8s.io/yaml"
+
+	"github.com/rekey-io/rekey/pkg/config"
 )
 
 // KeysFile is the keys file format (YAML or JSON). The first key is active: its name is
@@ -181,7 +183,8 @@ func (p *Plugin) fallback(err error) (*keyring, error) {
 func parseKeys(raw []byte) (*keyring, error) {
 	var f KeysFile
 	if err := yaml.UnmarshalStrict(raw, &f); err != nil {
-		return nil, fmt.Errorf("not a keys file (want `keys: [{name: ..., secret: <base64 of 32 bytes>}]`): %v", err)
+		// The parser's messages can quote the file, secrets included.
+		return nil, fmt.Errorf("not a keys file (want `keys: [{name: ..., secret: <base64 of 32 bytes>}]`): %s", config.DescribeDecodeError(err, "keys file"))
 	}
 	if len(f.Keys) == 0 {
 		return nil, errors.New("no keys; the first key is the active one")

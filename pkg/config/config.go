@@ -104,7 +104,7 @@ func Parse(data []byte, source string, opts Options) (*Config, error) {
 		case runtime.IsMissingVersion(err):
 			msg = "Object 'apiVersion' is missing"
 		default:
-			msg = describeDecodeError(err)
+			msg = DescribeDecodeError(err, "EncryptionConfiguration")
 		}
 		return nil, fmt.Errorf("error decoding encryption provider configuration file %q: %s", source, msg)
 	}

@@ -117,9 +117,11 @@ func safeFieldPath(path string) string {
 	return path
 }
 
-// describeDecodeError returns a message for a decode error that says where and what
-// kind of problem it is without quoting the input.
-func describeDecodeError(err error) string {
+// DescribeDecodeError returns a message for an error of sigs.k8s.io/yaml or the
+// apimachinery decoders that says where and what kind of problem it is without quoting
+// the input; what names the expected document ("EncryptionConfiguration", "keys file").
+// Other readers of files with key material (the test KMS plugin) use it too.
+func DescribeDecodeError(err error, what string) string {
 	msg := err.Error()
 	if m := yamlSyntaxErr.FindStringSubmatch(msg); m != nil {
 		return fmt.Sprintf("YAML syntax error at line %s: %s", m[1], m[2])
@@ -162,7 +164,7 @@ func describeDecodeError(err error) string {
 		return out
 	}
 	// Not a shape known to be safe: keep the position only.
-	const generic = "not a well-formed EncryptionConfiguration (check indentation, quoting, map keys and tags such as !!int on string fields; the parser's own message is withheld because it can quote key material)"
+	generic := "not a well-formed " + what + " (check indentation, quoting, map keys and tags such as !!int on string fields; the parser's own message is withheld because it can quote key material)"
 	return withLine(msg, generic)
 }
 
