@@ -11,7 +11,8 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
-	"os"
+	"io"
+	"io/fs"
 
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -65,18 +66,59 @@ func Hash(data []byte) string {
 	return HashPrefix + hex.EncodeToString(sum[:])
 }
 
+// MaxFileSize bounds the configuration file ReadFile accepts: 1 MiB. kube-apiserver's
+// encryption configurations are a few KiB (a key is one line); a file this large is not
+// one, and reading it whole while the reload lock is held would stall every reload.
+const MaxFileSize = 1 << 20
+
 // ReadFile reads path and returns its bytes and hash. An empty file is an error: a
 // half-written file (truncated before the new content arrived) must never replace a
-// working configuration.
+// working configuration. Only regular files (or symlinks to one, as kubelet mounts
+// them) of at most MaxFileSize bytes are read: a FIFO would block the reader, and a
+// device or an endless file would never end.
 func ReadFile(path string) ([]byte, string, error) {
-	data, err := os.ReadFile(path)
+	f, err := openNonBlocking(path)
 	if err != nil {
 		return nil, "", fmt.Errorf("error reading encryption provider configuration file %q: %w", path, err)
+	}
+	defer f.Close()
+	// Checked on the open file, not the path, so a swap between a check and the open
+	// cannot slip a FIFO or device in.
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, "", fmt.Errorf("error reading encryption provider configuration file %q: %w", path, err)
+	}
+	if !fi.Mode().IsRegular() {
+		return nil, "", fmt.Errorf("encryption provider configuration file %q is not a regular file (it is a %s); point the flag at a file or a symlink to one", path, fileKind(fi.Mode()))
+	}
+	data, err := io.ReadAll(io.LimitReader(f, MaxFileSize+1))
+	if err != nil {
+		return nil, "", fmt.Errorf("error reading encryption provider configuration file %q: %w", path, err)
+	}
+	if len(data) > MaxFileSize {
+		return nil, "", fmt.Errorf("encryption provider configuration file %q is larger than %d bytes (1 MiB), far more than any encryption configuration needs; check that the flag names the right file", path, MaxFileSize)
 	}
 	if len(data) == 0 {
 		return nil, "", fmt.Errorf("encryption provider configuration file %q is empty", path)
 	}
 	return data, Hash(data), nil
+}
+
+func fileKind(m fs.FileMode) string {
+	switch {
+	case m.IsDir():
+		return "directory"
+	case m&fs.ModeNamedPipe != 0:
+		return "named pipe (FIFO)"
+	case m&fs.ModeSocket != 0:
+		return "socket"
+	case m&fs.ModeCharDevice != 0:
+		return "character device"
+	case m&fs.ModeDevice != 0:
+		return "device"
+	default:
+		return "special file (" + m.Type().String() + ")"
+	}
 }
 
 // Load reads, decodes, defaults and validates the file at path.
