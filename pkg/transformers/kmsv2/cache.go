@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"sync"
 
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/wire"
 )
 
@@ -23,8 +24,14 @@ const (
 // dekEntry is a decrypted DEK source: a seed (keys are derived per info) or an AES key.
 type dekEntry struct {
 	typ  wire.SourceType
-	seed []byte      // SourceHKDFSeed
-	aead cipher.AEAD // SourceAESGCMKey
+	seed state.Secret // SourceHKDFSeed
+	aead cipher.AEAD  // SourceAESGCMKey
+}
+
+// Format implements fmt.Formatter: fmt prints unexported fields raw (their methods are
+// out of its reach), so the entry renders itself with the seed redacted.
+func (e dekEntry) Format(f fmt.State, _ rune) {
+	fmt.Fprintf(f, "dekEntry{type: %v, seed: %v, aead: %t}", e.typ, e.seed, e.aead != nil)
 }
 
 func newDEKEntry(typ wire.SourceType, plaintext []byte) (*dekEntry, error) {

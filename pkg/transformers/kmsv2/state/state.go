@@ -99,7 +99,7 @@ type EncryptResult struct {
 	Err error
 	// Source is the plaintext DEK source (seed or key) that was encrypted; the machine
 	// keeps it only as an opaque value for the driver.
-	Source      []byte
+	Source      Secret
 	KeyID       string
 	Ciphertext  []byte
 	Annotations map[string][]byte
@@ -122,7 +122,7 @@ type WriteState struct {
 	Type        wire.SourceType
 	Ciphertext  []byte
 	Annotations []wire.Annotation
-	Source      []byte
+	Source      Secret
 	Expiry      time.Time
 }
 
