@@ -15,7 +15,7 @@ import (
 
 func main() {
 	var o kmsplugin.Options
-	flag.StringVar(&o.ListenAddr, "listen-addr", "unix:///tmp/kms-plugin.sock", "gRPC socket: unix:///path.sock or unix:///@abstract-name")
+	flag.StringVar(&o.ListenAddr, "listen-addr", "", "gRPC socket: unix:///path.sock (its directory must be private: not a symlink, ours or root's, not group/world-writable) or unix:///@abstract-name (default "+kmsplugin.DefaultListenAddr()+", directory created 0700)")
 	flag.StringVar(&o.KeysFile, "keys-file", "", "YAML or JSON file `keys: [{name: <key id>, secret: <base64 of 32 bytes>}]`; the first key is active; edits rotate")
 	flag.StringVar(&o.ControlAddr, "control-addr", "", "fault-injection API: unix:///path.sock or 127.0.0.1:port (empty: disabled)")
 	flag.Parse()

@@ -4,10 +4,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"mime"
 	"net"
 	"net/http"
 	"os"
 	"strings"
+	"time"
 )
 
 // The control API (JSON over HTTP):
@@ -16,6 +18,12 @@ import (
 //	PUT    /faults   replace them (body: Faults)
 //	DELETE /faults   back to healthy
 //	GET    /stats    call counts
+//
+// Requests that change faults must say Content-Type: application/json, and on a TCP
+// address the Host header must name a loopback host: a web page can make a browser
+// send a cross-site "simple" POST (form or text/plain body) to 127.0.0.1, and a DNS
+// rebinding attack points a name the page controls at 127.0.0.1; neither passes both
+// checks.
 type controlServer struct {
 	srv  *http.Server
 	lis  net.Listener
@@ -76,7 +84,7 @@ func startControl(addr string, p *Plugin) (*controlServer, error) {
 		writeJSON(w, p.Faults())
 	})
 	mux.HandleFunc("/stats", func(w http.ResponseWriter, _ *http.Request) { writeJSON(w, p.Stats()) })
-	c.srv = &http.Server{Handler: mux}
+	c.srv = &http.Server{Handler: guardControl(mux, lis.Addr().Network() == "tcp"), ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		if err := c.srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			fmt.Fprintf(os.Stderr, "kms-plugin: control server: %v\n", err)
@@ -95,4 +103,43 @@ func (c *controlServer) close() {
 	if c.path != "" {
 		_ = os.Remove(c.path)
 	}
+}
+
+// guardControl refuses requests a browser could be tricked into sending: on TCP, a Host
+// that is not loopback (DNS rebinding); everywhere, a state-changing request whose body
+// is not declared JSON (cross-site form posts cannot set that type without a CORS
+// preflight, which this server never grants).
+func guardControl(next http.Handler, checkHost bool) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if checkHost && !loopbackHost(r.Host) {
+			http.Error(w, fmt.Sprintf("Host %q is not a loopback name (localhost, 127.0.0.0/8, [::1]); the control API only answers local clients", r.Host), http.StatusForbidden)
+			return
+		}
+		switch r.Method {
+		case http.MethodGet, http.MethodHead:
+		default:
+			mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
+			if err != nil || mt != "application/json" {
+				http.Error(w, "state-changing requests must send Content-Type: application/json (curl -H 'Content-Type: application/json')", http.StatusUnsupportedMediaType)
+				return
+			}
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+// loopbackHost reports whether a Host header names the local machine: localhost, an
+// address in 127.0.0.0/8 or ::1, each with an optional port.
+func loopbackHost(hostport string) bool {
+	host := hostport
+	if h, _, err := net.SplitHostPort(hostport); err == nil {
+		host = h
+	} else if strings.HasPrefix(hostport, "[") && strings.HasSuffix(hostport, "]") {
+		host = hostport[1 : len(hostport)-1]
+	}
+	if strings.EqualFold(host, "localhost") {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }

@@ -3,7 +3,7 @@
 // key-encryption keys read from a keys file (rotated by editing the file), and exposes a
 // control endpoint that injects faults at run time.
 //
-//	srv, err := kmsplugin.Start(kmsplugin.Options{ListenAddr: "unix:///tmp/kms.sock", KeysFile: "keys.yaml"})
+//	srv, err := kmsplugin.Start(kmsplugin.Options{ListenAddr: "unix://" + privateDir + "/kms.sock", KeysFile: "keys.yaml"})
 //	defer srv.Stop()
 //	srv.SetFaults(kmsplugin.Faults{StatusHealthz: "down"})
 package kmsplugin
@@ -19,6 +19,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -93,7 +94,8 @@ type Stats struct {
 
 // Options configure a plugin.
 type Options struct {
-	// ListenAddr is unix:///path.sock or unix:///@abstract.
+	// ListenAddr is unix:///path.sock or unix:///@abstract; empty means
+	// DefaultListenAddr. A socket file's directory must be private (see checkSocketDir).
 	ListenAddr string
 	// KeysFile is the path of the keys file, re-read whenever it changes.
 	KeysFile string
@@ -333,9 +335,21 @@ type Server struct {
 // Start listens and serves in the background; the socket accepts connections when it
 // returns.
 func Start(o Options) (*Server, error) {
-	addr, err := socketPath(o.ListenAddr)
+	listen := o.ListenAddr
+	if listen == "" {
+		listen = DefaultListenAddr()
+		if err := ensurePrivateDir(defaultSocketDir()); err != nil {
+			return nil, err
+		}
+	}
+	addr, err := socketPath(listen)
 	if err != nil {
 		return nil, err
+	}
+	if !strings.HasPrefix(addr, "@") {
+		if err := checkSocketDir(filepath.Dir(addr)); err != nil {
+			return nil, err
+		}
 	}
 	p, err := NewPlugin(o.KeysFile)
 	if err != nil {
@@ -346,7 +360,7 @@ func Start(o Options) (*Server, error) {
 	}
 	lis, err := net.Listen("unix", addr)
 	if err != nil {
-		return nil, fmt.Errorf("kms-plugin: cannot listen on %s: %w", o.ListenAddr, err)
+		return nil, fmt.Errorf("kms-plugin: cannot listen on %s: %w", listen, err)
 	}
 	gs := grpc.NewServer()
 	kmsapi.RegisterKeyManagementServiceServer(gs, service.NewGRPCService(addr, 0, p))

@@ -65,6 +65,7 @@ func TestRotationAndControlAPI(t *testing.T) {
 
 	base := "http://" + s.ControlAddr() + "/faults"
 	req, _ := http.NewRequest(http.MethodPut, base, strings.NewReader(`{"statusHealthz":"sick","failEncrypt":true,"failCode":"PermissionDenied","latency":"1ms"}`))
+	req.Header.Set("Content-Type", "application/json")
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil || resp.StatusCode != 200 {
 		t.Fatalf("PUT faults: %v %v", resp, err)
@@ -77,10 +78,12 @@ func TestRotationAndControlAPI(t *testing.T) {
 		t.Fatalf("Encrypt with an injected failure: %v", err)
 	}
 	req, _ = http.NewRequest(http.MethodPut, base, strings.NewReader(`{"bogus":1}`))
+	req.Header.Set("Content-Type", "application/json")
 	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != 400 {
 		t.Fatalf("unknown field accepted: %v", resp.StatusCode)
 	}
 	req, _ = http.NewRequest(http.MethodDelete, base, nil)
+	req.Header.Set("Content-Type", "application/json")
 	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != 200 {
 		t.Fatal(err)
 	}

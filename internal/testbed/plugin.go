@@ -92,6 +92,8 @@ func (p *Plugin) SetFaults(ctx context.Context, faults map[string]any) error {
 	if err != nil {
 		return err
 	}
+	// The control API refuses state changes not declared JSON (a CSRF guard).
+	req.Header.Set("Content-Type", "application/json")
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return err
