@@ -107,7 +107,16 @@ func TestSocketDirectoryMustBePrivate(t *testing.T) {
 	if err := os.Symlink(private, link); err != nil {
 		t.Fatal(err)
 	}
-	for dir, want := range map[string]string{shared: "writable by other users", groupW: "writable by other users", link: "is a symlink"} {
+	unsafe := map[string]string{shared: "writable by other users", groupW: "writable by other users", link: "is a symlink"}
+	// Another user's directory (only root can make one here).
+	foreign := filepath.Join(base, "foreign")
+	if err := os.Mkdir(foreign, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(foreign, 65534, 65534); err == nil {
+		unsafe[foreign] = "belongs to uid 65534"
+	}
+	for dir, want := range unsafe {
 		s, err := Start(Options{ListenAddr: "unix://" + filepath.Join(dir, "p.sock"), KeysFile: keys})
 		if err == nil {
 			s.Stop()
