@@ -19,7 +19,8 @@ func newCheckConfigCommand() *cobra.Command {
 		Use:   "check-config",
 		Short: "Refuse a new encryption configuration that would drop a key still encrypting stored data",
 		Long: `check-config takes an inventory with the current configuration and checks that the
-new one (--new) can still read every object: it fails, naming the resource, key and
+new one (--new) can still read every object of every resource either configuration
+names (a wildcard rule such as *.apps is judged as a whole, without counts): it fails, naming the resource, key and
 object count, when a key or provider that still encrypts stored data is missing or has a
 different secret, when the current write key is dropped in one step, or when a resource
 cannot be judged. Run it before you install a new configuration; the apiserver shim
@@ -47,7 +48,9 @@ applies the same guard to every reload.`,
 				return err
 			}
 			defer cur.set.Close()
-			res, err := c.resourceList(cur.cfg)
+			// Scan what either configuration names: a rule only the new one has still
+			// changes how its resource's stored objects are read.
+			res, err := c.resourceList(cur.cfg, nextCfg)
 			if err != nil {
 				return err
 			}

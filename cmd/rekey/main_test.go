@@ -126,3 +126,85 @@ func seed(t *testing.T, cli *clientv3.Client, cfgPath string, n int) {
 		}
 	}
 }
+
+// check-config judges rules that only the new configuration has: an exact rule or a
+// *.apps rule shadowing *.*'s key, and configmaps encrypted with no identity fallback
+// while they are stored in plaintext. It inventories what the new configuration names.
+func TestCheckConfigJudgesNewRules(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	etcd := []string{"--etcd-servers", srv.Endpoint}
+	dir := t.TempDir()
+	write := func(name, body string) string {
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, []byte("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n"+body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	rule := func(resource, key string) string {
+		return fmt.Sprintf("  - resources: [%q]\n    providers:\n      - aesgcm:\n          keys: [{name: %s, secret: %s}]\n", resource, key, secret(key[len(key)-1]))
+	}
+	wildcard := write("wildcard.yaml", rule("*.*", "key1"))
+	secretsOnly := write("secrets.yaml", rule("secrets", "key1"))
+	// Three configmaps encrypted with key1 under *.*, and four in plaintext (which
+	// secretsOnly reads: it has no rule for configmaps).
+	seedResource(t, cli, wildcard, "configmaps", "enc", 3)
+	// Five widgets, which no default scan covers, encrypted with key1 under *.*.
+	seedResource(t, cli, wildcard, "example.com/widgets", "enc", 5)
+	seedPlain(t, cli, "configmaps", "plain", 4)
+
+	cases := []struct {
+		name, cur, next string
+		want            string
+	}{
+		{"exact rule shadows *.*", wildcard, write("exact.yaml", rule("widgets.example.com", "key2")+rule("*.*", "key1")), `widgets.example.com: 5 objects are stored under aesgcm key "key1"`},
+		{"*.apps shadows *.*", wildcard, write("apps.yaml", rule("*.apps", "key2")+rule("*.*", "key1")), `*.apps: aesgcm key "key1"`},
+		{"configmaps without identity", secretsOnly, write("cm.yaml", rule("secrets", "key1")+rule("configmaps", "key2")), "configmaps: 4 objects are stored under plaintext (identity)"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			out, err := run(t, append([]string{"check-config", "--encryption-provider-config", tc.cur, "--new", tc.next}, etcd...)...)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("check-config: err = %v, want it to contain %q; out %s", err, tc.want, out)
+			}
+		})
+	}
+}
+
+func seedResource(t *testing.T, cli *clientv3.Client, cfgPath, resource, ns string, n int) {
+	t.Helper()
+	cfg, err := config.Load(cfgPath, config.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	set, err := transformers.Build(context.Background(), cfg, transformers.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer set.Close()
+	group, res, ok := strings.Cut(resource, "/")
+	if !ok {
+		group, res = "", resource
+	}
+	tr := set.TransformerFor(schema.GroupResource{Group: group, Resource: res})
+	for i := 0; i < n; i++ {
+		key := fmt.Sprintf("/registry/%s/%s/o%04d", resource, ns, i)
+		out, err := tr.TransformToStorage(context.Background(), []byte("k8s\x00payload"), value.DefaultContext(key))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cli.Put(context.Background(), key, string(out)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func seedPlain(t *testing.T, cli *clientv3.Client, resource, ns string, n int) {
+	t.Helper()
+	for i := 0; i < n; i++ {
+		if _, err := cli.Put(context.Background(), fmt.Sprintf("/registry/%s/%s/o%04d", resource, ns, i), "k8s\x00payload"); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
