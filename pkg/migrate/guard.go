@@ -12,7 +12,6 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/pkg/config"
-	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // OverrideFlag is the flag of the apiserver shim and the rekey CLI that lets a change
@@ -45,10 +44,22 @@ func (v Violation) String() string {
 type GuardError struct {
 	Next       string // the refused configuration: source and hash
 	Violations []Violation
+	// Applied, set by the start-up check, describes the last applied configuration the
+	// refused one was compared with.
+	Applied string
 }
 
 func (e *GuardError) Error() string {
 	var b strings.Builder
+	if e.Applied != "" {
+		fmt.Fprintf(&b, "refusing to start with encryption configuration %s: it cannot read data that the last applied configuration %s could read:", e.Next, e.Applied)
+		for _, v := range e.Violations {
+			b.WriteString("\n  - ")
+			b.WriteString(v.String())
+		}
+		b.WriteString("\nRestore these keys in the configuration (as read keys, not first in their list), start, and let the migration rewrite the data before dropping them. To start anyway (the data under them becomes unreadable), pass --" + OverrideFlag + ".")
+		return b.String()
+	}
 	fmt.Fprintf(&b, "refusing encryption configuration %s: it cannot read data that is still stored:", e.Next)
 	for _, v := range e.Violations {
 		b.WriteString("\n  - ")
@@ -266,41 +277,7 @@ type chains struct {
 
 var identityChain = chain{entries: []chainEntry{{prefix: ""}}}
 
-func newChains(cfg *config.Config) chains {
-	cs := chains{byGR: map[schema.GroupResource]chain{}}
-	if cfg == nil || cfg.Encryption == nil {
-		return cs
-	}
-	for _, rc := range cfg.Encryption.Resources {
-		var entries []chainEntry
-		for _, p := range rc.Providers {
-			switch {
-			case p.Identity != nil:
-				entries = append(entries, chainEntry{prefix: ""})
-			case p.AESGCM != nil:
-				entries = append(entries, keyEntries(transformers.AESGCMPrefix, p.AESGCM.Keys)...)
-			case p.AESCBC != nil:
-				entries = append(entries, keyEntries(transformers.AESCBCPrefix, p.AESCBC.Keys)...)
-			case p.Secretbox != nil:
-				entries = append(entries, keyEntries(transformers.SecretboxPrefix, p.Secretbox.Keys)...)
-			case p.KMS != nil && p.KMS.APIVersion == "v2":
-				entries = append(entries, chainEntry{prefix: transformers.KMSv2Prefix + p.KMS.Name + ":"})
-			case p.KMS != nil:
-				entries = append(entries, chainEntry{prefix: kmsv1Prefix + p.KMS.Name + ":"})
-			}
-		}
-		for _, r := range rc.Resources {
-			gr := schema.ParseGroupResource(r)
-			c, ok := cs.byGR[gr]
-			if !ok {
-				cs.order = append(cs.order, gr)
-			}
-			c.entries = append(c.entries, entries...)
-			cs.byGR[gr] = c
-		}
-	}
-	return cs
-}
+func newChains(cfg *config.Config) chains { return chainsOf(appliedRules(cfg)) }
 
 func keyEntries[K interface{ ~struct{ Name, Secret string } }](providerPrefix string, keys []K) []chainEntry {
 	out := make([]chainEntry, 0, len(keys))
