@@ -30,15 +30,25 @@ type DecryptFailure struct {
 	// Unavailable is true when the plugin did not answer (gRPC Unavailable or
 	// DeadlineExceeded): nothing is known about its keyring.
 	Unavailable bool
-	// Err is the read error, which names no key material.
+	// Err is the read error. String shows only its gRPC code when the plugin answered:
+	// a plugin's own message may name raw key ids.
 	Err error
+}
+
+// reason describes f.Err without the plugin's own words.
+func (f DecryptFailure) reason() string {
+	var se interface{ GRPCStatus() *status.Status }
+	if errors.As(f.Err, &se) {
+		return "the plugin answered " + se.GRPCStatus().Code().String()
+	}
+	return f.Err.Error()
 }
 
 func (f DecryptFailure) String() string {
 	if f.Unavailable {
-		return fmt.Sprintf("%s: %d objects are stored under kms provider %q key id %s; the new plugin for it is unavailable, so whether it can decrypt them is unknown: %v", f.Resource, f.Objects, f.Provider, f.KeyIDHash, f.Err)
+		return fmt.Sprintf("%s: %d objects are stored under kms provider %q key id %s; the new plugin for it is unavailable, so whether it can decrypt them is unknown (%s)", f.Resource, f.Objects, f.Provider, f.KeyIDHash, f.reason())
 	}
-	return fmt.Sprintf("%s: %d objects are stored under kms provider %q key id %s, and the new plugin for it cannot decrypt them: %v", f.Resource, f.Objects, f.Provider, f.KeyIDHash, f.Err)
+	return fmt.Sprintf("%s: %d objects are stored under kms provider %q key id %s, and the new plugin for it cannot decrypt them (%s)", f.Resource, f.Objects, f.Provider, f.KeyIDHash, f.reason())
 }
 
 // DecryptGuardError refuses a configuration whose KMS v2 plugin (same provider name,
