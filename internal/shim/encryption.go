@@ -205,15 +205,16 @@ func (r *rekeyLayer) checkStart(ctx context.Context, etcdServers []string, state
 	defer cancel()
 	agent := r.agent
 	err = migrate.CheckStartup(ctx, migrate.StartupOptions{
-		State:     state,
-		Config:    agent.ActiveConfig(),
-		Client:    cli,
-		Source:    migrate.FromRules(agent, agent.Rules),
-		Resources: storageResources(r.opts.etcdPrefix),
-		Override:  r.opts.allowDropping,
-		Inventory: r.store,
-		Metrics:   r.metrics,
-		Logger:    r.log,
+		State:        state,
+		Config:       agent.ActiveConfig(),
+		Client:       cli,
+		Source:       migrate.FromRules(agent, agent.Rules),
+		Resources:    storageResources(r.opts.etcdPrefix),
+		Transformers: agent,
+		Override:     r.opts.allowDropping,
+		Inventory:    r.store,
+		Metrics:      r.metrics,
+		Logger:       r.log,
 	})
 	if err != nil {
 		return err

@@ -13,6 +13,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apiserver/pkg/storage/value"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 
@@ -320,6 +321,13 @@ type StartupOptions struct {
 	Client    *clientv3.Client
 	Source    Source
 	Resources []Resource
+	// Transformers, when given with a client, serve the configuration (the reload agent,
+	// or FromSet's transformers of a built Set): one stored object per
+	// KMS v2 key id of the start-up inventory is decrypted with it (CheckDecrypt), so
+	// a provider that kept its name but moved to another keyring while the apiserver was
+	// down is refused too. A plugin that does not answer yet is logged, not refused:
+	// the apiserver starts with a KMS outage as kube-apiserver does.
+	Transformers value.ResourceTransformers
 	// Override lets the start go on despite violations (logged).
 	Override bool
 	// Inventory, when set, receives the start-up inventory.
@@ -371,6 +379,28 @@ func CheckStartup(ctx context.Context, o StartupOptions) error {
 				return gerr
 			}
 			o.Logger.Info("Starting with an encryption configuration that drops keys still in use, because the override is set", "config", o.Config.Source, "hash", o.Config.Hash, "violations", len(vs), "detail", gerr.Error())
+		}
+	}
+	if o.Transformers != nil && inv != nil {
+		fs, err := CheckDecrypt(ctx, inv, o.Client, o.Config, o.Transformers)
+		if err != nil {
+			return err
+		}
+		var refused []DecryptFailure
+		for _, f := range fs {
+			if f.Unavailable {
+				o.Logger.Info("KMS plugin unavailable at start; its stored data could not be test-decrypted", "detail", f.String())
+				continue
+			}
+			refused = append(refused, f)
+		}
+		if len(refused) > 0 {
+			derr := &DecryptGuardError{Next: fmt.Sprintf("%q (%s)", o.Config.Source, o.Config.Hash), Failures: refused}
+			if !o.Override {
+				o.Metrics.guardRefused()
+				return derr
+			}
+			o.Logger.Info("Starting with a kms plugin that cannot decrypt stored data, because the override is set", "config", o.Config.Source, "hash", o.Config.Hash, "detail", derr.Error())
 		}
 	}
 	return o.State.Save(ctx, NewAppliedState(o.Config, inv, o.Clock.Now()))

@@ -104,7 +104,7 @@ func NewDecryptGuard(o DecryptGuardOptions) func(ctx context.Context, current, n
 		if cli == nil {
 			return nil
 		}
-		fs, err := CheckDecrypt(ctx, o.Inventory.Latest(), cli, next, set)
+		fs, err := CheckDecrypt(ctx, o.Inventory.Latest(), cli, next, setTransformers{set})
 		if err != nil {
 			return err
 		}
@@ -121,10 +121,10 @@ func NewDecryptGuard(o DecryptGuardOptions) func(ctx context.Context, current, n
 	}
 }
 
-// CheckDecrypt decrypts, with set (built from next), one sample object per KMS v2
+// CheckDecrypt decrypts, with tr (serving next), one sample object per KMS v2
 // (provider, key id) bucket of inv whose provider next still has for the resource, and
 // lists the buckets it failed on. An error means etcd could not be read.
-func CheckDecrypt(ctx context.Context, inv *Inventory, cli *clientv3.Client, next *config.Config, set *transformers.Set) ([]DecryptFailure, error) {
+func CheckDecrypt(ctx context.Context, inv *Inventory, cli *clientv3.Client, next *config.Config, tr value.ResourceTransformers) ([]DecryptFailure, error) {
 	if inv == nil {
 		return nil, nil
 	}
@@ -169,7 +169,7 @@ func CheckDecrypt(ctx context.Context, inv *Inventory, cli *clientv3.Client, nex
 			continue // deleted or rewritten since the inventory; the next one samples anew
 		}
 		kv := resp.Kvs[0]
-		if _, _, err := set.TransformerFor(s.gr).TransformFromStorage(ctx, kv.Value, value.DefaultContext(kv.Key)); err != nil {
+		if _, _, err := tr.TransformerForResource(s.gr).TransformFromStorage(ctx, kv.Value, value.DefaultContext(kv.Key)); err != nil {
 			failed[id] = err
 		}
 	}

@@ -11,8 +11,10 @@ import (
 	"testing"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"k8s.io/apiserver/pkg/storage/value"
 
 	"github.com/rekey-io/rekey/internal/kmsplugin"
+	"github.com/rekey-io/rekey/pkg/config"
 )
 
 // startPluginWithKeys starts another in-process plugin on its own socket serving
@@ -101,11 +103,27 @@ func TestDecryptGuardKMSKeyring(t *testing.T) {
 	cfgD := mustConfig(t, cfgYAML(d))
 	setD := buildReady(t, cfgYAML(d), a.factory)
 	d.server.Stop()
-	fs, err := CheckDecrypt(ctx, inv, cli, cfgD, setD)
+	fs, err := CheckDecrypt(ctx, inv, cli, cfgD, setTransformers{setD})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(fs) != 1 || !fs[0].Unavailable || !strings.Contains(fs[0].String(), "unavailable") || strings.Contains(fs[0].String(), "cannot decrypt") {
 		t.Fatalf("stopped plugin: failures = %v, want one reported as unavailable", fs)
+	}
+
+	// At start, the same check runs against a fresh inventory: the other keyring is
+	// refused, the same keyring starts, and an unavailable plugin does not block a start.
+	state := FileAppliedState{Path: filepath.Join(t.TempDir(), "applied.json")}
+	startWith := func(cfg *config.Config, tr value.ResourceTransformers) error {
+		return CheckStartup(ctx, StartupOptions{State: state, Config: cfg, Client: cli, Source: FromSet(setA), Resources: testResources(), Transformers: tr, Logger: testLogger(t)})
+	}
+	if err := startWith(cfgA, setTransformers{setA}); err != nil {
+		t.Fatalf("start with A: %v", err)
+	}
+	if err := startWith(cfgB, setTransformers{setB}); !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "cannot decrypt") {
+		t.Fatalf("start with another keyring = %v, want a refusal", err)
+	}
+	if err := startWith(cfgD, setTransformers{setD}); err != nil {
+		t.Fatalf("start with an unavailable plugin: %v", err)
 	}
 }
