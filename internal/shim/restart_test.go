@@ -19,6 +19,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/component-base/metrics"
 
+	"github.com/rekey-io/rekey/internal/kmsplugin"
 	"github.com/rekey-io/rekey/internal/shim"
 	"github.com/rekey-io/rekey/internal/testbed"
 	"github.com/rekey-io/rekey/pkg/migrate"
@@ -26,24 +27,26 @@ import (
 
 // startShim runs a shim on dir's embedded etcd. It returns its client and a stop
 // function, or the error Run returned before the shim started.
-func startShim(t *testing.T, dir, cfgPath string, override bool) (*kubernetes.Clientset, shim.Info, func(), error) {
+func startShim(t *testing.T, dir, cfgPath string, override bool, mutate ...func(*shim.Options)) (*kubernetes.Clientset, shim.Info, func(), error) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	started := make(chan shim.Info, 1)
 	done := make(chan error, 1)
-	go func() {
-		done <- shim.Run(ctx, shim.Options{
-			EncryptionConfig:       cfgPath,
-			AutomaticReload:        true,
-			AllowDroppingKeysInUse: override,
-			DataDir:                filepath.Join(dir, "etcd"),
-			EtcdUnsafeNoFsync:      true,
-			CertDir:                filepath.Join(dir, "certs"),
-			Tokens:                 map[string]*user.DefaultInfo{token: {Name: "admin", Groups: []string{"system:masters"}}},
-			MetricsRegistry:        metrics.NewKubeRegistry(),
-			Started:                func(i shim.Info) { started <- i },
-		})
-	}()
+	opts := shim.Options{
+		EncryptionConfig:       cfgPath,
+		AutomaticReload:        true,
+		AllowDroppingKeysInUse: override,
+		DataDir:                filepath.Join(dir, "etcd"),
+		EtcdUnsafeNoFsync:      true,
+		CertDir:                filepath.Join(dir, "certs"),
+		Tokens:                 map[string]*user.DefaultInfo{token: {Name: "admin", Groups: []string{"system:masters"}}},
+		MetricsRegistry:        metrics.NewKubeRegistry(),
+		Started:                func(i shim.Info) { started <- i },
+	}
+	for _, m := range mutate {
+		m(&opts)
+	}
+	go func() { done <- shim.Run(ctx, opts) }()
 	select {
 	case i := <-started:
 		cs := kubernetes.NewForConfigOrDie(&rest.Config{Host: i.URL, BearerToken: token, TLSClientConfig: rest.TLSClientConfig{CAFile: i.CAFile}})
@@ -145,5 +148,118 @@ func TestRestartRefusesConfigDroppingKeyInUse(t *testing.T) {
 			t.Fatalf("the applied state was not updated after a reload: %s", resp.Kvs[0].Value)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// writeKeys writes a kms-plugin keys file with one key named kek1 and a random secret.
+func writeKeys(t *testing.T, path string) {
+	t.Helper()
+	if err := os.WriteFile(path, []byte("keys:\n- name: kek1\n  secret: "+testbed.RandomKey()+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func startPlugin(t *testing.T, socket, keys string) {
+	t.Helper()
+	s, err := kmsplugin.Start(kmsplugin.Options{ListenAddr: "unix://" + socket, KeysFile: keys})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+}
+
+// A reload that keeps the KMS v2 provider's name but points it at a plugin with
+// another keyring is refused (the new plugin cannot decrypt a stored DEK); the same
+// keyring behind a new socket is applied.
+func TestReloadRefusesKMSPluginWithOtherKeyring(t *testing.T) {
+	dir, err := os.MkdirTemp("", "shim-kms-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	keysA, keysB := filepath.Join(dir, "a.yaml"), filepath.Join(dir, "b.yaml")
+	writeKeys(t, keysA)
+	writeKeys(t, keysB)
+	sockA, sockB, sockC := filepath.Join(dir, "a.sock"), filepath.Join(dir, "b.sock"), filepath.Join(dir, "c.sock")
+	startPlugin(t, sockA, keysA)
+	startPlugin(t, sockB, keysB) // same key name, other secret
+	startPlugin(t, sockC, keysA) // same keyring, new socket
+	cfg := func(sock string) []byte {
+		return fmt.Appendf(nil, "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n- resources: [secrets]\n  providers:\n  - kms: {apiVersion: v2, name: plug, endpoint: %q, timeout: 3s}\n", "unix://"+sock)
+	}
+	cfgPath := filepath.Join(dir, "encryption.yaml")
+	if err := os.WriteFile(cfgPath, cfg(sockA), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cs, info, stop, err := startShim(t, dir, cfgPath, false, func(o *shim.Options) {
+		o.StorageInventoryInterval = 200 * time.Millisecond
+		o.StorageCheckInterval = 100 * time.Millisecond
+		o.KMSTimings = shim.KMSTimings{StatusInterval: 200 * time.Millisecond, RetryInterval: 200 * time.Millisecond}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stop()
+	ctx := t.Context()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, err := cs.CoreV1().Secrets("default").Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "s"}, StringData: map[string]string{"k": "v"}}, metav1.CreateOptions{})
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("create with the kms provider: %v", err)
+		}
+		time.Sleep(100 * time.Millisecond) // the provider's first Status
+	}
+	status := func() (doc struct {
+		ActiveConfigHash string `json:"activeConfigHash"`
+		LastError        string `json:"lastError"`
+	}, raw []byte) {
+		raw, err := cs.CoreV1().RESTClient().Get().AbsPath(info.StatusPath).DoRaw(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := json.Unmarshal(raw, &doc); err != nil {
+			t.Fatal(err)
+		}
+		return doc, raw
+	}
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for !cond() {
+			if time.Now().After(deadline) {
+				_, raw := status()
+				t.Fatalf("%s: status %s", what, raw)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	waitFor("an inventory with a KMS sample key", func() bool {
+		_, raw := status()
+		return strings.Contains(string(raw), `"sampleKey": "/registry/secrets/default/s"`)
+	})
+	before, _ := status()
+
+	if err := os.WriteFile(cfgPath, cfg(sockB), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("the other keyring refused", func() bool {
+		doc, _ := status()
+		return strings.Contains(doc.LastError, `secrets: 1 objects are stored under kms provider "plug" key id sha256:`) && strings.Contains(doc.LastError, "cannot decrypt")
+	})
+	if doc, _ := status(); doc.ActiveConfigHash != before.ActiveConfigHash {
+		t.Fatal("the refused configuration was applied")
+	}
+	if err := os.WriteFile(cfgPath, cfg(sockC), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("the same keyring at a new socket applied", func() bool {
+		doc, _ := status()
+		return doc.ActiveConfigHash != before.ActiveConfigHash
+	})
+	if _, err := cs.CoreV1().Secrets("default").Get(ctx, "s", metav1.GetOptions{}); err != nil {
+		t.Fatalf("reading the secret through the new socket: %v", err)
 	}
 }
