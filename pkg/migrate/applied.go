@@ -206,6 +206,29 @@ func CheckApplied(inv *Inventory, applied *AppliedState, next *config.Config) []
 	return checkChains(inv, applied.chains(), newChains(next), true)
 }
 
+// prefixes lists every stored prefix of the state.
+func (s *AppliedState) prefixes() []string {
+	var out []string
+	for _, r := range s.Rules {
+		for _, k := range r.Keys {
+			if k.Prefix != "" {
+				out = append(out, k.Prefix)
+			}
+		}
+	}
+	return out
+}
+
+// withPrefixes is a Source that also knows extra stored prefixes.
+type withPrefixes struct {
+	Source
+	extra []string
+}
+
+func (w withPrefixes) KnownPrefixes() []string {
+	return append(append([]string(nil), w.Source.KnownPrefixes()...), w.extra...)
+}
+
 // AppliedStateStore persists the AppliedState of one apiserver.
 type AppliedStateStore interface {
 	// Load returns the state, or nil and no error when none was saved yet.
@@ -358,7 +381,14 @@ func CheckStartup(ctx context.Context, o StartupOptions) error {
 	}
 	var inv *Inventory
 	if o.Client != nil && o.Source != nil && len(o.Resources) > 0 {
-		inv, err = TakeInventory(ctx, InventoryOptions{Client: o.Client, Source: o.Source, Resources: o.Resources, ConfigHash: o.Config.Hash, Clock: o.Clock, Metrics: o.Metrics})
+		src := o.Source
+		if prev != nil {
+			// Values are sorted into buckets by the prefixes the configuration knows, and
+			// a key the configuration on disk dropped is exactly what must be matched to
+			// the state's prefix (a guess stops at the first ':' of a key name).
+			src = withPrefixes{Source: src, extra: prev.prefixes()}
+		}
+		inv, err = TakeInventory(ctx, InventoryOptions{Client: o.Client, Source: src, Resources: o.Resources, ConfigHash: o.Config.Hash, Clock: o.Clock, Metrics: o.Metrics})
 		if err != nil {
 			// Without counts every dropped key is still reported (unknown count).
 			o.Logger.Error(err, "Start-up inventory failed; checking the encryption configuration without object counts")

@@ -114,3 +114,23 @@ func TestAppliedStateDamaged(t *testing.T) {
 		t.Fatalf("err = %v", err)
 	}
 }
+
+// A dropped key whose name contains ':' is still counted at start: the start-up
+// inventory knows the state's prefixes, so it does not guess the name up to the ':'.
+func TestCheckStartupKeyNameWithColon(t *testing.T) {
+	ctx := context.Background()
+	cli := startEtcd(t)
+	state := FileAppliedState{Path: filepath.Join(t.TempDir(), "applied.json")}
+	cfgA, setA := setFor(t, "secrets", "aesgcm:k:1")
+	writeObjects(t, cli, setA, secrets, 3)
+	start := func(cfg *config.Config) error {
+		return CheckStartup(ctx, StartupOptions{State: state, Config: cfg, Client: cli, Source: FromSet(mustSet(t, cfg)), Resources: testResources(), Logger: testLogger(t)})
+	}
+	if err := start(cfgA); err != nil {
+		t.Fatal(err)
+	}
+	err := start(mustConfig(t, configYAML("secrets", "aesgcm:k2")))
+	if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), `secrets: 3 objects are stored under aesgcm key "k:1"`) {
+		t.Fatalf("start = %v, want the 3 objects under k:1 named", err)
+	}
+}
