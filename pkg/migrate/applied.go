@@ -253,7 +253,7 @@ type EtcdAppliedState struct {
 func (e EtcdAppliedState) Load(ctx context.Context) (*AppliedState, error) {
 	resp, err := e.Client.Get(ctx, e.Key)
 	if err != nil {
-		return nil, fmt.Errorf("reading the applied encryption state from etcd key %q: %w", e.Key, err)
+		return nil, fmt.Errorf("reading the applied encryption state from etcd key %q: %w; the apiserver's etcd user needs read and write access to %s (or keep the state in a file: --encryption-state-file)", e.Key, err, AppliedStatePrefix)
 	}
 	if len(resp.Kvs) == 0 {
 		return nil, nil
@@ -268,7 +268,7 @@ func (e EtcdAppliedState) Save(ctx context.Context, s *AppliedState) error {
 		return err
 	}
 	if _, err := e.Client.Put(ctx, e.Key, string(b)); err != nil {
-		return fmt.Errorf("saving the applied encryption state to etcd key %q: %w", e.Key, err)
+		return fmt.Errorf("saving the applied encryption state to etcd key %q: %w; the apiserver's etcd user needs read and write access to %s (or keep the state in a file: --encryption-state-file)", e.Key, err, AppliedStatePrefix)
 	}
 	return nil
 }
