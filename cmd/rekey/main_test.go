@@ -10,15 +10,18 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
 
 	"github.com/rekey-io/rekey/internal/etcdtest"
+	"github.com/rekey-io/rekey/internal/kmsplugin"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
 
 func secret(seed byte) string {
@@ -206,5 +209,81 @@ func seedPlain(t *testing.T, cli *clientv3.Client, resource, ns string, n int) {
 		if _, err := cli.Put(context.Background(), fmt.Sprintf("/registry/%s/%s/o%04d", resource, ns, i), "k8s\x00payload"); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// check-config decrypts one stored object per KMS key id with the new configuration: a
+// provider that keeps its name but reaches a plugin with another keyring fails, the
+// same keyring at a new socket passes.
+func TestCheckConfigKMSKeyring(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	etcd := []string{"--etcd-servers", srv.Endpoint}
+	dir, err := os.MkdirTemp("", "cc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	keys := func(name string, seed byte) string {
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, []byte("keys:\n- {name: kek1, secret: "+secret(seed)+"}\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	keysA, keysB := keys("a.yaml", 'a'), keys("b.yaml", 'b')
+	plugin := func(name, keysFile string) string {
+		endpoint := "unix://" + filepath.Join(dir, name+".sock")
+		s, err := kmsplugin.Start(kmsplugin.Options{ListenAddr: endpoint, KeysFile: keysFile})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(s.Stop)
+		return endpoint
+	}
+	cfg := func(name, endpoint string) string {
+		path := filepath.Join(dir, name)
+		body := fmt.Sprintf("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n      - kms: {apiVersion: v2, name: plug, endpoint: %q, timeout: 3s}\n", endpoint)
+		if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	cur := cfg("cur.yaml", plugin("a", keysA))
+	other := cfg("other.yaml", plugin("b", keysB))
+	moved := cfg("moved.yaml", plugin("c", keysA))
+
+	curCfg, err := config.Load(cur, config.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	set, err := transformers.Build(context.Background(), curCfg, transformers.Options{KMS: kmsv2.NewFactory(kmsv2.FactoryOptions{})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer set.Close()
+	wctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	if err := set.KMSProviders()[0].WaitReady(wctx); err != nil {
+		t.Fatal(err)
+	}
+	tr := set.TransformerFor(schema.GroupResource{Resource: "secrets"})
+	for i := range 4 {
+		key := fmt.Sprintf("/registry/secrets/ns/k%d", i)
+		out, err := tr.TransformToStorage(context.Background(), []byte("k8s\x00payload"), value.DefaultContext(key))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cli.Put(context.Background(), key, string(out)); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	out, err := run(t, append([]string{"check-config", "--encryption-provider-config", cur, "--new", other}, etcd...)...)
+	if err == nil || !strings.Contains(err.Error(), `secrets: 4 objects are stored under kms provider "plug" key id sha256:`) || !strings.Contains(err.Error(), "cannot decrypt") {
+		t.Fatalf("check-config to another keyring: err = %v, out %s", err, out)
+	}
+	if out, err := run(t, append([]string{"check-config", "--encryption-provider-config", cur, "--new", moved}, etcd...)...); err != nil || !strings.Contains(out, "OK:") {
+		t.Fatalf("check-config to the same keyring at a new socket: %v\n%s", err, out)
 	}
 }
