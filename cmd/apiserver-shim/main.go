@@ -104,7 +104,14 @@ disaster recovery). The inventory and the migration state are in /rekey/status u
 	storage.Float64Var(&f.opts.StorageMigrationRate, "storage-migration-rate", 0, "Maximum objects re-encrypted per second by --storage-migration; 0 is unlimited.")
 	storage.BoolVar(&f.opts.AllowDroppingKeysInUse, "unsafe-allow-dropping-keys-in-use", false,
 		"Apply a reload even when it removes a provider or key that the latest inventory says still encrypts stored objects "+
-			"(refused otherwise, naming resource, key and object count). Disaster recovery only: the data under that key becomes unreadable.")
+			"(refused otherwise, naming resource, key and object count), or start with a configuration that cannot read what the last applied one could. "+
+			"Disaster recovery only: the data under that key becomes unreadable.")
+	storage.StringVar(&f.opts.EncryptionStateFile, "encryption-state-file", "",
+		"Keep the record of what the last applied encryption configuration could read (key fingerprints, never keys) in this file instead of "+
+			"etcd key /rekey/applied/<apiserver-id>. It must survive restarts: at start the configuration on disk is checked against it.")
+	storage.StringVar(&f.opts.EncryptionStateID, "encryption-state-id", "",
+		"The <apiserver-id> of the applied-state key /rekey/applied/<apiserver-id> in etcd. Default: the apiserver identity (derived from the host name). "+
+			"Set it when several apiservers share one host and one etcd; it must stay the same across restarts.")
 	storage.DurationVar(&f.opts.StorageCheckInterval, "storage-migration-check-interval", 0, "How often write keys are compared (default 5s). For tests.")
 	storage.DurationVar(&f.opts.StorageInventoryInterval, "storage-inventory-interval", 0, "How often a fresh inventory is taken without a key change (default 10m). For tests.")
 	for _, name := range []string{"storage-migration-check-interval", "storage-inventory-interval"} {

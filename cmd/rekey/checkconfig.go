@@ -1,14 +1,19 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 
 	"github.com/spf13/cobra"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apiserver/pkg/storage/value"
 	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 func newCheckConfigCommand() *cobra.Command {
@@ -19,10 +24,13 @@ func newCheckConfigCommand() *cobra.Command {
 		Use:   "check-config",
 		Short: "Refuse a new encryption configuration that would drop a key still encrypting stored data",
 		Long: `check-config takes an inventory with the current configuration and checks that the
-new one (--new) can still read every object: it fails, naming the resource, key and
+new one (--new) can still read every object of every resource either configuration
+names (a wildcard rule such as *.apps is judged as a whole, without counts): it fails, naming the resource, key and
 object count, when a key or provider that still encrypts stored data is missing or has a
 different secret, when the current write key is dropped in one step, or when a resource
-cannot be judged. Run it before you install a new configuration; the apiserver shim
+cannot be judged. When the new configuration has KMS v2 providers, it is built and one
+stored object per KMS key id is decrypted with it: a provider that keeps its name but
+reaches another plugin or keyring fails the check. Run it before you install a new configuration; the apiserver shim
 applies the same guard to every reload.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -47,7 +55,9 @@ applies the same guard to every reload.`,
 				return err
 			}
 			defer cur.set.Close()
-			res, err := c.resourceList(cur.cfg)
+			// Scan what either configuration names: a rule only the new one has still
+			// changes how its resource's stored objects are read.
+			res, err := c.resourceList(cur.cfg, nextCfg)
 			if err != nil {
 				return err
 			}
@@ -68,6 +78,9 @@ applies the same guard to every reload.`,
 			if err := guard(cur.cfg, nextCfg); err != nil {
 				return err
 			}
+			if err := c.checkKMSDecrypt(ctx, cmd, cli, inv, next, nextCfg, override); err != nil {
+				return err
+			}
 			fmt.Fprintf(cmd.OutOrStdout(), "OK: %s (%s) can read every stored object of %d resources\n", next, nextCfg.Hash, len(res))
 			return nil
 		},
@@ -76,4 +89,46 @@ applies the same guard to every reload.`,
 	cmd.Flags().StringVar(&next, "new", "", "The configuration to check. Required.")
 	cmd.Flags().BoolVar(&override, migrate.OverrideFlag, false, "Report violations but succeed anyway (disaster recovery).")
 	return cmd
+}
+
+// checkKMSDecrypt builds next when it has KMS v2 providers and decrypts one stored object
+// per KMS key id of inv with it (migrate.CheckDecrypt). A plugin that does not answer
+// fails the check too: nothing is proven then.
+func (c *common) checkKMSDecrypt(ctx context.Context, cmd *cobra.Command, cli *clientv3.Client, inv *migrate.Inventory, next string, nextCfg *config.Config, override bool) error {
+	if !hasKMSv2(nextCfg) {
+		return nil
+	}
+	l, err := c.load(ctx, next, false)
+	if err != nil {
+		return err
+	}
+	defer l.set.Close()
+	fs, err := migrate.CheckDecrypt(ctx, inv, cli, nextCfg, setTransformers{l.set})
+	if err != nil || len(fs) == 0 {
+		return err
+	}
+	derr := &migrate.DecryptGuardError{Next: fmt.Sprintf("%q (%s)", nextCfg.Source, nextCfg.Hash), Failures: fs}
+	if !override {
+		return derr
+	}
+	fmt.Fprintf(cmd.OutOrStdout(), "WARNING: --%s is set; %s\n", migrate.OverrideFlag, derr)
+	return nil
+}
+
+func hasKMSv2(cfg *config.Config) bool {
+	for _, rc := range cfg.Encryption.Resources {
+		for _, p := range rc.Providers {
+			if p.KMS != nil && p.KMS.APIVersion == "v2" {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// setTransformers serves a built Set as value.ResourceTransformers.
+type setTransformers struct{ s *transformers.Set }
+
+func (t setTransformers) TransformerForResource(gr schema.GroupResource) value.Transformer {
+	return t.s.TransformerFor(gr)
 }

@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apiserver/pkg/apis/apiserver"
 	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/pkg/config"
@@ -119,12 +120,13 @@ func (c *common) load(ctx context.Context, path string, requireKMS bool) (*loade
 	return &loaded{cfg: cfg, set: set}, nil
 }
 
-// resourceList resolves --resources, defaulting to the configuration's explicit rules.
-func (c *common) resourceList(cfg *config.Config) ([]migrate.Resource, error) {
+// resourceList resolves --resources, defaulting to the explicit rules of cfgs (all of
+// them: check-config also scans what only the new configuration names).
+func (c *common) resourceList(cfgs ...*config.Config) ([]migrate.Resource, error) {
 	names := c.resources
 	if len(names) == 0 {
 		seen := map[string]bool{}
-		for _, rc := range cfg.Encryption.Resources {
+		for _, rc := range allRules(cfgs) {
 			for _, r := range rc.Resources {
 				gr := schema.ParseGroupResource(r)
 				if strings.Contains(r, "*") || seen[gr.String()] {
@@ -147,4 +149,12 @@ func (c *common) resourceList(cfg *config.Config) ([]migrate.Resource, error) {
 		out = append(out, r)
 	}
 	return out, nil
+}
+
+func allRules(cfgs []*config.Config) []apiserver.ResourceConfiguration {
+	var out []apiserver.ResourceConfiguration
+	for _, cfg := range cfgs {
+		out = append(out, cfg.Encryption.Resources...)
+	}
+	return out
 }

@@ -10,15 +10,18 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
 
 	"github.com/rekey-io/rekey/internal/etcdtest"
+	"github.com/rekey-io/rekey/internal/kmsplugin"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
 
 func secret(seed byte) string {
@@ -124,5 +127,163 @@ func seed(t *testing.T, cli *clientv3.Client, cfgPath string, n int) {
 		if _, err := cli.Put(context.Background(), key, string(out)); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// check-config judges rules that only the new configuration has: an exact rule or a
+// *.apps rule shadowing *.*'s key, and configmaps encrypted with no identity fallback
+// while they are stored in plaintext. It inventories what the new configuration names.
+func TestCheckConfigJudgesNewRules(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	etcd := []string{"--etcd-servers", srv.Endpoint}
+	dir := t.TempDir()
+	write := func(name, body string) string {
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, []byte("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n"+body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	rule := func(resource, key string) string {
+		return fmt.Sprintf("  - resources: [%q]\n    providers:\n      - aesgcm:\n          keys: [{name: %s, secret: %s}]\n", resource, key, secret(key[len(key)-1]))
+	}
+	wildcard := write("wildcard.yaml", rule("*.*", "key1"))
+	secretsOnly := write("secrets.yaml", rule("secrets", "key1"))
+	// Three configmaps encrypted with key1 under *.*, and four in plaintext (which
+	// secretsOnly reads: it has no rule for configmaps).
+	seedResource(t, cli, wildcard, "configmaps", "enc", 3)
+	// Five widgets, which no default scan covers, encrypted with key1 under *.*.
+	seedResource(t, cli, wildcard, "example.com/widgets", "enc", 5)
+	seedPlain(t, cli, "configmaps", "plain", 4)
+
+	cases := []struct {
+		name, cur, next string
+		want            string
+	}{
+		{"exact rule shadows *.*", wildcard, write("exact.yaml", rule("widgets.example.com", "key2")+rule("*.*", "key1")), `widgets.example.com: 5 objects are stored under aesgcm key "key1"`},
+		{"*.apps shadows *.*", wildcard, write("apps.yaml", rule("*.apps", "key2")+rule("*.*", "key1")), `*.apps: aesgcm key "key1"`},
+		{"configmaps without identity", secretsOnly, write("cm.yaml", rule("secrets", "key1")+rule("configmaps", "key2")), "configmaps: 4 objects are stored under plaintext (identity)"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			out, err := run(t, append([]string{"check-config", "--encryption-provider-config", tc.cur, "--new", tc.next}, etcd...)...)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("check-config: err = %v, want it to contain %q; out %s", err, tc.want, out)
+			}
+		})
+	}
+}
+
+func seedResource(t *testing.T, cli *clientv3.Client, cfgPath, resource, ns string, n int) {
+	t.Helper()
+	cfg, err := config.Load(cfgPath, config.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	set, err := transformers.Build(context.Background(), cfg, transformers.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer set.Close()
+	group, res, ok := strings.Cut(resource, "/")
+	if !ok {
+		group, res = "", resource
+	}
+	tr := set.TransformerFor(schema.GroupResource{Group: group, Resource: res})
+	for i := 0; i < n; i++ {
+		key := fmt.Sprintf("/registry/%s/%s/o%04d", resource, ns, i)
+		out, err := tr.TransformToStorage(context.Background(), []byte("k8s\x00payload"), value.DefaultContext(key))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cli.Put(context.Background(), key, string(out)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func seedPlain(t *testing.T, cli *clientv3.Client, resource, ns string, n int) {
+	t.Helper()
+	for i := 0; i < n; i++ {
+		if _, err := cli.Put(context.Background(), fmt.Sprintf("/registry/%s/%s/o%04d", resource, ns, i), "k8s\x00payload"); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// check-config decrypts one stored object per KMS key id with the new configuration: a
+// provider that keeps its name but reaches a plugin with another keyring fails, the
+// same keyring at a new socket passes.
+func TestCheckConfigKMSKeyring(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	etcd := []string{"--etcd-servers", srv.Endpoint}
+	dir, err := os.MkdirTemp("", "cc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	keys := func(name string, seed byte) string {
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, []byte("keys:\n- {name: kek1, secret: "+secret(seed)+"}\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	keysA, keysB := keys("a.yaml", 'a'), keys("b.yaml", 'b')
+	plugin := func(name, keysFile string) string {
+		endpoint := "unix://" + filepath.Join(dir, name+".sock")
+		s, err := kmsplugin.Start(kmsplugin.Options{ListenAddr: endpoint, KeysFile: keysFile})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(s.Stop)
+		return endpoint
+	}
+	cfg := func(name, endpoint string) string {
+		path := filepath.Join(dir, name)
+		body := fmt.Sprintf("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n      - kms: {apiVersion: v2, name: plug, endpoint: %q, timeout: 3s}\n", endpoint)
+		if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	cur := cfg("cur.yaml", plugin("a", keysA))
+	other := cfg("other.yaml", plugin("b", keysB))
+	moved := cfg("moved.yaml", plugin("c", keysA))
+
+	curCfg, err := config.Load(cur, config.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	set, err := transformers.Build(context.Background(), curCfg, transformers.Options{KMS: kmsv2.NewFactory(kmsv2.FactoryOptions{})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer set.Close()
+	wctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	if err := set.KMSProviders()[0].WaitReady(wctx); err != nil {
+		t.Fatal(err)
+	}
+	tr := set.TransformerFor(schema.GroupResource{Resource: "secrets"})
+	for i := range 4 {
+		key := fmt.Sprintf("/registry/secrets/ns/k%d", i)
+		out, err := tr.TransformToStorage(context.Background(), []byte("k8s\x00payload"), value.DefaultContext(key))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cli.Put(context.Background(), key, string(out)); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	out, err := run(t, append([]string{"check-config", "--encryption-provider-config", cur, "--new", other}, etcd...)...)
+	if err == nil || !strings.Contains(err.Error(), `secrets: 4 objects are stored under kms provider "plug" key id sha256:`) || !strings.Contains(err.Error(), "cannot decrypt") {
+		t.Fatalf("check-config to another keyring: err = %v, out %s", err, out)
+	}
+	if out, err := run(t, append([]string{"check-config", "--encryption-provider-config", cur, "--new", moved}, etcd...)...); err != nil || !strings.Contains(out, "OK:") {
+		t.Fatalf("check-config to the same keyring at a new socket: %v\n%s", err, out)
 	}
 }

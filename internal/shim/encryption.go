@@ -15,6 +15,7 @@ import (
 	"k8s.io/component-base/metrics"
 	"k8s.io/klog/v2"
 
+	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/reload"
 	"github.com/rekey-io/rekey/pkg/transformers"
@@ -43,6 +44,9 @@ type encryptionLayer interface {
 	// install runs before etcd.ApplyTo: it sets c.ResourceTransformers and health
 	// checks, or configures etcd to do so.
 	install(c *genericapiserver.Config, etcd *genericoptions.EtcdOptions) error
+	// checkStart runs once etcd answers and before anything is served: it refuses a
+	// configuration that cannot read what the last applied one could.
+	checkStart(ctx context.Context, etcdServers []string, stateID string) error
 	// startStorage adds what keeps stored data on the current keys (inventory and
 	// migration against etcdServers) as a post-start hook; it stops with the server.
 	startStorage(c *genericapiserver.Config, etcdServers []string) error
@@ -78,6 +82,7 @@ func (u *upstreamLayer) install(_ *genericapiserver.Config, etcd *genericoptions
 	return nil
 }
 
+func (u *upstreamLayer) checkStart(context.Context, []string, string) error    { return nil }
 func (u *upstreamLayer) startStorage(*genericapiserver.Config, []string) error { return nil }
 func (u *upstreamLayer) statusPath() string                                    { return "" }
 func (u *upstreamLayer) statusHandler() http.Handler                           { return nil }
@@ -96,11 +101,15 @@ type rekeyLayer struct {
 	opts    storageOptions
 	log     klog.Logger
 
-	mu     sync.Mutex
-	ctrl   *migrate.Controller
-	client *clientv3.Client
-	cancel context.CancelFunc
-	done   chan struct{}
+	mu sync.Mutex
+	// state persists what the applied configuration can read (checkStart sets it);
+	// stateClient is its etcd client, also used by the decrypt guard.
+	state       migrate.AppliedStateStore
+	stateClient *clientv3.Client
+	ctrl        *migrate.Controller
+	client      *clientv3.Client
+	cancel      context.CancelFunc
+	done        chan struct{}
 }
 
 // storageOptions are the parts of Options the controller uses.
@@ -111,6 +120,7 @@ type storageOptions struct {
 	rate              float64
 	checkInterval     time.Duration
 	inventoryInterval time.Duration
+	stateFile         string
 }
 
 func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, apiServerID string) (*rekeyLayer, error) {
@@ -132,6 +142,7 @@ func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, ap
 			rate:              o.StorageMigrationRate,
 			checkInterval:     o.StorageCheckInterval,
 			inventoryInterval: o.StorageInventoryInterval,
+			stateFile:         o.EncryptionStateFile,
 		},
 	}
 	allow := r.opts.allowDropping
@@ -144,10 +155,18 @@ func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, ap
 			Metrics: transformers.NewMetrics(reg),
 			KMS:     kmsFactory(o, reg),
 		},
-		Registry:     reg,
-		APIServerID:  apiServerID,
-		Logger:       o.Logger,
-		Guard:        migrate.NewGuard(r.store, func() bool { return allow }, m, o.Logger),
+		Registry:    reg,
+		APIServerID: apiServerID,
+		Logger:      o.Logger,
+		Guard:       migrate.NewGuard(r.store, func() bool { return allow }, m, o.Logger),
+		SetGuard: migrate.NewDecryptGuard(migrate.DecryptGuardOptions{
+			Inventory: r.store,
+			Client:    r.etcdClient,
+			Override:  func() bool { return allow },
+			Metrics:   m,
+			Logger:    o.Logger,
+		}),
+		Applied:      r.saveApplied,
 		StatusExtras: func() map[string]any { return map[string]any{StorageStatusKey: r.storageStatus()} },
 	})
 	if err != nil {
@@ -155,6 +174,76 @@ func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, ap
 	}
 	r.agent = agent
 	return r, nil
+}
+
+// startCheckTimeout bounds the start-up check: reading the applied state and an
+// inventory of Secrets and ConfigMaps by prefix (no decryption, no KMS call).
+const startCheckTimeout = 2 * time.Minute
+
+// checkStart compares the configuration on disk with the state the last applied one
+// left in etcd (or in --encryption-state-file), before the server serves: a
+// configuration refused on reload, or edited while the apiserver was down, must not
+// be applied silently by a restart. The state key is
+// migrate.AppliedStatePrefix + stateID (the apiserver identity, stable across restarts
+// of the same host).
+func (r *rekeyLayer) checkStart(ctx context.Context, etcdServers []string, stateID string) error {
+	if r.agent == nil {
+		return nil
+	}
+	cli, err := clientv3.New(clientv3.Config{Endpoints: etcdServers, DialTimeout: DefaultEtcdConnectTimeout, Logger: zap.NewNop()})
+	if err != nil {
+		return fmt.Errorf("encryption start-up check: etcd client for %v: %w", etcdServers, err)
+	}
+	var state migrate.AppliedStateStore = migrate.EtcdAppliedState{Client: cli, Key: migrate.AppliedStatePrefix + stateID}
+	if r.opts.stateFile != "" {
+		state = migrate.FileAppliedState{Path: r.opts.stateFile}
+	}
+	r.mu.Lock()
+	r.state, r.stateClient = state, cli
+	r.mu.Unlock()
+	ctx, cancel := context.WithTimeout(ctx, startCheckTimeout)
+	defer cancel()
+	agent := r.agent
+	err = migrate.CheckStartup(ctx, migrate.StartupOptions{
+		State:        state,
+		Config:       agent.ActiveConfig(),
+		Client:       cli,
+		Source:       migrate.FromRules(agent, agent.Rules),
+		Resources:    storageResources(r.opts.etcdPrefix),
+		Transformers: agent,
+		Override:     r.opts.allowDropping,
+		Inventory:    r.store,
+		Metrics:      r.metrics,
+		Logger:       r.log,
+	})
+	if err != nil {
+		return err
+	}
+	r.log.Info("Encryption configuration matches the applied state", "state", state.String(), "hash", agent.ActiveConfig().Hash)
+	return nil
+}
+
+// etcdClient is the client checkStart made, or nil before it ran.
+func (r *rekeyLayer) etcdClient() *clientv3.Client {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.stateClient
+}
+
+// saveApplied records cfg as applied after a reload swapped it in. A failure is logged:
+// the swap is done, and the next successful save or start records the state again.
+func (r *rekeyLayer) saveApplied(cfg *config.Config) {
+	r.mu.Lock()
+	state := r.state
+	r.mu.Unlock()
+	if state == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), DefaultEtcdConnectTimeout)
+	defer cancel()
+	if err := state.Save(ctx, migrate.NewAppliedState(cfg, r.store.Latest(), time.Now())); err != nil {
+		r.log.Error(err, "Could not record the applied encryption configuration; the next start compares with the previous one", "hash", cfg.Hash)
+	}
 }
 
 // storageResources are the resources the shim stores.
@@ -250,7 +339,7 @@ func (r *rekeyLayer) statusHandler() http.Handler {
 
 func (r *rekeyLayer) close() {
 	r.mu.Lock()
-	cancel, done, cli := r.cancel, r.done, r.client
+	cancel, done, cli, stateCli := r.cancel, r.done, r.client, r.stateClient
 	r.mu.Unlock()
 	if cancel != nil {
 		cancel()
@@ -259,5 +348,8 @@ func (r *rekeyLayer) close() {
 	}
 	if r.agent != nil {
 		r.agent.Close()
+	}
+	if stateCli != nil {
+		_ = stateCli.Close()
 	}
 }

@@ -99,8 +99,16 @@ type Options struct {
 	StorageCheckInterval     time.Duration
 	StorageInventoryInterval time.Duration
 	// AllowDroppingKeysInUse lets a reload through the key-in-use guard anyway
-	// (--unsafe-allow-dropping-keys-in-use; disaster recovery only).
+	// (--unsafe-allow-dropping-keys-in-use; disaster recovery only), and a start whose
+	// configuration cannot read what the last applied one could.
 	AllowDroppingKeysInUse bool
+	// EncryptionStateID names this apiserver's applied-encryption state in etcd
+	// (migrate.AppliedStatePrefix + id); default: the apiserver identity, which
+	// k8s.io/apiserver derives from the host name and so survives restarts.
+	EncryptionStateID string
+	// EncryptionStateFile keeps the applied-encryption state in this file instead of
+	// etcd (--encryption-state-file); it must survive restarts.
+	EncryptionStateFile string
 
 	// MetricsRegistry receives the encryption layer's metrics (default: a new one). It
 	// is served at /metrics together with the process-wide registry k8s.io/apiserver
@@ -213,6 +221,13 @@ func Run(ctx context.Context, o Options) error {
 		etcdServers = e.endpoints
 		logger.Info("Embedded etcd ready", "dataDir", o.DataDir, "endpoints", etcdServers, "elapsed", time.Since(start))
 	} else if err := checkEtcd(ctx, etcdServers, o.EtcdConnectTimeout); err != nil {
+		return err
+	}
+	stateID := o.EncryptionStateID
+	if stateID == "" {
+		stateID = c.APIServerID
+	}
+	if err := layer.checkStart(ctx, etcdServers, stateID); err != nil {
 		return err
 	}
 

@@ -3,8 +3,10 @@ package testbed
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/hex"
 	"fmt"
 	"net/http"
 	"os"
@@ -75,6 +77,11 @@ func ShimArgs(c ShimConfig) ([]string, error) {
 	if c.Layer != "" {
 		args = append(args, "--encryption-layer", c.Layer)
 	}
+	// Every shim of a test run shares the host (and so the default apiserver identity)
+	// and often one etcd: its applied encryption state must not be another shim's. The
+	// id follows Dir, so a restart on the same Dir finds its own state.
+	sum := sha256.Sum256([]byte(c.Dir))
+	args = append(args, "--encryption-state-id", "testbed-"+hex.EncodeToString(sum[:8]))
 	return append(args, c.Args...), nil
 }
 

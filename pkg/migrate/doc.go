@@ -59,5 +59,20 @@
 // key) the latest inventory counts objects under, that drops the current write key in
 // one step, or that drops a key of a resource no up-to-date inventory covers. The
 // refusal names the resource, key and object count; OverrideFlag lets it through for
-// disaster recovery.
+// disaster recovery. They judge every resource whose lookup chain may change: the
+// rules of both configurations (wildcards as pseudo-resources) and the inventory's.
+//
+// NewDecryptGuard (reload.Options.SetGuard) proves, on the built Set, that a KMS v2
+// provider that kept its name still decrypts one stored DEK per key id.
+//
+// The guards compare configurations in memory; CheckStartup closes the way around them
+// through a restart. An AppliedState (key fingerprints, never keys) of every applied
+// configuration is kept in etcd (EtcdAppliedState, AppliedStatePrefix + apiserver id)
+// or a file, and before serving the configuration on disk is checked against it:
+//
+//	state := migrate.EtcdAppliedState{Client: etcdClient, Key: migrate.AppliedStatePrefix + apiserverID}
+//	err := migrate.CheckStartup(ctx, migrate.StartupOptions{State: state, Config: agent.ActiveConfig(),
+//		Client: etcdClient, Source: migrate.FromRules(agent, agent.Rules), Resources: resources,
+//		Transformers: agent, Override: overrideFlag, Inventory: store})
+//	agentOpts.Applied = func(cfg *config.Config) { _ = state.Save(ctx, migrate.NewAppliedState(cfg, store.Latest(), time.Now())) }
 package migrate

@@ -12,7 +12,6 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/pkg/config"
-	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // OverrideFlag is the flag of the apiserver shim and the rekey CLI that lets a change
@@ -45,10 +44,22 @@ func (v Violation) String() string {
 type GuardError struct {
 	Next       string // the refused configuration: source and hash
 	Violations []Violation
+	// Applied, set by the start-up check, describes the last applied configuration the
+	// refused one was compared with.
+	Applied string
 }
 
 func (e *GuardError) Error() string {
 	var b strings.Builder
+	if e.Applied != "" {
+		fmt.Fprintf(&b, "refusing to start with encryption configuration %s: it cannot read data that the last applied configuration %s could read:", e.Next, e.Applied)
+		for _, v := range e.Violations {
+			b.WriteString("\n  - ")
+			b.WriteString(v.String())
+		}
+		b.WriteString("\nRestore these keys in the configuration (as read keys, not first in their list), start, and let the migration rewrite the data before dropping them. To start anyway (the data under them becomes unreadable), pass --" + OverrideFlag + ".")
+		return b.String()
+	}
 	fmt.Fprintf(&b, "refusing encryption configuration %s: it cannot read data that is still stored:", e.Next)
 	for _, v := range e.Violations {
 		b.WriteString("\n  - ")
@@ -70,16 +81,30 @@ func (e *GuardError) Is(target error) bool { return target == ErrRefused }
 //     read and next cannot (a local key also counts as dropped when next has a key of
 //     the same name with a different secret; a KMS v2 provider counts as kept while
 //     next has a KMS v2 provider of the same name, since the plugin's own keyring
-//     cannot be seen from here);
-//   - for every rule of current, its write key, when next cannot read it: values may
-//     have been written with it since any inventory;
-//   - for every resource inv does not cover, or whose write key changed since inv was
-//     taken (the inventory no longer describes what was written since), every key of
-//     current that next cannot read, with an unknown count.
+//     cannot be seen from here — NewDecryptGuard proves it with a stored DEK);
+//   - for every resource whose lookup chain may change, its write key under current,
+//     when next cannot read it: values may have been written with it since any
+//     inventory;
+//   - for every such resource inv does not cover, or whose write key changed since inv
+//     was taken (the inventory no longer describes what was written since), every key
+//     of current that next cannot read, with an unknown count.
+//
+// The resources judged are the union of those named by current's rules, by next's
+// rules and by inv: a new, more specific rule in next (an exact name, or a group
+// wildcard such as *.apps shadowing *.*) changes what its resources resolve to even
+// though current never names them. Wildcard rules are judged as pseudo-resources
+// ("*.apps", "*.*"): they stand for every resource of the group they match, which no
+// inventory can list.
 //
 // inv may be nil (no inventory yet): then every dropped key is reported.
 func CheckChange(inv *Inventory, current, next *config.Config) []Violation {
-	cur, nxt := newChains(current), newChains(next)
+	return checkChains(inv, newChains(current), newChains(next), false)
+}
+
+// checkChains is CheckChange on the read capabilities of two configurations. fresh
+// says inv was taken just now with nothing written since (at start, before serving): its
+// counts then describe every resource it covers, whatever write key it was taken under.
+func checkChains(inv *Inventory, cur, nxt chains, fresh bool) []Violation {
 	var out []Violation
 	covered := map[schema.GroupResource]bool{}
 	seen := map[string]bool{}
@@ -94,7 +119,7 @@ func CheckChange(inv *Inventory, current, next *config.Config) []Violation {
 		for _, ri := range inv.Resources {
 			gr := schema.ParseGroupResource(ri.Resource)
 			cc, nc := cur.lookup(gr), nxt.lookup(gr)
-			if cc.writePrefix() != ri.WritePrefix {
+			if !fresh && cc.writePrefix() != ri.WritePrefix {
 				continue // outdated for this resource; handled as not covered below
 			}
 			covered[gr] = true
@@ -106,17 +131,33 @@ func CheckChange(inv *Inventory, current, next *config.Config) []Violation {
 			}
 		}
 	}
-	// Resources to judge without counts: every rule of current plus every resource the
-	// inventory covers (their write keys).
-	grs := append([]schema.GroupResource(nil), cur.order...)
+	// Resources to judge without counts: every rule of current and of next (wildcards
+	// as themselves) plus every resource the inventory covers.
+	var grs []schema.GroupResource
+	judged := map[schema.GroupResource]bool{}
+	judge := func(gr schema.GroupResource) {
+		if !judged[gr] {
+			judged[gr] = true
+			grs = append(grs, gr)
+		}
+	}
+	for _, gr := range cur.order {
+		judge(gr)
+	}
+	for _, gr := range nxt.order {
+		judge(gr)
+	}
 	if inv != nil {
 		for _, ri := range inv.Resources {
-			grs = append(grs, schema.ParseGroupResource(ri.Resource))
+			judge(schema.ParseGroupResource(ri.Resource))
 		}
 	}
 	for _, gr := range grs {
 		cc, nc := cur.lookup(gr), nxt.lookup(gr)
 		name := config.GroupResourceString(gr)
+		if covered[gr] && fresh {
+			continue // the counts above are exact: nothing was written since
+		}
 		if wp := cc.writePrefix(); !nc.canReadAll(wp, cc) {
 			add(Violation{Resource: name, Bucket: bucketOf(wp), Objects: -1, Reason: "is the key this resource is written with now, so objects written since the last inventory use it; make the new key the write key first and keep this one as a read key"})
 		}
@@ -165,9 +206,27 @@ func NewGuard(store *InventoryStore, override func() bool, m *Metrics, logger kl
 
 type chainEntry struct {
 	prefix string
-	// fp fingerprints a local key's secret (SHA-256 of the decoded bytes); zero for
-	// identity and KMS.
+	// fp fingerprints a local key's secret (keyFingerprint); zero for identity and KMS.
 	fp [32]byte
+}
+
+// fingerprintDomain separates key fingerprints from every other SHA-256 use of the
+// same bytes.
+const fingerprintDomain = "rekey.io/applied-key-fingerprint/v1\x00"
+
+// keyFingerprint identifies a local key's secret so that two configurations (or a
+// configuration and the persisted AppliedState) can be compared without holding the
+// key. It is not key material: it is a one-way SHA-256 hash, under a domain-separation
+// string, of a uniformly random 128- to 256-bit secret; recovering the secret from it
+// means searching that whole key space. It proves equality of secrets and nothing else.
+func keyFingerprint(providerPrefix string, secret []byte) [32]byte {
+	h := sha256.New()
+	h.Write([]byte(fingerprintDomain))
+	h.Write([]byte(providerPrefix))
+	h.Write(secret)
+	var fp [32]byte
+	h.Sum(fp[:0])
+	return fp
 }
 
 type chain struct{ entries []chainEntry }
@@ -218,41 +277,7 @@ type chains struct {
 
 var identityChain = chain{entries: []chainEntry{{prefix: ""}}}
 
-func newChains(cfg *config.Config) chains {
-	cs := chains{byGR: map[schema.GroupResource]chain{}}
-	if cfg == nil || cfg.Encryption == nil {
-		return cs
-	}
-	for _, rc := range cfg.Encryption.Resources {
-		var entries []chainEntry
-		for _, p := range rc.Providers {
-			switch {
-			case p.Identity != nil:
-				entries = append(entries, chainEntry{prefix: ""})
-			case p.AESGCM != nil:
-				entries = append(entries, keyEntries(transformers.AESGCMPrefix, p.AESGCM.Keys)...)
-			case p.AESCBC != nil:
-				entries = append(entries, keyEntries(transformers.AESCBCPrefix, p.AESCBC.Keys)...)
-			case p.Secretbox != nil:
-				entries = append(entries, keyEntries(transformers.SecretboxPrefix, p.Secretbox.Keys)...)
-			case p.KMS != nil && p.KMS.APIVersion == "v2":
-				entries = append(entries, chainEntry{prefix: transformers.KMSv2Prefix + p.KMS.Name + ":"})
-			case p.KMS != nil:
-				entries = append(entries, chainEntry{prefix: kmsv1Prefix + p.KMS.Name + ":"})
-			}
-		}
-		for _, r := range rc.Resources {
-			gr := schema.ParseGroupResource(r)
-			c, ok := cs.byGR[gr]
-			if !ok {
-				cs.order = append(cs.order, gr)
-			}
-			c.entries = append(c.entries, entries...)
-			cs.byGR[gr] = c
-		}
-	}
-	return cs
-}
+func newChains(cfg *config.Config) chains { return chainsOf(appliedRules(cfg)) }
 
 func keyEntries[K interface{ ~struct{ Name, Secret string } }](providerPrefix string, keys []K) []chainEntry {
 	out := make([]chainEntry, 0, len(keys))
@@ -262,7 +287,7 @@ func keyEntries[K interface{ ~struct{ Name, Secret string } }](providerPrefix st
 		if err != nil {
 			secret = []byte(kk.Secret)
 		}
-		out = append(out, chainEntry{prefix: providerPrefix + kk.Name + ":", fp: sha256.Sum256(append([]byte(providerPrefix), secret...))})
+		out = append(out, chainEntry{prefix: providerPrefix + kk.Name + ":", fp: keyFingerprint(providerPrefix, secret)})
 	}
 	return out
 }

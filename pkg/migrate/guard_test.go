@@ -2,6 +2,7 @@ package migrate
 
 import (
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -107,8 +108,9 @@ func TestCheckChange(t *testing.T) {
 		{
 			name: "remove the resource rule entirely",
 			cur:  configYAML("secrets", "aesgcm:key1"), next: configYAML("configmaps", "aesgcm:key1"),
-			inv:  guardInventory(k1, map[string]int64{k1: 9}),
-			want: []string{`secrets: 9 objects are stored under aesgcm key "key1"`},
+			inv: guardInventory(k1, map[string]int64{k1: 9}),
+			// configmaps were plaintext (no rule) and next has no identity for them.
+			want: []string{"configmaps: plaintext (identity) is the key this resource is written with now", `secrets: 9 objects are stored under aesgcm key "key1"`},
 		},
 	}
 	for _, tc := range cases {
@@ -162,5 +164,79 @@ func TestNewGuardRefusesAndOverrides(t *testing.T) {
 	override = false
 	if err := guard(cur, next); err != nil {
 		t.Fatalf("after migration: %v", err)
+	}
+}
+
+// rulesYAML joins the rules of several one-rule configurations (configYAML) into one
+// configuration, in order.
+func rulesYAML(rules ...string) string {
+	const header = "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n"
+	var b strings.Builder
+	b.WriteString(header)
+	for _, r := range rules {
+		b.WriteString(strings.TrimPrefix(r, header))
+	}
+	return b.String()
+}
+
+// A new, more specific rule in the next configuration changes what its resources
+// resolve to although the current configuration never names them: each is judged,
+// with no inventory and with an inventory of the current configuration's resources.
+func TestCheckChangeJudgesNewRules(t *testing.T) {
+	const k1 = "k8s:enc:aesgcm:v1:key1:"
+	wildcard := configYAML("'*.*'", "aesgcm:key1")
+	cases := []struct {
+		name      string
+		cur, next string
+		inv       *Inventory
+		want      string
+	}{
+		{
+			name: "exact rule shadows *.*",
+			cur:  wildcard, next: rulesYAML(configYAML("configmaps", "aesgcm:key2"), wildcard),
+			want: `configmaps: aesgcm key "key1"`,
+		},
+		{
+			name: "*.apps shadows *.*",
+			cur:  wildcard, next: rulesYAML(configYAML("'*.apps'", "aesgcm:key2"), wildcard),
+			want: `*.apps: aesgcm key "key1"`,
+		},
+		{
+			name: "configmaps encrypted without identity while stored in plaintext",
+			cur:  configYAML("secrets", "aesgcm:key1"), next: rulesYAML(configYAML("secrets", "aesgcm:key1"), configYAML("configmaps", "aesgcm:key2")),
+			want: "configmaps: plaintext (identity)",
+		},
+	}
+	for _, tc := range cases {
+		for _, withInv := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/inventory=%v", tc.name, withInv), func(t *testing.T) {
+				var inv *Inventory
+				if withInv {
+					// The inventory of what the current configuration names: secrets.
+					inv = guardInventory(k1, map[string]int64{k1: 10})
+				}
+				vs := CheckChange(inv, mustConfig(t, tc.cur), mustConfig(t, tc.next))
+				found := false
+				for _, v := range vs {
+					found = found || strings.Contains(v.String(), tc.want)
+				}
+				if !found {
+					t.Fatalf("violations = %q, want one containing %q", vs, tc.want)
+				}
+			})
+		}
+	}
+	// With an inventory that counts plaintext configmaps the count is named.
+	inv := guardInventory(k1, map[string]int64{k1: 10})
+	inv.Resources = append(inv.Resources, ResourceInventory{Resource: "configmaps", KeyPrefix: "/registry/configmaps/", Objects: 7,
+		Buckets: []Count{{Bucket: Bucket{Provider: ProviderIdentity, KnownKey: true}, Objects: 7}}})
+	vs := CheckChange(inv, mustConfig(t, cases[2].cur), mustConfig(t, cases[2].next))
+	if len(vs) != 1 || !strings.Contains(vs[0].String(), "configmaps: 7 objects are stored under plaintext (identity)") {
+		t.Fatalf("violations = %q, want configmaps' 7 plaintext objects", vs)
+	}
+	// A next configuration that adds rules and keeps every read path passes.
+	ok := rulesYAML(configYAML("configmaps", "aesgcm:key2,key1"), wildcard)
+	if vs := CheckChange(nil, mustConfig(t, wildcard), mustConfig(t, ok)); len(vs) != 0 {
+		t.Fatalf("keeping key1 as a read key: violations = %q", vs)
 	}
 }

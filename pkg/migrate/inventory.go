@@ -66,6 +66,9 @@ type Count struct {
 	Unreadable int64 `json:"unreadable,omitempty"`
 	// Bytes is the total stored size.
 	Bytes int64 `json:"bytes"`
+	// SampleKey is the etcd key of one object of a KMS v2 bucket (one per bucket): the
+	// decrypt guard proves with it that a new plugin still decrypts this key id's DEKs.
+	SampleKey string `json:"sampleKey,omitempty"`
 }
 
 // Find returns the inventory of resource r ("secrets"), or nil.
@@ -189,6 +192,9 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*Res
 			}
 			c.Objects++
 			c.Bytes += int64(len(kv.Value))
+			if c.SampleKey == "" && b.Provider == ProviderKMSv2 && b.KeyIDHash != "" {
+				c.SampleKey = string(kv.Key)
+			}
 			ri.Objects++
 			if b.Stale && !unreadable {
 				ri.Stale++

@@ -94,8 +94,18 @@ type Options struct {
 	Logger klog.Logger
 	// Clock defaults to the real clock.
 	Clock clock.Clock
-	// Guard, when set, may veto a new configuration; an error refuses the reload.
+	// Guard, when set, may veto a new configuration; an error refuses the reload. It
+	// runs before the new configuration is built.
 	Guard func(current, next *config.Config) error
+	// SetGuard, when set, may veto a new configuration after it is built and has
+	// passed the health gate, before it is swapped in: it gets the new Set (not yet
+	// serving), e.g. to prove that its KMS plugins decrypt stored data. An error
+	// refuses the reload and closes the Set.
+	SetGuard func(ctx context.Context, current, next *config.Config, set *transformers.Set) error
+	// Applied, when set, is called after every successful swap with the configuration
+	// now serving (e.g. to persist what it can read). It runs on the reload path and
+	// should return quickly.
+	Applied func(cfg *config.Config)
 	// StatusExtras, when set, adds sections to the status document: each key becomes a
 	// top-level member (e.g. "storage") next to the agent's own, which win on a clash.
 	// It is called on every Status call and must be safe for concurrent use; what it
@@ -313,6 +323,12 @@ func (a *Agent) reloadOnce(ctx context.Context) (string, error) {
 		set.Close()
 		return hash, a.fail(ctx, hash, err)
 	}
+	if a.opts.SetGuard != nil {
+		if err := a.opts.SetGuard(buildCtx, cur.cfg, cfg, set); err != nil {
+			set.Close()
+			return hash, a.fail(ctx, hash, fmt.Errorf("new configuration refused: %w", err))
+		}
+	}
 	// A writer may have replaced the file again while this one was being built (for
 	// example a truncate that was followed by the rest of the content): apply only
 	// what the file still holds.
@@ -335,6 +351,9 @@ func (a *Agent) reloadOnce(ctx context.Context) (string, error) {
 	a.log.Info("Applied new encryption provider configuration", "path", a.opts.Path,
 		"hash", hash, "previousHash", old.cfg.Hash, "took", now.Sub(start),
 		"kmsProviders", len(set.KMSProviders()))
+	if a.opts.Applied != nil {
+		a.opts.Applied(cfg)
+	}
 	return hash, nil
 }
 

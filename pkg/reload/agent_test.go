@@ -681,3 +681,37 @@ func TestStatusExtras(t *testing.T) {
 		t.Fatalf("Rules() = %+v", got)
 	}
 }
+
+// SetGuard gets the built, not yet serving Set of the new configuration: its veto
+// keeps the old one serving; Applied is told of every swap and of nothing else.
+func TestSetGuardAndApplied(t *testing.T) {
+	var applied []string
+	var veto error
+	var sawSet *transformers.Set
+	f := newFixture(t, secretsConfig("aesgcm:k1"), func(o *Options) {
+		o.SetGuard = func(_ context.Context, cur, next *config.Config, set *transformers.Set) error {
+			if cur == nil || next == nil || set == nil || set.Hash() != next.Hash {
+				return errors.New("set guard got the wrong arguments")
+			}
+			sawSet = set
+			return veto
+		}
+		o.Applied = func(cfg *config.Config) { applied = append(applied, cfg.Hash) }
+	})
+	veto = errors.New("the new plugin cannot decrypt stored data")
+	writeRename(t, f.path, secretsConfig("aesgcm:k2", "aesgcm:k1"))
+	if err := f.agent.Reload(context.Background()); err == nil || !strings.Contains(err.Error(), "cannot decrypt") {
+		t.Fatalf("Reload = %v, want the set guard's veto", err)
+	}
+	if p := f.writePrefix(secrets); p != gcmK1 || len(applied) != 0 || sawSet == nil {
+		t.Fatalf("after a veto: write prefix %q, applied %v, set guard called %v", p, applied, sawSet != nil)
+	}
+	veto = nil
+	writeRename(t, f.path, secretsConfig("aesgcm:k2", "aesgcm:k1", "identity"))
+	if err := f.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := f.agent.ActiveConfig().Hash; len(applied) != 1 || applied[0] != got {
+		t.Fatalf("applied = %v, want [%s]", applied, got)
+	}
+}

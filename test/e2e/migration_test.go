@@ -490,6 +490,40 @@ func TestShimRefusesDroppingKeyInUse(t *testing.T) {
 		!strings.Contains(string(m), `rekey_storage_objects{key="key1",key_id_hash="",provider="aesgcm",resource="secrets",state="stale"} 30`) {
 		t.Errorf("/metrics lacks the refusal or the stale count:\n%s", grepLines(string(m), "rekey_storage_"))
 	}
+
+	// The refused configuration is still on disk: a restart must not apply it silently.
+	s.Stop(15 * time.Second)
+	cfg := testbed.ShimConfig{Dir: dir, EncryptionConfig: config, EtcdPrefix: prefix, EtcdServers: []string{etcd.Endpoint}, Args: []string{"--storage-migration=false"}}
+	args, err := testbed.ShimArgs(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := testbed.Start("shim-restart", dir, bins.Shim, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-p.Done():
+	case <-time.After(60 * time.Second):
+		p.Kill()
+		t.Fatalf("the shim started with the refused configuration; log:\n%s", p.Log(3000))
+	}
+	log := p.Log(4000)
+	if p.ExitErr() == nil {
+		t.Fatalf("exit status 0 with the refused configuration; log:\n%s", log)
+	}
+	for _, want := range []string{"refusing to start", fmt.Sprintf(`secrets: %d objects are stored under aesgcm key "key1"`, n), "unsafe-allow-dropping-keys-in-use"} {
+		if !strings.Contains(log, want) {
+			t.Errorf("start-up refusal lacks %q:\n%s", want, log)
+		}
+	}
+	if strings.Contains(log, key1) {
+		t.Fatal("the start-up refusal holds key material")
+	}
+	// With the override it starts.
+	cfg.Name = "shim-override"
+	cfg.Args = append(cfg.Args, "--unsafe-allow-dropping-keys-in-use")
+	startShim(t, cfg)
 }
 
 func grepLines(s, substr string) string {
