@@ -18,7 +18,7 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 	for {
 		// A Status may ask for an Encrypt: run until the machine wants nothing more now.
 		for acts := m.Ready(); len(acts) > 0 && ctx.Err() == nil; acts = m.Ready() {
-			for _, a := range append([]state.Action(nil), acts...) {
+			for _, a := range acts {
 				switch a.Kind {
 				case state.CallStatus:
 					r, err := p.client.Status(ctx)

@@ -39,6 +39,9 @@ import (
 const (
 	DefaultDEKCacheEntries  = 1024
 	DefaultAEADCacheEntries = 256
+	// Check serves a health result from cache this long after a success / a failure.
+	DefaultHealthyTTL   = 20 * time.Second
+	DefaultUnhealthyTTL = 3 * time.Second
 )
 
 // FactoryOptions configure every provider a factory builds.
@@ -123,10 +126,10 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 		o.AEADCacheEntries = DefaultAEADCacheEntries
 	}
 	if o.HealthyTTL <= 0 {
-		o.HealthyTTL = state.DefaultHealthyTTL
+		o.HealthyTTL = DefaultHealthyTTL
 	}
 	if o.UnhealthyTTL <= 0 {
-		o.UnhealthyTTL = state.DefaultUnhealthyTTL
+		o.UnhealthyTTL = DefaultUnhealthyTTL
 	}
 	if o.WritesPerGeneration == 0 {
 		o.WritesPerGeneration = maxWritesPerGeneration
