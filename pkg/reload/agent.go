@@ -194,7 +194,7 @@ func NewAgent(ctx context.Context, opts Options) (*Agent, error) {
 		opts:   opts,
 		log:    opts.Logger.WithName("encryption-config-reload"),
 		clock:  opts.Clock,
-		health: healthz.New(healthz.Options{Clock: opts.Clock}),
+		health: healthz.New(healthz.Options{}),
 	}
 	a.closeCtx, a.closeCancel = context.WithCancel(context.Background())
 

@@ -47,7 +47,11 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 		case <-t.C():
 		case <-p.kick:
 			t.Stop()
-			_ = m.Step(state.HealthCheckRequested{})
+			// A request that a Status already answered (callers that asked while it ran)
+			// costs no second call.
+			if v := m.View(); !p.fresh(&v) {
+				_ = m.Step(state.HealthCheckRequested{})
+			}
 		}
 		m.Tick(p.clock.Now())
 	}
