@@ -53,13 +53,13 @@ func TestNameAndNoProviders(t *testing.T) {
 	if c.Name() != "kms-providers" {
 		t.Fatalf("Name() = %q", c.Name())
 	}
-	// H1: present and passing with no KMS provider configured.
+	// Present and passing with no KMS provider configured.
 	if err := c.Check(httptest.NewRequest("GET", "/healthz/kms-providers", nil)); err != nil {
 		t.Fatalf("no providers: %v", err)
 	}
 }
 
-// H2: one of two plugins down, then the other, then both (aggregated), then recovery.
+// One of two plugins down, then the other, then both (aggregated), then recovery.
 func TestFailuresNamedAggregatedAndRecovered(t *testing.T) {
 	c := newChecker()
 	a, b := &fakeProbe{name: "kms-a"}, &fakeProbe{name: "kms-b"}
