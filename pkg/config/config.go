@@ -96,11 +96,14 @@ func Parse(data []byte, source string, opts Options) (*Config, error) {
 	}
 	obj, gvk, err := decoder.Decode(data, nil, nil)
 	if err != nil {
-		// These two errors quote the whole input, keys included.
+		// These two errors quote the whole input, keys included. The replacements keep
+		// apimachinery's capitalised wording without the input.
 		switch {
 		case runtime.IsMissingKind(err):
+			//lint:ignore ST1005 apimachinery's wording
 			err = errors.New("Object 'Kind' is missing")
 		case runtime.IsMissingVersion(err):
+			//lint:ignore ST1005 apimachinery's wording
 			err = errors.New("Object 'apiVersion' is missing")
 		}
 		return nil, fmt.Errorf("error decoding encryption provider configuration file %q: %w", source, err)
