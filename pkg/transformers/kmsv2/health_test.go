@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"k8s.io/component-base/metrics"
 	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/rekey-io/rekey/internal/kmsplugin"
@@ -23,16 +22,9 @@ import (
 func TestOneHealthCacheInFrontOfThePlugin(t *testing.T) {
 	tp := startPlugin(t, "key-1")
 	clk := testingclock.NewFakeClock(time.Now())
-	p, err := New(kmsConfig("kms1", tp.endpoint), transformers.Options{Clock: clk}, FactoryOptions{Registry: metrics.NewKubeRegistry()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p := newProviderWith(t, "kms1", tp.endpoint, transformers.Options{Clock: clk}, FactoryOptions{})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := p.WaitReady(ctx); err != nil {
-		t.Fatal(err)
-	}
 	c := healthz.New(healthz.Options{})
 	c.Swap(p)
 	statuses := tp.Stats().Status // the loop's first Status, at the start
