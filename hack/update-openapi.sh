@@ -13,11 +13,13 @@ OUT_FILE=zz_generated.openapi.go
 verify=false
 [[ "${1:-}" == "--verify" ]] && verify=true
 
-# Pin the generator to the kube-openapi version the module graph already selects.
+# Pin the generator to the kube-openapi version the module graph already selects; it is
+# installed once per version under bin/tools (ignored by git), like make's lint tools.
 KUBE_OPENAPI_VERSION=$(go list -m -f '{{.Version}}' k8s.io/kube-openapi)
+GEN_DIR="$PWD/bin/tools/openapi-gen-${KUBE_OPENAPI_VERSION}"
+[[ -x "$GEN_DIR/openapi-gen" ]] || GOBIN="$GEN_DIR" go install "k8s.io/kube-openapi/cmd/openapi-gen@${KUBE_OPENAPI_VERSION}"
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-GOBIN="$TMP/bin" go install "k8s.io/kube-openapi/cmd/openapi-gen@${KUBE_OPENAPI_VERSION}"
 
 PKGS=(
   k8s.io/api/core/v1
@@ -34,7 +36,7 @@ dest="./$OUT_DIR"
 $verify && dest="$TMP/out"
 
 # --readonly-pkg keeps the generator from writing model-name files into the module cache.
-"$TMP/bin/openapi-gen" \
+"$GEN_DIR/openapi-gen" \
   --output-dir "$dest" \
   --output-pkg "github.com/rekey-io/rekey/$OUT_DIR" \
   --output-file "$OUT_FILE" \
