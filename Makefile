@@ -6,9 +6,12 @@ export PATH := $(shell $(GO) env GOROOT 2>/dev/null)/bin:$(PATH)
 # Packages small enough to run under the race detector inside the CI budget.
 RACE_PKGS ?= ./pkg/...
 BIN := bin
+# Lint tools, pinned; `make tools` installs them under bin/tools/<version>/.
+STATICCHECK_VERSION := v0.8.2
+STATICCHECK := $(BIN)/tools/staticcheck-$(STATICCHECK_VERSION)/staticcheck
 VERSION_LDFLAGS := -X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 
-.PHONY: all build test lint fmt vet run e2e bench bench-go fuzz clean
+.PHONY: all build test lint fmt vet staticcheck tidy-check openapi-check tools run e2e bench bench-go fuzz clean
 
 all: build
 
@@ -21,7 +24,8 @@ test: lint
 	$(GO) test -race -count=1 -timeout 20m $(RACE_PKGS)
 	$(GO) test -count=1 -timeout 20m $$($(GO) list ./... | grep -v '/pkg/')
 
-lint: fmt vet
+## lint: gofmt, go vet, staticcheck, `go mod tidy` leaves no diff, the generated OpenAPI is current.
+lint: fmt vet staticcheck tidy-check openapi-check
 
 fmt:
 	@bad=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
@@ -29,6 +33,21 @@ fmt:
 
 vet:
 	$(GO) vet ./...
+
+tools: $(STATICCHECK)
+
+$(STATICCHECK):
+	GOBIN=$(CURDIR)/$(dir $(STATICCHECK)) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
+
+staticcheck: $(STATICCHECK)
+	$(STATICCHECK) ./...
+
+# -diff prints what tidy would change and fails, leaving go.mod and go.sum untouched.
+tidy-check:
+	@$(GO) mod tidy -diff || { echo "go.mod/go.sum are not tidy: run go mod tidy and commit the result"; exit 1; }
+
+openapi-check:
+	@bash hack/update-openapi.sh --verify
 
 ## run: start the local KMS v2 plugin and the apiserver shim with embedded etcd.
 run:

@@ -75,9 +75,9 @@ resources:
 		round = 3 * time.Second
 	}
 	type result struct {
-		pairsPerSec      []float64
-		create, get      []float64 // latencies in ms, all rounds
-		failed, finished int64
+		pairsPerSec []float64
+		create, get []float64 // latencies in ms, all rounds
+		failed      int64
 	}
 	res := map[string]*result{"rekey": {}, "upstream": {}}
 	for r := 0; r < s.Rounds; r++ {

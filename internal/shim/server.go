@@ -32,7 +32,7 @@ import (
 	"k8s.io/component-base/metrics/legacyregistry"
 	"k8s.io/klog/v2"
 
-	"github.com/rekey-io/rekey/pkg/generated/openapi"
+	"github.com/rekey-io/rekey/internal/shim/openapi"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 

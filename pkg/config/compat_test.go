@@ -40,8 +40,11 @@ type tableCase struct {
 	reload bool
 }
 
-// validationTable covers every rule of upstream-behaviour §2 (decode, validation and the
-// construction-time checks we move to validation time).
+// validationTable covers every rule of upstream's decoding and validation
+// (k8s.io/apiserver/pkg/apis/apiserver/validation/validation_encryption.go) and the
+// checks upstream makes only while building transformers
+// (k8s.io/apiserver/pkg/server/options/encryptionconfig/config.go), which rekey makes at
+// validation time.
 var validationTable = []tableCase{
 	// --- decoding ---
 	{name: "valid aesgcm yaml", data: doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys: [{name: key1, secret: " + key32 + "}]\n")},

@@ -12,7 +12,8 @@ import (
 )
 
 func TestHashMatchesUpstreamVector(t *testing.T) {
-	// upstream-behaviour §1: the hash of empty input.
+	// Upstream's content hash (k8s.io/apiserver/pkg/server/options/encryptionconfig/config.go)
+	// is sha256 of the raw file bytes, hex, after "sha256:"; this is the empty input's.
 	const want = "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 	if got := config.Hash(nil); got != want {
 		t.Fatalf("Hash(empty) = %s, want %s", got, want)

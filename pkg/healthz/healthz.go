@@ -4,12 +4,12 @@
 // swapped with it (Swap), so the check keeps its name and its place on /healthz and
 // /readyz for the life of the process.
 //
-// Results are cached per provider (20 s after a success, 3 s after a failure, as
-// upstream caches its KMS probes) and concurrent probes of one provider share a single
-// call, so a storm of health requests costs at most one plugin call per provider per
-// cache period.
+// The check keeps no cache of its own: each provider's Check is the one cache in front
+// of its plugin (kmsv2.Provider.Check serves a result 20 s after a success and 3 s after
+// a failure, as upstream caches its KMS probes, and lets concurrent checks share one
+// Status call). A second cache here would add its period to the provider's.
 //
-//	c := healthz.New(healthz.Options{Clock: clk})
+//	c := healthz.New(healthz.Options{})
 //	c.Swap(set.KMSProviders()...)      // at start and after every reload
 //	cfg.AddHealthzChecks(c); cfg.AddReadyzChecks(c) // never livez
 package healthz
@@ -23,35 +23,28 @@ import (
 	"time"
 
 	utilerrors "k8s.io/apimachinery/pkg/util/errors"
-	"k8s.io/utils/clock"
 )
 
 // Name is the check's name: it is served at /healthz/kms-providers and
 // /readyz/kms-providers, as kube-apiserver does when automatic reload is on.
 const Name = "kms-providers"
 
-// Cache periods and the per-call bound, as upstream's KMS probes use them.
-const (
-	DefaultOKTTL      = 20 * time.Second
-	DefaultFailureTTL = 3 * time.Second
-	DefaultTimeout    = 3 * time.Second
-)
+// DefaultTimeout bounds one provider's check, as upstream bounds its KMS probes.
+const DefaultTimeout = 3 * time.Second
 
 // Probe is one KMS provider as the check sees it. transformers.KMSProvider satisfies it.
 type Probe interface {
 	// Name is the provider name from the configuration.
 	Name() string
-	// Check returns nil when the plugin is healthy.
+	// Check returns nil when the plugin is healthy. It is expected to cache its result
+	// and to share one plugin call among concurrent checks; the Checker calls it for
+	// every request.
 	Check(ctx context.Context) error
 }
 
-// Options configure a Checker. Zero values take the defaults above and the real clock.
+// Options configure a Checker. Zero values take the defaults above.
 type Options struct {
-	Clock      clock.PassiveClock
-	OKTTL      time.Duration
-	FailureTTL time.Duration
-	// Timeout bounds one provider call. A probe outlives the request that started it
-	// (other requests may be waiting for its result), so only this bound applies.
+	// Timeout bounds one provider's check, within the request's own deadline.
 	Timeout time.Duration
 }
 
@@ -59,25 +52,16 @@ type Options struct {
 // healthz.HealthChecker. The zero value is not usable; use New.
 type Checker struct {
 	opts   Options
-	probes atomic.Pointer[[]*cachedProbe]
+	probes atomic.Pointer[[]Probe]
 }
 
 // New returns a Checker with no providers: it passes until Swap installs some.
 func New(opts Options) *Checker {
-	if opts.Clock == nil {
-		opts.Clock = clock.RealClock{}
-	}
-	if opts.OKTTL <= 0 {
-		opts.OKTTL = DefaultOKTTL
-	}
-	if opts.FailureTTL <= 0 {
-		opts.FailureTTL = DefaultFailureTTL
-	}
 	if opts.Timeout <= 0 {
 		opts.Timeout = DefaultTimeout
 	}
 	c := &Checker{opts: opts}
-	c.probes.Store(&[]*cachedProbe{})
+	c.probes.Store(&[]Probe{})
 	return c
 }
 
@@ -93,18 +77,13 @@ func (c *Checker) Check(r *http.Request) error {
 	return c.CheckContext(ctx)
 }
 
-// Swap replaces the providers the check probes, in configuration order. Results cached
-// for the previous providers are dropped with them.
+// Swap replaces the providers the check probes, in configuration order.
 func (c *Checker) Swap(probes ...Probe) {
-	list := make([]*cachedProbe, len(probes))
-	for i, p := range probes {
-		list[i] = &cachedProbe{index: i, probe: p}
-	}
+	list := append([]Probe(nil), probes...)
 	c.probes.Store(&list)
 }
 
-// CheckContext probes every provider (in parallel, each served from its cache when
-// fresh) and returns nil when all are healthy. Otherwise the error names every failing
+// CheckContext probes every provider (in parallel) and returns nil when all are healthy. Otherwise the error names every failing
 // provider by its index over the KMS providers in the file (kms-provider-<i>, upstream's
 // naming) and by its configured name.
 func (c *Checker) CheckContext(ctx context.Context) error {
@@ -113,7 +92,7 @@ func (c *Checker) CheckContext(ctx context.Context) error {
 	case 0:
 		return nil
 	case 1:
-		return list[0].describe(list[0].check(ctx, c))
+		return c.check(ctx, 0, list[0])
 	}
 	errs := make([]error, len(list))
 	var wg sync.WaitGroup
@@ -121,7 +100,7 @@ func (c *Checker) CheckContext(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			errs[i] = p.describe(p.check(ctx, c))
+			errs[i] = c.check(ctx, i, p)
 		}()
 	}
 	wg.Wait()
@@ -134,68 +113,12 @@ func (c *Checker) CheckContext(ctx context.Context) error {
 	return utilerrors.Reduce(utilerrors.NewAggregate(failed))
 }
 
-// cachedProbe caches one provider's last result and lets concurrent callers share one
-// call to the provider.
-type cachedProbe struct {
-	index int
-	probe Probe
-
-	mu       sync.Mutex
-	valid    bool
-	err      error
-	at       time.Time
-	inflight chan struct{} // closed when the running call stores its result
-}
-
-func (p *cachedProbe) describe(err error) error {
-	if err == nil {
-		return nil
+// check runs one provider's check within the timeout and names it in the error.
+func (c *Checker) check(ctx context.Context, index int, p Probe) error {
+	ctx, cancel := context.WithTimeout(ctx, c.opts.Timeout)
+	defer cancel()
+	if err := p.Check(ctx); err != nil {
+		return fmt.Errorf("kms-provider-%d: provider %q: %w", index, p.Name(), err)
 	}
-	return fmt.Errorf("kms-provider-%d: provider %q: %w", p.index, p.probe.Name(), err)
-}
-
-func (p *cachedProbe) fresh(c *Checker) bool {
-	if !p.valid {
-		return false
-	}
-	ttl := c.opts.OKTTL
-	if p.err != nil {
-		ttl = c.opts.FailureTTL
-	}
-	return c.opts.Clock.Since(p.at) < ttl
-}
-
-func (p *cachedProbe) check(ctx context.Context, c *Checker) error {
-	p.mu.Lock()
-	if p.fresh(c) {
-		err := p.err
-		p.mu.Unlock()
-		return err
-	}
-	if wait := p.inflight; wait != nil {
-		p.mu.Unlock()
-		select {
-		case <-wait:
-			p.mu.Lock()
-			err := p.err
-			p.mu.Unlock()
-			return err
-		case <-ctx.Done():
-			return fmt.Errorf("gave up waiting for the plugin's answer: %w", ctx.Err())
-		}
-	}
-	done := make(chan struct{})
-	p.inflight = done
-	p.mu.Unlock()
-
-	callCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.opts.Timeout)
-	err := p.probe.Check(callCtx)
-	cancel()
-
-	p.mu.Lock()
-	p.valid, p.err, p.at = true, err, c.opts.Clock.Now()
-	p.inflight = nil
-	close(done)
-	p.mu.Unlock()
-	return err
+	return nil
 }

@@ -17,8 +17,9 @@
 // ModRevision R, decrypt, encrypt with the write key, and commit only if the object is
 // still at R (batched: one transaction per up to 64 objects, falling back to one per
 // object when any of them changed). A concurrent update always wins; the object is then
-// re-read and rewritten only if still stale. Progress is checkpointed to a file so a
-// stopped run resumes after the last completed page; it is idempotent; it is
+// re-read and rewritten only if still stale. Progress is checkpointed to a file (at most
+// every 250 ms, and whenever a resource ends or the run stops) so a stopped run resumes
+// after the last recorded page, re-checking the few pages after it; it is idempotent; it is
 // rate-limited; and it returns nil only after a re-scan with a decrypt check finds no
 // stale and no unreadable object.
 //

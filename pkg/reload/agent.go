@@ -49,8 +49,8 @@ const (
 
 	retryInitial = 500 * time.Millisecond
 	retryMax     = time.Minute
-	// maxDebounceWait keeps a writer that never stops writing from postponing a reload
-	// forever.
+	// maxDebounceWaitFactor × Debounce keeps a writer that never stops writing from
+	// postponing a reload forever.
 	maxDebounceWaitFactor = 10
 	// drainLimit bounds how long a replaced Set waits, after its grace period, for the
 	// calls still running on it; only a call stuck far beyond every KMS timeout hits it.
@@ -204,7 +204,7 @@ func NewAgent(ctx context.Context, opts Options) (*Agent, error) {
 		opts:   opts,
 		log:    opts.Logger.WithName("encryption-config-reload"),
 		clock:  opts.Clock,
-		health: healthz.New(healthz.Options{Clock: opts.Clock}),
+		health: healthz.New(healthz.Options{}),
 	}
 	a.closeCtx, a.closeCancel = context.WithCancel(context.Background())
 

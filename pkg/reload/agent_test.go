@@ -78,9 +78,9 @@ func TestStartWithKMSPluginDown(t *testing.T) {
 	}
 }
 
-// R1: an invalid new config (syntax, kind, version, unknown field, failed validation,
+// An invalid new config (syntax, kind, version, unknown field, failed validation,
 // masked wildcard) keeps the old transformers and hash and counts a failure.
-func TestR1InvalidConfigKeepsOld(t *testing.T) {
+func TestInvalidConfigKeepsOld(t *testing.T) {
 	f := newFixture(t, secretsConfig("aesgcm:k1"))
 	oldHash := f.agent.Status().ActiveConfigHash
 	stored := f.mustWrite(secrets, "/registry/secrets/ns/a", "v1")
@@ -130,9 +130,9 @@ func TestR1InvalidConfigKeepsOld(t *testing.T) {
 	}
 }
 
-// R2: a valid, different config is swapped in; hash, success metric (with the hashed
+// A valid, different config is swapped in; hash, success metric (with the hashed
 // apiserver id), timestamp and last_config_info follow.
-func TestR2ValidConfigSwaps(t *testing.T) {
+func TestValidConfigSwaps(t *testing.T) {
 	f := newFixture(t, secretsConfig("aesgcm:k1"))
 	old := f.mustWrite(secrets, "/registry/secrets/ns/a", "v1")
 	next := secretsConfig("aesgcm:k2,k1")
@@ -164,8 +164,8 @@ func TestR2ValidConfigSwaps(t *testing.T) {
 	}
 }
 
-// R3: unchanged content (rewritten, touched) builds nothing and records nothing.
-func TestR3UnchangedIsNoop(t *testing.T) {
+// Unchanged content (rewritten, touched) builds nothing and records nothing.
+func TestUnchangedIsNoop(t *testing.T) {
 	content := secretsConfig("kms:vault", "aesgcm:k1")
 	f := newFixture(t, content)
 	if n := f.plugins.builds.Load(); n != 1 {
@@ -189,9 +189,9 @@ func TestR3UnchangedIsNoop(t *testing.T) {
 	}
 }
 
-// R4: the file deleted, empty, half written or unreadable keeps the old config; the
+// The file deleted, empty, half written or unreadable keeps the old config; the
 // good content that follows is applied.
-func TestR4ReadFailuresKeepOld(t *testing.T) {
+func TestReadFailuresKeepOld(t *testing.T) {
 	full := secretsConfig("aesgcm:k2", "aesgcm:k1")
 	f := newFixture(t, secretsConfig("aesgcm:k1"))
 	cases := map[string]func(){
@@ -232,10 +232,10 @@ func TestR4ReadFailuresKeepOld(t *testing.T) {
 	}
 }
 
-// R5: a new KMS plugin that fails its health gate: the old config keeps serving, the
+// A new KMS plugin that fails its health gate: the old config keeps serving, the
 // half-built providers are closed, a failure is counted; once the plugin is up the
 // retry (with backoff, no file event) applies the change.
-func TestR5HealthGateFailureThenRetry(t *testing.T) {
+func TestHealthGateFailureThenRetry(t *testing.T) {
 	f := newFixture(t, secretsConfig("aesgcm:k1"), func(o *Options) { o.HealthGateTimeout = 100 * time.Millisecond })
 	f.plugins.setDown("vault", errors.New("plugin not listening"))
 	writeRename(t, f.path, secretsConfig("kms:vault", "aesgcm:k1"))
@@ -265,10 +265,10 @@ func TestR5HealthGateFailureThenRetry(t *testing.T) {
 	})
 }
 
-// R6: by construction there is exactly one kms-providers check whatever the number of
-// KMS providers, on /healthz and /readyz only (H1, H4); it exists without KMS when
+// By construction there is exactly one kms-providers check whatever the number of
+// KMS providers, on /healthz and /readyz only (never /livez); it exists without KMS when
 // reload is on and not when reload is off (upstream's rule).
-func TestR6H1H4InstallInto(t *testing.T) {
+func TestInstallInto(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
 		content   string
@@ -330,9 +330,9 @@ func names[T interface{ Name() string }](checks []T) []string {
 	return out
 }
 
-// R10 + R13: add a provider in front, rewrite, remove the old one; then restart with
+// Add a provider in front, rewrite, remove the old one; then restart with
 // the last applied config and read everything back.
-func TestR10R13AddMigrateRemoveRestart(t *testing.T) {
+func TestAddMigrateRemoveRestart(t *testing.T) {
 	f := newFixture(t, secretsConfig("aescbc:old"))
 	stored := map[string][]byte{"/registry/secrets/ns/a": f.mustWrite(secrets, "/registry/secrets/ns/a", "a")}
 
@@ -383,8 +383,8 @@ func TestR10R13AddMigrateRemoveRestart(t *testing.T) {
 	check(restarted)
 }
 
-// R11: a reload to a key that cannot decrypt existing data: reads fail, writes work.
-func TestR11UndecryptableAfterReload(t *testing.T) {
+// A reload to a key that cannot decrypt existing data: reads fail, writes work.
+func TestUndecryptableAfterReload(t *testing.T) {
 	f := newFixture(t, secretsConfig("aesgcm:k1"))
 	old := f.mustWrite(secrets, "/registry/secrets/ns/a", "a")
 	writeRename(t, f.path, secretsConfig("aesgcm:k2"))
@@ -407,9 +407,9 @@ func TestR11UndecryptableAfterReload(t *testing.T) {
 	}
 }
 
-// R12: wildcards after a reload: first matching entry wins, identity opt-out before a
+// Wildcards after a reload: first matching entry wins, identity opt-out before a
 // wildcard works, and overlapping wildcards are refused.
-func TestR12Wildcards(t *testing.T) {
+func TestWildcards(t *testing.T) {
 	f := newFixture(t, secretsConfig("aesgcm:k1"))
 	writeRename(t, f.path, configYAML(
 		rule([]string{"configmaps"}, "identity"),
@@ -440,9 +440,9 @@ func TestR12Wildcards(t *testing.T) {
 	}
 }
 
-// R14: a key moves between two providers of the same type: later providers are still
+// A key moves between two providers of the same type: later providers are still
 // tried and the read is stale unless the first key read it.
-func TestR14SamePrefixDifferentProviders(t *testing.T) {
+func TestSamePrefixDifferentProviders(t *testing.T) {
 	f := newFixture(t, secretsConfig("aescbc:k1"))
 	old := f.mustWrite(secrets, "/registry/secrets/ns/a", "a")
 	writeRename(t, f.path, secretsConfig("aescbc:k2", "aescbc:k1"))
@@ -537,8 +537,8 @@ func TestStatusDocument(t *testing.T) {
 	}
 }
 
-// H2 through the agent: the single check follows the Set across a reload.
-func TestH2HealthFollowsReload(t *testing.T) {
+// Through the agent: the single check follows the Set across a reload.
+func TestHealthFollowsReload(t *testing.T) {
 	f := newFixture(t, configYAML(rule([]string{"secrets"}, "kms:a"), rule([]string{"configmaps"}, "kms:b")))
 	check := func() error { return f.agent.HealthChecker().Check(nil) }
 	if err := check(); err != nil {

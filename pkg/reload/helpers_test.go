@@ -116,10 +116,10 @@ func (f *fakePlugins) setDown(name string, err error) {
 	f.changed = make(chan struct{})
 }
 
-func (f *fakePlugins) health(name string) (error, <-chan struct{}) {
+func (f *fakePlugins) health(name string) (<-chan struct{}, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return f.down[name], f.changed
+	return f.changed, f.down[name]
 }
 
 func (f *fakePlugins) factory(_ context.Context, cfg *apiserver.KMSConfiguration, _ transformers.Options) (transformers.KMSProvider, error) {
@@ -190,13 +190,13 @@ func (k *fakeKMS) Check(ctx context.Context) error {
 	if k.closed.Load() {
 		return errConnClosing
 	}
-	err, _ := k.plugins.health(k.name)
+	_, err := k.plugins.health(k.name)
 	return err
 }
 
 func (k *fakeKMS) WaitReady(ctx context.Context) error {
 	for {
-		err, changed := k.plugins.health(k.name)
+		changed, err := k.plugins.health(k.name)
 		if err == nil {
 			return nil
 		}
@@ -209,7 +209,7 @@ func (k *fakeKMS) WaitReady(ctx context.Context) error {
 }
 
 func (k *fakeKMS) Status() transformers.KMSStatus {
-	err, _ := k.plugins.health(k.name)
+	_, err := k.plugins.health(k.name)
 	st := transformers.KMSStatus{Name: k.name, Endpoint: k.endpoint, Healthy: err == nil,
 		KeyIDHash: "sha256:" + hex.EncodeToString([]byte("keyid-"+k.name))}
 	if err != nil {

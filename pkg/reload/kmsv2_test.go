@@ -132,7 +132,7 @@ func TestKMSv2RealPluginReloads(t *testing.T) {
 		t.Fatalf("old value: %q stale=%v %v", got, stale, err)
 	}
 
-	// R5 with a real plugin: c is not listening yet.
+	// A new plugin that fails the health gate, with a real plugin: c is not listening yet.
 	cEndpoint := "unix://" + filepath.Join(dir, "c.sock")
 	third := kmsSecretsConfig(kmsEntry("c", cEndpoint), kmsEntry("b", b.endpoint), kmsEntry("a", a.endpoint))
 	writeRename(t, path, third)

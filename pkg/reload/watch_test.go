@@ -76,7 +76,7 @@ func (tr *traffic) finish(t testing.TB) {
 	}
 }
 
-// appliedHash waits until the agent serves content.
+// waitApplied waits until the agent serves content.
 func (f *fixture) waitApplied(content string) {
 	f.t.Helper()
 	want := config.Hash([]byte(content))
@@ -113,10 +113,10 @@ func generationConfig(n int) string {
 	return secretsConfig(append(list, "aesgcm:k1")...)
 }
 
-// R7 + R8 + R9: every way a file gets replaced is picked up by the watcher, under
+// Every way a file gets replaced is picked up by the watcher, under
 // traffic, with zero failed calls; replaced providers are closed after the grace period
 // and writes keep working after it.
-func TestR7R8R9FileUpdateWays(t *testing.T) {
+func TestFileUpdateWays(t *testing.T) {
 	ways := map[string]func(t *testing.T, f *fixture, content string){
 		"write in place (O_TRUNC)": func(t *testing.T, f *fixture, content string) {
 			if err := os.WriteFile(f.path, []byte(content), 0o600); err != nil {
@@ -282,9 +282,9 @@ func TestDebounce(t *testing.T) {
 	}
 }
 
-// R9: a call that started on the old Set finishes on it, even past the grace period;
+// A call that started on the old Set finishes on it, even past the grace period;
 // the old Set is closed when the call returns.
-func TestR9InFlightCallOutlivesGrace(t *testing.T) {
+func TestInFlightCallOutlivesGrace(t *testing.T) {
 	clk := clocktesting.NewFakeClock(time.Now())
 	f := newFixture(t, secretsConfig("kms:old"), func(o *Options) {
 		o.Clock = clk
@@ -330,8 +330,8 @@ func TestR9InFlightCallOutlivesGrace(t *testing.T) {
 	eventually(t, "no replaced Set pending", func() bool { return f.agent.pending.Load() == 0 })
 }
 
-// R9: without calls running, the old Set is closed exactly when the grace period ends.
-func TestR9ClosedAfterGrace(t *testing.T) {
+// Without calls running, the old Set is closed exactly when the grace period ends.
+func TestClosedAfterGrace(t *testing.T) {
 	clk := clocktesting.NewFakeClock(time.Now())
 	f := newFixture(t, secretsConfig("kms:old"), func(o *Options) {
 		o.Clock = clk

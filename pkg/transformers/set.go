@@ -83,7 +83,8 @@ type Set struct {
 	closeOnce sync.Once
 }
 
-// Build constructs a Set. On error every provider already started is closed.
+// Build constructs a Set from a configuration that config.Load or config.Parse validated
+// (so every kms provider is KMS v2). On error every provider already started is closed.
 func Build(ctx context.Context, cfg *config.Config, opts Options) (set *Set, err error) {
 	if cfg == nil || cfg.Encryption == nil {
 		return nil, errors.New("transformers: no configuration to build from")
@@ -138,10 +139,7 @@ func (s *Set) buildProvider(ctx context.Context, p apiserver.ProviderConfigurati
 		return newAESCBCSealers(p.AESCBC.Keys)
 	case p.Secretbox != nil:
 		return newSecretboxSealers(p.Secretbox.Keys)
-	case p.KMS != nil:
-		if p.KMS.APIVersion != "v2" {
-			return nil, errors.New(config.KMSv1DeprecatedError)
-		}
+	case p.KMS != nil: // always v2: config validation rejects KMS v1
 		if opts.KMS == nil {
 			return nil, fmt.Errorf("kms provider %q: this Set was built without a KMS v2 factory (set transformers.Options.KMS, e.g. to kmsv2.NewFactory)", p.KMS.Name)
 		}

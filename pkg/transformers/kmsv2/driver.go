@@ -18,7 +18,7 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 	for {
 		// A Status may ask for an Encrypt: run until the machine wants nothing more now.
 		for acts := m.Ready(); len(acts) > 0 && ctx.Err() == nil; acts = m.Ready() {
-			for _, a := range append([]state.Action(nil), acts...) {
+			for _, a := range acts {
 				switch a.Kind {
 				case state.CallStatus:
 					r, err := p.client.Status(ctx)
@@ -47,7 +47,11 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 		case <-t.C():
 		case <-p.kick:
 			t.Stop()
-			_ = m.Step(state.HealthCheckRequested{})
+			// A request that a Status already answered (callers that asked while it ran)
+			// costs no second call.
+			if v := m.View(); !p.fresh(&v) {
+				_ = m.Step(state.HealthCheckRequested{})
+			}
 		}
 		m.Tick(p.clock.Now())
 	}

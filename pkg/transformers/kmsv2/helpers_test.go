@@ -83,10 +83,16 @@ func kmsConfig(name, endpoint string) *apiserver.KMSConfiguration {
 // newProvider starts one of our providers against endpoint and waits until it can write.
 func newProvider(tb testing.TB, name, endpoint string, o FactoryOptions) *Provider {
 	tb.Helper()
+	return newProviderWith(tb, name, endpoint, transformers.Options{APIServerID: "test"}, o)
+}
+
+// newProviderWith is newProvider with the transformers' options (e.g. a fake clock).
+func newProviderWith(tb testing.TB, name, endpoint string, topts transformers.Options, o FactoryOptions) *Provider {
+	tb.Helper()
 	if o.Registry == nil && o.Metrics == nil {
 		o.Registry = metrics.NewKubeRegistry()
 	}
-	p, err := New(kmsConfig(name, endpoint), transformers.Options{APIServerID: "test"}, o)
+	p, err := New(kmsConfig(name, endpoint), topts, o)
 	if err != nil {
 		tb.Fatal(err)
 	}

@@ -39,6 +39,9 @@ import (
 const (
 	DefaultDEKCacheEntries  = 1024
 	DefaultAEADCacheEntries = 256
+	// Check serves a health result from cache this long after a success / a failure.
+	DefaultHealthyTTL   = 20 * time.Second
+	DefaultUnhealthyTTL = 3 * time.Second
 )
 
 // FactoryOptions configure every provider a factory builds.
@@ -123,10 +126,10 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 		o.AEADCacheEntries = DefaultAEADCacheEntries
 	}
 	if o.HealthyTTL <= 0 {
-		o.HealthyTTL = state.DefaultHealthyTTL
+		o.HealthyTTL = DefaultHealthyTTL
 	}
 	if o.UnhealthyTTL <= 0 {
-		o.UnhealthyTTL = state.DefaultUnhealthyTTL
+		o.UnhealthyTTL = DefaultUnhealthyTTL
 	}
 	if o.WritesPerGeneration == 0 {
 		o.WritesPerGeneration = maxWritesPerGeneration
@@ -342,24 +345,19 @@ func (p *Provider) Status() transformers.KMSStatus {
 	return st
 }
 
-// Check reports health for /healthz. A result younger than 20 s (healthy) or 3 s
-// (unhealthy) is served from cache; otherwise it asks the loop for a fresh Status and
-// waits for it or ctx. It never holds a lock across an RPC.
+// Check reports health for /healthz; it is the only cache in front of the plugin
+// (pkg/healthz keeps none). A result younger than 20 s (healthy) or 3 s (unhealthy),
+// from the loop's own Status or an earlier Check, is served from cache; otherwise it
+// asks the loop for a fresh Status and waits for it or ctx, and concurrent callers wait
+// for the same Status. It never holds a lock across an RPC.
 func (p *Provider) Check(ctx context.Context) error {
 	var requestedAt time.Time
 	for requested := false; ; {
 		p.mu.Lock()
 		v, ch := p.view.Load(), p.changed
 		p.mu.Unlock()
-		ttl := p.opts.UnhealthyTTL
-		if v.Healthy {
-			ttl = p.opts.HealthyTTL
-		}
-		switch {
-		case requested && !v.HealthAt.Before(requestedAt):
-			return v.Err // the answer to our request (or a newer one)
-		case !requested && !v.HealthAt.IsZero() && p.clock.Since(v.HealthAt) < ttl:
-			return v.Err
+		if p.fresh(v) || requested && !v.HealthAt.Before(requestedAt) {
+			return v.Err // from cache, or the answer to our request (or a newer one)
 		}
 		if !requested {
 			requested, requestedAt = true, p.clock.Now()
@@ -379,6 +377,15 @@ func (p *Provider) Check(ctx context.Context) error {
 			return fmt.Errorf("kms v2 provider %q: health check timed out waiting for a Status: %w", p.name, ctx.Err())
 		}
 	}
+}
+
+// fresh reports whether Check may serve v's health from cache.
+func (p *Provider) fresh(v *state.View) bool {
+	ttl := p.opts.UnhealthyTTL
+	if v.Healthy {
+		ttl = p.opts.HealthyTTL
+	}
+	return !v.HealthAt.IsZero() && p.clock.Since(v.HealthAt) < ttl
 }
 
 // WaitReady returns when writes are possible, or ctx's error with the last problem.

@@ -257,16 +257,9 @@ func TestKeyRotationMakesOldValuesStale(t *testing.T) {
 func TestWritesStopThreeMinutesAfterLastHealthyStatus(t *testing.T) {
 	tp := startPlugin(t, "key-1")
 	clk := testingclock.NewFakeClock(time.Now())
-	p, err := New(kmsConfig("kms1", tp.endpoint), transformers.Options{Clock: clk}, FactoryOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p := newProviderWith(t, "kms1", tp.endpoint, transformers.Options{Clock: clk}, FactoryOptions{})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := p.WaitReady(ctx); err != nil {
-		t.Fatal(err)
-	}
 	stored := sealOpen(t, p, []byte("a"))
 	tp.SetFaults(kmsplugin.Faults{StatusHealthz: "sick"})
 	clk.Step(2 * time.Minute)

@@ -16,8 +16,8 @@
 //   - Only a fully healthy Status extends the write expiry, to its arrival + WriteTTL.
 //     An unhealthy Status never does, so writes stop WriteTTL after the last healthy one.
 //   - A new DEK source (Encrypt) is requested only when a fully healthy Status reports
-//     a key id different from the write state's, or the write state has another source
-//     type. The Encrypt key id must equal that Status key id.
+//     a key id different from the write state's. The Encrypt key id must equal that
+//     Status key id.
 //   - A failed rotation keeps the old write state with its old expiry.
 package state
 
@@ -34,9 +34,6 @@ const (
 	DefaultStatusInterval = time.Minute
 	DefaultRetryInterval  = 10 * time.Second
 	DefaultWriteTTL       = 3 * time.Minute
-	// Health results are served from cache this long (ok / failed).
-	DefaultHealthyTTL   = 20 * time.Second
-	DefaultUnhealthyTTL = 3 * time.Second
 )
 
 // Accepted Status versions.
@@ -83,6 +80,14 @@ type Action struct {
 	Type wire.SourceType
 }
 
+// Event is an input to Step: StatusResult, EncryptResult or HealthCheckRequested. The
+// set is closed, so a Step cannot be handed something the machine does not know.
+type Event interface{ isEvent() }
+
+func (StatusResult) isEvent()         {}
+func (EncryptResult) isEvent()        {}
+func (HealthCheckRequested) isEvent() {}
+
 // StatusResult is the outcome of a Status RPC, stamped with its arrival time.
 type StatusResult struct {
 	At      time.Time
@@ -105,16 +110,13 @@ type EncryptResult struct {
 	Annotations map[string][]byte
 }
 
-// WriteTypeChanged switches the DEK source type new values are written with; the next
-// healthy Status rotates.
-type WriteTypeChanged struct{ Type wire.SourceType }
-
 // HealthCheckRequested asks for a Status as soon as none is in flight (a health check
 // found the cached result too old).
 type HealthCheckRequested struct{}
 
-// WriteState is what new values are written with. It is immutable once published; a
-// new expiry produces a new WriteState value with the same Generation.
+// WriteState is what new values are written with. It is immutable once published (the
+// machine never changes one it has handed out, nor the slices in it); a new expiry
+// produces a new WriteState value with the same Generation.
 type WriteState struct {
 	// Generation increases with every new DEK source.
 	Generation  uint64
@@ -174,7 +176,6 @@ type Machine struct {
 	rotQueued bool
 
 	generation uint64
-	actions    []Action
 }
 
 // New returns a machine that asks for a Status at once.
@@ -198,24 +199,25 @@ func (m *Machine) Tick(now time.Time) {
 	}
 }
 
-// Ready returns the RPCs to run now and marks them in flight.
+// Ready returns the RPCs to run now and marks them in flight. The slice is the
+// caller's: the machine keeps no reference to it.
 func (m *Machine) Ready() []Action {
-	m.actions = m.actions[:0]
+	var actions []Action
 	if m.rotQueued && !m.encryptInFlight {
 		m.rotQueued = false
 		m.encryptInFlight = true
 		m.seq++
-		m.actions = append(m.actions, Action{Kind: CallEncrypt, Seq: m.seq, Type: m.cfg.WriteType})
+		actions = append(actions, Action{Kind: CallEncrypt, Seq: m.seq, Type: m.cfg.WriteType})
 	}
 	if !m.statusInFlight && !m.encryptInFlight && !m.now.Before(m.nextStatus) {
 		m.statusInFlight = true
-		m.actions = append(m.actions, Action{Kind: CallStatus})
+		actions = append(actions, Action{Kind: CallStatus})
 	}
-	return m.actions
+	return actions
 }
 
-// Step feeds one input: StatusResult, EncryptResult or HealthCheckRequested.
-func (m *Machine) Step(ev any) error {
+// Step feeds one input. It fails only for a nil Event.
+func (m *Machine) Step(ev Event) error {
 	switch e := ev.(type) {
 	case StatusResult:
 		m.Tick(e.At)
@@ -223,8 +225,6 @@ func (m *Machine) Step(ev any) error {
 	case EncryptResult:
 		m.Tick(e.At)
 		m.stepEncrypt(e)
-	case WriteTypeChanged:
-		m.cfg.WriteType = e.Type
 	case HealthCheckRequested:
 		if m.nextStatus.After(m.now) {
 			m.nextStatus = m.now
@@ -274,14 +274,14 @@ func (m *Machine) stepStatus(e StatusResult) {
 		return
 	}
 	m.lastHealthy = e.At
-	if w := m.write; w != nil && w.KeyID == e.KeyID && w.Type == m.cfg.WriteType {
+	if w := m.write; w != nil && w.KeyID == e.KeyID {
 		nw := *w
 		nw.Expiry = e.At.Add(m.cfg.WriteTTL)
 		m.write = &nw
 		m.setHealth(e.At, nil)
 		return
 	}
-	// Key id (or source type) changed, or no write state yet: rotate. Health is decided
+	// Key id changed, or no write state yet: rotate. Health is decided
 	// by the rotation; the old write state keeps its expiry meanwhile.
 	m.rotKeyID = e.KeyID
 	m.rotStatus = e.At
