@@ -11,7 +11,7 @@ STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(BIN)/tools/staticcheck-$(STATICCHECK_VERSION)/staticcheck
 VERSION_LDFLAGS := -X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 
-.PHONY: all build test lint fmt vet staticcheck tidy-check openapi-check tools run e2e bench bench-go fuzz clean
+.PHONY: all build test lint fmt vet staticcheck tidy-check openapi-check tools run e2e bench charts bench-go fuzz clean
 
 all: build
 
@@ -58,10 +58,16 @@ run:
 e2e:
 	$(GO) test -count=1 -v -timeout 20m ./test/e2e
 
-## bench: the side-by-side harness (rekey vs upstream in one run); writes BENCHMARKS.md
-## and charts under docs/bench. BENCH_FLAGS=-short finishes in under 2 minutes.
+## bench: the side-by-side harness (rekey vs upstream in one run); writes BENCHMARKS.md,
+## the results as JSON (docs/bench/results.json) and every chart as SVG and PNG under
+## docs/bench. BENCH_FLAGS=-short finishes in under 2 minutes.
 bench:
-	$(GO) run ./cmd/rekey-bench $(BENCH_FLAGS) -notes docs/benchmark-notes.md -markdown BENCHMARKS.md -charts docs/bench
+	$(GO) run ./cmd/rekey-bench $(BENCH_FLAGS) -notes docs/benchmark-notes.md -markdown BENCHMARKS.md -results docs/bench/results.json -charts docs/bench
+
+## charts: draw every chart again (SVG and PNG) from docs/bench/results.json, measuring
+## nothing; the README's headline chart is docs/bench/headline.png.
+charts:
+	$(GO) run ./cmd/rekey-bench -from docs/bench/results.json -charts docs/bench > /dev/null
 
 ## bench-go: the Go benchmarks (go test -bench), also side by side with upstream.
 bench-go:

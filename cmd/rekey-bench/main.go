@@ -22,8 +22,9 @@ func main() {
 		rounds     = flag.Int("rounds", 0, "alternating samples per implementation and case (default 5, short 3)")
 		sampleTime = flag.Duration("sample-time", 0, "target duration of one sample (default 100ms, short 25ms)")
 		markdown   = flag.String("markdown", "", "write the report to this file (default: stdout only)")
-		charts     = flag.String("charts", "", "write one chart per scenario group into this directory")
-		chartFmt   = flag.String("chart-format", "svg", "chart file type: svg or png")
+		charts     = flag.String("charts", "", "write every chart as SVG and PNG into this directory")
+		results    = flag.String("results", "", "write the measured results as JSON to this file (-from reads them back)")
+		from       = flag.String("from", "", "measure nothing: read results JSON written by -results and render the markdown and charts from it")
 		notes      = flag.String("notes", "", "a markdown file inserted at the top of the report (the analysis of what the figures mean)")
 		failOnMiss = flag.Bool("fail-on-miss", false, "exit 1 when a target is missed")
 	)
@@ -53,19 +54,41 @@ func main() {
 		fmt.Fprintln(os.Stderr, "rekey-bench:", err)
 		os.Exit(2)
 	}
-	if *chartFmt != "svg" && *chartFmt != "png" {
-		fmt.Fprintf(os.Stderr, "rekey-bench: -chart-format %q: use svg or png\n", *chartFmt)
-		os.Exit(2)
-	}
-	report := &bench.Report{ChartFormat: *chartFmt, Command: "rekey-bench " + strings.Join(os.Args[1:], " "), Started: time.Now()}
-	for _, sc := range selected {
-		fmt.Fprintf(os.Stderr, "== %s: %s\n", sc.Name, sc.Desc)
-		rows, err := sc.Run(settings)
+	var report *bench.Report
+	if *from != "" {
+		f, err := os.Open(*from)
 		if err != nil {
-			fmt.Fprintf(os.Stderr, "rekey-bench: scenario %s failed: %v\n", sc.Name, err)
+			fmt.Fprintln(os.Stderr, "rekey-bench:", err)
+			os.Exit(2)
+		}
+		report, err = bench.ReadReport(f)
+		f.Close()
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "rekey-bench: %s: %v\n", *from, err)
+			os.Exit(2)
+		}
+	} else {
+		report = &bench.Report{Command: "rekey-bench " + strings.Join(os.Args[1:], " "), Started: time.Now(), Host: bench.ThisHost()}
+		for _, sc := range selected {
+			fmt.Fprintf(os.Stderr, "== %s: %s\n", sc.Name, sc.Desc)
+			rows, err := sc.Run(settings)
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "rekey-bench: scenario %s failed: %v\n", sc.Name, err)
+				os.Exit(1)
+			}
+			report.Rows = append(report.Rows, rows...)
+		}
+	}
+	if *results != "" {
+		var out bytes.Buffer
+		if err := report.WriteJSON(&out); err != nil {
+			fmt.Fprintln(os.Stderr, "rekey-bench: results:", err)
 			os.Exit(1)
 		}
-		report.Rows = append(report.Rows, rows...)
+		if err := os.WriteFile(*results, out.Bytes(), 0o644); err != nil {
+			fmt.Fprintln(os.Stderr, "rekey-bench:", err)
+			os.Exit(1)
+		}
 	}
 	chartRef := ""
 	if *charts != "" {
@@ -99,7 +122,7 @@ func main() {
 			os.Exit(1)
 		}
 	}
-	if m := report.Missed(); m > 0 {
+	if m := report.Missed(); m > 0 && *from == "" {
 		fmt.Fprintf(os.Stderr, "rekey-bench: %d target(s) missed (see the report)\n", m)
 		if *failOnMiss {
 			os.Exit(1)

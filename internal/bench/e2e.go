@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -105,6 +106,7 @@ resources:
 	for _, l := range layers {
 		tp.Figures = append(tp.Figures, fig(l, "pairs/s", summarize(res[l].pairsPerSec), true))
 	}
+	tp.Plots = e2ePlot("create+get\npairs/s")
 	tp.Checks = []Check{evaluate(tp, Target{Desc: "at least equal to upstream", Against: 1, MinSpeedup: 1})}
 	if f := res["rekey"].failed + res["upstream"].failed; f > 0 {
 		tp.Checks = append(tp.Checks, Check{Desc: "no failed requests", Met: false, Got: fmt.Sprintf("%d failed", f)})
@@ -120,15 +122,15 @@ resources:
 		{"get latency p50", 50, func(r *result) []float64 { return r.get }},
 		{"get latency p99", 99, func(r *result) []float64 { return r.get }},
 	} {
-		row := Row{Scenario: tp.Scenario, Case: q.name}
+		row := Row{Scenario: tp.Scenario, Case: q.name, Plots: e2ePlot(strings.Replace(q.name, " latency ", " latency\n", 1))}
 		for _, l := range layers {
 			v := percentile(q.pick(res[l]), q.p)
 			row.Figures = append(row.Figures, fig(l, "ms", Stats{Median: v, Min: v, Max: v}, false))
 		}
 		rows = append(rows, row)
 	}
-	ready := Row{Scenario: tp.Scenario, Case: "start → /readyz (embedded etcd, fresh data dir and cert)"}
-	rss := Row{Scenario: tp.Scenario, Case: "RSS after the load (shim + embedded etcd)"}
+	ready := Row{Scenario: tp.Scenario, Case: "start → /readyz (embedded etcd, fresh data dir and cert)", Plots: e2ePlot("start →\n/readyz")}
+	rss := Row{Scenario: tp.Scenario, Case: "RSS after the load (shim + embedded etcd)", Plots: e2ePlot("RSS after\nthe load")}
 	for _, l := range layers {
 		ms := float64(shims[l].Ready.Microseconds()) / 1000
 		ready.Figures = append(ready.Figures, fig(l, "ms", Stats{Median: ms, Min: ms, Max: ms}, false))
@@ -194,4 +196,8 @@ func loadShim(ctx context.Context, c *kubernetes.Clientset, ns string, workers i
 	}
 	wg.Wait()
 	return total
+}
+
+func e2ePlot(x string) []Plot {
+	return []Plot{{Chart: "e2e", Title: "apiserver shim with KMS v2 Secrets: rekey's layer vs upstream's", X: x, Series: "same shim, embedded etcd", Against: 1}}
 }

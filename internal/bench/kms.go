@@ -165,8 +165,7 @@ func runKMS(s Settings) ([]Row, error) {
 				c := OpCase{
 					Scenario: "kms v2 transform",
 					Case:     fmt.Sprintf("%s %s %s (warm DEK cache)", op, sizeLabel(size), mode),
-					Chart:    "kms v2 " + mode,
-					X:        fmt.Sprintf("%s %s", op, sizeLabel(size)),
+					Plots:    kmsPlots(op, size, mode),
 					Impls: []Impl{
 						{Name: "rekey", Op: mk(false, ours), Reset: pair.reset},
 						{Name: "upstream", Op: mk(true, theirs), Reset: pair.reset},
@@ -230,15 +229,15 @@ func kmsGRPCRows(s Settings, env *kmsEnv) ([]Row, error) {
 	}
 	dek := make([]byte, 32)
 	cases := []OpCase{
-		{Scenario: "kms v2 gRPC", Case: "Status", Chart: "round trip", X: "Status", Impls: []Impl{
+		{Scenario: "kms v2 gRPC", Case: "Status", Plots: grpcPlot("Status"), Impls: []Impl{
 			{Name: "rekey", Op: func() error { _, err := ours.Status(ctx); return err }},
 			{Name: "upstream", Op: func() error { _, err := theirs.Status(ctx); return err }},
 		}},
-		{Scenario: "kms v2 gRPC", Case: "Encrypt (32 B)", Chart: "round trip", X: "Encrypt", Impls: []Impl{
+		{Scenario: "kms v2 gRPC", Case: "Encrypt (32 B)", Plots: grpcPlot("Encrypt"), Impls: []Impl{
 			{Name: "rekey", Op: func() error { _, err := ours.Encrypt(ctx, "uid", dek); return err }},
 			{Name: "upstream", Op: func() error { _, err := theirs.Encrypt(ctx, "uid", dek); return err }},
 		}},
-		{Scenario: "kms v2 gRPC", Case: "Decrypt", Chart: "round trip", X: "Decrypt", Impls: []Impl{
+		{Scenario: "kms v2 gRPC", Case: "Decrypt", Plots: grpcPlot("Decrypt"), Impls: []Impl{
 			{Name: "rekey", Op: func() error {
 				_, err := ours.Decrypt(ctx, "uid", enc.KeyID, enc.Ciphertext, enc.Annotations)
 				return err
@@ -325,6 +324,7 @@ func kmsColdStorm(s Settings, env *kmsEnv) ([]Row, error) {
 		reader.Close()
 	}
 	row := Row{Scenario: "kms v2 cold DEK cache", Case: fmt.Sprintf("read %d objects under %d DEKs, fresh reader", len(objs), writers),
+		Plots: []Plot{headlinePlot(fmt.Sprintf("cold cache:\n%d reads", len(objs)))},
 		Figures: []Figure{
 			{Impl: "rekey", Unit: "ms", Stats: summarize(ours), Allocs: -1, Bytes: -1, Retained: -1},
 			{Impl: "upstream", Unit: "ms", Stats: summarize(theirs), Allocs: -1, Bytes: -1, Retained: -1},
@@ -375,4 +375,28 @@ func kmsRetained(s Settings, pair *LocalPair) (Row, error) {
 	ok := row.Figures[0].Stats.Median <= float64(n)/1_000_000*(1<<20) // ≤ 1 MB per million writes
 	row.Checks = []Check{{Desc: "≤1 MB per 1,000,000 writes", Met: ok, Got: fmt.Sprintf("%.0f B", row.Figures[0].Stats.Median)}}
 	return row, nil
+}
+
+// kmsPlots draws a KMS v2 case on the KMS v2 chart, its serial cases also on the
+// cipher-floor chart and the serial 256 B and 4 KiB ones on the headline chart.
+func kmsPlots(op string, size int, mode string) []Plot {
+	x := op + "\n" + sizeLabel(size)
+	out := []Plot{{Chart: "kms-v2", Title: "KMS v2 (warm DEK cache): rekey vs upstream, per write and read", X: x, Series: mode, Against: 1}}
+	if mode == "serial" {
+		out = append(out, cipherFloorPlot(x, "KMS v2"))
+		if size <= 4<<10 {
+			out = append(out, headlinePlot("KMS v2 "+op+"\n"+sizeLabel(size)))
+		}
+	}
+	return out
+}
+
+func grpcPlot(x string) []Plot {
+	return []Plot{{Chart: "kms-v2-grpc", Title: "KMS v2 gRPC round trips to the same plugin: rekey's client vs upstream's", X: x, Series: "unix socket", Against: 1}}
+}
+
+// headlinePlot puts a row on the README's chart: KMS v2 and reload latency against
+// upstream.
+func headlinePlot(x string) Plot {
+	return Plot{Chart: "headline", Title: "rekey vs upstream k8s.io/apiserver: KMS v2 and config reload latency", X: x, Series: "rekey", Against: 1}
 }

@@ -113,7 +113,9 @@ func runBatch(op Op, n int, parallel bool) (time.Duration, error) {
 
 // Stats summarises samples of one figure.
 type Stats struct {
-	Median, Min, Max float64
+	Median float64 `json:"median"`
+	Min    float64 `json:"min"`
+	Max    float64 `json:"max"`
 }
 
 func summarize(xs []float64) Stats {

@@ -138,8 +138,8 @@ func runReload(s Settings) ([]Row, error) {
 			return nil, err
 		}
 	}
-	row := func(name string, ours []float64, limit float64) Row {
-		r := Row{Scenario: "reload", Case: name, Figures: []Figure{
+	row := func(name, x string, ours []float64, limit float64) Row {
+		r := Row{Scenario: "reload", Case: name, Plots: []Plot{headlinePlot(x)}, Figures: []Figure{
 			{Impl: "rekey", Unit: "ms", Stats: summarize(ours), Allocs: -1, Bytes: -1, Retained: -1},
 		}}
 		up := Figure{Impl: "upstream (1 min poll)", Unit: "ms", Allocs: -1, Bytes: -1, Retained: -1}
@@ -155,8 +155,8 @@ func runReload(s Settings) ([]Row, error) {
 		return r
 	}
 	rows := []Row{
-		row("rename → first write with a new aesgcm key", local, 50),
-		row("rename → first write with a new KMS v2 provider (unix socket)", kms, 100),
+		row("rename → first write with a new aesgcm key", "reload:\nnew aesgcm key", local, 50),
+		row("rename → first write with a new KMS v2 provider (unix socket)", "reload: new\nKMS v2 provider", kms, 100),
 	}
 	if s.Progress != nil {
 		fmt.Fprintf(s.Progress, "reload: local p50 %.1f ms p99 %.1f ms; kms p50 %.1f ms p99 %.1f ms; upstream %v ms\n",

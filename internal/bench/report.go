@@ -1,52 +1,52 @@
 package bench
 
 import (
+	"encoding/json"
 	"fmt"
 	"io"
 	"math"
 	"os"
 	"path/filepath"
 	"runtime"
-	"sort"
 	"strings"
 	"time"
-
-	"gonum.org/v1/plot"
-	"gonum.org/v1/plot/plotter"
-	"gonum.org/v1/plot/plotutil"
-	"gonum.org/v1/plot/vg"
 )
 
 // Figure is one implementation's result in one row.
 type Figure struct {
-	Impl  string
-	Unit  string // "ns/op", "ms", "ops/s", ...
-	Stats Stats
+	Impl  string `json:"impl"`
+	Unit  string `json:"unit"` // "ns/op", "ms", "ops/s", ...
+	Stats Stats  `json:"stats"`
 	// HigherIsBetter is true for throughputs.
-	HigherIsBetter bool
+	HigherIsBetter bool `json:"higherIsBetter,omitempty"`
 	// Allocs and Bytes are per-op medians; negative when not measured.
-	Allocs, Bytes float64
+	Allocs float64 `json:"allocsPerOp"`
+	Bytes  float64 `json:"bytesPerOp"`
 	// Retained is heap bytes still live after the run, when measured (else negative).
-	Retained float64
+	Retained float64 `json:"retainedBytes"`
 	// Note replaces the figure in the table (e.g. "not run in short mode").
-	Note string
+	Note string `json:"note,omitempty"`
 }
 
 // Check is one target verdict.
 type Check struct {
-	Desc string
-	Met  bool
-	Got  string
+	Desc string `json:"desc"`
+	Met  bool   `json:"met"`
+	Got  string `json:"got"`
 }
 
 // Row is one case of a scenario: the first figure is rekey's.
 type Row struct {
-	Scenario string
-	Case     string
-	// Chart groups rows into one chart; X is the row's label on it.
-	Chart, X string
-	Figures  []Figure
-	Checks   []Check
+	Scenario string `json:"scenario"`
+	Case     string `json:"case"`
+	// Chart groups rows into one chart with one series per baseline; X is the row's
+	// label on it. Plots says more precisely where the row is drawn; a row may use
+	// either or both.
+	Chart   string   `json:"chart,omitempty"`
+	X       string   `json:"x,omitempty"`
+	Plots   []Plot   `json:"plots,omitempty"`
+	Figures []Figure `json:"figures"`
+	Checks  []Check  `json:"checks,omitempty"`
 }
 
 // Speedup of the first figure over figure i (>1 means rekey is better).
@@ -61,13 +61,55 @@ func (r Row) Speedup(i int) float64 {
 	return base.Stats.Median / ours.Stats.Median
 }
 
-// Report collects rows and renders them.
+// Report collects rows and renders them. Its JSON form (WriteJSON, ReadReport) keeps a
+// run so the markdown and the charts can be drawn again without measuring again.
 type Report struct {
-	// ChartFormat is the chart file type: "svg" (default) or "png".
-	ChartFormat string
-	Command     string
-	Started     time.Time
-	Rows        []Row
+	Command string    `json:"command"`
+	Started time.Time `json:"started"`
+	Host    Host      `json:"host"`
+	Rows    []Row     `json:"rows"`
+}
+
+// Host describes the machine a run measured.
+type Host struct {
+	OS         string `json:"os"`
+	Arch       string `json:"arch"`
+	CPUs       int    `json:"cpus"`
+	GOMAXPROCS int    `json:"gomaxprocs"`
+	GoVersion  string `json:"goVersion"`
+	CPU        string `json:"cpu"`
+}
+
+// ThisHost describes the running machine.
+func ThisHost() Host {
+	return Host{OS: runtime.GOOS, Arch: runtime.GOARCH, CPUs: runtime.NumCPU(), GOMAXPROCS: runtime.GOMAXPROCS(0), GoVersion: runtime.Version(), CPU: cpuModel()}
+}
+
+// WriteJSON writes the report as indented JSON.
+func (r *Report) WriteJSON(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.SetEscapeHTML(false)
+	return enc.Encode(r)
+}
+
+// ReadReport reads a report WriteJSON wrote.
+func ReadReport(rd io.Reader) (*Report, error) {
+	var r Report
+	dec := json.NewDecoder(rd)
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&r); err != nil {
+		return nil, fmt.Errorf("reading benchmark results: %w (write them with rekey-bench -results)", err)
+	}
+	if len(r.Rows) == 0 {
+		return nil, fmt.Errorf("benchmark results hold no rows")
+	}
+	for i, row := range r.Rows {
+		if len(row.Figures) == 0 {
+			return nil, fmt.Errorf("benchmark results: row %d (%s %s) has no figures", i, row.Scenario, row.Case)
+		}
+	}
+	return &r, nil
 }
 
 // Missed counts target checks that were not met.
@@ -128,14 +170,16 @@ func unitSuffix(unit string, x float64) string {
 // WriteMarkdown renders every scenario as a table.
 func (r *Report) WriteMarkdown(w io.Writer, chartDir string) {
 	fmt.Fprintf(w, "Command: `%s`  \n", r.Command)
-	fmt.Fprintf(w, "Run: %s, %s/%s, %d CPUs (GOMAXPROCS %d), %s  \n", r.Started.UTC().Format(time.RFC3339), runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.GOMAXPROCS(0), runtime.Version())
-	fmt.Fprintf(w, "CPU: %s  \n", cpuModel())
+	h := r.Host
+	fmt.Fprintf(w, "Run: %s, %s/%s, %d CPUs (GOMAXPROCS %d), %s  \n", r.Started.UTC().Format(time.RFC3339), h.OS, h.Arch, h.CPUs, h.GOMAXPROCS, h.GoVersion)
+	fmt.Fprintf(w, "CPU: %s  \n", h.CPU)
 	fmt.Fprintf(w, "Versions: rekey (this commit) vs k8s.io/apiserver v0.37.2. Medians with (min–max) over alternating samples; ×N = how many times better rekey's median is.\n\n")
 	if m := r.Missed(); m > 0 {
 		fmt.Fprintf(w, "**%d target(s) MISSED** — listed as MISSED below.\n\n", m)
 	} else {
 		fmt.Fprintf(w, "All targets checked in this run were met.\n\n")
 	}
+	charts := r.charts()
 	for _, sc := range r.scenarios() {
 		fmt.Fprintf(w, "### %s\n\n", sc)
 		rows := r.rowsOf(sc)
@@ -190,8 +234,10 @@ func (r *Report) WriteMarkdown(w io.Writer, chartDir string) {
 			fmt.Fprintf(w, " %s |\n", strings.Join(checks, "; "))
 		}
 		if chartDir != "" {
-			for _, chart := range r.chartsOf(sc) {
-				fmt.Fprintf(w, "\n![%s](%s)\n", chart, filepath.ToSlash(filepath.Join(chartDir, r.chartFile(sc, chart))))
+			for _, d := range charts {
+				if d.Scenarios[0] == sc {
+					fmt.Fprintf(w, "\n![%s](%s)\n", d.Title, filepath.ToSlash(filepath.Join(chartDir, d.Name+".png")))
+				}
 			}
 		}
 		fmt.Fprintln(w)
@@ -218,116 +264,6 @@ func (r *Report) rowsOf(sc string) []Row {
 		}
 	}
 	return out
-}
-
-func (r *Report) chartsOf(sc string) []string {
-	var out []string
-	seen := map[string]bool{}
-	for _, row := range r.rowsOf(sc) {
-		if row.Chart != "" && !seen[row.Chart] {
-			seen[row.Chart] = true
-			out = append(out, row.Chart)
-		}
-	}
-	sort.Strings(out)
-	return out
-}
-
-func (r *Report) chartFile(scenario, chart string) string {
-	clean := func(s string) string {
-		return strings.Map(func(r rune) rune {
-			if r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '-' {
-				return r
-			}
-			if r >= 'A' && r <= 'Z' {
-				return r + 32
-			}
-			return '-'
-		}, s)
-	}
-	ext := r.ChartFormat
-	if ext == "" {
-		ext = "svg"
-	}
-	return clean(scenario) + "_" + clean(chart) + "." + ext
-}
-
-// WriteCharts draws one grouped bar chart per chart group: rekey's speedup over each
-// baseline by X, with a line at 1× (parity).
-func (r *Report) WriteCharts(dir string) error {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	for _, sc := range r.scenarios() {
-		for _, chart := range r.chartsOf(sc) {
-			var rows []Row
-			for _, row := range r.rowsOf(sc) {
-				if row.Chart == chart {
-					rows = append(rows, row)
-				}
-			}
-			p := plot.New()
-			p.Title.Text = sc + ": " + chart
-			p.Y.Label.Text = "rekey speedup (×, higher is better; capped at 12)"
-			var labels []string
-			for _, row := range rows {
-				labels = append(labels, row.X)
-			}
-			nBase := len(rows[0].Figures) - 1
-			width := vg.Points(18)
-			// Speedups span 0.3× to thousands (identity). Bars are drawn up to chartCap and
-			// every bar carries its value, so the interesting range stays readable.
-			const chartCap = 12.0
-			var labelXYs []plotter.XY
-			var labelTexts []string
-			for b := 1; b <= nBase; b++ {
-				vals := make(plotter.Values, len(rows))
-				for i, row := range rows {
-					if b < len(row.Figures) {
-						s := row.Speedup(b)
-						if math.IsNaN(s) || math.IsInf(s, 0) {
-							s = 0
-						}
-						vals[i] = min(s, chartCap)
-						offset := float64(b-1) - float64(nBase-1)/2
-						labelXYs = append(labelXYs, plotter.XY{X: float64(i) + offset*0.3, Y: min(s, chartCap) + 0.15})
-						label := fmt.Sprintf("%.2f", s)
-						if s >= 100 {
-							label = fmt.Sprintf("%.0f", s)
-						}
-						labelTexts = append(labelTexts, label)
-					}
-				}
-				bars, err := plotter.NewBarChart(vals, width)
-				if err != nil {
-					return err
-				}
-				bars.Color = plotutil.Color(b - 1)
-				bars.LineStyle.Width = 0
-				bars.Offset = width * vg.Length(float64(b-1)-float64(nBase-1)/2)
-				p.Add(bars)
-				p.Legend.Add("vs "+rows[0].Figures[b].Impl, bars)
-			}
-			if labels, err := plotter.NewLabels(plotter.XYLabels{XYs: labelXYs, Labels: labelTexts}); err == nil {
-				for i := range labels.TextStyle {
-					labels.TextStyle[i].Font.Size = vg.Points(7)
-					labels.TextStyle[i].XAlign = -0.5
-				}
-				p.Add(labels)
-			}
-			p.Y.Max = chartCap + 1
-			parity := plotter.NewFunction(func(float64) float64 { return 1 })
-			parity.Dashes = []vg.Length{vg.Points(3), vg.Points(3)}
-			p.Add(parity)
-			p.Legend.Top = true
-			p.NominalX(labels...)
-			p.Y.Min = 0
-			if err := p.Save(vg.Length(80+60*len(rows))*vg.Points(1)+4*vg.Inch, 3.5*vg.Inch, filepath.Join(dir, r.chartFile(sc, chart))); err != nil {
-				return err
-			}
-		}
-	}
-	return nil
 }
 
 func cpuModel() string {

@@ -50,9 +50,11 @@ type Target struct {
 // OpCase is one row measured by timing operations.
 type OpCase struct {
 	Scenario, Case, Chart, X string
-	Impls                    []Impl
-	Parallel                 bool
-	Targets                  []Target
+	// Plots places the row on charts (see Row.Plots).
+	Plots    []Plot
+	Impls    []Impl
+	Parallel bool
+	Targets  []Target
 }
 
 // RunOpCases measures every case, alternating implementations within each round and
@@ -76,7 +78,7 @@ func RunOpCases(s Settings, cases []OpCase) ([]Row, error) {
 				samples[i] = append(samples[i], smp)
 			}
 		}
-		row := Row{Scenario: c.Scenario, Case: c.Case, Chart: c.Chart, X: c.X}
+		row := Row{Scenario: c.Scenario, Case: c.Case, Chart: c.Chart, X: c.X, Plots: c.Plots}
 		for i, im := range c.Impls {
 			var ns, allocs, bytes []float64
 			for _, smp := range samples[i] {

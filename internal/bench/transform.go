@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/server/options/encryptionconfig"
@@ -168,8 +167,7 @@ func TransformCases(s Settings) ([]OpCase, []func(), error) {
 					c := OpCase{
 						Scenario: "transform",
 						Case:     fmt.Sprintf("%s %s %s %s", provider, op, sizeLabel(size), mode),
-						Chart:    fmt.Sprintf("%s %s vs upstream", op, mode),
-						X:        fmt.Sprintf("%s %s", provider, strings.ReplaceAll(sizeLabel(size), " ", "")),
+						Plots:    transformPlots(provider, op, size, mode),
 						Impls: []Impl{
 							{Name: "rekey", Op: mk(pair.Rekey, rekeyStored)},
 							{Name: "upstream", Op: mk(pair.Upstream, upStored)},
@@ -273,6 +271,8 @@ func AgentCases(s Settings) ([]OpCase, []func(), error) {
 				cases = append(cases, OpCase{
 					Scenario: "transform through the reload path (aesgcm)",
 					Case:     fmt.Sprintf("%s %s %s: reload.Agent vs DynamicTransformers", op, sizeLabel(size), mode),
+					Plots: []Plot{{Chart: "reload-path", Title: "aesgcm through the reload path: reload.Agent vs upstream's DynamicTransformers",
+						X: op + "\n" + sizeLabel(size), Series: mode, Against: 1}},
 					Impls: []Impl{
 						{Name: "rekey", Op: mk(ours, oursStored)},
 						{Name: "upstream", Op: mk(theirs, theirsStored)},
@@ -283,4 +283,22 @@ func AgentCases(s Settings) ([]OpCase, []func(), error) {
 		}
 	}
 	return cases, closers, nil
+}
+
+// transformPlots draws a local provider's case on the provider's chart (write/read ×
+// size, serial and parallel, against upstream) and aesgcm's serial cases also on the
+// cipher-floor chart (against raw AES-256-GCM, index 2).
+func transformPlots(provider, op string, size int, mode string) []Plot {
+	x := op + "\n" + sizeLabel(size)
+	out := []Plot{{Chart: "transform-" + provider, Title: provider + ": rekey vs upstream, per write and read", X: x, Series: mode, Against: 1}}
+	if provider == "aesgcm" && mode == "serial" {
+		out = append(out, cipherFloorPlot(x, "aesgcm"))
+	}
+	return out
+}
+
+// cipherFloorPlot compares rekey with one AES-256-GCM seal or open plus its output
+// allocation: a bar near 1× means rekey adds almost nothing to the cipher.
+func cipherFloorPlot(x, series string) Plot {
+	return Plot{Chart: "cipher-floor", Title: "How close rekey gets to raw AES-256-GCM (serial)", X: x, Series: series, Against: 2}
 }

@@ -55,8 +55,26 @@ type Status struct {
 type statusFields Status
 
 // MarshalJSON writes the fields of Status, then each of Extras as a member of its own.
+// Times are RFC 3339 in UTC and lists are [] when empty (docs/status.md).
 func (s Status) MarshalJSON() ([]byte, error) {
-	base, err := json.Marshal(statusFields(s))
+	f := statusFields(s)
+	f.LoadedAt, f.LastAttemptAt, f.LastErrorAt = utc(f.LoadedAt), utc(f.LastAttemptAt), utc(f.LastErrorAt)
+	f.Resources = make([]transformers.RuleInfo, len(s.Resources))
+	for i, r := range s.Resources {
+		if r.ReadPrefixes == nil {
+			r.ReadPrefixes = []string{}
+		}
+		if r.KMS != nil {
+			k := kmsUTC(*r.KMS)
+			r.KMS = &k
+		}
+		f.Resources[i] = r
+	}
+	f.KMSProviders = make([]transformers.KMSStatus, len(s.KMSProviders))
+	for i, k := range s.KMSProviders {
+		f.KMSProviders[i] = kmsUTC(k)
+	}
+	base, err := json.Marshal(f)
 	if err != nil {
 		return nil, err
 	}
@@ -89,6 +107,18 @@ func (s Status) MarshalJSON() ([]byte, error) {
 	}
 	b.WriteByte('}')
 	return b.Bytes(), nil
+}
+
+func utc(t time.Time) time.Time {
+	if t.IsZero() {
+		return t
+	}
+	return t.UTC()
+}
+
+func kmsUTC(k transformers.KMSStatus) transformers.KMSStatus {
+	k.WriteExpiry, k.LastStatus = utc(k.WriteExpiry), utc(k.LastStatus)
+	return k
 }
 
 // Status returns the status document.
