@@ -38,7 +38,7 @@ func TestInventoryCountsPerProviderKeyAndState(t *testing.T) {
 	writeObjects(t, cli, old, configmaps, 20)
 	// Plaintext, a key no configuration knows, and KMS v2 values under two key ids.
 	for i := 0; i < 5; i++ {
-		mustPut(t, cli, keyOf(secrets, "plain", fmt.Sprint(i)), "k8s\x00plaintext")
+		mustPut(t, cli, keyOf(secrets, "plain", fmt.Sprint(i)), string(storedObject("plaintext")))
 	}
 	for i := 0; i < 3; i++ {
 		mustPut(t, cli, keyOf(secrets, "ghost", fmt.Sprint(i)), "k8s:enc:aesgcm:v1:ghost:\x01\x02\x03nonce-and-ciphertext")

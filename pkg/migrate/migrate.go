@@ -83,7 +83,8 @@ type Counters struct {
 	Conflicts int64 `json:"conflicts"`
 	// Gone objects were deleted while the migration ran.
 	Gone int64 `json:"gone"`
-	// Unreadable objects could not be decrypted and were left unchanged.
+	// Unreadable objects could not be decrypted, or decrypted to something that is not a
+	// stored Kubernetes object, and were left unchanged.
 	Unreadable int64 `json:"unreadable"`
 }
 
@@ -244,7 +245,7 @@ func (m *migrator) run(ctx context.Context) (*Result, error) {
 			return m.result(res), nil
 		}
 		if unreadable > 0 {
-			return m.result(res), fmt.Errorf("%w: %d objects cannot be decrypted with the current configuration (%s) and were left unchanged; restore the key they need or delete them, then run the migration again", ErrNotFinished, unreadable, unreadableSample(inv))
+			return m.result(res), fmt.Errorf("%w: %d objects cannot be decrypted with the current configuration, or decrypt to something that is not a Kubernetes object (%s), and were left unchanged; restore the key they need or delete them, then run the migration again", ErrNotFinished, unreadable, unreadableSample(inv))
 		}
 		m.log.Info("Verifying re-scan still found stale objects; starting another pass", "stale", stale, "pass", pass)
 		m.ckpt = &Checkpoint{Targets: m.targets(), Counters: m.c.snapshot()}
@@ -502,7 +503,9 @@ func (m *migrator) handleChunk(ctx context.Context, tr value.Transformer, resour
 }
 
 // prepare decides about one stored value: a rewrite when it is stale, else the result
-// to count (current or unreadable).
+// to count (current or unreadable). A stale value is rewritten only if it decrypted to
+// a stored Kubernetes object (checkStoredObject): anything else is counted unreadable
+// and left as it is, so a wrong-key read can never be made permanent.
 func (m *migrator) prepare(ctx context.Context, tr value.Transformer, kv *mvccpb.KeyValue) (rewrite, string, error) {
 	dataCtx := value.DefaultContext(kv.Key)
 	plain, stale, err := tr.TransformFromStorage(ctx, kv.Value, dataCtx)
@@ -512,6 +515,10 @@ func (m *migrator) prepare(ctx context.Context, tr value.Transformer, kv *mvccpb
 	}
 	if !stale {
 		return rewrite{}, resultCurrent, nil
+	}
+	if err := checkStoredObject(plain); err != nil {
+		m.log.Info("Leaving an object whose decrypted value is not a Kubernetes object; a wrong key may have read it", "key", string(kv.Key))
+		return rewrite{}, resultUnreadable, nil
 	}
 	out, err := tr.TransformToStorage(ctx, plain, dataCtx)
 	if err != nil {
