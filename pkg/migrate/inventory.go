@@ -56,6 +56,9 @@ type ResourceInventory struct {
 	// UnreadableKeys names up to ten of them (etcd keys, which are not secret).
 	UnreadableKeys []string `json:"unreadableKeys,omitempty"`
 	Buckets        []Count  `json:"buckets"`
+	// OtherBuckets is how many distinct buckets beyond MaxBucketsPerResource were
+	// counted in "other" buckets (Bucket.Other); exact up to 10,000.
+	OtherBuckets int64 `json:"otherBuckets,omitempty"`
 }
 
 // Count is the number of objects in one bucket.
@@ -157,6 +160,7 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*Res
 	tr := opts.Source.TransformerFor(res.GroupResource)
 	ri := &ResourceInventory{Resource: res.String(), KeyPrefix: res.KeyPrefix, WritePrefix: cl.target.Prefix, WriteKeyIDHash: cl.target.KeyIDHash}
 	counts := map[Bucket]*Count{}
+	bound := newBucketBound(cl)
 	p := newPager(opts.Client, res, "", opts.PageSize, true)
 	var results []checkResult
 	for {
@@ -182,6 +186,7 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*Res
 					b.Stale = r.stale
 				}
 			}
+			b = bound.admit(b)
 			c := counts[b]
 			if c == nil {
 				c = &Count{Bucket: b}
@@ -208,6 +213,7 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*Res
 		}
 	}
 	ri.Revision = p.rev
+	ri.OtherBuckets = bound.otherBuckets()
 	for _, c := range counts {
 		ri.Buckets = append(ri.Buckets, *c)
 	}

@@ -289,6 +289,9 @@ func staleSample(inv *Inventory) string {
 }
 
 func describeBucket(b Bucket) string {
+	if b.Other {
+		return fmt.Sprintf("%s values under further keys or key ids (an inventory lists at most %d distinct buckets per resource)", b.Provider, MaxBucketsPerResource)
+	}
 	switch b.Provider {
 	case ProviderIdentity:
 		return "plaintext (identity)"
