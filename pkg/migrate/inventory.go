@@ -173,6 +173,12 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*Res
 		}
 		if opts.DecryptCheck {
 			results = checkAll(ctx, tr, kvs, opts.Workers, results)
+			for i, r := range results {
+				if isTransient(r.err) {
+					// A plugin outage is not unreadable data.
+					return nil, transient(kvs[i].Key, r.err)
+				}
+			}
 		}
 		for i, kv := range kvs {
 			b := cl.classify(kv.Value)

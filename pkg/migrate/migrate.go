@@ -512,6 +512,10 @@ func (m *migrator) handleChunk(ctx context.Context, tr value.Transformer, resour
 func (m *migrator) prepare(ctx context.Context, tr value.Transformer, kv *mvccpb.KeyValue) (rewrite, string, error) {
 	dataCtx := value.DefaultContext(kv.Key)
 	plain, stale, err := tr.TransformFromStorage(ctx, kv.Value, dataCtx)
+	if isTransient(err) {
+		// The plugin, not the value, failed: stop instead of counting it unreadable.
+		return rewrite{}, "", transient(kv.Key, err)
+	}
 	if err != nil {
 		m.log.V(2).Info("Leaving an object that cannot be decrypted", "key", string(kv.Key), "err", err)
 		return rewrite{}, resultUnreadable, nil
@@ -524,6 +528,9 @@ func (m *migrator) prepare(ctx context.Context, tr value.Transformer, kv *mvccpb
 		return rewrite{}, resultUnreadable, nil
 	}
 	out, err := tr.TransformToStorage(ctx, plain, dataCtx)
+	if isTransient(err) {
+		return rewrite{}, "", transient(kv.Key, err)
+	}
 	if err != nil {
 		return rewrite{}, "", fmt.Errorf("re-encrypting %s with the write key failed (nothing was written): %w", kv.Key, err)
 	}
