@@ -107,8 +107,10 @@ type InventoryOptions struct {
 	Client    *clientv3.Client
 	Source    Source
 	Resources []Resource
-	// PageSize is the number of objects per etcd range request; default DefaultPageSize.
-	PageSize int64
+	// PageSize and PageBytes bound one etcd range request: objects (DefaultPageSize)
+	// and bytes (DefaultPageBytes).
+	PageSize  int64
+	PageBytes int64
 	// DecryptCheck decrypts every value with the current transformers: unreadable
 	// values are found exactly and staleness is the transformers' own verdict.
 	DecryptCheck bool
@@ -161,7 +163,7 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*Res
 	ri := &ResourceInventory{Resource: res.String(), KeyPrefix: res.KeyPrefix, WritePrefix: cl.target.Prefix, WriteKeyIDHash: cl.target.KeyIDHash}
 	counts := map[Bucket]*Count{}
 	bound := newBucketBound(cl)
-	p := newPager(opts.Client, res, "", opts.PageSize, true)
+	p := newPager(opts.Client, res, "", opts.PageSize, true).withPageBytes(opts.PageBytes)
 	var results []checkResult
 	for {
 		kvs, err := p.page(ctx)

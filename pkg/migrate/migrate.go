@@ -42,8 +42,10 @@ type Options struct {
 	Resources []Resource
 	// Rate limits rewrites to this many objects per second; 0 means unlimited.
 	Rate float64
-	// PageSize is the number of objects per etcd range request.
-	PageSize int64
+	// PageSize and PageBytes bound one etcd range request: objects (DefaultPageSize)
+	// and bytes (DefaultPageBytes; see there how the byte bound is kept).
+	PageSize  int64
+	PageBytes int64
 	// BatchSize and BatchBytes bound one etcd transaction.
 	BatchSize  int
 	BatchBytes int
@@ -229,7 +231,7 @@ func (m *migrator) run(ctx context.Context) (*Result, error) {
 		m.progress(Progress{Phase: "verify", Pass: pass})
 		inv, err := TakeInventory(ctx, InventoryOptions{
 			Client: m.opts.Client, Source: m.opts.Source, Resources: m.opts.Resources,
-			PageSize: m.opts.PageSize, DecryptCheck: true, ConfigHash: m.opts.ConfigHash,
+			PageSize: m.opts.PageSize, PageBytes: m.opts.PageBytes, DecryptCheck: true, ConfigHash: m.opts.ConfigHash,
 			Clock: m.opts.Clock, Metrics: m.opts.Metrics,
 		})
 		if err != nil {
@@ -382,9 +384,10 @@ func (m *migrator) migrateResource(ctx context.Context, pass int, r Resource, fr
 	// Pages are read at the latest revision: the compare-and-swap on every write is
 	// what keeps a rewrite safe, and a long migration must survive the apiserver's
 	// periodic compaction.
-	p := newPager(m.opts.Client, r, from, m.opts.PageSize, false)
+	p := newPager(m.opts.Client, r, from, m.opts.PageSize, false).withPageBytes(m.opts.PageBytes)
 
-	pages := make(chan []*mvccpb.KeyValue, 1)
+	// Unbuffered: the fetcher holds at most one page (the next) while one is handled.
+	pages := make(chan []*mvccpb.KeyValue)
 	fetchErr := make(chan error, 1)
 	fetchCtx, cancelFetch := context.WithCancel(ctx)
 	defer cancelFetch()
