@@ -46,8 +46,9 @@ type ControllerOptions struct {
 	Logger     klog.Logger
 	// Clock drives checks, retries and backoff; tests pass a fake clock.
 	Clock clock.Clock
-	// RetryBackoff and MaxRetryBackoff override DefaultRetryBackoff and
-	// DefaultMaxRetryBackoff.
+	// RetryBackoff and MaxRetryBackoff override the first and the longest wait before a
+	// failed migration is retried (defaults: the smaller of DefaultRetryBackoff and
+	// CheckInterval; DefaultMaxRetryBackoff).
 	RetryBackoff, MaxRetryBackoff time.Duration
 }
 
@@ -122,7 +123,8 @@ func NewController(opts ControllerOptions) *Controller {
 		opts.ConfigHash = func() string { return "" }
 	}
 	if opts.RetryBackoff <= 0 {
-		opts.RetryBackoff = DefaultRetryBackoff
+		// The first retry comes one check later, as before backoff existed.
+		opts.RetryBackoff = min(DefaultRetryBackoff, opts.CheckInterval)
 	}
 	if opts.MaxRetryBackoff < opts.RetryBackoff {
 		opts.MaxRetryBackoff = max(DefaultMaxRetryBackoff, opts.RetryBackoff)
