@@ -11,7 +11,6 @@ import (
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
-	"google.golang.org/grpc"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/apis/apiserver"
 	"k8s.io/klog/v2"
@@ -64,7 +63,11 @@ func (c *common) client(ctx context.Context) (*clientv3.Client, error) {
 		Endpoints:   c.etcdServers,
 		DialTimeout: c.timeout,
 		Logger:      zap.NewNop(),
-		DialOptions: []grpc.DialOption{grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64 << 20))},
+		// A page stops at about migrate.DefaultPageBytes (and is asked again smaller if
+		// an answer is still too large), so 64 MiB leaves room for pages of the largest
+		// values etcd accepts. Set in Config: the client's own per-call default
+		// (2 GiB) would override a dial option.
+		MaxCallRecvMsgSize: 64 << 20,
 	}
 	if c.etcdCert != "" || c.etcdKey != "" || c.etcdCA != "" {
 		tlsInfo := transport.TLSInfo{CertFile: c.etcdCert, KeyFile: c.etcdKey, TrustedCAFile: c.etcdCA}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
 
@@ -118,9 +119,16 @@ func seed(t *testing.T, cli *clientv3.Client, cfgPath string, n int) {
 		t.Fatal(err)
 	}
 	tr := set.TransformerFor(schema.GroupResource{Resource: "secrets"})
+	// A stored object in kube-apiserver's protobuf envelope: migration rewrites nothing else.
+	u := runtime.Unknown{TypeMeta: runtime.TypeMeta{APIVersion: "v1", Kind: "Secret"}, Raw: []byte("payload")}
+	raw, err := u.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	obj := append([]byte("k8s\x00"), raw...)
 	for i := 0; i < n; i++ {
 		key := fmt.Sprintf("/registry/secrets/ns/s%04d", i)
-		out, err := tr.TransformToStorage(context.Background(), []byte("k8s\x00payload"), value.DefaultContext(key))
+		out, err := tr.TransformToStorage(context.Background(), obj, value.DefaultContext(key))
 		if err != nil {
 			t.Fatal(err)
 		}

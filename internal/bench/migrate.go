@@ -11,6 +11,7 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	kruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
 	"k8s.io/component-base/metrics"
@@ -206,8 +207,14 @@ func putObjects(ctx context.Context, cli *clientv3.Client, t value.Transformer, 
 	var firstErr error
 	var once sync.Once
 	var wg sync.WaitGroup
-	payload := make([]byte, 300)
-	copy(payload, "k8s\x00\n\x02v1\x12\x06Secret")
+	// A stored object in kube-apiserver's protobuf envelope (migration refuses to
+	// rewrite anything else), about 300 bytes.
+	u := kruntime.Unknown{TypeMeta: kruntime.TypeMeta{APIVersion: "v1", Kind: "Secret"}, Raw: make([]byte, 270)}
+	raw, err := u.Marshal()
+	if err != nil {
+		return err
+	}
+	payload := append([]byte("k8s\x00"), raw...)
 	for w := 0; w < 8; w++ {
 		wg.Add(1)
 		go func() {

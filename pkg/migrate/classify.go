@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"sort"
+	"strconv"
 	"strings"
 
 	"google.golang.org/protobuf/encoding/protowire"
@@ -53,7 +54,71 @@ type Bucket struct {
 	// Stale is true when the value was not written with the resource's current write
 	// provider and key (for KMS v2: key id), so a migration rewrites it.
 	Stale bool `json:"stale"`
+	// Other marks a bucket that collects the values of every bucket beyond
+	// MaxBucketsPerResource (see ResourceInventory.OtherBuckets). It keeps Provider,
+	// Stale, KnownKey and, for a prefix the configuration can read, Prefix and Key; a
+	// prefix it cannot read becomes "k8s:enc:", and the key id hash is dropped.
+	Other bool `json:"other,omitempty"`
 }
+
+// MaxBucketsPerResource bounds the distinct buckets of one resource's inventory (and so
+// its rekey_storage_objects series) beyond those of the configuration's own keys. Every
+// key name or KMS key id found in etcd makes a bucket, so a corrupt or hostile etcd
+// could otherwise make one per object; values of further buckets are counted in
+// "other" buckets. Buckets of a prefix the configuration reads (and, for KMS v2, of the
+// current write key id) are always kept: their number is bounded by the configuration,
+// and a flood of unknown names must not push them out.
+const MaxBucketsPerResource = 64
+
+// maxTrackedOtherBuckets bounds the memory spent counting distinct collapsed buckets;
+// beyond it ResourceInventory.OtherBuckets is a lower bound.
+const maxTrackedOtherBuckets = 10_000
+
+// bucketBound admits the configuration's buckets and the first MaxBucketsPerResource
+// distinct other buckets of one resource, and collapses the rest into "other" buckets,
+// counting how many distinct ones it collapsed.
+type bucketBound struct {
+	cl       *classifier
+	admitted map[Bucket]struct{}
+	others   map[[sha256.Size]byte]struct{}
+}
+
+func newBucketBound(cl *classifier) *bucketBound {
+	return &bucketBound{cl: cl, admitted: map[Bucket]struct{}{}, others: map[[sha256.Size]byte]struct{}{}}
+}
+
+// admit returns b itself while the bound allows, else its "other" bucket.
+func (bb *bucketBound) admit(b Bucket) Bucket {
+	if bb.cl.readable[b.Prefix] && (b.KeyIDHash == "" || b.KeyIDHash == bb.cl.target.KeyIDHash) {
+		return b
+	}
+	if _, ok := bb.admitted[b]; ok {
+		return b
+	}
+	if len(bb.admitted) < MaxBucketsPerResource {
+		bb.admitted[b] = struct{}{}
+		return b
+	}
+	if len(bb.others) < maxTrackedOtherBuckets {
+		h := sha256.New()
+		for _, f := range []string{b.Provider, b.Key, b.KeyIDHash, b.DEKSourceType, b.Prefix, strconv.FormatBool(b.KnownKey), strconv.FormatBool(b.Stale)} {
+			h.Write([]byte(f))
+			h.Write([]byte{0})
+		}
+		bb.others[[sha256.Size]byte(h.Sum(nil))] = struct{}{}
+	}
+	o := Bucket{Provider: b.Provider, Key: b.Key, Prefix: b.Prefix, KnownKey: b.KnownKey, Stale: b.Stale, Other: true}
+	if o.Prefix != "" && !bb.cl.readable[o.Prefix] {
+		// A prefix the configuration cannot read (an unknown key name) is what varies
+		// without bound; keep only that it is encrypted.
+		o.Prefix, o.Key = encryptedMarker, ""
+	}
+	return o
+}
+
+// otherBuckets is how many distinct buckets admit collapsed (a lower bound beyond
+// maxTrackedOtherBuckets).
+func (bb *bucketBound) otherBuckets() int64 { return int64(len(bb.others)) }
 
 // classifier sorts stored values of one resource into buckets by their prefix alone.
 type classifier struct {

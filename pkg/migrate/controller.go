@@ -2,6 +2,9 @@ package migrate
 
 import (
 	"context"
+	"fmt"
+	"slices"
+	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -15,6 +18,11 @@ import (
 const (
 	DefaultCheckInterval     = 5 * time.Second
 	DefaultInventoryInterval = 10 * time.Minute
+	// DefaultRetryBackoff and DefaultMaxRetryBackoff bound the wait before a failed
+	// migration is tried again for the same write targets: it doubles from the first to
+	// the second with every failure in a row.
+	DefaultRetryBackoff    = 5 * time.Second
+	DefaultMaxRetryBackoff = 5 * time.Minute
 )
 
 // ControllerOptions configure a Controller.
@@ -36,7 +44,12 @@ type ControllerOptions struct {
 	Inventory  *InventoryStore
 	Metrics    *Metrics
 	Logger     klog.Logger
-	Clock      clock.WithTicker
+	// Clock drives checks, retries and backoff; tests pass a fake clock.
+	Clock clock.Clock
+	// RetryBackoff and MaxRetryBackoff override the first and the longest wait before a
+	// failed migration is retried (defaults: the smaller of DefaultRetryBackoff and
+	// CheckInterval; DefaultMaxRetryBackoff).
+	RetryBackoff, MaxRetryBackoff time.Duration
 }
 
 // ControllerStatus is the controller's part of the agent's status document.
@@ -49,6 +62,11 @@ type ControllerStatus struct {
 	// Inventory is the latest inventory.
 	Inventory *Inventory `json:"inventory,omitempty"`
 	LastError string     `json:"lastError,omitempty"`
+	// ConsecutiveFailures counts failed migrations in a row for the same write targets.
+	ConsecutiveFailures int `json:"consecutiveFailures,omitempty"`
+	// RetryAt is when a failed migration is tried next (unless the write targets change
+	// first).
+	RetryAt time.Time `json:"retryAt,omitzero"`
 }
 
 // MigrationRecord summarises one finished migration.
@@ -70,6 +88,18 @@ type Controller struct {
 	mu      sync.Mutex
 	status  ControllerStatus
 	applied map[string]writeTarget // targets the last successful migration or inventory saw
+	// retry is the failed migration waiting for its backoff; nil when none. Only the
+	// goroutine running Run touches it.
+	retry *retryState
+}
+
+// retryState is a failed migration: which resources, under which write targets, how
+// often in a row, and when it may run again.
+type retryState struct {
+	resources []Resource
+	targets   string
+	failures  int
+	at        time.Time
 }
 
 // NewController returns a controller; call Run to start it.
@@ -92,6 +122,13 @@ func NewController(opts ControllerOptions) *Controller {
 	if opts.ConfigHash == nil {
 		opts.ConfigHash = func() string { return "" }
 	}
+	if opts.RetryBackoff <= 0 {
+		// The first retry comes one check later, as before backoff existed.
+		opts.RetryBackoff = min(DefaultRetryBackoff, opts.CheckInterval)
+	}
+	if opts.MaxRetryBackoff < opts.RetryBackoff {
+		opts.MaxRetryBackoff = max(DefaultMaxRetryBackoff, opts.RetryBackoff)
+	}
 	return &Controller{opts: opts, log: opts.Logger.WithName("storage-migration-controller"), status: ControllerStatus{AutoMigrate: opts.AutoMigrate}}
 }
 
@@ -108,17 +145,18 @@ func (c *Controller) Status() ControllerStatus {
 	return st
 }
 
-// Run checks every CheckInterval until ctx ends.
+// Run checks CheckInterval after each check ends, until ctx ends. A failed migration
+// waits for its backoff (see DefaultRetryBackoff), not just for the next check.
 func (c *Controller) Run(ctx context.Context) {
-	t := c.opts.Clock.NewTicker(c.opts.CheckInterval)
-	defer t.Stop()
 	var lastInventory time.Time
 	for {
 		if c.step(ctx, c.opts.Clock.Since(lastInventory) >= c.opts.InventoryInterval) {
 			lastInventory = c.opts.Clock.Now()
 		}
+		t := c.opts.Clock.NewTimer(c.opts.CheckInterval)
 		select {
 		case <-ctx.Done():
+			t.Stop()
 			return
 		case <-t.C():
 		}
@@ -129,6 +167,17 @@ func (c *Controller) Run(ctx context.Context) {
 func (c *Controller) step(ctx context.Context, inventoryDue bool) bool {
 	now := c.currentTargets()
 	changed, ready := c.plan(now)
+	if r := c.retry; r != nil && c.opts.AutoMigrate && ready {
+		// A failed migration is retried, with the resources changed since, once its
+		// backoff has passed — at once when the write targets are no longer those it
+		// failed with.
+		todo := unionResources(r.resources, changed)
+		if targetsKey(now, todo) == r.targets && c.opts.Clock.Now().Before(r.at) {
+			return false
+		}
+		c.migrate(ctx, todo, now)
+		return true
+	}
 	switch {
 	case c.opts.AutoMigrate && len(changed) > 0 && ready:
 		c.migrate(ctx, changed, now)
@@ -209,7 +258,7 @@ func (c *Controller) migrate(ctx context.Context, rs []Resource, targets map[str
 	// that the guard keeps counting the other resources.
 	verified := &InventoryStore{}
 	res, err := Migrate(ctx, Options{Client: c.opts.Client, Source: c.opts.Source, Resources: rs, Rate: c.opts.Rate,
-		Inventory: verified, Metrics: c.opts.Metrics, ConfigHash: c.opts.ConfigHash(), Logger: c.opts.Logger})
+		Inventory: verified, Metrics: c.opts.Metrics, ConfigHash: c.opts.ConfigHash(), Logger: c.opts.Logger, Clock: c.opts.Clock})
 	if inv := verified.Latest(); inv != nil {
 		c.opts.Inventory.Set(mergeInventories(c.opts.Inventory.Latest(), inv, c.opts.Resources))
 	}
@@ -222,11 +271,34 @@ func (c *Controller) migrate(ctx context.Context, rs []Resource, targets map[str
 	c.status.Running = nil
 	c.status.LastMigration = rec
 	if err != nil {
+		// applied stays, so the change is still pending; retry after a backoff that
+		// grows while the same write targets keep failing.
+		key := targetsKey(targets, rs)
+		failures := 1
+		if c.retry != nil && c.retry.targets == key {
+			failures = c.retry.failures + 1
+		}
+		backoff := c.backoff(failures)
+		at := c.opts.Clock.Now().Add(backoff)
+		c.retry = &retryState{resources: rs, targets: key, failures: failures, at: at}
+		c.status.ConsecutiveFailures, c.status.RetryAt = failures, at
 		rec.Error = err.Error()
+		if isTransient(err) {
+			// Never advise deleting data because a plugin is down.
+			msg := fmt.Sprintf("%v (next attempt at %s)", err, at.UTC().Format(time.RFC3339))
+			if !strings.Contains(msg, ErrPluginUnavailable.Error()) {
+				msg = ErrPluginUnavailable.Error() + ": " + msg
+			}
+			rec.Error, c.status.LastError = msg, msg
+			c.log.Info("Storage migration stopped: KMS plugin unavailable, will retry", "resources", names, "retryIn", backoff, "failures", failures, "err", err)
+			return
+		}
 		c.status.LastError = err.Error()
-		c.log.Error(err, "Storage migration failed; retrying at the next check", "resources", names)
-		return // applied stays: the next step sees the change again
+		c.log.Error(err, "Storage migration failed; will retry", "resources", names, "retryIn", backoff, "failures", failures)
+		return
 	}
+	c.retry = nil
+	c.status.ConsecutiveFailures, c.status.RetryAt = 0, time.Time{}
 	c.status.LastError = ""
 	if c.applied == nil {
 		c.applied = map[string]writeTarget{}
@@ -234,6 +306,43 @@ func (c *Controller) migrate(ctx context.Context, rs []Resource, targets map[str
 	for k, v := range targets {
 		c.applied[k] = v
 	}
+}
+
+// backoff is the wait after the given number of failures in a row: RetryBackoff,
+// doubling up to MaxRetryBackoff.
+func (c *Controller) backoff(failures int) time.Duration {
+	d := c.opts.RetryBackoff
+	for i := 1; i < failures && d < c.opts.MaxRetryBackoff; i++ {
+		d *= 2
+	}
+	return min(d, c.opts.MaxRetryBackoff)
+}
+
+// targetsKey identifies the write targets of rs, so that a retry can tell whether
+// they changed since a migration failed.
+func targetsKey(targets map[string]writeTarget, rs []Resource) string {
+	names := make([]string, 0, len(rs))
+	for _, r := range rs {
+		names = append(names, r.String())
+	}
+	sort.Strings(names)
+	var b strings.Builder
+	for _, n := range names {
+		t := targets[n]
+		b.WriteString(n + "\x00" + t.Prefix + "\x00" + t.KeyIDHash + "\x00")
+	}
+	return b.String()
+}
+
+// unionResources is a followed by the resources of b not in a.
+func unionResources(a, b []Resource) []Resource {
+	out := append([]Resource(nil), a...)
+	for _, r := range b {
+		if !slices.Contains(out, r) {
+			out = append(out, r)
+		}
+	}
+	return out
 }
 
 func (c *Controller) setErr(err error) {

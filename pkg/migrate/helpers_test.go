@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
 
@@ -92,9 +93,20 @@ func keyOf(gr schema.GroupResource, ns, name string) string {
 	return ResourceFor(DefaultEtcdPrefix, gr).KeyPrefix + ns + "/" + name
 }
 
-// plaintextFor is a stand-in for the protobuf an apiserver stores.
+// plaintextFor is a stand-in for the protobuf an apiserver stores: the k8s\x00
+// envelope around a runtime.Unknown naming a v1 Secret.
 func plaintextFor(key string, gen int) []byte {
-	return []byte(fmt.Sprintf("k8s\x00\n\x02v1\x12\x06Secret{key=%s gen=%d pad=%s}", key, gen, strings.Repeat("x", 200)))
+	return storedObject(fmt.Sprintf("{key=%s gen=%d pad=%s}", key, gen, strings.Repeat("x", 200)))
+}
+
+// storedObject wraps raw in the protobuf envelope kube-apiserver stores objects in.
+func storedObject(raw string) []byte {
+	u := runtime.Unknown{TypeMeta: runtime.TypeMeta{APIVersion: "v1", Kind: "Secret"}, Raw: []byte(raw)}
+	b, err := u.Marshal()
+	if err != nil {
+		panic(err)
+	}
+	return append([]byte("k8s\x00"), b...)
 }
 
 // writeObjects stores n objects of gr encrypted with set, as an apiserver would

@@ -56,6 +56,9 @@ type ResourceInventory struct {
 	// UnreadableKeys names up to ten of them (etcd keys, which are not secret).
 	UnreadableKeys []string `json:"unreadableKeys,omitempty"`
 	Buckets        []Count  `json:"buckets"`
+	// OtherBuckets is how many distinct buckets beyond MaxBucketsPerResource were
+	// counted in "other" buckets (Bucket.Other); exact up to 10,000.
+	OtherBuckets int64 `json:"otherBuckets,omitempty"`
 }
 
 // Count is the number of objects in one bucket.
@@ -107,8 +110,10 @@ type InventoryOptions struct {
 	Client    *clientv3.Client
 	Source    Source
 	Resources []Resource
-	// PageSize is the number of objects per etcd range request; default DefaultPageSize.
-	PageSize int64
+	// PageSize and PageBytes bound one etcd range request: objects (DefaultPageSize)
+	// and bytes (DefaultPageBytes).
+	PageSize  int64
+	PageBytes int64
 	// DecryptCheck decrypts every value with the current transformers: unreadable
 	// values are found exactly and staleness is the transformers' own verdict.
 	DecryptCheck bool
@@ -160,7 +165,8 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*Res
 	tr := opts.Source.TransformerFor(res.GroupResource)
 	ri := &ResourceInventory{Resource: res.String(), KeyPrefix: res.KeyPrefix, WritePrefix: cl.target.Prefix, WriteKeyIDHash: cl.target.KeyIDHash}
 	counts := map[Bucket]*Count{}
-	p := newPager(opts.Client, res, "", opts.PageSize, true)
+	bound := newBucketBound(cl)
+	p := newPager(opts.Client, res, "", opts.PageSize, true).withPageBytes(opts.PageBytes)
 	var results []checkResult
 	for {
 		kvs, err := p.page(ctx)
@@ -172,6 +178,12 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*Res
 		}
 		if opts.DecryptCheck {
 			results = checkAll(ctx, tr, kvs, opts.Workers, results)
+			for i, r := range results {
+				if isTransient(r.err) {
+					// A plugin outage is not unreadable data.
+					return nil, transient(kvs[i].Key, r.err)
+				}
+			}
 		}
 		for i, kv := range kvs {
 			b := cl.classify(kv.Value)
@@ -185,6 +197,7 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*Res
 					b.Stale = r.stale
 				}
 			}
+			b = bound.admit(b)
 			c := counts[b]
 			if c == nil {
 				c = &Count{Bucket: b}
@@ -214,6 +227,7 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*Res
 		}
 	}
 	ri.Revision = p.rev
+	ri.OtherBuckets = bound.otherBuckets()
 	for _, c := range counts {
 		ri.Buckets = append(ri.Buckets, *c)
 	}
@@ -252,7 +266,11 @@ func checkAll(ctx context.Context, tr value.Transformer, kvs []*mvccpb.KeyValue,
 		go func() {
 			defer wg.Done()
 			for i := lo; i < hi; i++ {
-				_, stale, err := tr.TransformFromStorage(ctx, kvs[i].Value, value.DefaultContext(kvs[i].Key))
+				plain, stale, err := tr.TransformFromStorage(ctx, kvs[i].Value, value.DefaultContext(kvs[i].Key))
+				if err == nil && stale {
+					// What a migration would refuse to rewrite is unreadable here too.
+					err = checkStoredObject(plain)
+				}
 				results[i] = checkResult{stale: stale, err: err}
 			}
 		}()

@@ -9,6 +9,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"google.golang.org/protobuf/encoding/protowire"
+	"k8s.io/component-base/metrics"
 )
 
 // kmsValue hand-encodes a stored KMS v2 value: prefix ‖ protobuf EncryptedObject.
@@ -38,7 +39,7 @@ func TestInventoryCountsPerProviderKeyAndState(t *testing.T) {
 	writeObjects(t, cli, old, configmaps, 20)
 	// Plaintext, a key no configuration knows, and KMS v2 values under two key ids.
 	for i := 0; i < 5; i++ {
-		mustPut(t, cli, keyOf(secrets, "plain", fmt.Sprint(i)), "k8s\x00plaintext")
+		mustPut(t, cli, keyOf(secrets, "plain", fmt.Sprint(i)), string(storedObject("plaintext")))
 	}
 	for i := 0; i < 3; i++ {
 		mustPut(t, cli, keyOf(secrets, "ghost", fmt.Sprint(i)), "k8s:enc:aesgcm:v1:ghost:\x01\x02\x03nonce-and-ciphertext")
@@ -155,5 +156,71 @@ func mustPut(t testing.TB, cli *clientv3.Client, k, v string) {
 	t.Helper()
 	if _, err := cli.Put(context.Background(), k, v); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestInventoryBucketsAreBounded: every key name found in etcd makes a bucket, so a
+// corrupt or hostile etcd with 1,000 distinct unknown key names must not make 1,000
+// buckets (and 1,000 rekey_storage_objects series); the rest are counted in "other".
+func TestInventoryBucketsAreBounded(t *testing.T) {
+	ctx := context.Background()
+	cli := startEtcd(t)
+	const n = 1000
+	var ops []clientv3.Op
+	for i := 0; i < n; i++ {
+		ops = append(ops, clientv3.OpPut(keyOf(secrets, "ghosts", fmt.Sprintf("g%04d", i)), fmt.Sprintf("k8s:enc:aesgcm:v1:ghost-%04d:nonce-and-ciphertext", i)))
+		if len(ops) == 100 {
+			if _, err := cli.Txn(ctx).Then(ops...).Commit(); err != nil {
+				t.Fatal(err)
+			}
+			ops = ops[:0]
+		}
+	}
+	_, set := setFor(t, "secrets", "aesgcm:key1")
+	writeObjects(t, cli, set, secrets, 10)
+	reg := metrics.NewKubeRegistry()
+	m, err := NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, decrypt := range []bool{false, true} {
+		inv, err := TakeInventory(ctx, InventoryOptions{Client: cli, Source: FromSet(set), Resources: []Resource{ResourceFor(DefaultEtcdPrefix, secrets)}, DecryptCheck: decrypt, Metrics: m})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ri := inv.Find("secrets")
+		if len(ri.Buckets) > MaxBucketsPerResource+2 { // + key1 + other
+			t.Fatalf("decrypt=%v: %d buckets for %d distinct key names; the bound is %d (+ other)", decrypt, len(ri.Buckets), n, MaxBucketsPerResource)
+		}
+		var objects, unreadable, other int64
+		for _, b := range ri.Buckets {
+			objects += b.Objects
+			if b.Other {
+				other += b.Objects
+				if b.Prefix != "k8s:enc:" || b.KnownKey || b.Key != "" {
+					t.Fatalf("other bucket of unknown keys = %+v", b.Bucket)
+				}
+			}
+		}
+		unreadable = ri.Unreadable
+		if objects != n+10 || ri.Objects != n+10 || unreadable != n {
+			t.Fatalf("decrypt=%v: %d objects in buckets, %d counted, %d unreadable; want %d, %d, %d", decrypt, objects, ri.Objects, unreadable, n+10, n+10, n)
+		}
+		// The configuration's key always keeps its bucket, though its objects come last.
+		if bucketCount(ri, "k8s:enc:aesgcm:v1:key1:", false) != 10 {
+			t.Fatalf("decrypt=%v: key1's bucket lost objects: %+v", decrypt, ri.Buckets)
+		}
+		if ri.OtherBuckets != n-MaxBucketsPerResource || other != ri.OtherBuckets {
+			t.Fatalf("decrypt=%v: OtherBuckets = %d, objects in other = %d; want %d", decrypt, ri.OtherBuckets, other, n-MaxBucketsPerResource)
+		}
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			if mf.GetName() == "rekey_storage_objects" && len(mf.GetMetric()) > MaxBucketsPerResource+2 {
+				t.Fatalf("rekey_storage_objects has %d series", len(mf.GetMetric()))
+			}
+		}
 	}
 }

@@ -95,7 +95,11 @@ func (m *Metrics) recordInventory(inv *Inventory) {
 			if b.Stale {
 				state = "stale"
 			}
-			sets[[5]string{r.Resource, b.Provider, b.Key, b.KeyIDHash, state}] += float64(b.Objects)
+			key := b.Key
+			if b.Other {
+				key = "(other)"
+			}
+			sets[[5]string{r.Resource, b.Provider, key, b.KeyIDHash, state}] += float64(b.Objects)
 		}
 		var lvs [][]string
 		for k, n := range sets {

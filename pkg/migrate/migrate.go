@@ -42,8 +42,10 @@ type Options struct {
 	Resources []Resource
 	// Rate limits rewrites to this many objects per second; 0 means unlimited.
 	Rate float64
-	// PageSize is the number of objects per etcd range request.
-	PageSize int64
+	// PageSize and PageBytes bound one etcd range request: objects (DefaultPageSize)
+	// and bytes (DefaultPageBytes; see there how the byte bound is kept).
+	PageSize  int64
+	PageBytes int64
 	// BatchSize and BatchBytes bound one etcd transaction.
 	BatchSize  int
 	BatchBytes int
@@ -83,7 +85,8 @@ type Counters struct {
 	Conflicts int64 `json:"conflicts"`
 	// Gone objects were deleted while the migration ran.
 	Gone int64 `json:"gone"`
-	// Unreadable objects could not be decrypted and were left unchanged.
+	// Unreadable objects could not be decrypted, or decrypted to something that is not a
+	// stored Kubernetes object, and were left unchanged.
 	Unreadable int64 `json:"unreadable"`
 }
 
@@ -228,7 +231,7 @@ func (m *migrator) run(ctx context.Context) (*Result, error) {
 		m.progress(Progress{Phase: "verify", Pass: pass})
 		inv, err := TakeInventory(ctx, InventoryOptions{
 			Client: m.opts.Client, Source: m.opts.Source, Resources: m.opts.Resources,
-			PageSize: m.opts.PageSize, DecryptCheck: true, ConfigHash: m.opts.ConfigHash,
+			PageSize: m.opts.PageSize, PageBytes: m.opts.PageBytes, DecryptCheck: true, ConfigHash: m.opts.ConfigHash,
 			Clock: m.opts.Clock, Metrics: m.opts.Metrics,
 		})
 		if err != nil {
@@ -244,7 +247,7 @@ func (m *migrator) run(ctx context.Context) (*Result, error) {
 			return m.result(res), nil
 		}
 		if unreadable > 0 {
-			return m.result(res), fmt.Errorf("%w: %d objects cannot be decrypted with the current configuration (%s) and were left unchanged; restore the key they need or delete them, then run the migration again", ErrNotFinished, unreadable, unreadableSample(inv))
+			return m.result(res), fmt.Errorf("%w: %d objects cannot be decrypted with the current configuration, or decrypt to something that is not a Kubernetes object (%s), and were left unchanged; restore the key they need or delete them, then run the migration again", ErrNotFinished, unreadable, unreadableSample(inv))
 		}
 		m.log.Info("Verifying re-scan still found stale objects; starting another pass", "stale", stale, "pass", pass)
 		m.ckpt = &Checkpoint{Targets: m.targets(), Counters: m.c.snapshot()}
@@ -288,6 +291,9 @@ func staleSample(inv *Inventory) string {
 }
 
 func describeBucket(b Bucket) string {
+	if b.Other {
+		return fmt.Sprintf("%s values under further keys or key ids (an inventory lists at most %d distinct buckets per resource)", b.Provider, MaxBucketsPerResource)
+	}
 	switch b.Provider {
 	case ProviderIdentity:
 		return "plaintext (identity)"
@@ -378,9 +384,10 @@ func (m *migrator) migrateResource(ctx context.Context, pass int, r Resource, fr
 	// Pages are read at the latest revision: the compare-and-swap on every write is
 	// what keeps a rewrite safe, and a long migration must survive the apiserver's
 	// periodic compaction.
-	p := newPager(m.opts.Client, r, from, m.opts.PageSize, false)
+	p := newPager(m.opts.Client, r, from, m.opts.PageSize, false).withPageBytes(m.opts.PageBytes)
 
-	pages := make(chan []*mvccpb.KeyValue, 1)
+	// Unbuffered: the fetcher holds at most one page (the next) while one is handled.
+	pages := make(chan []*mvccpb.KeyValue)
 	fetchErr := make(chan error, 1)
 	fetchCtx, cancelFetch := context.WithCancel(ctx)
 	defer cancelFetch()
@@ -502,10 +509,16 @@ func (m *migrator) handleChunk(ctx context.Context, tr value.Transformer, resour
 }
 
 // prepare decides about one stored value: a rewrite when it is stale, else the result
-// to count (current or unreadable).
+// to count (current or unreadable). A stale value is rewritten only if it decrypted to
+// a stored Kubernetes object (checkStoredObject): anything else is counted unreadable
+// and left as it is, so a wrong-key read can never be made permanent.
 func (m *migrator) prepare(ctx context.Context, tr value.Transformer, kv *mvccpb.KeyValue) (rewrite, string, error) {
 	dataCtx := value.DefaultContext(kv.Key)
 	plain, stale, err := tr.TransformFromStorage(ctx, kv.Value, dataCtx)
+	if isTransient(err) {
+		// The plugin, not the value, failed: stop instead of counting it unreadable.
+		return rewrite{}, "", transient(kv.Key, err)
+	}
 	if err != nil {
 		m.log.V(2).Info("Leaving an object that cannot be decrypted", "key", string(kv.Key), "err", err)
 		return rewrite{}, resultUnreadable, nil
@@ -513,7 +526,14 @@ func (m *migrator) prepare(ctx context.Context, tr value.Transformer, kv *mvccpb
 	if !stale {
 		return rewrite{}, resultCurrent, nil
 	}
+	if err := checkStoredObject(plain); err != nil {
+		m.log.Info("Leaving an object whose decrypted value is not a Kubernetes object; a wrong key may have read it", "key", string(kv.Key))
+		return rewrite{}, resultUnreadable, nil
+	}
 	out, err := tr.TransformToStorage(ctx, plain, dataCtx)
+	if isTransient(err) {
+		return rewrite{}, "", transient(kv.Key, err)
+	}
 	if err != nil {
 		return rewrite{}, "", fmt.Errorf("re-encrypting %s with the write key failed (nothing was written): %w", kv.Key, err)
 	}

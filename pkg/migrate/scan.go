@@ -8,11 +8,27 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
-// DefaultPageSize is how many objects one etcd range request returns. Memory use of a
-// scan is bounded by one page (two while the next page is prefetched).
-const DefaultPageSize = 500
+// Page bounds of a scan. A page stops at DefaultPageSize objects or about
+// DefaultPageBytes, whichever comes first.
+//
+// etcd's range request has a count limit but no byte limit, and keys-only answers carry
+// no value sizes, so the byte bound is kept by choosing each page's count: a scan starts
+// at firstPageLimit objects, at most doubles the count from page to page, and never asks
+// for more than DefaultPageBytes divided by the largest key+value seen so far in the
+// scan. A page can therefore exceed the byte bound only when it holds values larger
+// than every value before it (by at most that ratio; etcd itself caps values at its
+// --max-request-bytes, 1.5 MiB by default). An answer larger than the etcd client's
+// receive limit (gRPC ResourceExhausted) is asked again with half the count, which
+// then caps the count for the rest of the scan.
+const (
+	DefaultPageSize  = 500
+	DefaultPageBytes = 8 << 20
+	firstPageLimit   = 16
+)
 
 // pager walks one resource's key range page by page. With pinned set, every page is
 // read at the revision of the first page (a consistent snapshot); otherwise each page
@@ -22,6 +38,9 @@ type pager struct {
 	end      string
 	next     string
 	pageSize int64
+	maxBytes int64
+	limit    int64 // count of the next request
+	largest  int64 // largest key+value seen in this scan
 	pinned   bool
 	rev      int64
 	done     bool
@@ -35,7 +54,16 @@ func newPager(kv clientv3.KV, res Resource, from string, pageSize int64, pinned 
 	if from != "" {
 		start = from
 	}
-	return &pager{kv: kv, end: clientv3.GetPrefixRangeEnd(res.KeyPrefix), next: start, pageSize: pageSize, pinned: pinned}
+	return &pager{kv: kv, end: clientv3.GetPrefixRangeEnd(res.KeyPrefix), next: start, pageSize: pageSize,
+		maxBytes: DefaultPageBytes, limit: min(pageSize, firstPageLimit), pinned: pinned}
+}
+
+// withPageBytes sets the byte bound of a page (DefaultPageBytes when n <= 0).
+func (p *pager) withPageBytes(n int64) *pager {
+	if n > 0 {
+		p.maxBytes = n
+	}
+	return p
 }
 
 // page returns the next page, or nil once the range is exhausted. A compacted pinned
@@ -44,17 +72,35 @@ func (p *pager) page(ctx context.Context) ([]*mvccpb.KeyValue, error) {
 	if p.done {
 		return nil, nil
 	}
-	opts := []clientv3.OpOption{clientv3.WithRange(p.end), clientv3.WithLimit(p.pageSize)}
-	if p.pinned && p.rev != 0 {
-		opts = append(opts, clientv3.WithRev(p.rev))
-	}
-	resp, err := p.kv.Get(ctx, p.next, opts...)
-	if err != nil {
-		if errors.Is(err, rpctypes.ErrCompacted) {
-			return nil, errCompacted
+	var resp *clientv3.GetResponse
+	for {
+		opts := []clientv3.OpOption{clientv3.WithRange(p.end), clientv3.WithLimit(p.limit)}
+		if p.pinned && p.rev != 0 {
+			opts = append(opts, clientv3.WithRev(p.rev))
 		}
-		return nil, fmt.Errorf("reading etcd keys from %q: %w", p.next, err)
+		var err error
+		resp, err = p.kv.Get(ctx, p.next, opts...)
+		if status.Code(err) == codes.ResourceExhausted {
+			if p.limit > 1 {
+				// Never ask for that many again in this scan.
+				p.limit /= 2
+				p.pageSize = p.limit
+				continue
+			}
+			return nil, fmt.Errorf("reading etcd key %q: one value is larger than the etcd client accepts (%w); raise the client's receive limit", p.next, err)
+		}
+		if err != nil {
+			if errors.Is(err, rpctypes.ErrCompacted) {
+				return nil, errCompacted
+			}
+			return nil, fmt.Errorf("reading etcd keys from %q: %w", p.next, err)
+		}
+		break
 	}
+	for _, kv := range resp.Kvs {
+		p.largest = max(p.largest, int64(len(kv.Key)+len(kv.Value)))
+	}
+	p.limit = min(p.pageSize, 2*p.limit, max(1, p.maxBytes/max(p.largest, 1)))
 	if p.rev == 0 || !p.pinned {
 		p.rev = resp.Header.Revision
 	}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sort"
 	"strings"
 	"time"
 
@@ -18,12 +19,24 @@ import (
 var errNoMatchingPrefix = errors.New("no matching prefix found")
 
 // Chain is the transformer of one resource rule: the first Sealer writes; on read, every
-// Sealer whose prefix matches is tried in order and a value read by any but the first is
-// stale. It implements value.Transformer.
+// Sealer whose prefix matches is tried, longest prefix first (file order among equal
+// prefixes), and a value read by any but the first Sealer is stale. It implements
+// value.Transformer.
+//
+// Upstream tries matching prefixes in file order. The two orders differ only when one
+// key's prefix is a proper prefix of another's (aescbc keys "a" and "a:<15 chars>"):
+// upstream then opens a value of the longer key with the shorter one first, and because
+// CBC has no MAC that read "succeeds" with garbage whenever the garbage ends in valid
+// padding (about 1 read in 256). Longest-first reads such values correctly; every value
+// upstream reads correctly is read the same way, because a longer prefix can only match
+// a value of the shorter key if its random IV or nonce happens to spell the rest of the
+// longer prefix.
 type Chain struct {
 	resource string
 	sealers  []Sealer
 	prefixes [][]byte
+	// readOrder lists sealer indexes longest prefix first, stable otherwise.
+	readOrder []int
 	// emptyPrefix[i] marks identity: its read failures are skipped silently, as upstream.
 	emptyPrefix []bool
 	obs         []*observers // per sealer, nil when metrics are off
@@ -41,6 +54,13 @@ func newChain(gr schema.GroupResource, resource string, sealers []Sealer, m *Met
 			c.obs = append(c.obs, m.observersFor(gr, outerPrefixLabel(s)))
 		}
 	}
+	c.readOrder = make([]int, len(sealers))
+	for i := range c.readOrder {
+		c.readOrder[i] = i
+	}
+	sort.SliceStable(c.readOrder, func(a, b int) bool {
+		return len(c.prefixes[c.readOrder[a]]) > len(c.prefixes[c.readOrder[b]])
+	})
 	return c
 }
 
@@ -56,10 +76,12 @@ func (c *Chain) TransformToStorage(ctx context.Context, data []byte, dataCtx val
 }
 
 // TransformFromStorage finds the providers whose prefix the value carries and returns
-// the first successful read; stale is true unless the first provider's first key read it.
+// the first successful read, trying longer prefixes first; stale is true unless the
+// first provider's first key read it.
 func (c *Chain) TransformFromStorage(ctx context.Context, data []byte, dataCtx value.Context) ([]byte, bool, error) {
 	var errs []error
-	for i, s := range c.sealers {
+	for _, i := range c.readOrder {
+		s := c.sealers[i]
 		p := c.prefixes[i]
 		if !bytes.HasPrefix(data, p) {
 			continue

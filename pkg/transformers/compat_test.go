@@ -29,7 +29,14 @@ var providerYAML = map[string]string{
 	"secretbox-rev":  "      - secretbox:\n          keys:\n            - {name: key2, secret: " + b64(32, 6) + "}\n            - {name: key1, secret: " + b64(32, 5) + "}\n",
 	"aescbc-other":   "      - aescbc:\n          keys:\n            - {name: key1, secret: " + b64(32, 7) + "}\n", // same prefix as aescbc key1, different key
 	"aesgcm-only-k2": "      - aesgcm:\n          keys:\n            - {name: key2, secret: " + b64(16, 2) + "}\n",
+	// Key names where one prefix is a proper prefix of the other; the long name is 15
+	// characters after "a:", so its values are block-aligned after the short prefix.
+	"aescbc-short-first": "      - aescbc:\n          keys:\n            - {name: a, secret: " + b64(32, 8) + "}\n            - {name: '" + longCBCName + "', secret: " + b64(32, 9) + "}\n",
+	"aescbc-long-first":  "      - aescbc:\n          keys:\n            - {name: '" + longCBCName + "', secret: " + b64(32, 9) + "}\n            - {name: a, secret: " + b64(32, 8) + "}\n",
 }
+
+// longCBCName shares the prefix "a:" with the key name "a".
+const longCBCName = "a:bcdefghijklmnop"
 
 func b64(n int, seed byte) string {
 	k := make([]byte, n)
@@ -102,6 +109,7 @@ func TestCrossReadMatrix(t *testing.T) {
 		{"aesgcm-rev", "aescbc-rev", "secretbox-rev"},
 		{"aescbc-other", "aescbc"}, // overlapping prefixes: a failing provider must not stop the search
 		{"aescbc", "aescbc-other"},
+		{"aescbc-short-first"}, {"aescbc-long-first"},
 	}
 	var pairs []pair
 	for _, o := range orders {
@@ -131,20 +139,30 @@ func TestCrossReadMatrix(t *testing.T) {
 					if upErr != nil {
 						continue
 					}
+					// aescbc has no MAC. When two aescbc keys have the same prefix
+					// (aescbc-other and aescbc both name key1), the key listed first
+					// "succeeds" with garbage whenever the garbage ends in valid padding
+					// (about 1 read in 256), on both sides alike: they must still agree.
+					sameName := (strings.Contains(r.name, "aescbc-other") || strings.Contains(w.name, "aescbc-other")) &&
+						strings.Contains(r.name, "aescbc") && strings.Contains(w.name, "aescbc")
+					// When one key name's prefix is a proper prefix of another's (a and
+					// a:bcdefghijklmnop), upstream opens the long key's values with the short
+					// key first and returns garbage in the same case; rekey tries the longest
+					// prefix first and must return the plaintext.
+					upstreamGarbage := strings.Contains(r.name, "aescbc-short-first") && strings.Contains(w.name, "aescbc-") &&
+						!bytes.Equal(upOut, pt)
+					if !bytes.Equal(ourOut, pt) && !sameName {
+						t.Fatalf("%s: rekey read a different plaintext", where)
+					}
+					if upstreamGarbage {
+						checked++
+						continue
+					}
 					if upStale != ourStale {
 						t.Fatalf("%s: upstream stale=%v, ours stale=%v", where, upStale, ourStale)
 					}
 					if !bytes.Equal(upOut, ourOut) {
 						t.Fatalf("%s: upstream and rekey read different plaintexts", where)
-					}
-					// aescbc has no MAC: when two aescbc keys share a prefix (aescbc-other
-					// and aescbc both name key1), the wrong key "succeeds"
-					// whenever its garbage ends in valid padding (about 1 read in 256), on
-					// both sides alike. Everything else must return the plaintext.
-					cbcAmbiguous := (strings.Contains(r.name, "aescbc-other") || strings.Contains(w.name, "aescbc-other")) &&
-						strings.Contains(r.name, "aescbc") && strings.Contains(w.name, "aescbc")
-					if !bytes.Equal(ourOut, pt) && !cbcAmbiguous {
-						t.Fatalf("%s: plaintext differs", where)
 					}
 					checked++
 				}
@@ -196,6 +214,52 @@ func TestWritePrefixAndLookupMatchUpstream(t *testing.T) {
 	for who, tr := range map[string]value.Transformer{"upstream": p.up(secrets), "rekey": p.our(secrets)} {
 		if _, stale, err := tr.TransformFromStorage(ctx, v, aad); err != nil || !stale {
 			t.Errorf("%s: read from the appended entry: err=%v stale=%v, want ok and stale", who, err, stale)
+		}
+	}
+}
+
+// TestOverlappingKeyNamesReadWithTheLongestPrefix is the case upstream gets wrong: aescbc
+// keys "a" and "a:bcdefghijklmnop", the short one listed first. A value of the long key
+// also carries the short key's prefix; opened with the short key its garbage ends in
+// valid padding about once in 256 values. The test searches for such values (upstream
+// returns garbage for them) and requires rekey to return the plaintext, stale, as the
+// long key is not the write key.
+func TestOverlappingKeyNamesReadWithTheLongestPrefix(t *testing.T) {
+	ctx := context.Background()
+	aad := value.DefaultContext("/registry/secrets/ns/name")
+	writer := loadPair(t, "long-first", configFor("secrets", "aescbc-long-first"))
+	reader := loadPair(t, "short-first", configFor("secrets", "aescbc-short-first"))
+	pt := []byte("k8s\x00\x0a\x0fsome secret protobuf")
+	garbage := 0
+	for i := 0; i < 20000 && garbage < 3; i++ {
+		v, err := writer.our(secrets).TransformToStorage(ctx, pt, aad)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.HasPrefix(string(v), "k8s:enc:aescbc:v1:"+longCBCName+":") {
+			t.Fatalf("written with prefix %q", storedPrefix(v))
+		}
+		upOut, _, upErr := reader.up(secrets).TransformFromStorage(ctx, v, aad)
+		if upErr != nil {
+			t.Fatalf("upstream cannot read a value of its second key: %v", upErr)
+		}
+		if !bytes.Equal(upOut, pt) {
+			garbage++
+		}
+		ourOut, stale, err := reader.our(secrets).TransformFromStorage(ctx, v, aad)
+		if err != nil || !bytes.Equal(ourOut, pt) || !stale {
+			t.Fatalf("value %d (upstream garbage: %v): rekey read err=%v stale=%v plaintext ok=%v", i, !bytes.Equal(upOut, pt), err, stale, bytes.Equal(ourOut, pt))
+		}
+	}
+	if garbage == 0 {
+		t.Fatal("no value hit upstream's wrong-key read; the test did not exercise the case")
+	}
+	// A value of the short key is still read with the short key, current.
+	v, _ := reader.our(secrets).TransformToStorage(ctx, pt, aad)
+	for who, tr := range map[string]value.Transformer{"upstream": reader.up(secrets), "rekey": reader.our(secrets)} {
+		out, stale, err := tr.TransformFromStorage(ctx, v, aad)
+		if err != nil || stale || !bytes.Equal(out, pt) {
+			t.Errorf("%s: short key's own value: err=%v stale=%v", who, err, stale)
 		}
 	}
 }

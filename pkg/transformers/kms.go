@@ -1,6 +1,25 @@
 package transformers
 
-import "time"
+import (
+	"errors"
+	"time"
+)
+
+// ErrKMSUnavailable is matched (errors.Is) by the errors of a KMS provider that cannot
+// serve right now — no write DEK seed yet, writes expired because the plugin has not
+// reported healthy — as opposed to errors about the stored value itself. Callers such as
+// storage migration retry later instead of treating the data as unreadable. gRPC errors
+// of the plugin (Unavailable, DeadlineExceeded, ResourceExhausted) carry their status
+// code instead.
+var ErrKMSUnavailable = errors.New("kms plugin unavailable")
+
+// Unavailable wraps err so that it matches ErrKMSUnavailable; its message is err's.
+func Unavailable(err error) error { return unavailableError{err} }
+
+type unavailableError struct{ error }
+
+func (e unavailableError) Unwrap() error        { return e.error }
+func (e unavailableError) Is(target error) bool { return target == ErrKMSUnavailable }
 
 // KMSStatus describes a KMS v2 provider for health and status output. It carries the
 // key id only as its "sha256:<hex>" hash, never key material.

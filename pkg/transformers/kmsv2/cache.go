@@ -37,8 +37,11 @@ func (e dekEntry) Format(f fmt.State, _ rune) {
 func newDEKEntry(typ wire.SourceType, plaintext []byte) (*dekEntry, error) {
 	switch typ {
 	case wire.SourceHKDFSeed:
-		if len(plaintext) < seedSize {
-			return nil, fmt.Errorf("invalid seed length %d used for key generation (want at least %d); the plugin returned a wrong plaintext", len(plaintext), seedSize)
+		// Exactly 32 bytes: every seed kube-apiserver or rekey writes has that size, and a
+		// plugin answering with more (up to the 4 MiB gRPC limit) must not get its reply
+		// copied into the cache, which holds up to 1,024 entries.
+		if len(plaintext) != seedSize {
+			return nil, fmt.Errorf("invalid seed length %d used for key generation (want %d); the plugin's Decrypt returned a wrong plaintext — check that it decrypts with the key that encrypted the DEK seed", len(plaintext), seedSize)
 		}
 		return &dekEntry{typ: typ, seed: append([]byte(nil), plaintext...)}, nil
 	case wire.SourceAESGCMKey:
@@ -70,7 +73,7 @@ func deriveGCM(seed, info []byte) (cipher.AEAD, error) {
 }
 
 // fifoCache is a map bounded in entries that evicts the oldest insertion first; nothing
-// is added per write. It backs the DEK-source cache (an entry is a ≤1 KiB-bounded seed or
+// is added per write. It backs the DEK-source cache (an entry is a 32-byte seed or
 // one AES key schedule, so entries bound memory too) and the derived-key cache.
 type fifoCache[K comparable, V any] struct {
 	mu   sync.RWMutex

@@ -81,7 +81,7 @@ func (p *Provider) recordStatus(ev state.StatusResult) {
 		p.opts.Metrics.invalidKeyID.WithLabelValues(p.name, code).Inc()
 		return
 	}
-	p.opts.Metrics.statusKeyIDTS.WithLabelValues(p.name, state.KeyIDHash(ev.KeyID), state.KeyIDHash(p.apiID)).Set(float64(ev.At.UnixNano()) / float64(time.Second))
+	p.opts.Metrics.statusKeyID(p.name, state.KeyIDHash(ev.KeyID), state.KeyIDHash(p.apiID), float64(ev.At.UnixNano())/float64(time.Second))
 }
 
 var errUnsupportedWriteType = errors.New("kms v2: only HKDF_SHA256_XNONCE_AES_GCM_SEED DEK sources are written")

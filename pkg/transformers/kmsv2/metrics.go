@@ -5,6 +5,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"k8s.io/component-base/metrics"
+	"k8s.io/utils/lru"
 
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
 )
@@ -23,7 +24,19 @@ type Metrics struct {
 	rotations      *metrics.CounterVec
 	healthy        *metrics.GaugeVec
 	writeExpiry    *metrics.GaugeVec
+
+	// statusKeyIDs remembers the label sets of statusKeyIDTS, most recently used first;
+	// evicting one deletes its series, so a plugin that changes key ids cannot grow the
+	// metric without bound.
+	statusKeyIDs *lru.Cache
 }
+
+// maxKeyIDHashSeries bounds the key id hash series kept per Metrics (all providers
+// together), the bound kube-apiserver uses for the same metric.
+const maxKeyIDHashSeries = 100
+
+// keyIDSeries is one label set of statusKeyIDTS.
+type keyIDSeries struct{ provider, keyIDHash, apiServerIDHash string }
 
 // NewMetrics creates the metrics and registers them in reg when reg is not nil
 // (unregistered metrics record nothing).
@@ -80,11 +93,23 @@ func NewMetrics(reg metrics.KubeRegistry) *Metrics {
 			StabilityLevel: metrics.ALPHA,
 		}, []string{"provider_name"}),
 	}
+	m.statusKeyIDs = lru.NewWithEvictionFunc(maxKeyIDHashSeries, func(k lru.Key, _ any) {
+		l := k.(keyIDSeries)
+		m.statusKeyIDTS.DeleteLabelValues(l.provider, l.keyIDHash, l.apiServerIDHash)
+	})
 	if reg != nil {
 		reg.MustRegister(m.rpcLatency, m.cacheMisses, m.cacheSize, m.invalidKeyID, m.statusKeyIDTS,
 			m.hits, m.misses, m.cacheEvictions, m.rotations, m.healthy, m.writeExpiry)
 	}
 	return m
+}
+
+// statusKeyID records when provider's Status last returned a key id, keeping at most
+// maxKeyIDHashSeries series: the least recently reported one is deleted first.
+func (m *Metrics) statusKeyID(provider, keyIDHash, apiServerIDHash string, ts float64) {
+	// Set first: the Add below can then only evict other series, never this one.
+	m.statusKeyIDTS.WithLabelValues(provider, keyIDHash, apiServerIDHash).Set(ts)
+	m.statusKeyIDs.Add(keyIDSeries{provider, keyIDHash, apiServerIDHash}, nil)
 }
 
 // providerMetrics holds one provider's pre-resolved children, so the data path records

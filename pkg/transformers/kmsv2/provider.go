@@ -182,7 +182,7 @@ func (p *Provider) Prefix() []byte { return p.prefix }
 // errNotReady is returned by writes before the first DEK source exists.
 func (p *Provider) errNotReady() error {
 	v := p.view.Load()
-	return fmt.Errorf("kms v2 provider %q cannot write yet: no DEK seed has been accepted from the plugin at %s (last problem: %v); check that the plugin is running and healthy", p.name, p.endpoint, v.Err)
+	return transformers.Unavailable(fmt.Errorf("kms v2 provider %q cannot write yet: no DEK seed has been accepted from the plugin at %s (last problem: %v); check that the plugin is running and healthy", p.name, p.endpoint, v.Err))
 }
 
 // Seal encrypts plaintext for dataCtx (the etcd key) and returns the full stored value.
@@ -193,8 +193,8 @@ func (p *Provider) Seal(_ context.Context, plaintext []byte, dataCtx value.Conte
 	}
 	now := p.clock.Now()
 	if exp := ws.expiry.Load(); now.UnixNano() >= exp {
-		return nil, fmt.Errorf("encryptedDEKSource with keyID hash %q expired at %s (current time is %s): the KMS plugin of provider %q has not reported healthy since; fix the plugin",
-			state.KeyIDHash(ws.keyID), time.Unix(0, exp).UTC().Format(time.RFC3339), now.UTC().Format(time.RFC3339), p.name)
+		return nil, transformers.Unavailable(fmt.Errorf("encryptedDEKSource with keyID hash %q expired at %s (current time is %s): the KMS plugin of provider %q has not reported healthy since; fix the plugin",
+			state.KeyIDHash(ws.keyID), time.Unix(0, exp).UTC().Format(time.RFC3339), now.UTC().Format(time.RFC3339), p.name))
 	}
 	return ws.seal(p.prefix, plaintext, dataCtx.AuthenticatedData())
 }

@@ -3,6 +3,7 @@ package kmsv2
 import (
 	"bytes"
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -268,8 +269,9 @@ func TestWritesStopThreeMinutesAfterLastHealthyStatus(t *testing.T) {
 	}
 	sealOpen(t, p, []byte("still within 3 minutes"))
 	clk.Step(61 * time.Second)
-	if _, err := p.Seal(ctx, []byte("b"), aad); err == nil || !strings.Contains(err.Error(), "expired") || strings.Contains(err.Error(), "key-1") {
-		t.Fatalf("write 3m1s after the last healthy Status: %v", err)
+	if _, err := p.Seal(ctx, []byte("b"), aad); err == nil || !strings.Contains(err.Error(), "expired") || strings.Contains(err.Error(), "key-1") ||
+		!errors.Is(err, transformers.ErrKMSUnavailable) {
+		t.Fatalf("write 3m1s after the last healthy Status: %v (want an expiry error matching transformers.ErrKMSUnavailable)", err)
 	}
 	if got, _, err := p.Open(ctx, stored[len(p.Prefix()):], aad); err != nil || string(got) != "a" {
 		t.Fatalf("reads must not depend on plugin health: %v", err)

@@ -153,7 +153,7 @@ func decode(b []byte, o *Object, annos []Annotation) ([]Annotation, error) {
 	sortAnnotations(annos)
 	for i := 1; i < len(annos); i++ {
 		if string(annos[i].Key) == string(annos[i-1].Key) {
-			return nil, fmt.Errorf("kms v2: stored EncryptedObject repeats annotation %q; the value is corrupt", annos[i].Key)
+			return nil, fmt.Errorf("kms v2: stored EncryptedObject repeats annotation %s; the value is corrupt", clip(annos[i].Key))
 		}
 	}
 	return annos, validateObject(o.Data, o.KeyID, o.DEKSource, annos)
@@ -248,16 +248,39 @@ func ValidateKeyID[T string | []byte](keyID T) (string, error) {
 func ValidateAnnotations(annos []Annotation) error {
 	total := 0
 	var errs []error
+	invalid := 0
 	for _, a := range annos {
 		if err := checkFQDN(a.Key); err != nil {
-			errs = append(errs, err)
+			// A corrupt or hostile value can carry thousands of bad keys; name a few.
+			if invalid < maxEchoedAnnotationErrors {
+				errs = append(errs, err)
+			}
+			invalid++
 		}
 		total += len(a.Key) + len(a.Value)
+	}
+	if invalid > maxEchoedAnnotationErrors {
+		errs = append(errs, fmt.Errorf("annotations: %d more invalid keys", invalid-maxEchoedAnnotationErrors))
 	}
 	if total > AnnotationsMaxSize {
 		errs = append(errs, fmt.Errorf("total size of annotations is %d, which exceeds the max size of %d", total, AnnotationsMaxSize))
 	}
 	return errors.Join(errs...)
+}
+
+// Bounds of what a validation error echoes of the value it refuses, so that a huge
+// annotation does not turn into a multi-megabyte error string on every read.
+const (
+	maxEchoedBytes            = 64
+	maxEchoedAnnotationErrors = 3
+)
+
+// clip quotes at most maxEchoedBytes of b and says how long b was when it cut.
+func clip(b []byte) string {
+	if len(b) <= maxEchoedBytes {
+		return fmt.Sprintf("%q", b)
+	}
+	return fmt.Sprintf("%q… (%d bytes)", b[:maxEchoedBytes], len(b))
 }
 
 // checkFQDN is apimachinery's IsFullyQualifiedDomainName without regular expressions or
@@ -272,7 +295,7 @@ func checkFQDN(name []byte) error {
 		n = n[:len(n)-1]
 	}
 	if len(n) > 253 || len(n) == 0 {
-		return fmt.Errorf("annotations: Invalid value: %q: must be a lowercase RFC 1123 subdomain of at most 253 characters", n)
+		return fmt.Errorf("annotations: Invalid value: %s: must be a lowercase RFC 1123 subdomain of at most 253 characters", clip(n))
 	}
 	labels := 0
 	start := 0
@@ -280,19 +303,19 @@ func checkFQDN(name []byte) error {
 		if i < len(n) && n[i] != '.' {
 			c := n[i]
 			if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-') {
-				return fmt.Errorf("annotations: Invalid value: %q: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.'", n)
+				return fmt.Errorf("annotations: Invalid value: %s: a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.'", clip(n))
 			}
 			continue
 		}
 		l := n[start:i]
 		if len(l) == 0 || len(l) > 63 || l[0] == '-' || l[len(l)-1] == '-' {
-			return fmt.Errorf("annotations: Invalid value: %q: each label must be 1-63 characters and start and end with an alphanumeric character", n)
+			return fmt.Errorf("annotations: Invalid value: %s: each label must be 1-63 characters and start and end with an alphanumeric character", clip(n))
 		}
 		labels++
 		start = i + 1
 	}
 	if labels < 2 {
-		return fmt.Errorf("annotations: Invalid value: %q: should be a domain with at least two segments separated by dots", n)
+		return fmt.Errorf("annotations: Invalid value: %s: should be a domain with at least two segments separated by dots", clip(n))
 	}
 	return nil
 }
