@@ -71,7 +71,7 @@ type Count struct {
 	Bytes int64 `json:"bytes"`
 	// SampleKey is the etcd key of one object of a KMS v2 bucket (one per bucket): the
 	// decrypt guard proves with it that a new plugin still decrypts this key id's DEKs.
-	SampleKey string `json:"sampleKey,omitempty"`
+	SampleKey string `json:"-"`
 }
 
 // Find returns the inventory of resource r ("secrets"), or nil.

@@ -115,11 +115,12 @@ func (m *MigrationRecord) UnmarshalJSON(data []byte) error {
 
 type controllerStatusFields ControllerStatus
 
-// MarshalJSON writes Running as [] when no migration runs.
+// MarshalJSON writes Running as [] when no migration runs and RetryAt in UTC.
 func (s ControllerStatus) MarshalJSON() ([]byte, error) {
 	return json.Marshal(struct {
-		AutoMigrate bool     `json:"autoMigrate"`
-		Running     []string `json:"running"`
+		AutoMigrate bool      `json:"autoMigrate"`
+		Running     []string  `json:"running"`
+		RetryAt     time.Time `json:"retryAt,omitzero"`
 		controllerStatusFields
-	}{s.AutoMigrate, nonNil(s.Running), controllerStatusFields(s)})
+	}{s.AutoMigrate, nonNil(s.Running), utc(s.RetryAt), controllerStatusFields(s)})
 }
