@@ -18,7 +18,9 @@ import (
 // the entry that wrote before, if the new chain still has it and everyone reads it;
 // else with the first entry of the chain everyone reads. When no entry qualifies it
 // writes with K anyway (nothing safer exists: the members that cannot read it are
-// stragglers and fail /readyz); the hold records that as unsafe. Promotion is
+// stragglers and fail /readyz) — unless the entry that wrote before is still in the
+// chain: then it keeps writing, so a straggler never makes the others switch keys. The
+// hold records both cases as unsafe. Promotion is
 // re-asking after the member set changed (Agent.Refence).
 //
 // The fence is not safe for concurrent use; the Node serialises access.
@@ -112,23 +114,34 @@ func (f *Fence) Writers(current, next []transformers.RuleInfo) map[string]int {
 	return out
 }
 
-// fallback picks the entry to write with while the configured one is held.
+// fallback picks the entry to write with while the configured one is held: the entry
+// that wrote before if everyone reads it, else the first entry everyone reads; when no
+// entry is read by everyone (a straggler reads none of them), the entry that wrote
+// before if the chain still has it — a straggler never makes the others switch keys —
+// else the configured one. The last two are unsafe.
 func (f *Fence) fallback(n transformers.RuleInfo, current []transformers.RuleInfo) (idx int, unsafe bool) {
+	prev := -1
 	for _, c := range current {
 		if c.Resource != n.Resource || c.WriteIndex >= len(c.ReadKeys) {
 			continue
 		}
-		prev := c.ReadKeys[c.WriteIndex]
 		for i, k := range n.ReadKeys {
-			if k.SameEntry(prev) && len(f.cannotRead(n.Resource, k)) == 0 {
-				return i, false
+			if k.SameEntry(c.ReadKeys[c.WriteIndex]) {
+				prev = i
+				break
 			}
 		}
+	}
+	if prev >= 0 && len(f.cannotRead(n.Resource, n.ReadKeys[prev])) == 0 {
+		return prev, false
 	}
 	for i, k := range n.ReadKeys[1:] {
 		if len(f.cannotRead(n.Resource, k)) == 0 {
 			return i + 1, false
 		}
+	}
+	if prev >= 0 {
+		return prev, true
 	}
 	return 0, true
 }

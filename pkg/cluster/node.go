@@ -178,8 +178,15 @@ func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]int 
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.fence.Step(Tick{Now: n.opts.Clock.Now()})
+	before := map[string]Hold{}
+	for _, h := range n.fence.Holds() {
+		before[h.Resource] = h
+	}
 	w := n.fence.Writers(current, next)
 	for _, h := range n.fence.Holds() {
+		if b, ok := before[h.Resource]; ok && b.Held == h.Held && b.Writing == h.Writing && b.Unsafe == h.Unsafe {
+			continue
+		}
 		n.log.Info("Write fence holds a new write key back until every live apiserver can read it",
 			"resource", h.Resource, "held", h.Held.String(), "writing", h.Writing.String(), "waitingFor", h.WaitingFor, "unsafe", h.Unsafe)
 	}
