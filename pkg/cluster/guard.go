@@ -51,7 +51,7 @@ func (n *Node) Guard(current, next *config.Config) error {
 	agent, mig := n.agent, n.migrator
 	n.mu.Unlock()
 	if agent != nil {
-		self := StateFromStatus(n.opts.ID, "", agent.Status(), nil, n.opts.Clock.Now())
+		self := StateFromStatus(n.opts.ID, "", agent.OwnStatus(), nil, n.opts.Clock.Now())
 		members = append(slices.DeleteFunc(members, func(m MemberState) bool { return m.APIServerID == n.opts.ID }), self)
 	}
 	var state *MigrationState

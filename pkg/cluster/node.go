@@ -31,7 +31,7 @@ const (
 
 // Agent is what a Node needs of reload.Agent.
 type Agent interface {
-	Status() reload.Status
+	OwnStatus() reload.Status
 	Refence() error
 }
 
@@ -280,7 +280,7 @@ func (n *Node) state(now time.Time) MemberState {
 	n.mu.Lock()
 	agent, held, since := n.agent, n.fence.HeldSince(), n.disagreeingSince
 	n.mu.Unlock()
-	st := StateFromStatus(n.opts.ID, n.opts.Version, agent.Status(), held, now)
+	st := StateFromStatus(n.opts.ID, n.opts.Version, agent.OwnStatus(), held, now)
 	st.DisagreeingSince = since
 	return st
 }
