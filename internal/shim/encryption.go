@@ -308,12 +308,25 @@ func (r *rekeyLayer) startStorage(c *genericapiserver.Config, etcdServers []stri
 // or before it starts, the latest inventory alone.
 func (r *rekeyLayer) storageStatus() migrate.ControllerStatus {
 	r.mu.Lock()
-	ctrl := r.ctrl
+	ctrl, mig := r.ctrl, r.migrator
 	r.mu.Unlock()
+	st := migrate.ControllerStatus{AutoMigrate: r.opts.autoMigrate, Inventory: r.store.Latest()}
 	if ctrl != nil {
-		return ctrl.Status()
+		st = ctrl.Status()
 	}
-	return migrate.ControllerStatus{AutoMigrate: r.opts.autoMigrate, Inventory: r.store.Latest()}
+	if mig != nil {
+		// The elected cluster migrator migrates, not the local controller: show its work.
+		st.AutoMigrate = r.opts.autoMigrate
+		ms, leading := mig.State()
+		st.Running = nil
+		if leading && ms.Running != nil {
+			st.Running = []string{ms.Running.Resource}
+		}
+		if last := mig.LastMigration(); last != nil {
+			st.LastMigration = last
+		}
+	}
+	return st
 }
 
 func kmsFactory(o *Options, reg metrics.KubeRegistry, node *cluster.Node) transformers.KMSFactory {

@@ -44,6 +44,9 @@ type Record struct {
 	StartedAt  time.Time `json:"startedAt"`
 	FinishedAt time.Time `json:"finishedAt"`
 	Error      string    `json:"error,omitempty"`
+	// Revision is the etcd revision of the verifying re-scan: an inventory read at an
+	// older revision predates the migration (each apiserver then takes a fresh one).
+	Revision int64 `json:"revision,omitempty"`
 }
 
 // Migration is one migration to start or running.
@@ -81,6 +84,8 @@ type MigrationFinished struct {
 	Resource string
 	Target   Key
 	Err      string
+	// Revision is the verifying re-scan's etcd revision (0 when unknown).
+	Revision int64
 }
 
 func (Leadership) leaderEvent()        {}
@@ -127,7 +132,7 @@ func (l *Leader) Step(ev LeaderEvent) {
 		if l.running == nil || l.running.Resource != e.Resource {
 			return
 		}
-		rec := Record{Target: l.running.Target, StartedAt: l.running.StartedAt, FinishedAt: l.now, Error: e.Err, Verified: e.Err == ""}
+		rec := Record{Target: l.running.Target, StartedAt: l.running.StartedAt, FinishedAt: l.now, Error: e.Err, Verified: e.Err == "", Revision: e.Revision}
 		l.running = nil
 		if e.Err != "" {
 			l.failures[e.Resource]++

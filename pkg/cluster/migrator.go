@@ -74,6 +74,19 @@ type Migrator struct {
 	mu      sync.Mutex
 	leading bool
 	state   MigrationState
+	last    *migrate.MigrationRecord
+}
+
+// LastMigration is the latest migration this apiserver ran as leader, in the storage
+// controller's format (nil when none).
+func (m *Migrator) LastMigration() *migrate.MigrationRecord {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.last == nil {
+		return nil
+	}
+	r := *m.last
+	return &r
 }
 
 // NewMigrator returns a Migrator; call Run.
@@ -141,6 +154,7 @@ func (m *Migrator) follow(ctx context.Context) {
 			m.mu.Lock()
 			m.state = st
 			m.mu.Unlock()
+			m.refreshInventory(ctx, st.Records)
 		}
 		if !sleep(ctx, 2*time.Second) {
 			return
@@ -161,8 +175,9 @@ func (m *Migrator) readState(ctx context.Context) (MigrationState, error) {
 }
 
 type migrationResult struct {
-	mig Migration
-	err error
+	mig      Migration
+	err      error
+	revision int64
 }
 
 // lead runs while this apiserver holds the election.
@@ -209,12 +224,12 @@ func (m *Migrator) lead(ctx context.Context, session *concurrency.Session, el *c
 			running = true
 			m.log.Info("Every live apiserver writes with the same key; migrating stored objects", "resource", mig.Resource, "target", mig.Target.String())
 			go func() {
-				err := m.migrate(leadCtx, mig, guard, func(p Progress) {
+				rev, err := m.migrate(leadCtx, mig, guard, func(p Progress) {
 					progressMu.Lock()
 					progress = &p
 					progressMu.Unlock()
 				})
-				results <- migrationResult{mig: mig, err: err}
+				results <- migrationResult{mig: mig, err: err, revision: rev}
 			}()
 		}
 		progressMu.Lock()
@@ -227,6 +242,7 @@ func (m *Migrator) lead(ctx context.Context, session *concurrency.Session, el *c
 		m.mu.Lock()
 		m.state = st
 		m.mu.Unlock()
+		m.refreshInventory(leadCtx, st.Records)
 		if now.Sub(lastPublish) >= time.Second || !running {
 			if data, err := json.Marshal(st); err == nil {
 				if err := guardedPut(m.opts.Client, MigrationStateKey(m.opts.Prefix), data, guard); errors.Is(err, ErrNotLeader) {
@@ -268,7 +284,7 @@ func (m *Migrator) lead(ctx context.Context, session *concurrency.Session, el *c
 				m.log.Info("Storage migration verified", "resource", r.mig.Resource, "target", r.mig.Target.String())
 			}
 			l.Step(Tick{Now: m.opts.Clock.Now()})
-			l.Step(MigrationFinished{Resource: r.mig.Resource, Target: r.mig.Target, Err: errText})
+			l.Step(MigrationFinished{Resource: r.mig.Resource, Target: r.mig.Target, Err: errText, Revision: r.revision})
 			lastPublish = time.Time{}
 		case <-m.opts.MembersChanged():
 		case <-ticker.C():
@@ -276,18 +292,50 @@ func (m *Migrator) lead(ctx context.Context, session *concurrency.Session, el *c
 	}
 }
 
-// migrate runs one resource's migration with its checkpoint in etcd.
-func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.Cmp, report func(Progress)) error {
-	var res migrate.Resource
+// refreshInventory takes a fresh inventory of every resource whose local inventory was
+// read before its latest verified migration (a follower's, or one the local controller
+// took while the leader migrated), so that the guards and readiness stop counting objects
+// under keys the migration left.
+func (m *Migrator) refreshInventory(ctx context.Context, records map[string]Record) {
+	if m.opts.Source == nil {
+		return
+	}
+	latest := m.opts.Inventory.Latest()
+	var stale []migrate.Resource
+	for _, r := range m.opts.Resources {
+		rec, ok := records[r.String()]
+		if !ok || !rec.Verified || rec.Revision == 0 {
+			continue
+		}
+		if ri := latest.Find(r.String()); ri == nil || ri.Revision < rec.Revision {
+			stale = append(stale, r)
+		}
+	}
+	if len(stale) == 0 {
+		return
+	}
+	inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{Client: m.opts.Client, Source: m.opts.Source, Resources: stale,
+		ConfigHash: m.opts.ConfigHash(), Metrics: m.opts.Metrics, Clock: m.opts.Clock})
+	if err != nil {
+		m.log.V(2).Info("Inventory after a cluster migration failed; retrying", "err", err)
+		return
+	}
+	m.opts.Inventory.Set(mergeInventory(m.opts.Inventory.Latest(), inv))
+}
+
+// migrate runs one resource's migration with its checkpoint in etcd; it returns the
+// etcd revision of the verifying re-scan.
+func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.Cmp, report func(Progress)) (int64, error) {
+	var resource migrate.Resource
 	for _, r := range m.opts.Resources {
 		if r.String() == mig.Resource {
-			res = r
+			resource = r
 		}
 	}
 	start := m.opts.Clock.Now()
 	verified := &migrate.InventoryStore{}
-	_, err := migrate.Migrate(ctx, migrate.Options{
-		Client: m.opts.Client, Source: m.opts.Source, Resources: []migrate.Resource{res}, Rate: m.opts.Rate,
+	res, err := migrate.Migrate(ctx, migrate.Options{
+		Client: m.opts.Client, Source: m.opts.Source, Resources: []migrate.Resource{resource}, Rate: m.opts.Rate,
 		Checkpoints: &EtcdCheckpoints{Client: m.opts.Client, Key: CheckpointKey(m.opts.Prefix), Guard: guard},
 		Resume:      true, Inventory: verified, Metrics: m.opts.Metrics, ConfigHash: m.opts.ConfigHash(), Logger: m.opts.Logger,
 		Progress: func(p migrate.Progress) {
@@ -301,13 +349,27 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.
 			report(pr)
 		},
 	})
+	var rev int64
 	if inv := verified.Latest(); inv != nil {
 		m.opts.Inventory.Set(mergeInventory(m.opts.Inventory.Latest(), inv))
+		if ri := inv.Find(mig.Resource); ri != nil {
+			rev = ri.Revision
+		}
+	}
+	rec := &migrate.MigrationRecord{Resources: []string{mig.Resource}, Finished: m.opts.Clock.Now()}
+	if res != nil {
+		rec.Duration, rec.Counters = res.Duration, res.Counters
 	}
 	if err != nil {
-		return fmt.Errorf("migrating %s to %s: %w", mig.Resource, mig.Target, err)
+		rec.Error = err.Error()
 	}
-	return nil
+	m.mu.Lock()
+	m.last = rec
+	m.mu.Unlock()
+	if err != nil {
+		return rev, fmt.Errorf("migrating %s to %s: %w", mig.Resource, mig.Target, err)
+	}
+	return rev, nil
 }
 
 // mergeInventory replaces older's resources that newer covers.

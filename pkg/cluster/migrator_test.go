@@ -15,9 +15,10 @@ import (
 	"github.com/rekey-io/rekey/pkg/migrate"
 )
 
-func startMigrator(t *testing.T, ctx context.Context, cli *clientv3.Client, m *member) (*Migrator, chan struct{}) {
+func startMigrator(t *testing.T, ctx context.Context, cli *clientv3.Client, m *member, store *migrate.InventoryStore) (*Migrator, chan struct{}) {
 	t.Helper()
 	mig := NewMigrator(MigratorOptions{
+		Inventory: store,
 		Client: cli, Prefix: DefaultPrefix, ID: m.id, SessionTTL: 2 * time.Second,
 		Resources:      []migrate.Resource{migrate.ResourceFor("/registry", secrets)},
 		Source:         migrate.FromRules(m.agent, m.agent.Rules),
@@ -54,11 +55,12 @@ func TestMigratorMigratesOnceAllWriteTheSameKeyAndFailsOver(t *testing.T) {
 	}
 	actx, acancel := context.WithCancel(ctx)
 	defer acancel()
-	migA, doneA := startMigrator(t, actx, cli, a)
+	migA, doneA := startMigrator(t, actx, cli, a, nil)
 	eventually(t, "a leads", func() bool { _, l := migA.State(); return l })
 	bctx, bcancel := context.WithCancel(ctx)
 	defer func() { bcancel() }()
-	migB, doneB := startMigrator(t, bctx, cli, b)
+	storeB := &migrate.InventoryStore{}
+	migB, doneB := startMigrator(t, bctx, cli, b, storeB)
 	eventually(t, "a records k1 verified", func() bool {
 		st, _ := migA.State()
 		return st.Records["secrets"].Verified && st.Records["secrets"].Target.Key == "k1"
@@ -85,6 +87,20 @@ func TestMigratorMigratesOnceAllWriteTheSameKeyAndFailsOver(t *testing.T) {
 		// b follows the state in etcd (refreshed every 2 s)
 		eventually(t, "b follows a's state", func() bool { st, _ := migB.State(); return st.Leader == "a" })
 	}
+	// The follower's inventory is refreshed after the verified migration: its guard and
+	// readiness stop counting objects under k1.
+	eventually(t, "b's inventory shows every object on k2", func() bool {
+		ri := storeB.Latest().Find("secrets")
+		if ri == nil {
+			return false
+		}
+		for _, c := range ri.Buckets {
+			if c.Objects > 0 && c.Key != "k2" {
+				return false
+			}
+		}
+		return ri.Objects == 40
+	})
 
 	// The leader stops: b is elected and takes the records over.
 	acancel()
