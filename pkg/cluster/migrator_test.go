@@ -19,7 +19,7 @@ func startMigrator(t *testing.T, ctx context.Context, cli *clientv3.Client, m *m
 	t.Helper()
 	mig := NewMigrator(MigratorOptions{
 		Inventory: store,
-		Client: cli, Prefix: DefaultPrefix, ID: m.id, SessionTTL: 2 * time.Second,
+		Client:    cli, Prefix: DefaultPrefix, ID: m.id, SessionTTL: 2 * time.Second,
 		Resources:      []migrate.Resource{migrate.ResourceFor("/registry", secrets)},
 		Source:         migrate.FromRules(m.agent, m.agent.Rules),
 		Members:        m.node.View().Members,
