@@ -14,7 +14,9 @@ import (
 // starts writing with a key some live member cannot read.
 //
 // Rule: a rule writes with the configuration's first entry K once every live member
-// (other than this one) can read K. Until then K is held: the rule keeps writing with
+// (other than this one) can read K, and keeps writing with it once it does (a member
+// that cannot read the key already written is a straggler, not a veto). Until then K is
+// held: the rule keeps writing with
 // the entry that wrote before, if the new chain still has it and everyone reads it;
 // else with the first entry of the chain everyone reads. When no entry qualifies it
 // writes with K anyway (nothing safer exists: the members that cannot read it are
@@ -96,6 +98,13 @@ func (f *Fence) Writers(current, next []transformers.RuleInfo) map[string]int {
 			continue
 		}
 		want := n.ReadKeys[0]
+		if writesAlready(current, n.Resource, want) {
+			// Promotion needs every member's ack; keeping a promoted key does not. A
+			// member that cannot read it now is a straggler (it rejoined with an old
+			// file): it is not ready until its file catches up, and must not pull the
+			// others back to an older key.
+			continue
+		}
 		waiting := f.cannotRead(n.Resource, want)
 		if len(waiting) == 0 {
 			continue
@@ -112,6 +121,16 @@ func (f *Fence) Writers(current, next []transformers.RuleInfo) map[string]int {
 	}
 	f.holds = holds
 	return out
+}
+
+// writesAlready reports whether the rule for resource in current writes with k.
+func writesAlready(current []transformers.RuleInfo, resource string, k Key) bool {
+	for _, c := range current {
+		if c.Resource == resource && c.WriteIndex < len(c.ReadKeys) && c.ReadKeys[c.WriteIndex].SameEntry(k) {
+			return true
+		}
+	}
+	return false
 }
 
 // fallback picks the entry to write with while the configured one is held: the entry

@@ -149,10 +149,3 @@ func (s MemberState) CanRead(resource string, k Key) bool {
 	r, _ := s.Rule(resource)
 	return slices.ContainsFunc(r.Read, k.SameEntry)
 }
-
-// CanReadKeyID is CanRead that, for a KMS entry, also needs the member's plugin to
-// report k's key id hash: the member has seen the new KEK.
-func (s MemberState) CanReadKeyID(resource string, k Key) bool {
-	r, _ := s.Rule(resource)
-	return slices.ContainsFunc(r.Read, func(o Key) bool { return o.SameEntry(k) && (k.KeyIDHash == "" || o.KeyIDHash == k.KeyIDHash) })
-}

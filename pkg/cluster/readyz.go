@@ -15,7 +15,7 @@ const ReadyzCheckName = "rekey-cluster"
 
 // ReadyzCheck fails, naming the missing keys, while this apiserver's configuration
 // cannot read a key the cluster uses: one another live member writes with, or one the
-// latest inventory counts stored objects under. Load balancers then stop sending the
+// latest inventory counts stored objects under and another live member can read. Load balancers then stop sending the
 // straggler traffic it would answer with errors. It belongs on /readyz only: a
 // straggler is healthy, it just must not serve yet.
 func (n *Node) ReadyzCheck() healthz.HealthChecker {
@@ -42,10 +42,12 @@ func (n *Node) MissingKeys() []string {
 			missing = append(missing, s)
 		}
 	}
+	var others []MemberState
 	for _, m := range n.view.Members() {
 		if m.APIServerID == n.opts.ID {
 			continue
 		}
+		others = append(others, m)
 		for _, r := range m.Resources {
 			if !own.CanRead(r.Resource, r.Write) {
 				add(fmt.Sprintf("%s: %s (written by %s)", r.Resource, r.Write, m.APIServerID))
@@ -60,10 +62,25 @@ func (n *Node) MissingKeys() []string {
 					if c.Objects == 0 || c.Provider == "unknown" || own.CanRead(ri.Resource, k) {
 						continue
 					}
-					add(fmt.Sprintf("%s: %s (%d stored objects)", ri.Resource, k, c.Objects))
+					// Only a key another live member reads is one the cluster uses: data
+					// nobody can read is lost, and failing every apiserver's readiness for
+					// it would take the whole control plane down.
+					if by := readBy(others, ri.Resource, k); by != "" {
+						add(fmt.Sprintf("%s: %s (%d stored objects, readable by %s)", ri.Resource, k, c.Objects, by))
+					}
 				}
 			}
 		}
 	}
 	return missing
+}
+
+// readBy names the first member that can read k for resource ("" if none).
+func readBy(members []MemberState, resource string, k Key) string {
+	for _, m := range members {
+		if m.CanRead(resource, k) {
+			return m.APIServerID
+		}
+	}
+	return ""
 }
