@@ -319,6 +319,14 @@ func (n *Node) publish(ctx context.Context, force bool) {
 func (n *Node) evaluate() {
 	now := n.opts.Clock.Now()
 	members := n.view.Members()
+	n.mu.Lock()
+	attached := n.agent != nil
+	n.mu.Unlock()
+	if attached {
+		// This apiserver's own state as it is now, not as last published.
+		self := n.state(now)
+		members = append(slices.DeleteFunc(members, func(m MemberState) bool { return m.APIServerID == n.opts.ID }), self)
+	}
 	v := Evaluate(members, nil, now, n.opts.DisagreementAlarm)
 	n.mu.Lock()
 	defer n.mu.Unlock()

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -17,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
 	"k8s.io/klog/v2/ktesting"
+	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/rekey-io/rekey/internal/etcdtest"
 	"github.com/rekey-io/rekey/pkg/migrate"
@@ -286,4 +288,50 @@ func TestValidatePrefix(t *testing.T) {
 	}
 }
 
-var _ = migrate.FileCheckpoints("")
+// TestReadinessCountsStoredKeysAnotherMemberReads: a stored key this apiserver cannot
+// read fails readiness only when another live member can read it; data nobody reads
+// is lost, not a sign of a straggler.
+func TestReadinessCountsStoredKeysAnotherMemberReads(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	store := &migrate.InventoryStore{}
+	store.Set(&migrate.Inventory{TakenAt: time.Now(), Resources: []migrate.ResourceInventory{{
+		Resource: "secrets", Objects: 7,
+		Buckets: []migrate.Count{{Bucket: migrate.Bucket{Provider: "aesgcm", Key: "k9"}, Objects: 7}},
+	}}})
+	a := startMember(t, cli, "a", secretsConfig("k1"), func(o *Options) { o.Inventory = store })
+	if err := a.node.ReadyzCheck().Check(nil); err != nil {
+		t.Fatalf("a alone, with data under a key nobody reads: %v; want ready", err)
+	}
+	startMember(t, cli, "b", secretsConfig("k1", "k9"))
+	eventually(t, "a not ready, naming k9", func() bool {
+		err := a.node.ReadyzCheck().Check(nil)
+		return err != nil && strings.Contains(err.Error(), "secrets: aesgcm/k9 (7 stored objects, readable by b)")
+	})
+}
+
+// TestDisagreementAlarm: a hold that lasts longer than the alarm threshold raises the
+// alarm (status condition, verdict) on the injected clock.
+func TestDisagreementAlarm(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	clk := testingclock.NewFakeClock(time.Now())
+	a := startMember(t, cli, "a", secretsConfig("k1"), func(o *Options) { o.Clock = clk })
+	startMember(t, cli, "b", secretsConfig("k1"))
+	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
+	writeFile(t, a.path, secretsConfig("k2", "k1"))
+	if err := a.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	a.node.evaluate()
+	if st := a.node.Status(); len(st.Conditions) != 0 || st.DisagreeingSince.IsZero() {
+		t.Fatalf("right after the hold: conditions %v, disagreeing since %v", st.Conditions, st.DisagreeingSince)
+	}
+	clk.Step(DefaultDisagreementAlarm + time.Second)
+	a.node.evaluate()
+	a.node.Notify() // publish the disagreement time
+	eventually(t, "the alarm in a's status", func() bool {
+		st := a.node.Status()
+		return slices.Contains(st.Conditions, "DisagreementAlarm") && strings.HasPrefix(st.Verdict.Summary, "alarm: promoting aesgcm/k2")
+	})
+}
