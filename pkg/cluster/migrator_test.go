@@ -199,7 +199,9 @@ func TestLeaderKilledMidMigrationAnotherResumes(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	eventually(t, "both write k2", func() bool { return a.writePrefix(t) == "k8s:enc:aesgcm:v1:k2:" && b.writePrefix(t) == "k8s:enc:aesgcm:v1:k2:" })
+	eventually(t, "both write k2", func() bool {
+		return a.writePrefix(t) == "k8s:enc:aesgcm:v1:k2:" && b.writePrefix(t) == "k8s:enc:aesgcm:v1:k2:"
+	})
 
 	actx, acancel := context.WithCancel(ctx)
 	defer acancel()
