@@ -143,7 +143,12 @@ func (m *Migrator) Run(ctx context.Context) {
 			m.log.Error(err, "Campaign for migration leader failed; retrying")
 			sleep(ctx, time.Second)
 		}
-		session.Close() // revokes the lease: a successor is elected at once
+		// Revoke the session's lease with a context of its own (ctx may be cancelled
+		// already): a successor is elected at once instead of after the TTL.
+		rctx, cancel := context.WithTimeout(context.Background(), etcdTimeout)
+		_, _ = m.opts.Client.Revoke(rctx, session.Lease())
+		cancel()
+		session.Close()
 	}
 }
 
@@ -213,6 +218,7 @@ func (m *Migrator) lead(ctx context.Context, session *concurrency.Session, el *c
 	ticker := m.opts.Clock.NewTicker(time.Second)
 	defer ticker.Stop()
 	lastPublish := time.Time{}
+	lastBody := ""
 	for {
 		now := m.opts.Clock.Now()
 		l.Step(Tick{Now: now})
@@ -243,14 +249,22 @@ func (m *Migrator) lead(ctx context.Context, session *concurrency.Session, el *c
 		m.state = st
 		m.mu.Unlock()
 		m.refreshInventory(leadCtx, st.Records)
-		if now.Sub(lastPublish) >= time.Second || !running {
+		// While a migration runs, progress is written every second; otherwise only what
+		// changed, and every 30 s.
+		body := st
+		body.UpdatedAt = time.Time{}
+		content, _ := json.Marshal(body)
+		if (running && now.Sub(lastPublish) >= time.Second) || string(content) != lastBody || now.Sub(lastPublish) >= 30*time.Second {
 			if data, err := json.Marshal(st); err == nil {
-				if err := guardedPut(m.opts.Client, MigrationStateKey(m.opts.Prefix), data, guard); errors.Is(err, ErrNotLeader) {
+				err := guardedPut(m.opts.Client, MigrationStateKey(m.opts.Prefix), data, guard)
+				if errors.Is(err, ErrNotLeader) {
 					m.log.Info("Lost the migration leadership")
 					cancel()
 				}
+				if err == nil {
+					lastBody, lastPublish = string(content), now
+				}
 			}
-			lastPublish = now
 		}
 
 		select {
@@ -285,7 +299,6 @@ func (m *Migrator) lead(ctx context.Context, session *concurrency.Session, el *c
 			}
 			l.Step(Tick{Now: m.opts.Clock.Now()})
 			l.Step(MigrationFinished{Resource: r.mig.Resource, Target: r.mig.Target, Err: errText, Revision: r.revision})
-			lastPublish = time.Time{}
 		case <-m.opts.MembersChanged():
 		case <-ticker.C():
 		}
