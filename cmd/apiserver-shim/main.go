@@ -80,7 +80,13 @@ objects are re-encrypted in etcd (--storage-migration=false only counts them), a
 reload that would drop a key still encrypting stored objects is refused, the old
 configuration serving on (--unsafe-allow-dropping-keys-in-use overrides this for
 disaster recovery). The inventory and the migration state are in /rekey/status under
-"storage" and in /metrics as rekey_storage_*.`,
+"storage" and in /metrics as rekey_storage_*.
+
+Several shims on one etcd coordinate (--cluster-coordination, on by default): none starts
+writing with a key another live shim cannot read (the new key is held, the previous one
+writes, until all can read it), stored data is migrated once by an elected shim, and a
+shim whose file cannot read a key the others use fails /readyz. See "cluster" in
+/rekey/status, rekey status, and docs/cluster.md.`,
 		SilenceUsage: true,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			verflag.PrintAndExitIfRequested()
