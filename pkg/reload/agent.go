@@ -10,6 +10,10 @@
 // mixes two configurations; a replaced Set is closed after a grace period, once the
 // calls that started on it have returned.
 //
+// Several apiservers can share the decision of which key writes: Options.WriteFence
+// chooses, per resource rule, the chain entry that writes (pkg/cluster holds a new key
+// back until every apiserver can read it), and Refence swaps when its answer changes.
+//
 //	agent, err := reload.NewAgent(ctx, reload.Options{Path: path, AutomaticReload: true, ...})
 //	if err != nil { ... }            // missing or invalid file
 //	defer agent.Close()
