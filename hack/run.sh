@@ -123,7 +123,7 @@ Watch a hot reload (no restart): edit $CONFIG, e.g. put a new key first under ae
 
 Rotate the plugin key: put a new key first in $KEYS (the first key is active), e.g.
   sed -i "1a - name: kek-2\\n  secret: \$(head -c 32 /dev/urandom | base64)" $KEYS
-  New Secrets are then written under kek-2 within a minute (next Status call); old ones
+  New Secrets are then written under kek-2 within 15 s (next Status call, --kms-status-interval); old ones
   still decrypt, and the shim re-encrypts them under kek-2 by itself (storage migration:
   see "storage" in the status document).
 

@@ -15,6 +15,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"time"
 
 	"github.com/spf13/cobra"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
@@ -27,7 +28,12 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/internal/shim"
+	"github.com/rekey-io/rekey/pkg/cluster"
 )
+
+// defaultKMSStatusInterval is shorter than kube-apiserver's minute so that a plugin's
+// new key id reaches the write fence and the migrator quickly.
+const defaultKMSStatusInterval = 15 * time.Second
 
 func main() {
 	os.Exit(cli.Run(newCommand()))
@@ -46,9 +52,15 @@ func newCommand() *cobra.Command {
 			AutomaticReload:  true,
 			StorageMigration: true,
 			EncryptionLayer:  shim.LayerRekey,
-			EtcdPrefix:       shim.DefaultEtcdPrefix,
-			SecurePort:       6443,
-			DataDir:          "rekey-data",
+
+			ClusterCoordination:      true,
+			CoordinationPrefix:       cluster.DefaultPrefix,
+			ClusterLeaseTTL:          cluster.DefaultLeaseTTL,
+			ClusterDisagreementAlarm: cluster.DefaultDisagreementAlarm,
+			KMSTimings:               shim.KMSTimings{StatusInterval: defaultKMSStatusInterval},
+			EtcdPrefix:               shim.DefaultEtcdPrefix,
+			SecurePort:               6443,
+			DataDir:                  "rekey-data",
 		},
 		bindAddress: "127.0.0.1",
 		logging:     logsapi.NewLoggingConfiguration(),
@@ -68,7 +80,13 @@ objects are re-encrypted in etcd (--storage-migration=false only counts them), a
 reload that would drop a key still encrypting stored objects is refused, the old
 configuration serving on (--unsafe-allow-dropping-keys-in-use overrides this for
 disaster recovery). The inventory and the migration state are in /rekey/status under
-"storage" and in /metrics as rekey_storage_*.`,
+"storage" and in /metrics as rekey_storage_*.
+
+Several shims on one etcd coordinate (--cluster-coordination, on by default): none starts
+writing with a key another live shim cannot read (the new key is held, the previous one
+writes, until all can read it), stored data is migrated once by an elected shim, and a
+shim whose file cannot read a key the others use fails /readyz. See "cluster" in
+/rekey/status, rekey status, and docs/cluster.md.`,
 		SilenceUsage: true,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			verflag.PrintAndExitIfRequested()
@@ -90,10 +108,12 @@ disaster recovery). The inventory and the migration state are in /rekey/status u
 	enc.StringVar(&f.opts.EncryptionLayer, "encryption-layer", f.opts.EncryptionLayer,
 		"Which implementation encrypts: rekey (the agent) or upstream (k8s.io/apiserver's encryptionconfig, for side-by-side benchmarks).")
 
-	enc.DurationVar(&f.opts.KMSTimings.StatusInterval, "kms-status-interval", 0, "KMS v2 Status period while healthy (default 1m). For tests.")
+	enc.DurationVar(&f.opts.KMSTimings.StatusInterval, "kms-status-interval", f.opts.KMSTimings.StatusInterval,
+		"How often a healthy KMS v2 plugin is asked for its Status (kube-apiserver: 1m). A plugin's new key id is seen within one interval; "+
+			"with --cluster-coordination it is then published to the other apiservers at once.")
 	enc.DurationVar(&f.opts.KMSTimings.RetryInterval, "kms-retry-interval", 0, "KMS v2 Status period while unhealthy (default 10s). For tests.")
 	enc.DurationVar(&f.opts.KMSTimings.WriteTTL, "kms-write-ttl", 0, "How long KMS v2 writes continue after the last healthy Status (default 3m). For tests.")
-	for _, name := range []string{"kms-status-interval", "kms-retry-interval", "kms-write-ttl"} {
+	for _, name := range []string{"kms-retry-interval", "kms-write-ttl"} {
 		utilruntime.Must(enc.MarkHidden(name))
 	}
 
@@ -117,6 +137,20 @@ disaster recovery). The inventory and the migration state are in /rekey/status u
 	for _, name := range []string{"storage-migration-check-interval", "storage-inventory-interval"} {
 		utilruntime.Must(storage.MarkHidden(name))
 	}
+
+	coord := fss.FlagSet("cluster coordination")
+	coord.StringVar(&f.opts.APIServerID, "apiserver-id", "",
+		"This apiserver's name among the apiservers sharing --etcd-servers (default <hostname>:<secure-port>; with --secure-port 0, <hostname>-<random>).")
+	coord.BoolVar(&f.opts.ClusterCoordination, "cluster-coordination", f.opts.ClusterCoordination,
+		"Coordinate with the other apiservers through etcd: publish this apiserver's keys under a lease, never start writing with a key "+
+			"another live apiserver cannot read (hold it, promote it once all can), migrate stored data on one elected apiserver, and fail "+
+			"/readyz while this configuration cannot read a key the cluster uses. False: act alone.")
+	coord.StringVar(&f.opts.CoordinationPrefix, "coordination-prefix", f.opts.CoordinationPrefix,
+		"etcd key prefix of the coordination keys (members, migration leader, checkpoint); must be outside --etcd-prefix.")
+	coord.DurationVar(&f.opts.ClusterLeaseTTL, "cluster-lease-ttl", f.opts.ClusterLeaseTTL,
+		"Lease of this apiserver's member key and election session: a dead apiserver stops counting this long after it died (whole seconds, at least 2s).")
+	coord.DurationVar(&f.opts.ClusterDisagreementAlarm, "cluster-disagreement-alarm", f.opts.ClusterDisagreementAlarm,
+		"Raise an alarm (metric rekey_cluster_disagreement_alarm, status condition, log line) when the apiservers disagree about a write key for longer than this.")
 
 	etcd := fss.FlagSet("etcd")
 	etcd.StringSliceVar(&f.opts.EtcdServers, "etcd-servers", f.opts.EtcdServers,

@@ -3,11 +3,13 @@
 //	rekey inventory    --etcd-servers URL --encryption-provider-config FILE [-o table|json] [--decrypt-check]
 //	rekey migrate      --etcd-servers URL --encryption-provider-config FILE [--rate N] [--checkpoint PATH] [--resume]
 //	rekey check-config --etcd-servers URL --encryption-provider-config FILE --new FILE
+//	rekey status       --etcd-servers URL [--coordination-prefix /rekey] [-o table|json]
 //
 // inventory counts stored objects per resource, provider, key (KMS: provider name and
 // key id hash) and state; migrate re-encrypts every stale object with compare-and-swap
 // and verifies the result; check-config refuses a new configuration that would drop a
-// key still encrypting stored data. See docs/migration.md.
+// key still encrypting stored data. See docs/migration.md. status shows the apiservers
+// that coordinate through etcd (docs/cluster.md).
 package main
 
 import (
@@ -28,6 +30,6 @@ func newRootCommand() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: false,
 	}
-	root.AddCommand(newInventoryCommand(), newMigrateCommand(), newCheckConfigCommand())
+	root.AddCommand(newInventoryCommand(), newMigrateCommand(), newCheckConfigCommand(), newStatusCommand())
 	return root
 }

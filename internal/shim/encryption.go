@@ -8,13 +8,13 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	genericoptions "k8s.io/apiserver/pkg/server/options"
 	"k8s.io/component-base/metrics"
 	"k8s.io/klog/v2"
 
+	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/reload"
@@ -56,10 +56,12 @@ type encryptionLayer interface {
 	close()
 }
 
-func newEncryptionLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, apiServerID string) (encryptionLayer, error) {
+// newEncryptionLayer builds the layer; etcdServers is set (etcd is up) only when the
+// rekey layer coordinates with other apiservers.
+func newEncryptionLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, apiServerID string, etcdServers []string) (encryptionLayer, error) {
 	switch o.EncryptionLayer {
 	case "", LayerRekey:
-		return newRekeyLayer(ctx, o, reg, apiServerID)
+		return newRekeyLayer(ctx, o, reg, apiServerID, etcdServers)
 	case LayerUpstream:
 		return &upstreamLayer{path: o.EncryptionConfig, reload: o.AutomaticReload}, nil
 	default:
@@ -101,12 +103,18 @@ type rekeyLayer struct {
 	opts    storageOptions
 	log     klog.Logger
 
+	// node coordinates with the other apiservers (nil without --cluster-coordination);
+	// nodeClient is its etcd client.
+	node       *cluster.Node
+	nodeClient *clientv3.Client
+
 	mu sync.Mutex
 	// state persists what the applied configuration can read (checkStart sets it);
 	// stateClient is its etcd client, also used by the decrypt guard.
 	state       migrate.AppliedStateStore
 	stateClient *clientv3.Client
 	ctrl        *migrate.Controller
+	migrator    *cluster.Migrator
 	client      *clientv3.Client
 	cancel      context.CancelFunc
 	done        chan struct{}
@@ -120,10 +128,11 @@ type storageOptions struct {
 	rate              float64
 	checkInterval     time.Duration
 	inventoryInterval time.Duration
+	leaseTTL          time.Duration
 	stateFile         string
 }
 
-func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, apiServerID string) (*rekeyLayer, error) {
+func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, apiServerID string, etcdServers []string) (_ *rekeyLayer, err error) {
 	if o.EncryptionConfig == "" {
 		return &rekeyLayer{}, nil
 	}
@@ -131,10 +140,26 @@ func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, ap
 	if err != nil {
 		return nil, fmt.Errorf("registering storage migration metrics: %w", err)
 	}
+	store := &migrate.InventoryStore{}
+	var node *cluster.Node
+	var nodeClient *clientv3.Client
+	if len(etcdServers) > 0 {
+		if node, nodeClient, err = startClusterNode(ctx, o, reg, etcdServers, store); err != nil {
+			return nil, err
+		}
+		defer func() {
+			if err != nil {
+				node.Close()
+				_ = nodeClient.Close()
+			}
+		}()
+	}
 	r := &rekeyLayer{
-		store:   &migrate.InventoryStore{},
-		metrics: m,
-		log:     o.Logger,
+		store:      store,
+		metrics:    m,
+		log:        o.Logger,
+		node:       node,
+		nodeClient: nodeClient,
 		opts: storageOptions{
 			autoMigrate:       o.StorageMigration,
 			allowDropping:     o.AllowDroppingKeysInUse,
@@ -142,18 +167,19 @@ func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, ap
 			rate:              o.StorageMigrationRate,
 			checkInterval:     o.StorageCheckInterval,
 			inventoryInterval: o.StorageInventoryInterval,
+			leaseTTL:          o.ClusterLeaseTTL,
 			stateFile:         o.EncryptionStateFile,
 		},
 	}
 	allow := r.opts.allowDropping
-	agent, err := reload.NewAgent(ctx, reload.Options{
+	ropts := reload.Options{
 		Path:            o.EncryptionConfig,
 		AutomaticReload: o.AutomaticReload,
 		PollInterval:    o.ReloadPollInterval,
 		Transformers: transformers.Options{
 			Logger:  o.Logger,
 			Metrics: transformers.NewMetrics(reg),
-			KMS:     kmsFactory(o, reg),
+			KMS:     kmsFactory(o, reg, node),
 		},
 		Registry:    reg,
 		APIServerID: apiServerID,
@@ -168,11 +194,31 @@ func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, ap
 		}),
 		Applied:      r.saveApplied,
 		StatusExtras: func() map[string]any { return map[string]any{StorageStatusKey: r.storageStatus()} },
-	})
+	}
+	if node != nil {
+		local := ropts.Guard
+		ropts.Guard = func(current, next *config.Config) error {
+			if err := local(current, next); err != nil {
+				return err
+			}
+			if allow {
+				return nil // disaster recovery overrides the cluster guard too
+			}
+			return node.Guard(current, next)
+		}
+		ropts.WriteFence, ropts.OnChange = node.WriteFence, node.Notify
+		ropts.StatusExtras = func() map[string]any {
+			return map[string]any{StorageStatusKey: r.storageStatus(), ClusterStatusKey: node.Status()}
+		}
+	}
+	agent, err := reload.NewAgent(ctx, ropts)
 	if err != nil {
 		return nil, err
 	}
 	r.agent = agent
+	if node != nil {
+		node.Attach(agent)
+	}
 	return r, nil
 }
 
@@ -190,9 +236,9 @@ func (r *rekeyLayer) checkStart(ctx context.Context, etcdServers []string, state
 	if r.agent == nil {
 		return nil
 	}
-	cli, err := clientv3.New(clientv3.Config{Endpoints: etcdServers, DialTimeout: DefaultEtcdConnectTimeout, Logger: zap.NewNop()})
+	cli, err := newEtcdClient(etcdServers)
 	if err != nil {
-		return fmt.Errorf("encryption start-up check: etcd client for %v: %w", etcdServers, err)
+		return fmt.Errorf("encryption start-up check: %w", err)
 	}
 	var state migrate.AppliedStateStore = migrate.EtcdAppliedState{Client: cli, Key: migrate.AppliedStatePrefix + stateID}
 	if r.opts.stateFile != "" {
@@ -246,6 +292,40 @@ func (r *rekeyLayer) saveApplied(cfg *config.Config) {
 	}
 }
 
+// ClusterStatusKey is the member of the status document that holds the cluster view
+// (with --cluster-coordination).
+const ClusterStatusKey = "cluster"
+
+// startClusterNode connects to etcd, validates the coordination settings and loads the
+// member list, so that the write fence knows the other apiservers before the agent
+// applies its first configuration.
+func startClusterNode(ctx context.Context, o *Options, reg metrics.KubeRegistry, etcdServers []string, store *migrate.InventoryStore) (*cluster.Node, *clientv3.Client, error) {
+	cli, err := newEtcdClient(etcdServers)
+	if err != nil {
+		return nil, nil, fmt.Errorf("cluster coordination: %w", err)
+	}
+	cm, err := cluster.NewMetrics(reg)
+	if err != nil {
+		_ = cli.Close()
+		return nil, nil, fmt.Errorf("registering cluster metrics: %w", err)
+	}
+	node, err := cluster.New(cluster.Options{
+		Client: cli, ID: o.APIServerID, Prefix: o.CoordinationPrefix, ResourcePrefix: o.EtcdPrefix,
+		LeaseTTL: o.ClusterLeaseTTL, DisagreementAlarm: o.ClusterDisagreementAlarm,
+		Inventory: store, Metrics: cm, Logger: o.Logger,
+	})
+	if err == nil {
+		err = node.Start(ctx)
+	}
+	if err != nil {
+		_ = cli.Close()
+		return nil, nil, err
+	}
+	o.Logger.Info("Coordinating with the other apiservers through etcd", "apiserverID", o.APIServerID,
+		"prefix", o.CoordinationPrefix, "members", len(node.View().Members()))
+	return node, cli, nil
+}
+
 // storageResources are the resources the shim stores.
 func storageResources(etcdPrefix string) []migrate.Resource {
 	return []migrate.Resource{
@@ -259,16 +339,18 @@ func (r *rekeyLayer) startStorage(c *genericapiserver.Config, etcdServers []stri
 		return nil
 	}
 	return c.AddPostStartHook(StorageMigrationHookName, func(hc genericapiserver.PostStartHookContext) error {
-		cli, err := clientv3.New(clientv3.Config{Endpoints: etcdServers, DialTimeout: DefaultEtcdConnectTimeout, Logger: zap.NewNop()})
+		cli, err := newEtcdClient(etcdServers)
 		if err != nil {
-			return fmt.Errorf("storage migration: etcd client for %v: %w", etcdServers, err)
+			return fmt.Errorf("storage migration: %w", err)
 		}
 		agent := r.agent
 		ctrl := migrate.NewController(migrate.ControllerOptions{
-			Client:            cli,
-			Source:            migrate.FromRules(agent, agent.Rules),
-			Resources:         storageResources(r.opts.etcdPrefix),
-			AutoMigrate:       r.opts.autoMigrate,
+			Client:    cli,
+			Source:    migrate.FromRules(agent, agent.Rules),
+			Resources: storageResources(r.opts.etcdPrefix),
+			// With coordination the elected cluster migrator migrates; this controller
+			// only keeps the local inventory current.
+			AutoMigrate:       r.opts.autoMigrate && r.node == nil,
 			CheckInterval:     r.opts.checkInterval,
 			InventoryInterval: r.opts.inventoryInterval,
 			Rate:              r.opts.rate,
@@ -279,12 +361,30 @@ func (r *rekeyLayer) startStorage(c *genericapiserver.Config, etcdServers []stri
 		})
 		ctx, cancel := context.WithCancel(hc.Context)
 		done := make(chan struct{})
+		var mig *cluster.Migrator
+		if r.node != nil && r.opts.autoMigrate {
+			view := r.node.View()
+			mig = cluster.NewMigrator(cluster.MigratorOptions{
+				Client: cli, Prefix: r.node.Prefix(), ID: r.node.ID(), SessionTTL: r.opts.leaseTTL,
+				Resources: storageResources(r.opts.etcdPrefix), Source: migrate.FromRules(agent, agent.Rules),
+				Inventory: r.store, Metrics: r.metrics, Rate: r.opts.rate,
+				ConfigHash: func() string { return agent.ActiveConfig().Hash },
+				Members:    view.Members, MembersChanged: view.Changed, Logger: r.log,
+			})
+			r.node.SetMigrator(mig)
+		}
 		r.mu.Lock()
-		r.ctrl, r.client, r.cancel, r.done = ctrl, cli, cancel, done
+		r.ctrl, r.migrator, r.client, r.cancel, r.done = ctrl, mig, cli, cancel, done
 		r.mu.Unlock()
 		go func() {
 			defer close(done)
+			var wg sync.WaitGroup
+			if mig != nil {
+				wg.Add(1)
+				go func() { defer wg.Done(); mig.Run(ctx) }()
+			}
 			ctrl.Run(ctx)
+			wg.Wait()
 		}()
 		r.log.Info("Started storage migration controller", "automaticMigration", r.opts.autoMigrate,
 			"allowDroppingKeysInUse", r.opts.allowDropping, "etcdPrefix", r.opts.etcdPrefix)
@@ -296,31 +396,56 @@ func (r *rekeyLayer) startStorage(c *genericapiserver.Config, etcdServers []stri
 // or before it starts, the latest inventory alone.
 func (r *rekeyLayer) storageStatus() migrate.ControllerStatus {
 	r.mu.Lock()
-	ctrl := r.ctrl
+	ctrl, mig := r.ctrl, r.migrator
 	r.mu.Unlock()
+	st := migrate.ControllerStatus{AutoMigrate: r.opts.autoMigrate, Inventory: r.store.Latest()}
 	if ctrl != nil {
-		return ctrl.Status()
+		st = ctrl.Status()
 	}
-	return migrate.ControllerStatus{AutoMigrate: r.opts.autoMigrate, Inventory: r.store.Latest()}
+	if mig != nil {
+		// The elected cluster migrator migrates, not the local controller: show its work.
+		st.AutoMigrate = r.opts.autoMigrate
+		ms, leading := mig.State()
+		st.Running = nil
+		if leading && ms.Running != nil {
+			st.Running = []string{ms.Running.Resource}
+		}
+		if last := mig.LastMigration(); last != nil {
+			st.LastMigration = last
+		}
+	}
+	return st
 }
 
-func kmsFactory(o *Options, reg metrics.KubeRegistry) transformers.KMSFactory {
+func kmsFactory(o *Options, reg metrics.KubeRegistry, node *cluster.Node) transformers.KMSFactory {
 	if o.KMS != nil {
 		return o.KMS
 	}
-	return kmsv2.NewFactory(kmsv2.FactoryOptions{
+	fo := kmsv2.FactoryOptions{
 		Registry:       reg,
 		StatusInterval: o.KMSTimings.StatusInterval,
 		RetryInterval:  o.KMSTimings.RetryInterval,
 		WriteTTL:       o.KMSTimings.WriteTTL,
-	})
+	}
+	if node != nil {
+		// A new key id reaches the other apiservers at once, not at the next refresh.
+		fo.OnKeyIDChange = node.NotifyKeyID
+	}
+	return kmsv2.NewFactory(fo)
 }
 
 func (r *rekeyLayer) install(c *genericapiserver.Config, _ *genericoptions.EtcdOptions) error {
 	if r.agent == nil {
 		return nil
 	}
-	return r.agent.InstallInto(c)
+	if err := r.agent.InstallInto(c); err != nil {
+		return err
+	}
+	if r.node != nil {
+		// /readyz only: a straggler is alive, it just must not take traffic yet.
+		c.AddReadyzChecks(r.node.ReadyzCheck())
+	}
+	return nil
 }
 
 func (r *rekeyLayer) statusPath() string {
@@ -345,6 +470,10 @@ func (r *rekeyLayer) close() {
 		cancel()
 		<-done
 		_ = cli.Close()
+	}
+	if r.node != nil {
+		r.node.Close() // revokes the member lease: the others stop counting this one
+		_ = r.nodeClient.Close()
 	}
 	if r.agent != nil {
 		r.agent.Close()

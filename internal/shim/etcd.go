@@ -108,3 +108,14 @@ func checkEtcd(ctx context.Context, servers []string, timeout time.Duration) err
 	}
 	return nil
 }
+
+// newEtcdClient is the one place the shim's etcd clients (storage migration, cluster
+// coordination) are configured from the storage backend's flags, so that TLS options
+// added to --etcd-* apply to all of them.
+func newEtcdClient(servers []string) (*clientv3.Client, error) {
+	cli, err := clientv3.New(clientv3.Config{Endpoints: servers, DialTimeout: DefaultEtcdConnectTimeout, Logger: zap.NewNop()})
+	if err != nil {
+		return nil, fmt.Errorf("etcd client for %s: %w", strings.Join(servers, ","), err)
+	}
+	return cli, nil
+}

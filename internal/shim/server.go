@@ -7,10 +7,12 @@ package shim
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"strconv"
 	"time"
@@ -33,6 +35,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/internal/shim/openapi"
+	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -110,6 +113,21 @@ type Options struct {
 	// etcd (--encryption-state-file); it must survive restarts.
 	EncryptionStateFile string
 
+	// APIServerID names this apiserver among the others sharing its etcd
+	// (--apiserver-id; default <hostname>:<secure-port>).
+	APIServerID string
+	// ClusterCoordination makes the rekey layer coordinate with the other apiservers
+	// through etcd (pkg/cluster): a write fence, one elected migrator, readiness of
+	// stragglers (--cluster-coordination; on in the command, off in the zero value).
+	ClusterCoordination bool
+	// CoordinationPrefix is where the coordination keys live (default /rekey); it must
+	// be outside EtcdPrefix.
+	CoordinationPrefix string
+	// ClusterLeaseTTL is the member lease (default 10 s); ClusterDisagreementAlarm how
+	// long the members may disagree about a write key before the alarm (default 2 min).
+	ClusterLeaseTTL          time.Duration
+	ClusterDisagreementAlarm time.Duration
+
 	// MetricsRegistry receives the encryption layer's metrics (default: a new one). It
 	// is served at /metrics together with the process-wide registry k8s.io/apiserver
 	// uses; keeping them apart lets upstream's own registrations of the same metric
@@ -179,7 +197,41 @@ func (o *Options) complete() error {
 	if o.EncryptionLayer == LayerUpstream && o.KMS != nil {
 		o.KMS = nil // upstream builds its own KMS v2 clients
 	}
+	if o.CoordinationPrefix == "" {
+		o.CoordinationPrefix = cluster.DefaultPrefix
+	}
+	if o.APIServerID == "" {
+		o.APIServerID = defaultAPIServerID(o.SecurePort)
+	}
+	if o.clustered() {
+		if err := cluster.ValidatePrefix(o.CoordinationPrefix, o.EtcdPrefix); err != nil {
+			return err
+		}
+		if err := cluster.ValidateID(o.APIServerID); err != nil {
+			return err
+		}
+	}
 	return nil
+}
+
+// clustered reports whether the rekey layer coordinates with other apiservers.
+func (o *Options) clustered() bool {
+	return o.ClusterCoordination && o.EncryptionLayer == LayerRekey && o.EncryptionConfig != ""
+}
+
+// defaultAPIServerID is <hostname>:<port>; with a port picked at start (0) the port is
+// not known yet, so a random suffix keeps ids of shims on one host apart.
+func defaultAPIServerID(port int) string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "localhost"
+	}
+	if port != 0 {
+		return net.JoinHostPort(host, strconv.Itoa(port))
+	}
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return fmt.Sprintf("%s-%x", host, b)
 }
 
 // Run starts etcd (unless EtcdServers are given) and the shim, and serves until ctx is
@@ -204,11 +256,14 @@ func Run(ctx context.Context, o Options) error {
 		return err
 	}
 	c := genericapiserver.NewConfig(sch.codecs)
-	layer, err := newEncryptionLayer(ctx, &o, reg, c.APIServerID)
-	if err != nil {
-		return err
+	var layer encryptionLayer
+	if !o.clustered() {
+		// Without coordination the file is checked before etcd starts.
+		if layer, err = newEncryptionLayer(ctx, &o, reg, c.APIServerID, nil); err != nil {
+			return err
+		}
+		defer layer.close()
 	}
-	defer layer.close()
 
 	etcdServers := o.EtcdServers
 	if len(etcdServers) == 0 {
@@ -222,6 +277,14 @@ func Run(ctx context.Context, o Options) error {
 		logger.Info("Embedded etcd ready", "dataDir", o.DataDir, "endpoints", etcdServers, "elapsed", time.Since(start))
 	} else if err := checkEtcd(ctx, etcdServers, o.EtcdConnectTimeout); err != nil {
 		return err
+	}
+	if o.clustered() {
+		// The write fence must know the other apiservers before the first configuration
+		// is applied, so the layer starts after etcd.
+		if layer, err = newEncryptionLayer(ctx, &o, reg, c.APIServerID, etcdServers); err != nil {
+			return err
+		}
+		defer layer.close()
 	}
 	stateID := o.EncryptionStateID
 	if stateID == "" {

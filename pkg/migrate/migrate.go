@@ -54,6 +54,8 @@ type Options struct {
 	// CheckpointPath, when set, records progress there so a stopped migration can be
 	// resumed.
 	CheckpointPath string
+	// Checkpoints, when set, is used instead of CheckpointPath (e.g. a store in etcd).
+	Checkpoints CheckpointStore
 	// Resume continues from CheckpointPath. Without it an unfinished checkpoint is an
 	// error, so two runs never silently disagree about progress.
 	Resume bool
@@ -314,11 +316,12 @@ func describeBucket(b Bucket) string {
 func (m *migrator) loadCheckpoint() error {
 	targets := m.targets()
 	m.ckpt = &Checkpoint{Targets: targets}
-	path := m.opts.CheckpointPath
-	if path == "" {
+	store := m.checkpoints()
+	if store == nil {
 		return nil
 	}
-	old, err := ReadCheckpoint(path)
+	path := store.String()
+	old, err := store.Load()
 	if err != nil {
 		return err
 	}
@@ -343,7 +346,8 @@ func (m *migrator) loadCheckpoint() error {
 }
 
 func (m *migrator) saveCheckpoint(force bool) {
-	if m.opts.CheckpointPath == "" {
+	store := m.checkpoints()
+	if store == nil {
 		return
 	}
 	now := m.opts.Clock.Now()
@@ -353,7 +357,7 @@ func (m *migrator) saveCheckpoint(force bool) {
 	m.lastCkptWrite = now
 	m.ckpt.Counters = m.c.snapshot()
 	m.ckpt.UpdatedAt = now
-	if err := writeCheckpoint(m.opts.CheckpointPath, m.ckpt); err != nil {
+	if err := store.Save(m.ckpt); err != nil {
 		// Progress is only lost, never corrupted: a resume re-checks every object.
 		m.log.Error(err, "Could not save the migration checkpoint; a resumed migration will re-check more objects")
 	}

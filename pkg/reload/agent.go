@@ -10,6 +10,10 @@
 // mixes two configurations; a replaced Set is closed after a grace period, once the
 // calls that started on it have returned.
 //
+// Several apiservers can share the decision of which key writes: Options.WriteFence
+// chooses, per resource rule, the chain entry that writes (pkg/cluster holds a new key
+// back until every apiserver can read it), and Refence swaps when its answer changes.
+//
 //	agent, err := reload.NewAgent(ctx, reload.Options{Path: path, AutomaticReload: true, ...})
 //	if err != nil { ... }            // missing or invalid file
 //	defer agent.Close()
@@ -111,6 +115,20 @@ type Options struct {
 	// It is called on every Status call and must be safe for concurrent use; what it
 	// returns must hold no key material.
 	StatusExtras func() map[string]any
+	// WriteFence, when set, chooses which entry of each resource rule's chain writes.
+	// It is given the rules of the Set serving now (nil at start) and of the Set about
+	// to serve (built from the configuration, so every WriteIndex is 0 and ReadKeys[0]
+	// is the configuration's write key), and returns, by RuleInfo.Resource, the index
+	// in ReadKeys of the entry that must write; a rule it does not name writes with its
+	// first entry. The agent installs a Set derived with transformers.Set.WithWriters.
+	// Call Refence when the answer may have changed (e.g. another apiserver can now read
+	// a held key). It must not block and must not call back into the Agent. A cluster
+	// write fence (pkg/cluster) implements it; pkg/reload does not know about clusters.
+	WriteFence func(current, next []transformers.RuleInfo) map[string]int
+	// OnChange, when set, is called after every swap: an applied configuration, a
+	// promotion or hold by Refence. It runs on the swapping goroutine and must only
+	// signal (e.g. a non-blocking send), never call back into the Agent.
+	OnChange func()
 }
 
 // generation is one applied configuration and the calls running on it.
@@ -223,6 +241,10 @@ func NewAgent(ctx context.Context, opts Options) (*Agent, error) {
 	if err != nil {
 		a.closeCancel()
 		return nil, fmt.Errorf("building transformers from %q: %w", opts.Path, err)
+	}
+	if set, err = a.fenced(nil, set); err != nil {
+		a.closeCancel()
+		return nil, err
 	}
 	a.install(newGeneration(cfg, set, a.clock.Now()))
 	a.metrics.setConfig(cfg.Hash)
@@ -340,6 +362,9 @@ func (a *Agent) reloadOnce(ctx context.Context) (string, error) {
 		set.Close()
 		return hash, errClosed
 	}
+	if set, err = a.fenced(cur.set.Rules(), set); err != nil {
+		return hash, a.fail(ctx, hash, err)
+	}
 
 	now := a.clock.Now()
 	a.stateMu.Lock() // the status document sees the swap and its count together
@@ -350,11 +375,102 @@ func (a *Agent) reloadOnce(ctx context.Context) (string, error) {
 	a.metrics.record(statusSuccess, now, hash)
 	a.log.Info("Applied new encryption provider configuration", "path", a.opts.Path,
 		"hash", hash, "previousHash", old.cfg.Hash, "took", now.Sub(start),
-		"kmsProviders", len(set.KMSProviders()))
+		"kmsProviders", len(set.KMSProviders()), "heldWriteKeys", heldKeys(set))
 	if a.opts.Applied != nil {
 		a.opts.Applied(cfg)
 	}
+	a.changed()
 	return hash, nil
+}
+
+// fenced returns set, or when the write fence holds a rule's first entry back, a Set
+// derived from it that writes with the entry the fence chose (set is then released).
+func (a *Agent) fenced(current []transformers.RuleInfo, set *transformers.Set) (*transformers.Set, error) {
+	if a.opts.WriteFence == nil {
+		return set, nil
+	}
+	writers := a.opts.WriteFence(current, set.Rules())
+	if sameWriters(set.Rules(), writers) {
+		return set, nil
+	}
+	derived, err := set.WithWriters(writers)
+	set.Close() // the derived Set keeps the providers
+	if err != nil {
+		return nil, fmt.Errorf("write fence: %w", err)
+	}
+	return derived, nil
+}
+
+// sameWriters reports whether rules already write with the entries writers names.
+func sameWriters(rules []transformers.RuleInfo, writers map[string]int) bool {
+	for _, r := range rules {
+		if writers[r.Resource] != r.WriteIndex {
+			return false
+		}
+	}
+	return true
+}
+
+// heldKeys lists, for the log, the rules whose configured write key is held back.
+func heldKeys(set *transformers.Set) []string {
+	var held []string
+	for _, r := range set.Rules() {
+		if r.WriteIndex != 0 {
+			held = append(held, r.Resource+": "+r.ReadKeys[0].String()+" held, writing "+r.ReadKeys[r.WriteIndex].String())
+		}
+	}
+	return held
+}
+
+// Refence asks Options.WriteFence again which entries write, and when the answer
+// differs from the Set serving now, swaps in a Set derived from the same build with
+// the new writers: a held key is promoted (or a key held back again). The swap is the
+// same atomic one as a reload; the configuration and its hash do not change. Without a
+// WriteFence it does nothing.
+func (a *Agent) Refence() error {
+	if a.opts.WriteFence == nil {
+		return nil
+	}
+	if a.closed.Load() {
+		return errClosed
+	}
+	a.reloadMu.Lock()
+	defer a.reloadMu.Unlock()
+	cur := a.cur.Load()
+	rules := cur.set.Rules()
+	writers := a.opts.WriteFence(rules, rules)
+	if sameWriters(rules, writers) {
+		return nil
+	}
+	derived, err := cur.set.WithWriters(writers)
+	if err != nil {
+		return fmt.Errorf("write fence: %w", err)
+	}
+	a.stateMu.Lock()
+	old := a.install(newGeneration(cur.cfg, derived, cur.loadedAt))
+	a.stateMu.Unlock()
+	a.retire(old)
+	for _, r := range derived.Rules() {
+		if r.WriteIndex != writers[r.Resource] {
+			continue
+		}
+		for _, o := range rules {
+			if o.Resource == r.Resource && o.WriteIndex != r.WriteIndex {
+				a.log.Info("Write fence changed the write key", "resource", r.Resource,
+					"writeKey", r.ReadKeys[r.WriteIndex].String(), "previous", o.ReadKeys[o.WriteIndex].String(),
+					"configuredWriteKey", r.ReadKeys[0].String())
+			}
+		}
+	}
+	a.changed()
+	return nil
+}
+
+// changed tells Options.OnChange that a new Set serves.
+func (a *Agent) changed() {
+	if a.opts.OnChange != nil {
+		a.opts.OnChange()
+	}
 }
 
 // fail records a refused reload and returns err.

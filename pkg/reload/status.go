@@ -123,6 +123,16 @@ func kmsUTC(k transformers.KMSStatus) transformers.KMSStatus {
 
 // Status returns the status document.
 func (a *Agent) Status() Status {
+	st := a.OwnStatus()
+	if a.opts.StatusExtras != nil {
+		st.Extras = a.opts.StatusExtras()
+	}
+	return st
+}
+
+// OwnStatus is the status document without the sections of Options.StatusExtras: what
+// those sections' providers may read without recursing into themselves.
+func (a *Agent) OwnStatus() Status {
 	a.stateMu.Lock()
 	g := a.cur.Load()
 	s := a.state
@@ -142,9 +152,6 @@ func (a *Agent) Status() Status {
 	st.ReloadsSucceeded, st.ReloadsFailed = s.succeeded, s.failed
 	st.LastAttemptAt = s.lastAttemptAt
 	st.LastError, st.LastErrorAt, st.LastErrorConfigHash = s.lastErr, s.lastErrAt, s.lastErrHash
-	if a.opts.StatusExtras != nil {
-		st.Extras = a.opts.StatusExtras()
-	}
 	return st
 }
 

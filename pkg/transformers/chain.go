@@ -40,6 +40,9 @@ type Chain struct {
 	// emptyPrefix[i] marks identity: its read failures are skipped silently, as upstream.
 	emptyPrefix []bool
 	obs         []*observers // per sealer, nil when metrics are off
+	// writer is the index of the sealer that writes: 0 unless a write fence holds the
+	// configuration's first entry back. Staleness stays relative to entry 0.
+	writer int
 }
 
 var _ value.Transformer = (*Chain)(nil)
@@ -64,14 +67,22 @@ func newChain(gr schema.GroupResource, resource string, sealers []Sealer, m *Met
 	return c
 }
 
-// TransformToStorage encrypts with the first provider and its first key.
+// withWriter returns a copy of c that writes with sealer w.
+func (c *Chain) withWriter(w int) *Chain {
+	d := *c
+	d.writer = w
+	return &d
+}
+
+// TransformToStorage encrypts with the write entry: the first provider and its first
+// key, unless a write fence chose another entry (Set.WithWriters).
 func (c *Chain) TransformToStorage(ctx context.Context, data []byte, dataCtx value.Context) ([]byte, error) {
 	if c.obs == nil {
-		return c.sealers[0].Seal(ctx, data, dataCtx)
+		return c.sealers[c.writer].Seal(ctx, data, dataCtx)
 	}
 	start := now()
-	out, err := c.sealers[0].Seal(ctx, data, dataCtx)
-	c.obs[0].write(start, err)
+	out, err := c.sealers[c.writer].Seal(ctx, data, dataCtx)
+	c.obs[c.writer].write(start, err)
 	return out, err
 }
 
@@ -115,15 +126,21 @@ func (c *Chain) TransformFromStorage(ctx context.Context, data []byte, dataCtx v
 
 // Info describes the chain without key material.
 func (c *Chain) Info() RuleInfo {
-	w := c.sealers[0]
-	info := RuleInfo{Resource: c.resource, WritePrefix: string(c.prefixes[0])}
+	w := c.sealers[c.writer]
+	info := RuleInfo{Resource: c.resource, WritePrefix: string(c.prefixes[c.writer]), WriteIndex: c.writer}
 	info.WriteProvider, info.WriteKey = describe(w)
-	for _, p := range c.prefixes {
+	for i, p := range c.prefixes {
 		info.ReadPrefixes = append(info.ReadPrefixes, string(p))
-	}
-	if k, ok := w.(KMSProvider); ok {
-		st := k.Status()
-		info.KMS = &st
+		var k KeyInfo
+		k.Provider, k.Key = describe(c.sealers[i])
+		if kp, ok := c.sealers[i].(KMSProvider); ok {
+			st := kp.Status()
+			k.KeyIDHash = st.KeyIDHash
+			if i == c.writer {
+				info.KMS = &st
+			}
+		}
+		info.ReadKeys = append(info.ReadKeys, k)
 	}
 	return info
 }

@@ -80,7 +80,16 @@ type Set struct {
 	fallback *Chain
 	kms      []KMSProvider
 
+	// shared holds the KMS providers for every Set derived from one Build (WithWriters):
+	// they are closed when the last of those Sets is closed.
+	shared    *sharedProviders
 	closeOnce sync.Once
+}
+
+// sharedProviders counts the Sets using one Build's KMS providers.
+type sharedProviders struct {
+	mu   sync.Mutex
+	refs int
 }
 
 // Build constructs a Set from a configuration that config.Load or config.Parse validated
@@ -95,7 +104,7 @@ func Build(ctx context.Context, cfg *config.Config, opts Options) (set *Set, err
 	if opts.Logger.GetSink() == nil {
 		opts.Logger = klog.Background()
 	}
-	s := &Set{hash: cfg.Hash, rules: map[schema.GroupResource]*Chain{}}
+	s := &Set{hash: cfg.Hash, rules: map[schema.GroupResource]*Chain{}, shared: &sharedProviders{refs: 1}}
 	defer func() {
 		if err != nil {
 			s.Close()
@@ -184,13 +193,63 @@ func (s *Set) Rules() []RuleInfo {
 	return out
 }
 
-// Close stops every KMS provider's loops and connections. Safe to call more than once.
+// Close stops every KMS provider's loops and connections once no other Set derived
+// from the same Build (WithWriters) uses them. Safe to call more than once.
 func (s *Set) Close() {
 	s.closeOnce.Do(func() {
+		s.shared.mu.Lock()
+		s.shared.refs--
+		last := s.shared.refs == 0
+		s.shared.mu.Unlock()
+		if !last {
+			return
+		}
 		for _, k := range s.kms {
 			k.Close()
 		}
 	})
+}
+
+// WithWriters returns a Set with the same providers whose rule for each resource named
+// in writers (as RuleInfo.Resource spells it) writes with the entry at that index of
+// its read chain (RuleInfo.ReadKeys) instead of the first; rules not named, or named
+// with index 0, write with the configuration's first entry. Reads are unchanged, and so
+// is the stale flag: a value read by any entry but the configuration's first is stale,
+// whichever entry writes. The new Set shares the KMS providers; each Set must be
+// closed, and the providers stop with the last one. This is how a write fence holds a
+// new write key back while it keeps the rest of a configuration.
+func (s *Set) WithWriters(writers map[string]int) (*Set, error) {
+	for res, w := range writers {
+		c := s.ruleNamed(res)
+		if c == nil {
+			return nil, fmt.Errorf("transformers: no resource rule %q to choose a writer for", res)
+		}
+		if w < 0 || w >= len(c.sealers) {
+			return nil, fmt.Errorf("transformers: resource rule %q has %d providers and keys; writer %d does not exist", res, len(c.sealers), w)
+		}
+	}
+	s.shared.mu.Lock()
+	if s.shared.refs == 0 {
+		s.shared.mu.Unlock()
+		return nil, errors.New("transformers: the Set is closed; build a new one")
+	}
+	s.shared.refs++
+	s.shared.mu.Unlock()
+	d := &Set{hash: s.hash, rules: make(map[schema.GroupResource]*Chain, len(s.rules)), order: s.order,
+		fallback: s.fallback, kms: s.kms, shared: s.shared}
+	for gr, c := range s.rules {
+		d.rules[gr] = c.withWriter(writers[c.resource])
+	}
+	return d, nil
+}
+
+func (s *Set) ruleNamed(resource string) *Chain {
+	for _, c := range s.rules {
+		if c.resource == resource {
+			return c
+		}
+	}
+	return nil
 }
 
 // RuleInfo describes one resource rule. It carries names and hashes, never keys.
@@ -208,4 +267,38 @@ type RuleInfo struct {
 	ReadPrefixes []string `json:"readPrefixes"`
 	// KMS is set when a KMS v2 provider writes.
 	KMS *KMSStatus `json:"kms,omitempty"`
+	// ReadKeys describes, in configuration order, every entry of the chain: the same
+	// entries as ReadPrefixes, with KMS key id hashes. ReadKeys[0] is the entry the
+	// configuration makes the writer.
+	ReadKeys []KeyInfo `json:"readKeys"`
+	// WriteIndex is the index in ReadKeys of the entry that writes: 0 unless a write
+	// fence holds the configuration's first entry back (Set.WithWriters).
+	WriteIndex int `json:"writeIndex,omitempty"`
 }
+
+// KeyInfo names one entry of a chain: a provider and key, never key material.
+type KeyInfo struct {
+	// Provider is identity, aesgcm, aescbc, secretbox or kms.
+	Provider string `json:"provider"`
+	// Key is the key name (aes*, secretbox) or the KMS provider name.
+	Key string `json:"key,omitempty"`
+	// KeyIDHash is, for kms, "sha256:<hex>" of the key id the plugin reports now
+	// (empty until its first healthy Status).
+	KeyIDHash string `json:"keyIDHash,omitempty"`
+}
+
+// String is "aesgcm/key1", "kms/vault sha256:…", or "identity".
+func (k KeyInfo) String() string {
+	s := k.Provider
+	if k.Key != "" {
+		s += "/" + k.Key
+	}
+	if k.KeyIDHash != "" {
+		s += " " + k.KeyIDHash
+	}
+	return s
+}
+
+// SameEntry reports whether k and o name the same provider entry (for kms: the same
+// provider name, whatever key id its plugin reports).
+func (k KeyInfo) SameEntry(o KeyInfo) bool { return k.Provider == o.Provider && k.Key == o.Key }

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -61,6 +62,10 @@ func startShim(t *testing.T, c testbed.ShimConfig) *testbed.Shim {
 	}
 	if c.EtcdServers == nil {
 		c.EtcdServers = []string{etcd.Endpoint}
+	}
+	if !slices.ContainsFunc(c.Args, func(a string) bool { return strings.HasPrefix(a, "--coordination-prefix") }) {
+		// Tests share one etcd but are separate clusters: each coordinates under its own prefix.
+		c.Args = append(c.Args, "--coordination-prefix", "/rekey-e2e/"+strings.NewReplacer("/", "-").Replace(t.Name()))
 	}
 	s, err := testbed.StartShim(t.Context(), bins.Shim, c)
 	if err != nil {

@@ -62,6 +62,11 @@ type FactoryOptions struct {
 	HealthyTTL, UnhealthyTTL time.Duration
 	// WritesPerGeneration bounds writes per derived key (default 2^32); for tests.
 	WritesPerGeneration uint64
+	// OnKeyIDChange, when set, is called with the provider name and the new key id's
+	// "sha256:<hex>" hash whenever a provider starts writing under another key id than
+	// before (including its first). It runs on the provider's loop and must only
+	// signal, never block (a cluster publishes the change to the other apiservers).
+	OnKeyIDChange func(provider, keyIDHash string)
 }
 
 // Provider is one KMS v2 provider. It implements transformers.KMSProvider.
@@ -432,6 +437,9 @@ func (p *Provider) publish(v state.View) {
 			} else {
 				p.dek.put(ws.cacheKey, ws.entry)
 				p.write.Store(ws)
+				if p.opts.OnKeyIDChange != nil && (cur == nil || cur.spec.KeyID != w.KeyID) {
+					defer p.opts.OnKeyIDChange(p.name, state.KeyIDHash(w.KeyID))
+				}
 				p.opts.Metrics.rotations.WithLabelValues(p.name).Inc()
 				p.log.V(2).Info("New DEK seed for writes", "keyIDHash", state.KeyIDHash(w.KeyID), "generation", w.Generation)
 			}

@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -325,5 +327,34 @@ func TestPluginRestartAndAbstractSocket(t *testing.T) {
 	p.Close()
 	if err := p.WaitReady(ctx); err == nil || !strings.Contains(err.Error(), "closed") {
 		t.Fatal("WaitReady on a closed provider succeeded")
+	}
+}
+
+// TestOnKeyIDChangeReportsEachNewKeyID: the hook hears the first key id and a rotation,
+// not the DEK seeds that follow under the same key id.
+func TestOnKeyIDChangeReportsEachNewKeyID(t *testing.T) {
+	tp := startPlugin(t, "key-1")
+	var mu sync.Mutex
+	var heard []string
+	p := newProvider(t, "kms1", tp.endpoint, FactoryOptions{HealthyTTL: time.Nanosecond,
+		OnKeyIDChange: func(provider, hash string) {
+			mu.Lock()
+			defer mu.Unlock()
+			heard = append(heard, provider+" "+hash)
+		}})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := p.Check(ctx); err != nil { // a second healthy Status under the same key id
+		t.Fatal(err)
+	}
+	tp.writeKeys(t, "key-2", "key-1")
+	if err := p.Check(ctx); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	want := []string{"kms1 " + state.KeyIDHash("key-1"), "kms1 " + state.KeyIDHash("key-2")}
+	if !slices.Equal(heard, want) {
+		t.Fatalf("OnKeyIDChange heard %q, want %q", heard, want)
 	}
 }

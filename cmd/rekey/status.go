@@ -1,0 +1,143 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/rekey-io/rekey/pkg/cluster"
+)
+
+// errNotConverged makes `rekey status` exit non-zero after printing its verdict.
+var errNotConverged = errors.New("the apiservers have not converged")
+
+func newStatusCommand() *cobra.Command {
+	var c common
+	var output, prefix string
+	var alarm time.Duration
+	cmd := &cobra.Command{
+		Use:   "status",
+		Short: "Show every apiserver's encryption keys and whether the cluster has converged",
+		Long: `status reads what every live apiserver publishes under --coordination-prefix in etcd
+(shims and agents running with --cluster-coordination) and prints one line per
+apiserver: id, configuration hash, the key each resource is written with (and a new key
+its write fence holds back), the keys it can read, KMS health, its last refused reload
+and the age of its state. The verdict follows: converged; promoting a key, waiting for
+the apiservers that cannot read it yet; members disagree; migrating a resource x/y; all
+prefixed by "alarm:" when members have disagreed for longer than --disagreement-alarm.
+The exit code is 0 only when the cluster has converged.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if len(c.etcdServers) == 0 {
+				return errors.New("--etcd-servers is required")
+			}
+			if output != "table" && output != "json" {
+				return fmt.Errorf("-o %q: use table or json", output)
+			}
+			ctx := cmd.Context()
+			cli, err := c.client(ctx)
+			if err != nil {
+				return err
+			}
+			defer cli.Close()
+			snap, err := cluster.ReadSnapshot(ctx, cli, prefix)
+			if err != nil {
+				return err
+			}
+			now := time.Now()
+			v := cluster.Evaluate(snap.Members, snap.Migration, now, alarm)
+			if output == "json" {
+				err = writeJSON(cmd.OutOrStdout(), struct {
+					*cluster.Snapshot
+					Verdict cluster.Verdict `json:"verdict"`
+				}{snap, v})
+			} else {
+				writeStatusTable(cmd.OutOrStdout(), snap, v, now)
+			}
+			if err != nil {
+				return err
+			}
+			if !v.Converged {
+				return fmt.Errorf("%w: %s", errNotConverged, v.Summary)
+			}
+			return nil
+		},
+	}
+	fs := cmd.Flags()
+	fs.StringSliceVar(&c.etcdServers, "etcd-servers", nil, "etcd servers to connect to (scheme://ip:port), comma separated. Required.")
+	fs.StringVar(&c.etcdCA, "etcd-cafile", "", "SSL Certificate Authority file used to secure etcd communication.")
+	fs.StringVar(&c.etcdCert, "etcd-certfile", "", "SSL certification file used to secure etcd communication.")
+	fs.StringVar(&c.etcdKey, "etcd-keyfile", "", "SSL key file used to secure etcd communication.")
+	fs.DurationVar(&c.timeout, "etcd-dial-timeout", 10*time.Second, "How long to wait for etcd to answer.")
+	fs.StringVar(&prefix, "coordination-prefix", cluster.DefaultPrefix, "The apiservers' --coordination-prefix.")
+	fs.DurationVar(&alarm, "disagreement-alarm", cluster.DefaultDisagreementAlarm, "Report an alarm when a member has seen the others disagree for longer than this.")
+	fs.StringVarP(&output, "output", "o", "table", "Output format: table or json.")
+	return cmd
+}
+
+func writeStatusTable(w io.Writer, snap *cluster.Snapshot, v cluster.Verdict, now time.Time) {
+	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "APISERVER\tCONFIG\tWRITES\tREADS\tKMS\tLAST ERROR\tAGE")
+	for _, m := range snap.Members {
+		var writes, reads, kms []string
+		for _, r := range m.Resources {
+			w := r.Resource + "=" + r.Write.String()
+			if r.Held != nil {
+				w += " (holding " + r.Held.String() + ")"
+			}
+			writes = append(writes, w)
+			var rk []string
+			for _, k := range r.Read {
+				rk = append(rk, k.String())
+			}
+			reads = append(reads, r.Resource+"="+strings.Join(rk, ","))
+		}
+		for _, k := range m.KMS {
+			h := "healthy"
+			if !k.Healthy {
+				h = "unhealthy"
+			}
+			kms = append(kms, k.Name+" "+h)
+		}
+		lastErr := m.LastReloadError
+		if i := strings.IndexByte(lastErr, '\n'); i >= 0 {
+			lastErr = lastErr[:i] + " …"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", m.APIServerID, shortHash(m.ConfigHash), strings.Join(writes, "; "),
+			strings.Join(reads, "; "), dash(strings.Join(kms, ", ")), dash(lastErr), now.Sub(m.PublishedAt).Round(time.Second))
+	}
+	_ = tw.Flush()
+	if mig := snap.Migration; mig != nil {
+		fmt.Fprintf(w, "\nMIGRATION LEADER %s\n", dash(mig.Leader))
+		for _, p := range mig.Plans {
+			line := fmt.Sprintf("  %s: %s %s", p.Resource, p.State, p.Target)
+			if p.Detail != "" {
+				line += " (" + p.Detail + ")"
+			}
+			fmt.Fprintln(w, line)
+		}
+	}
+	for _, k := range snap.Skipped {
+		fmt.Fprintf(w, "skipped %s: not a member state\n", k)
+	}
+	fmt.Fprintf(w, "\nVERDICT %s\n", v.Summary)
+}
+
+func shortHash(h string) string {
+	if len(h) > len("sha256:")+12 {
+		return h[:len("sha256:")+12]
+	}
+	return dash(h)
+}
+
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}

@@ -1,0 +1,74 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rekey-io/rekey/internal/etcdtest"
+	"github.com/rekey-io/rekey/pkg/cluster"
+)
+
+// TestStatusVerdictAndExitCode publishes member states as apiservers would and checks
+// the table, the JSON and that only a converged cluster exits 0.
+func TestStatusVerdictAndExitCode(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	ctx := context.Background()
+	k := func(name string) cluster.Key { return cluster.Key{Provider: "aesgcm", Key: name} }
+	publish := func(m cluster.MemberState) {
+		t.Helper()
+		m.PublishedAt = time.Now()
+		data, err := m.Marshal()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cli.Put(ctx, cluster.MemberKey(cluster.DefaultPrefix, m.APIServerID), string(data)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	k2 := k("k2")
+	publish(cluster.MemberState{APIServerID: "a", ConfigHash: "sha256:aaaaaaaaaaaaaaaaaaaa", Resources: []cluster.ResourceState{
+		{Resource: "secrets", Write: k("k1"), Read: []cluster.Key{k2, k("k1")}, Held: &k2},
+	}})
+	publish(cluster.MemberState{APIServerID: "b", ConfigHash: "sha256:bbbbbbbbbbbbbbbbbbbb", Resources: []cluster.ResourceState{
+		{Resource: "secrets", Write: k("k1"), Read: []cluster.Key{k("k1")}},
+	}})
+	out, err := run(t, "status", "--etcd-servers", srv.Endpoint)
+	if !errors.Is(err, errNotConverged) {
+		t.Fatalf("status while a holds k2: err %v, want not converged\n%s", err, out)
+	}
+	for _, want := range []string{"secrets=aesgcm/k1 (holding aesgcm/k2)", "secrets=aesgcm/k2,aesgcm/k1", "VERDICT promoting aesgcm/k2 for secrets on a, waiting for b"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("table lacks %q:\n%s", want, out)
+		}
+	}
+
+	publish(cluster.MemberState{APIServerID: "a", ConfigHash: "sha256:cccc", Resources: []cluster.ResourceState{{Resource: "secrets", Write: k2, Read: []cluster.Key{k2, k("k1")}}}})
+	publish(cluster.MemberState{APIServerID: "b", ConfigHash: "sha256:cccc", Resources: []cluster.ResourceState{{Resource: "secrets", Write: k2, Read: []cluster.Key{k2, k("k1")}}}})
+	out, err = run(t, "status", "--etcd-servers", srv.Endpoint, "-o", "json")
+	if err != nil {
+		t.Fatalf("status of a converged cluster: %v\n%s", err, out)
+	}
+	var doc struct {
+		Members []cluster.MemberState `json:"members"`
+		Verdict cluster.Verdict       `json:"verdict"`
+	}
+	if err := json.Unmarshal([]byte(out), &doc); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	if !doc.Verdict.Converged || len(doc.Members) != 2 || doc.Verdict.Summary != "converged" {
+		t.Fatalf("json verdict %+v", doc.Verdict)
+	}
+
+	// A member that has seen disagreement for longer than the threshold: alarm.
+	publish(cluster.MemberState{APIServerID: "b", ConfigHash: "sha256:cccc", DisagreeingSince: time.Now().Add(-5 * time.Minute),
+		Resources: []cluster.ResourceState{{Resource: "secrets", Write: k2, Read: []cluster.Key{k2, k("k1")}}}})
+	out, err = run(t, "status", "--etcd-servers", srv.Endpoint)
+	if !errors.Is(err, errNotConverged) || !strings.Contains(out, "VERDICT alarm:") {
+		t.Fatalf("status with an old disagreement: %v\n%s", err, out)
+	}
+}

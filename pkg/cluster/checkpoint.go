@@ -1,0 +1,68 @@
+package cluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/rekey-io/rekey/pkg/migrate"
+)
+
+// etcdTimeout bounds one coordination request.
+const etcdTimeout = 5 * time.Second
+
+// ErrNotLeader is returned by a write guarded by leadership after it was lost.
+var ErrNotLeader = errors.New("not the migration leader any more")
+
+// EtcdCheckpoints is a migrate.CheckpointStore at one etcd key. When Guard is set, a
+// Save only succeeds while Guard holds (e.g. this apiserver still owns the leader
+// key), so a deposed leader cannot overwrite its successor's progress.
+type EtcdCheckpoints struct {
+	Client *clientv3.Client
+	Key    string
+	Guard  []clientv3.Cmp
+}
+
+var _ migrate.CheckpointStore = (*EtcdCheckpoints)(nil)
+
+// Load reads the checkpoint; none is (nil, nil).
+func (e *EtcdCheckpoints) Load() (*migrate.Checkpoint, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), etcdTimeout)
+	defer cancel()
+	resp, err := e.Client.Get(ctx, e.Key)
+	if err != nil {
+		return nil, fmt.Errorf("reading the migration checkpoint at %s: %w", e.Key, err)
+	}
+	if len(resp.Kvs) == 0 {
+		return nil, nil
+	}
+	return migrate.DecodeCheckpoint(resp.Kvs[0].Value, e.String())
+}
+
+// Save writes c.
+func (e *EtcdCheckpoints) Save(c *migrate.Checkpoint) error {
+	data, err := migrate.EncodeCheckpoint(c)
+	if err != nil {
+		return err
+	}
+	return guardedPut(e.Client, e.Key, data, e.Guard)
+}
+
+func (e *EtcdCheckpoints) String() string { return "etcd key " + e.Key }
+
+// guardedPut puts value at key if every guard compares true.
+func guardedPut(cli *clientv3.Client, key string, value []byte, guard []clientv3.Cmp) error {
+	ctx, cancel := context.WithTimeout(context.Background(), etcdTimeout)
+	defer cancel()
+	resp, err := cli.Txn(ctx).If(guard...).Then(clientv3.OpPut(key, string(value))).Commit()
+	if err != nil {
+		return fmt.Errorf("writing %s: %w", key, err)
+	}
+	if !resp.Succeeded {
+		return fmt.Errorf("writing %s: %w", key, ErrNotLeader)
+	}
+	return nil
+}

@@ -1,0 +1,29 @@
+// Package cluster makes many apiservers, each with its own copy of the encryption
+// configuration, act as one: none starts writing with a key another live apiserver
+// cannot read, and stored data is migrated once, by one elected apiserver, after all of
+// them write with the same key. The apiservers' own etcd is the coordination engine
+// (leases, a watch, an election, transactions); docs/cluster.md describes the keys.
+//
+//   - Each apiserver publishes a MemberState (write and read keys per resource, KMS
+//     key id hashes, health, config hash) under a lease at <prefix>/members/<id>.
+//   - A View watches the members; an expired lease drops a member out.
+//   - The Fence (a pure state machine) tells the reload.Agent which chain entry writes:
+//     a new write key is held back, the previous one writing, until every live member
+//     can read it, and then promoted without a new file.
+//   - The Leader (a pure state machine) and its driver Migrator run storage migration
+//     on the apiserver elected at <prefix>/migration/leader, with the checkpoint in etcd.
+//   - ReadyzCheck fails on a straggler; Guard refuses dropping keys still needed.
+//
+// pkg/reload does not import this package; a Node plugs into its hooks:
+//
+//	node, err := cluster.New(cluster.Options{Client: etcd, ID: "host-a:6443", ResourcePrefix: "/registry"})
+//	if err != nil { ... }
+//	if err := node.Start(ctx); err != nil { ... }  // loads the member list first
+//	defer node.Close()                            // revokes the member lease
+//	agent, err := reload.NewAgent(ctx, reload.Options{
+//		Path: path, AutomaticReload: true,
+//		WriteFence: node.WriteFence, OnChange: node.Notify, Guard: node.Guard,
+//	})
+//	node.Attach(agent)                            // publishing starts
+//	serverConfig.AddReadyzChecks(node.ReadyzCheck())
+package cluster

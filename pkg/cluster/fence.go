@@ -1,0 +1,215 @@
+package cluster
+
+import (
+	"maps"
+	"slices"
+	"time"
+
+	"github.com/rekey-io/rekey/pkg/transformers"
+)
+
+// Fence is the write fence of one apiserver, a pure state machine in etcd raft's shape:
+// no I/O, no goroutines, time comes in through Step. It answers one question — which
+// entry of each resource rule's chain may write now — so that the apiserver never
+// starts writing with a key some live member cannot read.
+//
+// Rule: a rule writes with the configuration's first entry K once every live member
+// (other than this one) can read K, and keeps writing with it once it does (a member
+// that cannot read the key already written is a straggler, not a veto). Until then K is
+// held: the rule keeps writing with
+// the entry that wrote before, if the new chain still has it and everyone reads it;
+// else with the first entry of the chain everyone reads. When no entry qualifies it
+// writes with K anyway (nothing safer exists: the members that cannot read it are
+// stragglers and fail /readyz) — unless the entry that wrote before is still in the
+// chain: then it keeps writing, so a straggler never makes the others switch keys. The
+// hold records both cases as unsafe. Promotion is
+// re-asking after the member set changed (Agent.Refence).
+//
+// The fence is not safe for concurrent use; the Node serialises access.
+type Fence struct {
+	self    string
+	now     time.Time
+	synced  bool
+	members map[string]MemberState // live members other than self
+	holds   map[string]Hold        // by resource
+}
+
+// Hold is a configured write key held back.
+type Hold struct {
+	Resource string `json:"resource"`
+	// Held is the configured write key; Writing the entry writing instead.
+	Held    Key `json:"held"`
+	Writing Key `json:"writing"`
+	// Since is when the fence started holding Held.
+	Since time.Time `json:"since"`
+	// WaitingFor lists the live members that cannot read Held yet.
+	WaitingFor []string `json:"waitingFor"`
+	// Unsafe is set when no entry of the chain is readable by every member, so Held
+	// writes after all.
+	Unsafe bool `json:"unsafe,omitempty"`
+}
+
+// FenceEvent is an input of Fence.Step.
+type FenceEvent interface{ fenceEvent() }
+
+// MembersChanged carries the live member set (it may include this apiserver; its own
+// entry is ignored).
+type MembersChanged struct{ Members []MemberState }
+
+// Tick advances the fence's clock.
+type Tick struct{ Now time.Time }
+
+func (MembersChanged) fenceEvent() {}
+func (Tick) fenceEvent()           {}
+
+// NewFence returns the fence of apiserver self. Until the first MembersChanged it
+// treats every other member as unknown and holds every new key.
+func NewFence(self string, now time.Time) *Fence {
+	return &Fence{self: self, now: now, members: map[string]MemberState{}, holds: map[string]Hold{}}
+}
+
+// Step feeds one event.
+func (f *Fence) Step(ev FenceEvent) {
+	switch e := ev.(type) {
+	case MembersChanged:
+		f.synced = true
+		f.members = map[string]MemberState{}
+		for _, m := range e.Members {
+			if m.APIServerID != f.self {
+				f.members[m.APIServerID] = m
+			}
+		}
+	case Tick:
+		if e.Now.After(f.now) {
+			f.now = e.Now
+		}
+	}
+}
+
+// Writers decides, for the rules of next (built from the configuration: ReadKeys[0] is
+// the configured write key) given the rules serving now (current, nil at start), the
+// index in ReadKeys of the entry each rule writes with. It records the holds. This is
+// the reload.Options.WriteFence contract.
+func (f *Fence) Writers(current, next []transformers.RuleInfo) map[string]int {
+	out := map[string]int{}
+	holds := map[string]Hold{}
+	for _, n := range next {
+		if len(n.ReadKeys) == 0 {
+			continue
+		}
+		want := n.ReadKeys[0]
+		if writesAlready(current, n.Resource, want) {
+			// Promotion needs every member's ack; keeping a promoted key does not. A
+			// member that cannot read it now is a straggler (it rejoined with an old
+			// file): it is not ready until its file catches up, and must not pull the
+			// others back to an older key.
+			continue
+		}
+		waiting := f.cannotRead(n.Resource, want)
+		if len(waiting) == 0 {
+			continue
+		}
+		idx, unsafe := f.fallback(n, current)
+		h := Hold{Resource: n.Resource, Held: want, Writing: n.ReadKeys[idx], Since: f.now, WaitingFor: waiting, Unsafe: unsafe}
+		if old, ok := f.holds[n.Resource]; ok && old.Held.SameEntry(want) {
+			h.Since = old.Since
+		}
+		holds[n.Resource] = h
+		if idx != 0 {
+			out[n.Resource] = idx
+		}
+	}
+	f.holds = holds
+	return out
+}
+
+// writesAlready reports whether the rule for resource in current writes with k.
+func writesAlready(current []transformers.RuleInfo, resource string, k Key) bool {
+	for _, c := range current {
+		if c.Resource == resource && c.WriteIndex < len(c.ReadKeys) && c.ReadKeys[c.WriteIndex].SameEntry(k) {
+			return true
+		}
+	}
+	return false
+}
+
+// fallback picks the entry to write with while the configured one is held: the entry
+// that wrote before if everyone reads it, else the first entry everyone reads; when no
+// entry is read by everyone (a straggler reads none of them), the entry that wrote
+// before if the chain still has it — a straggler never makes the others switch keys —
+// else the configured one. The last two are unsafe.
+func (f *Fence) fallback(n transformers.RuleInfo, current []transformers.RuleInfo) (idx int, unsafe bool) {
+	prev := -1
+	for _, c := range current {
+		if c.Resource != n.Resource || c.WriteIndex >= len(c.ReadKeys) {
+			continue
+		}
+		for i, k := range n.ReadKeys {
+			if k.SameEntry(c.ReadKeys[c.WriteIndex]) {
+				prev = i
+				break
+			}
+		}
+	}
+	if prev >= 0 && len(f.cannotRead(n.Resource, n.ReadKeys[prev])) == 0 {
+		return prev, false
+	}
+	for i, k := range n.ReadKeys[1:] {
+		if len(f.cannotRead(n.Resource, k)) == 0 {
+			return i + 1, false
+		}
+	}
+	if prev >= 0 {
+		return prev, true
+	}
+	return 0, true
+}
+
+// cannotRead lists the live members (sorted) that cannot read k for resource; before
+// the first member list it is "unknown".
+func (f *Fence) cannotRead(resource string, k Key) []string {
+	if !f.synced {
+		return []string{"(member list not loaded)"}
+	}
+	var out []string
+	for id, m := range f.members {
+		if !m.CanRead(resource, k) {
+			out = append(out, id)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// Holds lists the keys held back now, by resource.
+func (f *Fence) Holds() []Hold {
+	out := slices.Collect(maps.Values(f.holds))
+	slices.SortFunc(out, func(a, b Hold) int {
+		if a.Resource < b.Resource {
+			return -1
+		}
+		if a.Resource > b.Resource {
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+// HeldSince maps each held resource to when its hold started (for MemberState).
+func (f *Fence) HeldSince() map[string]time.Time {
+	out := map[string]time.Time{}
+	for r, h := range f.holds {
+		out[r] = h.Since
+	}
+	return out
+}
+
+// LongestHold is how long the oldest hold has lasted at the fence's clock.
+func (f *Fence) LongestHold() time.Duration {
+	var d time.Duration
+	for _, h := range f.holds {
+		d = max(d, f.now.Sub(h.Since))
+	}
+	return d
+}

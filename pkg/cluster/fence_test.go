@@ -1,0 +1,91 @@
+package cluster
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cockroachdb/datadriven"
+
+	"github.com/rekey-io/rekey/pkg/transformers"
+)
+
+// TestFenceTranscripts steps the write fence through the stories in testdata/fence*.txt.
+//
+//	member id=<id> [gone]   input: the member's rules ("secrets: *aesgcm/k1,aesgcm/k2")
+//	members-loaded          the first (empty) member list arrived
+//	config                  input: this apiserver's new configuration (a reload)
+//	refence                 ask again with the current rules (promotion)
+//	tick <duration>         advance the clock
+func TestFenceTranscripts(t *testing.T) {
+	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
+		if !strings.HasPrefix(pathBase(path), "fence") {
+			return
+		}
+		now := epoch
+		f := NewFence("self", now)
+		members := map[string]MemberState{}
+		var current []transformers.RuleInfo
+		sync := func() {
+			var list []MemberState
+			for _, m := range members {
+				list = append(list, m)
+			}
+			f.Step(MembersChanged{Members: list})
+		}
+		datadriven.RunTest(t, path, func(t *testing.T, d *datadriven.TestData) string {
+			switch d.Cmd {
+			case "member":
+				var id string
+				d.ScanArgs(t, "id", &id)
+				if d.HasArg("gone") {
+					delete(members, id)
+				} else {
+					members[id] = memberFrom(id, parseRules(t, d.Input))
+				}
+				sync()
+				return "ok"
+			case "members-loaded":
+				sync()
+				return "ok"
+			case "config":
+				next := parseRules(t, d.Input)
+				current = applyWriters(next, f.Writers(current, next))
+				return renderFence(f, current, now)
+			case "refence":
+				current = applyWriters(current, f.Writers(current, current))
+				return renderFence(f, current, now)
+			case "tick":
+				now = now.Add(durationArg(t, d))
+				f.Step(Tick{Now: now})
+				return fmt.Sprintf("t=%s", now.Sub(epoch))
+			}
+			d.Fatalf(t, "unknown command %q", d.Cmd)
+			return ""
+		})
+	})
+}
+
+func renderFence(f *Fence, rules []transformers.RuleInfo, now time.Time) string {
+	var b strings.Builder
+	holds := map[string]Hold{}
+	for _, h := range f.Holds() {
+		holds[h.Resource] = h
+	}
+	sort.SliceStable(rules, func(i, j int) bool { return rules[i].Resource < rules[j].Resource })
+	for _, r := range rules {
+		fmt.Fprintf(&b, "%s: writes %s", r.Resource, r.ReadKeys[r.WriteIndex])
+		if h, ok := holds[r.Resource]; ok {
+			fmt.Fprintf(&b, "; holds %s for %s, waiting for %s", h.Held, ago(now, h.Since), strings.Join(h.WaitingFor, ","))
+			if h.Unsafe {
+				b.WriteString(" (unsafe: no key every member reads)")
+			}
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
+}
+
+func pathBase(p string) string { return p[strings.LastIndex(p, "/")+1:] }

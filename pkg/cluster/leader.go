@@ -1,0 +1,290 @@
+package cluster
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+)
+
+// Leader decides what the elected migration leader migrates, a pure state machine in
+// etcd raft's shape (no I/O, no goroutines, time through Step). The driver (Migrator)
+// feeds it leadership, the live members, inventories and migration results, asks Next
+// for the migration to start, runs it, and reports back with MigrationFinished.
+//
+// Rules:
+//   - only one migration runs at a time, and only while leading;
+//   - resource R is migrated only when every live member writes R with the same key (for
+//     KMS: the same provider and the same key id hash — every plugin has seen the new key
+//     id), the target T;
+//   - the record of a finished migration keeps the target captured when it started, so
+//     when the write key changed meanwhile, the record differs from the new common key
+//     and that key is migrated next — never skipped;
+//   - R is migrated again when an inventory newer than its record counts objects not
+//     under T (a straggler wrote with an old key);
+//   - a failed migration is retried with exponential backoff (2 s doubling to 1 min).
+type Leader struct {
+	resources []string
+	now       time.Time
+	leading   bool
+	members   map[string]MemberState
+	records   map[string]Record
+	inventory map[string]InventoryTaken
+	running   *Migration
+	failures  map[string]int
+	retryAt   map[string]time.Time
+}
+
+// Record is the outcome of the latest migration of a resource, kept in etcd.
+type Record struct {
+	// Target is the write key captured when the migration started.
+	Target Key `json:"target"`
+	// Verified is set when the verifying re-scan found no object off Target.
+	Verified   bool      `json:"verified"`
+	StartedAt  time.Time `json:"startedAt"`
+	FinishedAt time.Time `json:"finishedAt"`
+	Error      string    `json:"error,omitempty"`
+	// Revision is the etcd revision of the verifying re-scan: an inventory read at an
+	// older revision predates the migration (each apiserver then takes a fresh one).
+	Revision int64 `json:"revision,omitempty"`
+}
+
+// Migration is one migration to start or running.
+type Migration struct {
+	Resource  string    `json:"resource"`
+	Target    Key       `json:"target"`
+	StartedAt time.Time `json:"startedAt"`
+}
+
+// LeaderEvent is an input of Leader.Step.
+type LeaderEvent interface{ leaderEvent() }
+
+// Leadership reports winning or losing the election.
+type Leadership struct{ Leading bool }
+
+// RecordsLoaded carries the records read from etcd when leadership is won.
+type RecordsLoaded struct{ Records map[string]Record }
+
+// InventoryTaken reports what is stored for a resource, by key.
+type InventoryTaken struct {
+	Resource string
+	TakenAt  time.Time
+	Objects  []KeyCount
+}
+
+// KeyCount is how many stored objects one key encrypts.
+type KeyCount struct {
+	Key     Key
+	Objects int64
+}
+
+// MigrationFinished reports the end of the migration Next started; Err is empty when
+// the verifying re-scan found every object on the target.
+type MigrationFinished struct {
+	Resource string
+	Target   Key
+	Err      string
+	// Revision is the verifying re-scan's etcd revision (0 when unknown).
+	Revision int64
+}
+
+func (Leadership) leaderEvent()        {}
+func (RecordsLoaded) leaderEvent()     {}
+func (InventoryTaken) leaderEvent()    {}
+func (MigrationFinished) leaderEvent() {}
+func (MembersChanged) leaderEvent()    {}
+func (Tick) leaderEvent()              {}
+
+const (
+	retryBase = 2 * time.Second
+	retryMax  = time.Minute
+)
+
+// NewLeader returns the decision machine for resources (as a member rule or an
+// inventory names them: "secrets", "configmaps").
+func NewLeader(resources []string, now time.Time) *Leader {
+	return &Leader{resources: slices.Clone(resources), now: now, members: map[string]MemberState{},
+		records: map[string]Record{}, inventory: map[string]InventoryTaken{},
+		failures: map[string]int{}, retryAt: map[string]time.Time{}}
+}
+
+// Step feeds one event.
+func (l *Leader) Step(ev LeaderEvent) {
+	switch e := ev.(type) {
+	case Leadership:
+		l.leading = e.Leading
+	case RecordsLoaded:
+		for r, rec := range e.Records {
+			if cur, ok := l.records[r]; !ok || rec.FinishedAt.After(cur.FinishedAt) {
+				l.records[r] = rec
+			}
+		}
+	case InventoryTaken:
+		if cur, ok := l.inventory[e.Resource]; !ok || !e.TakenAt.Before(cur.TakenAt) {
+			l.inventory[e.Resource] = e
+		}
+	case MembersChanged:
+		l.members = map[string]MemberState{}
+		for _, m := range e.Members {
+			l.members[m.APIServerID] = m
+		}
+	case MigrationFinished:
+		if l.running == nil || l.running.Resource != e.Resource {
+			return
+		}
+		rec := Record{Target: l.running.Target, StartedAt: l.running.StartedAt, FinishedAt: l.now, Error: e.Err, Verified: e.Err == "", Revision: e.Revision}
+		l.running = nil
+		if e.Err != "" {
+			l.failures[e.Resource]++
+			backoff := retryBase << min(l.failures[e.Resource]-1, 10)
+			l.retryAt[e.Resource] = l.now.Add(min(backoff, retryMax))
+		} else {
+			delete(l.failures, e.Resource)
+			delete(l.retryAt, e.Resource)
+		}
+		l.records[e.Resource] = rec
+	case Tick:
+		if e.Now.After(l.now) {
+			l.now = e.Now
+		}
+	}
+}
+
+// Next returns the migration to start now, if any, and marks it running.
+func (l *Leader) Next() (Migration, bool) {
+	if !l.leading || l.running != nil {
+		return Migration{}, false
+	}
+	for _, r := range l.resources {
+		if p := l.plan(r); p.State == PlanMigrate {
+			m := Migration{Resource: r, Target: p.Target, StartedAt: l.now}
+			l.running = &m
+			return m, true
+		}
+	}
+	return Migration{}, false
+}
+
+// Running is the migration in progress, if any.
+func (l *Leader) Running() (Migration, bool) {
+	if l.running == nil {
+		return Migration{}, false
+	}
+	return *l.running, true
+}
+
+// Records returns the records by resource.
+func (l *Leader) Records() map[string]Record {
+	out := make(map[string]Record, len(l.records))
+	for k, v := range l.records {
+		out[k] = v
+	}
+	return out
+}
+
+// Plan states.
+const (
+	PlanDone      = "done"      // every object is on the common write key
+	PlanMigrate   = "migrate"   // due now
+	PlanRunning   = "running"   // migrating now
+	PlanWaiting   = "waiting"   // members disagree, or none is live
+	PlanRetrying  = "retrying"  // the last attempt failed; backing off
+	PlanFollowing = "following" // another apiserver leads
+)
+
+// Plan describes what the leader would do for one resource and why.
+type Plan struct {
+	Resource string `json:"resource"`
+	State    string `json:"state"`
+	Target   Key    `json:"target,omitzero"`
+	Detail   string `json:"detail,omitempty"`
+}
+
+// Plans describes every resource.
+func (l *Leader) Plans() []Plan {
+	out := make([]Plan, 0, len(l.resources))
+	for _, r := range l.resources {
+		out = append(out, l.plan(r))
+	}
+	return out
+}
+
+func (l *Leader) plan(r string) Plan {
+	if l.running != nil && l.running.Resource == r {
+		return Plan{Resource: r, State: PlanRunning, Target: l.running.Target}
+	}
+	target, ok, detail := CommonWriteKey(l.members, r)
+	if !ok {
+		return Plan{Resource: r, State: PlanWaiting, Detail: detail}
+	}
+	rec, hasRec := l.records[r]
+	due := !hasRec || !rec.Verified || rec.Target != target
+	why := "the common write key changed since the last migration"
+	if !hasRec {
+		why = "no migration recorded yet"
+	} else if rec.Target == target && !rec.Verified {
+		why = "the last migration to it was not verified"
+	}
+	if inv, ok := l.inventory[r]; ok && (!hasRec || inv.TakenAt.After(rec.FinishedAt)) {
+		if n := offTarget(inv, target); n > 0 {
+			due, why = true, fmt.Sprintf("an inventory counts %d objects under other keys", n)
+		} else if !due || !hasRec {
+			// A fresh inventory with everything on target is as good as a verified run.
+			return Plan{Resource: r, State: PlanDone, Target: target}
+		}
+	}
+	if !due {
+		return Plan{Resource: r, State: PlanDone, Target: target}
+	}
+	if at, ok := l.retryAt[r]; ok && l.now.Before(at) {
+		return Plan{Resource: r, State: PlanRetrying, Target: target, Detail: fmt.Sprintf("retry in %s after: %s", at.Sub(l.now), rec.Error)}
+	}
+	if !l.leading {
+		return Plan{Resource: r, State: PlanFollowing, Target: target, Detail: why}
+	}
+	return Plan{Resource: r, State: PlanMigrate, Target: target, Detail: why}
+}
+
+// offTarget counts the objects an inventory found under keys other than target.
+func offTarget(inv InventoryTaken, target Key) int64 {
+	var n int64
+	for _, c := range inv.Objects {
+		if !c.Key.SameEntry(target) || (target.KeyIDHash != "" && c.Key.KeyIDHash != target.KeyIDHash) {
+			n += c.Objects
+		}
+	}
+	return n
+}
+
+// CommonWriteKey returns the key every live member writes resource with, or why there
+// is none. For KMS the key id hashes must agree too, and be known.
+func CommonWriteKey(members map[string]MemberState, resource string) (Key, bool, string) {
+	if len(members) == 0 {
+		return Key{}, false, "no live member"
+	}
+	ids := make([]string, 0, len(members))
+	for id := range members {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	var first Key
+	var parts []string
+	agree := true
+	for i, id := range ids {
+		rule, _ := members[id].Rule(resource)
+		w := rule.Write
+		parts = append(parts, id+"="+w.String())
+		if w.Provider == "kms" && w.KeyIDHash == "" {
+			agree = false
+		}
+		if i == 0 {
+			first = w
+		} else if w != first {
+			agree = false
+		}
+	}
+	if !agree {
+		return Key{}, false, "members write with different keys: " + strings.Join(parts, ", ")
+	}
+	return first, true, ""
+}

@@ -1,0 +1,104 @@
+package cluster
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/cockroachdb/datadriven"
+)
+
+// TestLeaderTranscripts steps the migration leader through testdata/leader*.txt.
+//
+//	leading / not-leading
+//	member id=<id> [gone]          input: the member's rules, as in the fence transcripts
+//	inventory resource=<r>         input: "<key>: <objects>" lines, taken now
+//	next                           what the leader starts now
+//	finished resource=<r> [error=<text>]
+//	tick <duration>
+//	plans                          every resource's plan
+func TestLeaderTranscripts(t *testing.T) {
+	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
+		if !strings.HasPrefix(pathBase(path), "leader") {
+			return
+		}
+		now := epoch
+		l := NewLeader([]string{"secrets", "configmaps"}, now)
+		members := map[string]MemberState{}
+		datadriven.RunTest(t, path, func(t *testing.T, d *datadriven.TestData) string {
+			switch d.Cmd {
+			case "leading", "not-leading":
+				l.Step(Leadership{Leading: d.Cmd == "leading"})
+				return renderPlans(l)
+			case "member":
+				var id string
+				d.ScanArgs(t, "id", &id)
+				if d.HasArg("gone") {
+					delete(members, id)
+				} else {
+					members[id] = memberFrom(id, parseRules(t, d.Input))
+				}
+				var list []MemberState
+				for _, m := range members {
+					list = append(list, m)
+				}
+				l.Step(MembersChanged{Members: list})
+				return "ok"
+			case "inventory":
+				var res string
+				d.ScanArgs(t, "resource", &res)
+				ev := InventoryTaken{Resource: res, TakenAt: now}
+				for _, line := range strings.Split(strings.TrimSpace(d.Input), "\n") {
+					k, n, _ := strings.Cut(line, ":")
+					c, err := strconv.ParseInt(strings.TrimSpace(n), 10, 64)
+					if err != nil {
+						d.Fatalf(t, "inventory line %q: %v", line, err)
+					}
+					ev.Objects = append(ev.Objects, KeyCount{Key: parseKey(k), Objects: c})
+				}
+				l.Step(ev)
+				return "ok"
+			case "next":
+				m, ok := l.Next()
+				if !ok {
+					return "nothing\n" + renderPlans(l)
+				}
+				return fmt.Sprintf("migrate %s to %s", m.Resource, m.Target)
+			case "finished":
+				var res, errText string
+				d.ScanArgs(t, "resource", &res)
+				if d.HasArg("error") {
+					d.ScanArgs(t, "error", &errText)
+				}
+				m, _ := l.Running()
+				l.Step(MigrationFinished{Resource: res, Target: m.Target, Err: errText})
+				rec := l.Records()[res]
+				return fmt.Sprintf("record %s: target %s verified=%v", res, rec.Target, rec.Verified)
+			case "tick":
+				now = now.Add(durationArg(t, d))
+				l.Step(Tick{Now: now})
+				return fmt.Sprintf("t=%s", now.Sub(epoch))
+			case "plans":
+				return renderPlans(l)
+			}
+			d.Fatalf(t, "unknown command %q", d.Cmd)
+			return ""
+		})
+	})
+}
+
+func renderPlans(l *Leader) string {
+	var b strings.Builder
+	for _, p := range l.Plans() {
+		fmt.Fprintf(&b, "%s: %s", p.Resource, p.State)
+		if p.Target != (Key{}) {
+			fmt.Fprintf(&b, " %s", p.Target)
+		}
+		if p.Detail != "" {
+			fmt.Fprintf(&b, " (%s)", p.Detail)
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
+}

@@ -1,0 +1,151 @@
+package cluster
+
+import (
+	"encoding/json"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/runtime/schema"
+
+	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/reload"
+	"github.com/rekey-io/rekey/pkg/transformers"
+)
+
+// Key names one entry of a resource's chain: a provider and key name (KMS: the
+// provider name and the "sha256:" hash of the key id its plugin reports). Never key
+// material.
+type Key = transformers.KeyInfo
+
+// MemberState is what one apiserver publishes at <prefix>/members/<apiserver-id>
+// under its lease. It holds names, hashes and times, never key material.
+type MemberState struct {
+	// APIServerID names the apiserver (--apiserver-id).
+	APIServerID string `json:"apiserverID"`
+	// Version is the rekey build.
+	Version string `json:"version,omitempty"`
+	// ConfigHash is "sha256:<hex>" of the configuration file in use.
+	ConfigHash string `json:"configHash"`
+	// Resources has one entry per resource rule of that configuration, in file order.
+	Resources []ResourceState `json:"resources"`
+	// KMS reports the health and key id hash of every KMS v2 provider.
+	KMS []KMSState `json:"kms,omitempty"`
+	// LastReloadError is the latest refused configuration, if it is newer than the one
+	// in use.
+	LastReloadError   string    `json:"lastReloadError,omitempty"`
+	LastReloadErrorAt time.Time `json:"lastReloadErrorAt,omitzero"`
+	// DisagreeingSince is when this member first saw the live members disagree about a
+	// write key (zero while they agree); the status command raises the alarm from it.
+	DisagreeingSince time.Time `json:"disagreeingSince,omitzero"`
+	// PublishedAt is when this state was written.
+	PublishedAt time.Time `json:"publishedAt"`
+}
+
+// ResourceState is one resource rule of a member.
+type ResourceState struct {
+	// Resource is the rule as written in the configuration ("secrets", "*.apps").
+	Resource string `json:"resource"`
+	// Write is the entry that writes now.
+	Write Key `json:"write"`
+	// Read lists every entry the rule can read, in configuration order.
+	Read []Key `json:"read"`
+	// Held is the configuration's write key while the write fence holds it back.
+	Held *Key `json:"held,omitempty"`
+	// HeldSince is when the fence started holding it.
+	HeldSince time.Time `json:"heldSince,omitzero"`
+}
+
+// KMSState is one KMS v2 provider of a member.
+type KMSState struct {
+	Name      string `json:"name"`
+	Healthy   bool   `json:"healthy"`
+	KeyIDHash string `json:"keyIDHash,omitempty"`
+	LastError string `json:"lastError,omitempty"`
+}
+
+// Marshal encodes s for etcd.
+func (s MemberState) Marshal() ([]byte, error) { return json.Marshal(s) }
+
+// ParseMemberState decodes a member key's value.
+func ParseMemberState(data []byte) (MemberState, error) {
+	var s MemberState
+	if err := json.Unmarshal(data, &s); err != nil {
+		return s, fmt.Errorf("member state is not valid JSON: %w", err)
+	}
+	if s.APIServerID == "" {
+		return s, fmt.Errorf("member state has no apiserverID")
+	}
+	return s, nil
+}
+
+// StateFromStatus describes an agent's status document as a member state. held says,
+// per resource, since when the fence holds its configured write key back.
+func StateFromStatus(id, version string, st reload.Status, held map[string]time.Time, now time.Time) MemberState {
+	m := MemberState{APIServerID: id, Version: version, ConfigHash: st.ActiveConfigHash, PublishedAt: now}
+	for _, r := range st.Resources {
+		rs := ResourceState{Resource: r.Resource, Read: slices.Clone(r.ReadKeys)}
+		if r.WriteIndex >= 0 && r.WriteIndex < len(r.ReadKeys) {
+			rs.Write = r.ReadKeys[r.WriteIndex]
+		}
+		if r.WriteIndex > 0 && len(r.ReadKeys) > 0 {
+			k := r.ReadKeys[0]
+			rs.Held, rs.HeldSince = &k, held[r.Resource]
+		}
+		m.Resources = append(m.Resources, rs)
+	}
+	for _, k := range st.KMSProviders {
+		m.KMS = append(m.KMS, KMSState{Name: k.Name, Healthy: k.Healthy, KeyIDHash: k.KeyIDHash, LastError: k.LastError})
+	}
+	if st.LastError != "" && st.LastErrorAt.After(st.LoadedAt) {
+		m.LastReloadError, m.LastReloadErrorAt = st.LastError, st.LastErrorAt
+	}
+	return m
+}
+
+// sameContent compares two states ignoring PublishedAt.
+func sameContent(a, b MemberState) bool {
+	a.PublishedAt, b.PublishedAt = time.Time{}, time.Time{}
+	x, _ := json.Marshal(a)
+	y, _ := json.Marshal(b)
+	return string(x) == string(y)
+}
+
+// identity is the chain entry of plaintext, which a resource without a rule reads.
+var identity = Key{Provider: "identity"}
+
+// Rule returns the member's rule that serves resource (as a rule names it): the same
+// rule name, else for a concrete resource the `*.<group>` rule, else `*.*`. A member
+// with none of them stores resource as plaintext: ok is false and the rule reads and
+// writes identity only.
+func (s MemberState) Rule(resource string) (rule ResourceState, ok bool) {
+	find := func(name string) (ResourceState, bool) {
+		for _, r := range s.Resources {
+			if r.Resource == name {
+				return r, true
+			}
+		}
+		return ResourceState{}, false
+	}
+	if r, ok := find(resource); ok {
+		return r, true
+	}
+	if !strings.HasPrefix(resource, "*.") {
+		gr := schema.ParseGroupResource(resource)
+		if r, ok := find(config.GroupResourceString(schema.GroupResource{Group: gr.Group, Resource: "*"})); ok {
+			return r, true
+		}
+	}
+	if r, ok := find("*.*"); ok {
+		return r, true
+	}
+	return ResourceState{Resource: resource, Write: identity, Read: []Key{identity}}, false
+}
+
+// CanRead reports whether the member's rule for resource has the entry k (for KMS:
+// the same provider name, whatever key id).
+func (s MemberState) CanRead(resource string, k Key) bool {
+	r, _ := s.Rule(resource)
+	return slices.ContainsFunc(r.Read, k.SameEntry)
+}

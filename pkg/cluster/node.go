@@ -1,0 +1,385 @@
+package cluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"slices"
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/clock"
+
+	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/reload"
+	"github.com/rekey-io/rekey/pkg/transformers"
+)
+
+// Defaults of Options.
+const (
+	DefaultLeaseTTL          = 10 * time.Second
+	DefaultDisagreementAlarm = 2 * time.Minute
+	// DefaultRefreshInterval is how often the member state is published without a change.
+	DefaultRefreshInterval = 30 * time.Second
+	// tickInterval drives alarms, fence hold times and the cheap re-check of the agent's
+	// view (a KMS key id change that no hook reported).
+	tickInterval = time.Second
+)
+
+// Agent is what a Node needs of reload.Agent.
+type Agent interface {
+	OwnStatus() reload.Status
+	Refence() error
+}
+
+// Options configure a Node.
+type Options struct {
+	// Client talks to the apiservers' etcd (built from the storage backend's flags).
+	Client *clientv3.Client
+	// ID names this apiserver (--apiserver-id).
+	ID string
+	// Prefix is the coordination prefix (default /rekey); ResourcePrefix the storage
+	// prefix it must stay outside of (--etcd-prefix).
+	Prefix         string
+	ResourcePrefix string
+	// LeaseTTL is the member key's lease (default 10 s): a dead apiserver stops counting
+	// this long after its last keep-alive.
+	LeaseTTL time.Duration
+	// DisagreementAlarm is how long members may disagree about a write key before the
+	// alarm (default 2 min).
+	DisagreementAlarm time.Duration
+	// RefreshInterval re-publishes an unchanged state (default 30 s).
+	RefreshInterval time.Duration
+	// Version is the rekey version published (default: the main module's).
+	Version string
+	// Inventory is the latest local inventory (for readiness and the guard); may be nil.
+	Inventory *migrate.InventoryStore
+	Metrics   *Metrics
+	Logger    klog.Logger
+	Clock     clock.WithTicker
+}
+
+// Node is one apiserver's part of the cluster: it publishes its member state, watches
+// the others, runs the write fence for its reload.Agent, and serves readiness, guard
+// and status. Wire it as reload.Options.WriteFence (Node.WriteFence) and
+// reload.Options.OnChange (Node.Notify) before the agent starts, then Attach the agent.
+type Node struct {
+	opts Options
+	log  klog.Logger
+	view *View
+	pub  *Publisher
+
+	mu               sync.Mutex
+	fence            *Fence
+	agent            Agent
+	migrator         *Migrator
+	published        MemberState
+	lastPublish      time.Time
+	publishErr       string
+	disagreeingSince time.Time
+	alarmed          bool
+
+	notify chan struct{}
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// New validates opts and returns a Node; call Start before building the agent.
+func New(opts Options) (*Node, error) {
+	if opts.Client == nil {
+		return nil, errors.New("cluster: no etcd client")
+	}
+	if opts.Prefix == "" {
+		opts.Prefix = DefaultPrefix
+	}
+	if err := ValidatePrefix(opts.Prefix, opts.ResourcePrefix); err != nil {
+		return nil, err
+	}
+	if err := ValidateID(opts.ID); err != nil {
+		return nil, err
+	}
+	if opts.LeaseTTL <= 0 {
+		opts.LeaseTTL = DefaultLeaseTTL
+	}
+	if opts.LeaseTTL < 2*time.Second {
+		return nil, fmt.Errorf("--cluster-lease-ttl %s is too short: etcd leases count in seconds; use at least 2s", opts.LeaseTTL)
+	}
+	if opts.DisagreementAlarm <= 0 {
+		opts.DisagreementAlarm = DefaultDisagreementAlarm
+	}
+	if opts.RefreshInterval <= 0 {
+		opts.RefreshInterval = DefaultRefreshInterval
+	}
+	if opts.Version == "" {
+		opts.Version = moduleVersion()
+	}
+	if opts.Clock == nil {
+		opts.Clock = clock.RealClock{}
+	}
+	if opts.Logger.GetSink() == nil {
+		opts.Logger = klog.Background()
+	}
+	log := opts.Logger.WithName("cluster").WithValues("apiserverID", opts.ID)
+	return &Node{
+		opts:   opts,
+		log:    log,
+		view:   NewView(opts.Client, opts.Prefix, log),
+		pub:    NewPublisher(opts.Client, MemberKey(opts.Prefix, opts.ID), opts.LeaseTTL, log),
+		fence:  NewFence(opts.ID, opts.Clock.Now()),
+		notify: make(chan struct{}, 1),
+	}, nil
+}
+
+func moduleVersion() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
+		return bi.Main.Version
+	}
+	return "(devel)"
+}
+
+// ID is this apiserver's id.
+func (n *Node) ID() string { return n.opts.ID }
+
+// Prefix is the coordination prefix.
+func (n *Node) Prefix() string { return n.opts.Prefix }
+
+// View is the live member set.
+func (n *Node) View() *View { return n.view }
+
+// Start loads the member list (so the fence knows who must read a key before the
+// agent's first configuration is applied) and starts watching it.
+func (n *Node) Start(ctx context.Context) error {
+	lctx, cancel := context.WithTimeout(ctx, 2*etcdTimeout)
+	defer cancel()
+	if err := n.view.Load(lctx); err != nil {
+		return fmt.Errorf("cluster coordination: listing the members under %s: %w (check --etcd-servers, or pass --cluster-coordination=false for a single apiserver)", MembersPrefix(n.opts.Prefix), err)
+	}
+	n.mu.Lock()
+	n.fence.Step(MembersChanged{Members: n.view.Members()})
+	n.mu.Unlock()
+	runCtx, stop := context.WithCancel(context.Background())
+	n.cancel, n.done = stop, make(chan struct{})
+	go func() {
+		defer close(n.done)
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go func() { defer wg.Done(); n.view.Run(runCtx) }()
+		n.run(runCtx)
+		wg.Wait()
+	}()
+	return nil
+}
+
+// WriteFence is reload.Options.WriteFence.
+func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]int {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.fence.Step(Tick{Now: n.opts.Clock.Now()})
+	before := map[string]Hold{}
+	for _, h := range n.fence.Holds() {
+		before[h.Resource] = h
+	}
+	w := n.fence.Writers(current, next)
+	for _, h := range n.fence.Holds() {
+		if b, ok := before[h.Resource]; ok && b.Held == h.Held && b.Writing == h.Writing && b.Unsafe == h.Unsafe {
+			continue
+		}
+		n.log.Info("Write fence holds a new write key back until every live apiserver can read it",
+			"resource", h.Resource, "held", h.Held.String(), "writing", h.Writing.String(), "waitingFor", h.WaitingFor, "unsafe", h.Unsafe)
+	}
+	return w
+}
+
+// Notify asks for the member state to be published now (reload.Options.OnChange and
+// the KMS provider's key id hook). It never blocks.
+func (n *Node) Notify() {
+	select {
+	case n.notify <- struct{}{}:
+	default:
+	}
+}
+
+// NotifyKeyID is kmsv2.FactoryOptions.OnKeyIDChange.
+func (n *Node) NotifyKeyID(string, string) { n.Notify() }
+
+// Attach gives the node its agent; publishing starts.
+func (n *Node) Attach(a Agent) {
+	n.mu.Lock()
+	n.agent = a
+	n.mu.Unlock()
+	n.Notify()
+}
+
+// SetMigrator lets the status document show the migration state.
+func (n *Node) SetMigrator(m *Migrator) {
+	n.mu.Lock()
+	n.migrator = m
+	n.mu.Unlock()
+}
+
+func (n *Node) run(ctx context.Context) {
+	ticker := n.opts.Clock.NewTicker(tickInterval)
+	defer ticker.Stop()
+	for {
+		changed := n.view.Changed()
+		select {
+		case <-ctx.Done():
+			return
+		case <-n.notify:
+			n.publish(ctx, false)
+		case <-n.pub.Lost():
+			n.publish(ctx, true)
+		case <-changed:
+			n.membersChanged()
+		case <-ticker.C():
+			n.tick(ctx)
+		}
+	}
+}
+
+// membersChanged feeds the fence and lets the agent promote (or hold) write keys.
+func (n *Node) membersChanged() {
+	n.mu.Lock()
+	n.fence.Step(MembersChanged{Members: n.view.Members()})
+	agent := n.agent
+	n.mu.Unlock()
+	if agent != nil {
+		if err := agent.Refence(); err != nil {
+			n.log.Error(err, "Could not apply the write fence's decision")
+		}
+	}
+	n.evaluate()
+}
+
+func (n *Node) tick(ctx context.Context) {
+	now := n.opts.Clock.Now()
+	n.mu.Lock()
+	n.fence.Step(Tick{Now: now})
+	agent, due := n.agent, now.Sub(n.lastPublish) >= n.opts.RefreshInterval
+	n.mu.Unlock()
+	if agent == nil {
+		return
+	}
+	// The cheap fallback for changes no hook reported (e.g. a KMS key id seen by a
+	// read-only provider): compare the state we would publish with the published one.
+	st := n.state(now)
+	n.mu.Lock()
+	stale := !sameContent(st, n.published)
+	n.mu.Unlock()
+	if stale || due {
+		n.publish(ctx, due)
+	}
+	n.evaluate()
+}
+
+// state is this member's state now.
+func (n *Node) state(now time.Time) MemberState {
+	n.mu.Lock()
+	agent, held, since := n.agent, n.fence.HeldSince(), n.disagreeingSince
+	n.mu.Unlock()
+	st := StateFromStatus(n.opts.ID, n.opts.Version, agent.OwnStatus(), held, now)
+	st.DisagreeingSince = since
+	return st
+}
+
+func (n *Node) publish(ctx context.Context, force bool) {
+	n.mu.Lock()
+	agent := n.agent
+	n.mu.Unlock()
+	if agent == nil {
+		return
+	}
+	now := n.opts.Clock.Now()
+	st := n.state(now)
+	n.mu.Lock()
+	same := sameContent(st, n.published) && n.publishErr == ""
+	n.mu.Unlock()
+	if same && !force {
+		return
+	}
+	pctx, cancel := context.WithTimeout(ctx, etcdTimeout)
+	defer cancel()
+	err := n.pub.Publish(pctx, st)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if err != nil {
+		if n.publishErr == "" {
+			n.log.Error(err, "Cannot publish this apiserver's encryption state; retrying")
+		}
+		n.publishErr = err.Error()
+		return
+	}
+	n.publishErr, n.published, n.lastPublish = "", st, now
+}
+
+// evaluate updates the disagreement clock, the alarm and the metrics.
+func (n *Node) evaluate() {
+	now := n.opts.Clock.Now()
+	members := n.view.Members()
+	n.mu.Lock()
+	attached := n.agent != nil
+	n.mu.Unlock()
+	if attached {
+		// This apiserver's own state as it is now, not as last published.
+		self := n.state(now)
+		members = append(slices.DeleteFunc(members, func(m MemberState) bool { return m.APIServerID == n.opts.ID }), self)
+	}
+	v := Evaluate(members, nil, now, n.opts.DisagreementAlarm)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if v.Disagreement == "" {
+		n.disagreeingSince, n.alarmed = time.Time{}, false
+	} else if n.disagreeingSince.IsZero() {
+		n.disagreeingSince = now
+	}
+	alarm := !n.disagreeingSince.IsZero() && now.Sub(n.disagreeingSince) > n.opts.DisagreementAlarm
+	if alarm && !n.alarmed {
+		n.log.Error(nil, "ALARM: the apiservers have disagreed about a write key for too long",
+			"since", n.disagreeingSince, "threshold", n.opts.DisagreementAlarm, "detail", v.Disagreement)
+	}
+	n.alarmed = alarm
+	if m := n.opts.Metrics; m != nil {
+		m.members.Set(float64(len(members)))
+		var st *MigrationState
+		if n.migrator != nil {
+			s, leading := n.migrator.State()
+			st = &s
+			m.leader.Set(b2f(leading))
+			m.migrationObj.Reset()
+			if s.Progress != nil {
+				m.migrationObj.WithLabelValues(s.Progress.Resource, "done").Set(float64(s.Progress.Done))
+				m.migrationObj.WithLabelValues(s.Progress.Resource, "total").Set(float64(s.Progress.Total))
+			}
+		}
+		m.converged.Set(b2f(Evaluate(members, st, now, n.opts.DisagreementAlarm).Converged))
+		m.alarm.Set(b2f(alarm))
+		m.fenceHeld.Reset()
+		for _, h := range n.fence.Holds() {
+			m.fenceHeld.WithLabelValues(h.Resource).Set(now.Sub(h.Since).Seconds())
+		}
+	}
+}
+
+// Close stops the loops and revokes the member lease, so the other apiservers stop
+// counting this one at once.
+func (n *Node) Close() {
+	if n.cancel != nil {
+		n.cancel()
+		<-n.done
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), etcdTimeout)
+	defer cancel()
+	if err := n.pub.Close(ctx); err != nil {
+		n.log.Error(err, "Could not revoke the member lease; the member key expires with it")
+	}
+}
+
+// Holds lists the write keys this apiserver's fence holds back.
+func (n *Node) Holds() []Hold {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return slices.Clone(n.fence.Holds())
+}

@@ -1,0 +1,337 @@
+package cluster
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/base64"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/goleak"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apiserver/pkg/storage/value"
+	"k8s.io/klog/v2/ktesting"
+	testingclock "k8s.io/utils/clock/testing"
+
+	"github.com/rekey-io/rekey/internal/etcdtest"
+	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/reload"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m,
+		// etcd's client and embedded server leave background loggers and gRPC
+		// goroutines that end shortly after Close.
+		goleak.IgnoreTopFunction("go.opencensus.io/stats/view.(*worker).start"),
+		goleak.IgnoreAnyFunction("google.golang.org/grpc/internal/grpcsync.(*CallbackSerializer).run"),
+	)
+}
+
+var secrets = schema.GroupResource{Resource: "secrets"}
+
+func testKey(name string) string {
+	sum := sha256.Sum256([]byte("cluster test key " + name))
+	return base64.StdEncoding.EncodeToString(sum[:])
+}
+
+// secretsConfig renders a configuration whose secrets rule has aesgcm keys in order.
+func secretsConfig(keys ...string) string {
+	var b strings.Builder
+	b.WriteString("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n- resources: [secrets]\n  providers:\n  - aesgcm:\n      keys:\n")
+	for _, k := range keys {
+		fmt.Fprintf(&b, "      - name: %s\n        secret: %s\n", k, testKey(k))
+	}
+	return b.String()
+}
+
+func writeFile(t *testing.T, path, content string) {
+	t.Helper()
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// member is one apiserver of a test: a reload agent on its own file and its node.
+type member struct {
+	id    string
+	path  string
+	node  *Node
+	agent *reload.Agent
+}
+
+func startMember(t *testing.T, cli *clientv3.Client, id, content string, mutate ...func(*Options)) *member {
+	t.Helper()
+	m := &member{id: id, path: filepath.Join(t.TempDir(), "enc.yaml")}
+	writeFile(t, m.path, content)
+	opts := Options{Client: cli, ID: id, ResourcePrefix: "/registry", LeaseTTL: 2 * time.Second, Logger: ktesting.NewLogger(t, ktesting.NewConfig())}
+	for _, f := range mutate {
+		f(&opts)
+	}
+	node, err := New(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := node.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	agent, err := reload.NewAgent(context.Background(), reload.Options{
+		Path: m.path, AutomaticReload: true, GracePeriod: time.Millisecond,
+		WriteFence: node.WriteFence, OnChange: node.Notify, Guard: node.Guard,
+		Logger: opts.Logger,
+	})
+	if err != nil {
+		node.Close()
+		t.Fatal(err)
+	}
+	node.Attach(agent)
+	m.node, m.agent = node, agent
+	t.Cleanup(m.stop)
+	return m
+}
+
+func (m *member) stop() {
+	if m.node != nil {
+		m.node.Close()
+		m.agent.Close()
+		m.node = nil
+	}
+}
+
+func (m *member) writePrefix(t *testing.T) string {
+	t.Helper()
+	out, err := m.agent.TransformerForResource(secrets).TransformToStorage(context.Background(), []byte("x"), value.DefaultContext("/registry/secrets/ns/x"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// k8s:enc:aesgcm:v1:<key>:<ciphertext>
+	parts := bytes.SplitN(out, []byte(":"), 6)
+	return string(bytes.Join(parts[:5], []byte(":"))) + ":"
+}
+
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func memberIDs(v *View) string {
+	var ids []string
+	for _, m := range v.Members() {
+		ids = append(ids, m.APIServerID)
+	}
+	return strings.Join(ids, ",")
+}
+
+// TestMembershipLeaseAndClose: members publish under leases; a clean shutdown deletes
+// the key at once, a dead member's key expires with its lease.
+func TestMembershipLeaseAndClose(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	a := startMember(t, cli, "a", secretsConfig("k1"))
+	b := startMember(t, cli, "b", secretsConfig("k1"))
+	eventually(t, "both members visible to a", func() bool { return memberIDs(a.node.View()) == "a,b" })
+
+	resp, err := cli.Get(context.Background(), MemberKey(DefaultPrefix, "b"))
+	if err != nil || len(resp.Kvs) != 1 {
+		t.Fatalf("member key of b: %v %v", resp, err)
+	}
+	st, err := ParseMemberState(resp.Kvs[0].Value)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.ConfigHash == "" || len(st.Resources) != 1 || st.Resources[0].Write.Key != "k1" || resp.Kvs[0].Lease == 0 {
+		t.Fatalf("b published %+v (lease %d)", st, resp.Kvs[0].Lease)
+	}
+	if bytes.Contains(resp.Kvs[0].Value, []byte(testKey("k1"))) {
+		t.Fatal("the member state contains key material")
+	}
+
+	b.stop()
+	eventually(t, "b gone after a clean shutdown", func() bool { return memberIDs(a.node.View()) == "a" })
+
+	// A member that dies without revoking: stop its keep-alive only.
+	c := startMember(t, cli, "c", secretsConfig("k1"))
+	eventually(t, "c visible", func() bool { return memberIDs(a.node.View()) == "a,c" })
+	c.node.cancel()
+	<-c.node.done
+	c.node.pub.mu.Lock()
+	c.node.pub.dropLocked() // the keep-alive stops; the lease is not revoked
+	c.node.pub.mu.Unlock()
+	start := time.Now()
+	eventually(t, "c gone after its lease expired", func() bool { return memberIDs(a.node.View()) == "a" })
+	if time.Since(start) < time.Second {
+		t.Fatalf("c disappeared after %s, before its 2s lease could expire", time.Since(start))
+	}
+}
+
+// TestFencePromotesWhenTheOtherMemberCatchesUp is the story on one etcd: a's
+// file gets the new key k2 first; a keeps writing k1 until b's file can read k2, then
+// promotes k2 by itself. b's own file, once it has k2 first, promotes at once.
+func TestFencePromotesWhenTheOtherMemberCatchesUp(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	a := startMember(t, cli, "a", secretsConfig("k1"))
+	b := startMember(t, cli, "b", secretsConfig("k1"))
+	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
+
+	writeFile(t, a.path, secretsConfig("k2", "k1"))
+	if err := a.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if p := a.writePrefix(t); p != "k8s:enc:aesgcm:v1:k1:" {
+		t.Fatalf("a writes with %q while b cannot read k2; want k1", p)
+	}
+	if h := a.node.Holds(); len(h) != 1 || h[0].Held.Key != "k2" || strings.Join(h[0].WaitingFor, ",") != "b" {
+		t.Fatalf("a's holds = %+v, want k2 waiting for b", h)
+	}
+	// Holding stays held while nothing changes.
+	time.Sleep(300 * time.Millisecond)
+	if p := a.writePrefix(t); p != "k8s:enc:aesgcm:v1:k1:" {
+		t.Fatalf("a promoted k2 with b unable to read it (writes %q)", p)
+	}
+	if v := a.node.Status().Verdict; v.Converged || !strings.Contains(v.Summary, "promoting aesgcm/k2 for secrets on a, waiting for b") {
+		t.Fatalf("verdict while held = %+v", v)
+	}
+
+	// b's file catches up: b reads k2 (and holds it itself until a reads it: a does).
+	writeFile(t, b.path, secretsConfig("k2", "k1"))
+	if err := b.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if p := b.writePrefix(t); p != "k8s:enc:aesgcm:v1:k2:" {
+		t.Fatalf("b writes %q; a can read k2, so b need not hold it", p)
+	}
+	eventually(t, "a promotes k2 on its own", func() bool { return a.writePrefix(t) == "k8s:enc:aesgcm:v1:k2:" })
+	eventually(t, "the cluster converges", func() bool { return a.node.Status().Verdict.Converged })
+}
+
+// TestStragglerIsNotReadyAndGuardRefusesDrop: a member that joins with a file that
+// cannot read the key another member already writes is not ready, naming the key, and
+// does not pull the others back; once its file catches up it is ready. Dropping a key
+// another member writes with is refused.
+func TestStragglerIsNotReadyAndGuardRefusesDrop(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	a := startMember(t, cli, "a", secretsConfig("k2", "k1"))
+	if p := a.writePrefix(t); p != "k8s:enc:aesgcm:v1:k2:" {
+		t.Fatalf("a alone writes %q, want k2", p)
+	}
+	b := startMember(t, cli, "b", secretsConfig("k1"))
+	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
+	eventually(t, "b sees a", func() bool { return memberIDs(b.node.View()) == "a,b" })
+	eventually(t, "b not ready, naming k2", func() bool {
+		err := b.node.ReadyzCheck().Check(nil)
+		return err != nil && strings.Contains(err.Error(), "secrets: aesgcm/k2 (written by a)")
+	})
+	time.Sleep(300 * time.Millisecond)
+	if p := a.writePrefix(t); p != "k8s:enc:aesgcm:v1:k2:" {
+		t.Fatalf("the straggler pulled a back: a writes %q", p)
+	}
+	if err := a.node.ReadyzCheck().Check(nil); err != nil {
+		t.Fatalf("a is not ready: %v", err)
+	}
+
+	writeFile(t, b.path, secretsConfig("k2", "k1"))
+	if err := b.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.node.ReadyzCheck().Check(nil); err != nil {
+		t.Fatalf("b is not ready after its file caught up: %v", err)
+	}
+	if p := b.writePrefix(t); p != "k8s:enc:aesgcm:v1:k2:" {
+		t.Fatalf("b writes %q, want k2", p)
+	}
+
+	// b drops k2 (which a writes with): refused; the old configuration keeps serving.
+	writeFile(t, b.path, secretsConfig("k1"))
+	err := b.agent.Reload(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "aesgcm/k2 is the write key of apiserver a") {
+		t.Fatalf("dropping k2 = %v, want a refusal naming a", err)
+	}
+	if p := b.writePrefix(t); p != "k8s:enc:aesgcm:v1:k2:" {
+		t.Fatalf("b writes %q after a refused reload", p)
+	}
+}
+
+func TestValidatePrefix(t *testing.T) {
+	for _, c := range []struct {
+		prefix, resource string
+		ok               bool
+	}{
+		{"/rekey", "/registry", true},
+		{"/registry", "/registry", false},
+		{"/registry/rekey", "/registry", false},
+		{"/reg", "/registry", true},
+		{"/", "/registry", false},
+		{"rekey", "/registry", false},
+		{"/rekey/", "/registry", false},
+	} {
+		if err := ValidatePrefix(c.prefix, c.resource); (err == nil) != c.ok {
+			t.Errorf("ValidatePrefix(%q, %q) = %v, want ok=%v", c.prefix, c.resource, err, c.ok)
+		}
+	}
+}
+
+// TestReadinessCountsStoredKeysAnotherMemberReads: a stored key this apiserver cannot
+// read fails readiness only when another live member can read it; data nobody reads
+// is lost, not a sign of a straggler.
+func TestReadinessCountsStoredKeysAnotherMemberReads(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	store := &migrate.InventoryStore{}
+	store.Set(&migrate.Inventory{TakenAt: time.Now(), Resources: []migrate.ResourceInventory{{
+		Resource: "secrets", Objects: 7,
+		Buckets: []migrate.Count{{Bucket: migrate.Bucket{Provider: "aesgcm", Key: "k9"}, Objects: 7}},
+	}}})
+	a := startMember(t, cli, "a", secretsConfig("k1"), func(o *Options) { o.Inventory = store })
+	if err := a.node.ReadyzCheck().Check(nil); err != nil {
+		t.Fatalf("a alone, with data under a key nobody reads: %v; want ready", err)
+	}
+	startMember(t, cli, "b", secretsConfig("k1", "k9"))
+	eventually(t, "a not ready, naming k9", func() bool {
+		err := a.node.ReadyzCheck().Check(nil)
+		return err != nil && strings.Contains(err.Error(), "secrets: aesgcm/k9 (7 stored objects, readable by b)")
+	})
+}
+
+// TestDisagreementAlarm: a hold that lasts longer than the alarm threshold raises the
+// alarm (status condition, verdict) on the injected clock.
+func TestDisagreementAlarm(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	clk := testingclock.NewFakeClock(time.Now())
+	a := startMember(t, cli, "a", secretsConfig("k1"), func(o *Options) { o.Clock = clk })
+	startMember(t, cli, "b", secretsConfig("k1"))
+	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
+	writeFile(t, a.path, secretsConfig("k2", "k1"))
+	if err := a.agent.Reload(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	a.node.evaluate()
+	if st := a.node.Status(); len(st.Conditions) != 0 || st.DisagreeingSince.IsZero() {
+		t.Fatalf("right after the hold: conditions %v, disagreeing since %v", st.Conditions, st.DisagreeingSince)
+	}
+	clk.Step(DefaultDisagreementAlarm + time.Second)
+	a.node.evaluate()
+	a.node.Notify() // publish the disagreement time
+	eventually(t, "the alarm in a's status", func() bool {
+		st := a.node.Status()
+		return slices.Contains(st.Conditions, "DisagreementAlarm") && strings.HasPrefix(st.Verdict.Summary, "alarm: promoting aesgcm/k2")
+	})
+}

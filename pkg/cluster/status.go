@@ -1,0 +1,49 @@
+package cluster
+
+import "time"
+
+// Status is the `cluster` section of the agent's status document. Names, hashes and
+// times only.
+type Status struct {
+	APIServerID string `json:"apiserverID"`
+	Prefix      string `json:"coordinationPrefix"`
+	// Members are the live members as they published themselves.
+	Members []MemberState `json:"members"`
+	// Holds are the write keys this apiserver's fence holds back.
+	Holds []Hold `json:"holds,omitempty"`
+	// MissingKeys are keys the cluster uses that this configuration cannot read (the
+	// readyz check fails while there are any).
+	MissingKeys []string `json:"missingKeys,omitempty"`
+	Verdict     Verdict  `json:"verdict"`
+	// MigrationLeader is set on the elected migration leader.
+	MigrationLeader bool            `json:"migrationLeader"`
+	Migration       *MigrationState `json:"migration,omitempty"`
+	// DisagreeingSince is when this member saw the members start to disagree.
+	DisagreeingSince time.Time `json:"disagreeingSince,omitzero"`
+	// Conditions is "DisagreementAlarm" while the alarm is raised.
+	Conditions   []string `json:"conditions,omitempty"`
+	PublishError string   `json:"publishError,omitempty"`
+}
+
+// Status returns the cluster section of the status document.
+func (n *Node) Status() Status {
+	now := n.opts.Clock.Now()
+	st := Status{APIServerID: n.opts.ID, Prefix: n.opts.Prefix, Members: n.view.Members(), Holds: n.Holds()}
+	n.mu.Lock()
+	agent, mig := n.agent, n.migrator
+	st.DisagreeingSince, st.PublishError = n.disagreeingSince, n.publishErr
+	alarmed := n.alarmed
+	n.mu.Unlock()
+	if agent != nil {
+		st.MissingKeys = n.MissingKeys()
+	}
+	if mig != nil {
+		ms, leading := mig.State()
+		st.Migration, st.MigrationLeader = &ms, leading
+	}
+	st.Verdict = Evaluate(st.Members, st.Migration, now, n.opts.DisagreementAlarm)
+	if alarmed {
+		st.Conditions = append(st.Conditions, "DisagreementAlarm")
+	}
+	return st
+}

@@ -1,0 +1,104 @@
+package cluster
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+)
+
+// Verdict sums up the cluster for `rekey status` and the status document.
+type Verdict struct {
+	// Converged: every live member writes every resource with the same key, no key is
+	// held back, and no migration is running or due.
+	Converged bool `json:"converged"`
+	// Summary is one line: "converged", "promoting K for R, waiting for ids",
+	// "members disagree: …", "migrating R x/y", prefixed by "alarm: " when members have
+	// disagreed for longer than the alarm threshold.
+	Summary string `json:"summary"`
+	// Disagreement says which write keys differ or are held ("" when none).
+	Disagreement string `json:"disagreement,omitempty"`
+	// Alarm is set when a member reports disagreeing for longer than the threshold.
+	Alarm   bool `json:"alarm"`
+	Members int  `json:"members"`
+}
+
+// Evaluate judges the live members and the migration state (nil when unknown) at now.
+func Evaluate(members []MemberState, mig *MigrationState, now time.Time, alarmAfter time.Duration) Verdict {
+	v := Verdict{Members: len(members)}
+	if len(members) == 0 {
+		v.Summary = "no live apiserver publishes its state"
+		return v
+	}
+	byID := map[string]MemberState{}
+	resources := []string{}
+	for _, m := range members {
+		byID[m.APIServerID] = m
+		for _, r := range m.Resources {
+			if !slices.Contains(resources, r.Resource) {
+				resources = append(resources, r.Resource)
+			}
+		}
+		if !m.DisagreeingSince.IsZero() && now.Sub(m.DisagreeingSince) > alarmAfter {
+			v.Alarm = true
+		}
+	}
+	var promoting, disagree []string
+	for _, m := range members {
+		for _, r := range m.Resources {
+			if r.Held == nil {
+				continue
+			}
+			var waiting []string
+			for _, o := range members {
+				if !o.CanRead(r.Resource, *r.Held) {
+					waiting = append(waiting, o.APIServerID)
+				}
+			}
+			p := fmt.Sprintf("promoting %s for %s on %s, waiting for %s", r.Held, r.Resource, m.APIServerID, strings.Join(waiting, ","))
+			if len(waiting) == 0 {
+				p = fmt.Sprintf("promoting %s for %s on %s", r.Held, r.Resource, m.APIServerID)
+			}
+			promoting = append(promoting, p)
+		}
+	}
+	for _, r := range resources {
+		if _, ok, why := CommonWriteKey(byID, r); !ok {
+			disagree = append(disagree, r+": "+why)
+		}
+	}
+	v.Disagreement = strings.Join(append(slices.Clone(promoting), disagree...), "; ")
+	var migrating []string
+	if mig != nil {
+		if mig.Running != nil {
+			s := "migrating " + mig.Running.Resource + " to " + mig.Running.Target.String()
+			if p := mig.Progress; p != nil && p.Resource == mig.Running.Resource {
+				s += fmt.Sprintf(" %d/%d", p.Done, p.Total)
+				if p.ETA > 0 {
+					s += fmt.Sprintf(" (ETA %s)", p.ETA.Round(time.Second))
+				}
+			}
+			migrating = append(migrating, s)
+		}
+		for _, p := range mig.Plans {
+			if p.State == PlanMigrate || p.State == PlanRetrying {
+				migrating = append(migrating, fmt.Sprintf("migration of %s to %s %s", p.Resource, p.Target, p.State))
+			}
+		}
+	}
+	switch {
+	case len(promoting) > 0:
+		v.Summary = strings.Join(promoting, "; ")
+	case len(disagree) > 0:
+		v.Summary = "members disagree: " + strings.Join(disagree, "; ")
+	case len(migrating) > 0:
+		v.Summary = strings.Join(migrating, "; ")
+	default:
+		v.Summary, v.Converged = "converged", true
+	}
+	if v.Alarm {
+		v.Converged = false
+		v.Summary = "alarm: " + v.Summary
+	}
+	return v
+}
