@@ -15,6 +15,8 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/client/v3/concurrency"
+	"google.golang.org/protobuf/proto"
+	kmsv2api "k8s.io/apiserver/pkg/storage/value/encrypt/envelope/kmsv2/v2"
 )
 
 // StoredPrefixes counts the values stored in etcd under keyPrefix by encryption
@@ -56,6 +58,54 @@ func AllStoredUnder(ctx context.Context, cli *clientv3.Client, keyPrefix, want s
 		return nil
 	}
 	return fmt.Errorf("stored under %s: %v, want everything under %s", keyPrefix, got, want)
+}
+
+// KMSKeyID returns the KMS v2 key id a stored value was written under, decoded
+// with kube-apiserver's own EncryptedObject type; "" for a value not written by KMS v2.
+func KMSKeyID(stored []byte) (string, error) {
+	p := EncryptionPrefix(stored)
+	if !strings.HasPrefix(p, "k8s:enc:kms:v2:") {
+		return "", nil
+	}
+	var o kmsv2api.EncryptedObject
+	if err := proto.Unmarshal(stored[len(p):], &o); err != nil {
+		return "", fmt.Errorf("decoding the KMS v2 EncryptedObject: %w", err)
+	}
+	return o.KeyID, nil
+}
+
+// StoredKMSKeyIDs counts the values under keyPrefix by "<encryption prefix><key id>"
+// for KMS v2 values and by encryption prefix for the others.
+func StoredKMSKeyIDs(ctx context.Context, cli *clientv3.Client, keyPrefix string) (map[string]int, error) {
+	resp, err := cli.Get(ctx, keyPrefix, clientv3.WithPrefix())
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]int{}
+	for _, kv := range resp.Kvs {
+		id, err := KMSKeyID(kv.Value)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", kv.Key, err)
+		}
+		out[EncryptionPrefix(kv.Value)+id]++
+	}
+	return out, nil
+}
+
+// StoredKeyIDProbe passes when every value under keyPrefix is a KMS v2 value of
+// provider written under key id keyID.
+func StoredKeyIDProbe(cli *clientv3.Client, keyPrefix, provider, keyID string) Probe {
+	want := "k8s:enc:kms:v2:" + provider + ":" + keyID
+	return Probe{Name: "stored " + want, Check: func(ctx context.Context) error {
+		got, err := StoredKMSKeyIDs(ctx, cli, keyPrefix)
+		if err != nil {
+			return err
+		}
+		if len(got) == 1 && got[want] > 0 {
+			return nil
+		}
+		return fmt.Errorf("stored under %s: %v, want everything under %s", keyPrefix, got, want)
+	}}
 }
 
 // A Probe reports nil when the cluster shows what the test waits for, or what it
