@@ -504,7 +504,8 @@ func TestClusterShimKilledMidPromotion(t *testing.T) {
 	}
 	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(250 * time.Millisecond) {
 		if err := straggler.Current().Readyz(ctx); err == nil {
-			t.Fatalf("%s is ready with a file that cannot read key2", straggler.ID)
+			doc, _ := straggler.Current().Status(ctx)
+			t.Fatalf("%s is ready with a file that cannot read key2; its status document:\n%s", straggler.ID, doc.Raw)
 		}
 	}
 	// Its file catches up: ready, back in rotation.
