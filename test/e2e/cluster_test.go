@@ -337,12 +337,34 @@ func (b *clusterBed) waitConverged(what string, timeout time.Duration, content [
 			}
 		}
 		probes = append(probes, testbed.MembersProbe(b.cli, b.coord, alive,
-			func(string, json.RawMessage) error { return nil }))
+			func(string, json.RawMessage) error { return nil }),
+			testbed.StatusProbe(b.shims(), clusterVerdictConverged))
 	}
 	if err := testbed.WaitFor(ctx, 100*time.Millisecond, probes...); err != nil {
 		t.Fatalf("%s: %v", what, err)
 	}
 	return time.Now()
+}
+
+// clusterVerdictConverged passes when the status document's cluster section says
+// converged, or when there is no such section (the schema belongs to pkg/cluster;
+// etcd and the config hashes are the testbed's own evidence).
+func clusterVerdictConverged(_ *testbed.Shim, doc testbed.StatusDoc) error {
+	var d struct {
+		Cluster *struct {
+			Verdict *struct {
+				Converged bool   `json:"converged"`
+				Summary   string `json:"summary"`
+			} `json:"verdict"`
+		} `json:"cluster"`
+	}
+	if err := json.Unmarshal(doc.Raw, &d); err != nil {
+		return err
+	}
+	if d.Cluster == nil || d.Cluster.Verdict == nil || d.Cluster.Verdict.Converged {
+		return nil
+	}
+	return fmt.Errorf("cluster verdict: %s", d.Cluster.Verdict.Summary)
 }
 
 // dropAndCheck applies cfg (an old key dropped) through the syncer and waits until
