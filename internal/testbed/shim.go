@@ -72,6 +72,9 @@ func ShimArgs(c ShimConfig) ([]string, error) {
 		"--data-dir", filepath.Join(c.Dir, "etcd"),
 		"--etcd-unsafe-no-fsync",
 	}
+	if c.APIServerID != "" {
+		args = append(args, "--apiserver-id", c.APIServerID)
+	}
 	if c.EncryptionConfig != "" {
 		args = append(args, "--encryption-provider-config", c.EncryptionConfig)
 	}
@@ -83,9 +86,6 @@ func ShimArgs(c ShimConfig) ([]string, error) {
 	}
 	if c.Layer != "" {
 		args = append(args, "--encryption-layer", c.Layer)
-	}
-	if c.APIServerID != "" {
-		args = append(args, "--apiserver-id", c.APIServerID)
 	}
 	return append(args, c.Args...), nil
 }

@@ -85,10 +85,15 @@ func TestTestbedWorkloadOneShim(t *testing.T) {
 	key1 := testbed.NamedKey{Name: "key1", Secret: testbed.RandomKey()}
 	key2 := testbed.NamedKey{Name: "key2", Secret: testbed.RandomKey()}
 	const prefix = "/testbed-one"
+	args := []string{"--storage-migration-check-interval", "250ms"}
+	if shimKnows(t, "--coordination-prefix") {
+		// The e2e tests share one etcd; each coordinates under its own prefix.
+		args = append(args, "--coordination-prefix", "/rekey-testbed-one")
+	}
 	fleet, err := testbed.StartFleet(ctx, testbed.FleetConfig{ShimBin: bins.Shim, Dir: t.TempDir(), N: 1,
 		EtcdServers: []string{etcd.Endpoint}, EtcdPrefix: prefix,
 		Config:        testbed.SecretsConfig(testbed.AESGCM(key1)).Render(),
-		Args:          []string{"--storage-migration-check-interval", "250ms"},
+		Args:          args,
 		NoAPIServerID: true})
 	if err != nil {
 		t.Fatal(err)
