@@ -2,6 +2,14 @@
 // plugin and the apiserver shim — as real processes on free ports, and offers the
 // checks tests need against them: raw etcd reads and upstream k8s.io/apiserver
 // transformers to decrypt or write stored values independently of rekey.
+//
+// For many apiservers on one cluster it also has: an etcd cluster of processes whose
+// members stop, die and rejoin (EtcdCluster); a Fleet of shims, each with its own copy
+// of the encryption config; a FileSyncer that applies a change to each copy after its
+// own seeded random delay, as kubelets refresh a mounted Secret; a Workload with
+// Writers and a Sampler that record every acknowledged write and count unreadable,
+// missing and stale reads; and end checks (StoredPrefixes, Verify, WaitFor with
+// probes on etcd, member keys and status documents).
 package testbed
 
 import (

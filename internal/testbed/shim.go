@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"encoding/hex"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"os/exec"
@@ -27,13 +28,17 @@ type ShimConfig struct {
 	Dir string
 	// EncryptionConfig is passed as --encryption-provider-config when set.
 	EncryptionConfig string
-	// EtcdServers are external etcd URLs; empty runs the embedded etcd.
+	// EtcdServers are external etcd URLs (all members of a cluster, comma separated on
+	// the command line); empty runs the embedded etcd.
 	EtcdServers []string
 	// EtcdPrefix is --etcd-prefix (default /registry).
 	EtcdPrefix string
 	// Layer is --encryption-layer (default rekey).
 	Layer string
-	// Args are appended to the command line.
+	// APIServerID is passed as --apiserver-id when set (the member name in a cluster).
+	APIServerID string
+	// Args are appended to the command line as they are, so flags the testbed does
+	// not model (the cluster coordination flags, for instance) pass through.
 	Args []string
 }
 
@@ -45,8 +50,12 @@ type Shim struct {
 	CAFile     string
 	Token      string
 	Kubeconfig string
-	// Ready is the time from start to the first successful /readyz.
+	// Ready is the time from start to the first successful /readyz (set by
+	// WaitReady).
 	Ready time.Duration
+
+	started time.Time
+	probe   *http.Client // unauthenticated, for /readyz
 }
 
 // ShimArgs returns the command line StartShim uses, with its token file written.
@@ -64,6 +73,9 @@ func ShimArgs(c ShimConfig) ([]string, error) {
 		"--token-auth-file", tokens,
 		"--data-dir", filepath.Join(c.Dir, "etcd"),
 		"--etcd-unsafe-no-fsync",
+	}
+	if c.APIServerID != "" {
+		args = append(args, "--apiserver-id", c.APIServerID)
 	}
 	if c.EncryptionConfig != "" {
 		args = append(args, "--encryption-provider-config", c.EncryptionConfig)
@@ -89,6 +101,22 @@ const adminToken = "testbed-admin-token"
 
 // StartShim starts the shim and waits until /readyz answers 200.
 func StartShim(ctx context.Context, bin string, c ShimConfig) (*Shim, error) {
+	s, err := LaunchShim(ctx, bin, c)
+	if err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	if err := s.WaitReady(ctx); err != nil {
+		s.Kill()
+		return nil, err
+	}
+	return s, nil
+}
+
+// LaunchShim starts the shim and waits until it listens, not until it is ready: a
+// shim that must stay unready (a straggler) can be watched with Readyz.
+func LaunchShim(ctx context.Context, bin string, c ShimConfig) (*Shim, error) {
 	if c.Name == "" {
 		c.Name = "shim"
 	}
@@ -103,7 +131,7 @@ func StartShim(ctx context.Context, bin string, c ShimConfig) (*Shim, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Shim{Process: p, Token: adminToken, CAFile: filepath.Join(c.Dir, "certs", "apiserver.crt")}
+	s := &Shim{Process: p, Token: adminToken, CAFile: filepath.Join(c.Dir, "certs", "apiserver.crt"), started: start}
 	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
 	err = poll(ctx, p, 10*time.Millisecond, func() error {
@@ -119,33 +147,61 @@ func StartShim(ctx context.Context, bin string, c ShimConfig) (*Shim, error) {
 		return nil, fmt.Errorf("%s did not listen: %w", c.Name, err)
 	}
 	s.URL = "https://127.0.0.1:" + strconv.Itoa(s.Port)
-	hc, err := s.HTTPClient(false)
-	if err != nil {
+	if s.probe, err = s.HTTPClient(false); err != nil {
 		p.Kill()
 		return nil, err
 	}
-	err = poll(ctx, p, 10*time.Millisecond, func() error {
-		resp, err := hc.Get(s.URL + "/readyz")
-		if err != nil {
-			return err
-		}
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			return fmt.Errorf("/readyz: %d", resp.StatusCode)
-		}
-		return nil
-	})
-	if err != nil {
-		p.Kill()
-		return nil, fmt.Errorf("%s not ready: %w", c.Name, err)
-	}
-	s.Ready = time.Since(start)
 	s.Kubeconfig = filepath.Join(c.Dir, "kubeconfig")
 	if err := os.WriteFile(s.Kubeconfig, []byte(Kubeconfig(s.URL, s.CAFile, s.Token)), 0o600); err != nil {
 		p.Kill()
 		return nil, err
 	}
 	return s, nil
+}
+
+// Readyz returns nil when /readyz answers 200, or an error with the failing checks.
+func (s *Shim) Readyz(ctx context.Context) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.URL+"/readyz?verbose", nil)
+	if err != nil {
+		return err
+	}
+	resp, err := s.probe.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return fmt.Errorf("/readyz: %d: %s", resp.StatusCode, failedChecks(string(body)))
+	}
+	return nil
+}
+
+// failedChecks keeps the failing lines of a verbose /readyz body.
+func failedChecks(body string) string {
+	var out []string
+	for _, l := range strings.Split(body, "\n") {
+		if strings.Contains(l, "[-]") {
+			out = append(out, strings.TrimSpace(l))
+		}
+	}
+	if len(out) == 0 {
+		return strings.TrimSpace(body)
+	}
+	return strings.Join(out, "; ")
+}
+
+// WaitReady polls /readyz until it answers 200, ctx ends or the process exits, and
+// sets Ready on the first success.
+func (s *Shim) WaitReady(ctx context.Context) error {
+	err := poll(ctx, s.Process, 10*time.Millisecond, func() error { return s.Readyz(ctx) })
+	if err != nil {
+		return fmt.Errorf("%s not ready: %w", s.Name, err)
+	}
+	if s.Ready == 0 {
+		s.Ready = time.Since(s.started)
+	}
+	return nil
 }
 
 // Kubeconfig renders a kubeconfig for one server and token.

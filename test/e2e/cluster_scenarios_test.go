@@ -1,0 +1,649 @@
+package e2e
+
+// Many apiservers, one cluster (issue 10, item 8): a 3-member etcd cluster of
+// processes, three shims each with its own copy of the encryption config, a file
+// syncer that applies every change to each copy after its own random delay (0–10 s,
+// as kubelets refresh a mounted Secret), writers on every shim and a sampler that
+// reads every object through every shim for the whole run.
+//
+// The scenarios need the shim's cluster coordination (--cluster-coordination); they
+// skip with a message when the shim binary does not have it. The delays replay with
+// CLUSTER_SEED=<seed from the log>; CLUSTER_OBJECTS sets the number of Secrets
+// (default 1,000). The 10,000-object measurement of item 9:
+//
+//	go test -count=1 -run '^$' -bench ClusterOneEdit -benchtime 1x ./test/e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/rekey-io/rekey/internal/testbed"
+)
+
+// shimFlags caches which flags the built shim binary knows.
+var shimFlags struct {
+	once sync.Once
+	help string
+	err  error
+}
+
+// shimKnows reports whether the shim binary's --help lists flag.
+func shimKnows(t testing.TB, flag string) bool {
+	t.Helper()
+	shimFlags.once.Do(func() {
+		out, err := exec.Command(bins.Shim, "--help").CombinedOutput()
+		shimFlags.help, shimFlags.err = string(out), err
+	})
+	if shimFlags.err != nil {
+		t.Fatalf("%s --help: %v\n%s", bins.Shim, shimFlags.err, shimFlags.help)
+	}
+	return strings.Contains(shimFlags.help, flag+" ") || strings.Contains(shimFlags.help, flag+"=")
+}
+
+// requireClusterShim skips the test until the shim has cluster coordination.
+func requireClusterShim(t testing.TB) {
+	t.Helper()
+	if !shimKnows(t, "--cluster-coordination") {
+		t.Skip("the apiserver-shim binary has no --cluster-coordination flag (pkg/cluster is not wired into the shim yet): " +
+			"the many-apiserver scenarios need it")
+	}
+}
+
+// clusterSeed is CLUSTER_SEED, or 0 (the syncer then picks one from the clock and
+// logs it).
+func clusterSeed(t testing.TB) uint64 {
+	s := os.Getenv("CLUSTER_SEED")
+	if s == "" {
+		return 0
+	}
+	n, err := strconv.ParseUint(s, 10, 64)
+	if err != nil {
+		t.Fatalf("CLUSTER_SEED=%q: %v", s, err)
+	}
+	return n
+}
+
+// Names of keys and prefixes the scenarios use.
+const (
+	stored1 = "k8s:enc:aesgcm:v1:key1:"
+	stored2 = "k8s:enc:aesgcm:v1:key2:"
+	stored3 = "k8s:enc:aesgcm:v1:key3:"
+	kmsName = "cluster-kms"
+)
+
+// bedConfig configures a clusterBed.
+type bedConfig struct {
+	name        string // prefixes in etcd: /<name> and /rekey-<name>
+	shims       int    // default 3
+	etcdMembers int    // default 3
+	objects     int    // Secrets created before the load starts
+	// initial is shim i's first config (default key1 only).
+	initial func(b *clusterBed, i int) testbed.EncryptionConfig
+	// plugins starts one KMS plugin per shim, all with the keyring kek-1.
+	plugins bool
+	// coordination passes the cluster flags; false passes --cluster-coordination=false
+	// when the shim knows it and nothing otherwise.
+	coordination bool
+	// stopEtcdMember stops the last etcd member before the shims start.
+	stopEtcdMember bool
+	args           []string
+	minDelay       time.Duration
+	maxDelay       time.Duration // default 10 s
+}
+
+// clusterBed is a running testbed: etcd cluster, shims, syncer, workload.
+type clusterBed struct {
+	t       testing.TB
+	cfg     bedConfig
+	etcd    *testbed.EtcdCluster
+	cli     *clientv3.Client
+	fleet   *testbed.Fleet
+	syncer  *testbed.FileSyncer
+	load    *testbed.Workload
+	plugins []*testbed.Plugin
+	kek1    testbed.PluginKey
+	key1    testbed.NamedKey
+	key2    testbed.NamedKey
+	key3    testbed.NamedKey
+	// prefix is --etcd-prefix, coord --coordination-prefix.
+	prefix, coord string
+	// secretsKey is the etcd key prefix of the Secrets.
+	secretsKey string
+}
+
+func newClusterBed(t testing.TB, cfg bedConfig) *clusterBed {
+	t.Helper()
+	ctx := t.Context()
+	if cfg.shims == 0 {
+		cfg.shims = 3
+	}
+	if cfg.etcdMembers == 0 {
+		cfg.etcdMembers = 3
+	}
+	if cfg.maxDelay == 0 {
+		cfg.maxDelay = 10 * time.Second
+	}
+	b := &clusterBed{t: t, cfg: cfg,
+		key1:   testbed.NamedKey{Name: "key1", Secret: testbed.RandomKey()},
+		key2:   testbed.NamedKey{Name: "key2", Secret: testbed.RandomKey()},
+		key3:   testbed.NamedKey{Name: "key3", Secret: testbed.RandomKey()},
+		kek1:   testbed.PluginKey{Name: "kek-1", Secret: testbed.RandomKey()},
+		prefix: "/" + cfg.name, coord: "/rekey-" + cfg.name}
+	b.secretsKey = b.prefix + "/secrets/"
+	dir := t.TempDir()
+
+	start := time.Now()
+	var err error
+	if b.etcd, err = testbed.StartEtcdCluster(ctx, bins.Etcd, filepath.Join(dir, "etcd"), cfg.etcdMembers); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, m := range b.etcd.Members {
+				if p := m.Process(); p != nil {
+					t.Logf("%s log tail:\n%s", m.Name, p.Log(1500))
+				}
+			}
+		}
+		b.etcd.Stop()
+	})
+	if b.cli, err = b.etcd.Client(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.cli.Close() })
+	if cfg.stopEtcdMember {
+		b.etcd.Members[len(b.etcd.Members)-1].Stop()
+		if err := b.etcd.WaitHealthy(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	if cfg.plugins {
+		sockRoot, err := os.MkdirTemp("", "kms") // unix socket paths are short
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { os.RemoveAll(sockRoot) })
+		for i := range cfg.shims {
+			pdir := filepath.Join(dir, fmt.Sprintf("plugin-%d", i))
+			sock := filepath.Join(sockRoot, strconv.Itoa(i))
+			for _, d := range []string{pdir, sock} {
+				if err := os.MkdirAll(d, 0o700); err != nil {
+					t.Fatal(err)
+				}
+			}
+			p, err := testbed.StartPlugin(ctx, bins.Plugin, pdir, sock, b.kek1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { p.Stop(5 * time.Second) })
+			b.plugins = append(b.plugins, p)
+		}
+	}
+
+	initial := cfg.initial
+	if initial == nil {
+		initial = func(b *clusterBed, _ int) testbed.EncryptionConfig {
+			return testbed.SecretsConfig(testbed.AESGCM(b.key1))
+		}
+	}
+	args := []string{"--storage-migration-check-interval", "250ms", "--kms-status-interval", "1s"}
+	if cfg.coordination {
+		args = append(args, "--cluster-coordination=true", "--coordination-prefix", b.coord,
+			"--cluster-lease-ttl", "3s", "--cluster-disagreement-alarm", "2m")
+	} else if shimKnows(t, "--cluster-coordination") {
+		args = append(args, "--cluster-coordination=false")
+	}
+	args = append(args, cfg.args...)
+	b.fleet, err = testbed.StartFleet(ctx, testbed.FleetConfig{
+		ShimBin: bins.Shim, Dir: filepath.Join(dir, "shims"), N: cfg.shims,
+		EtcdServers: b.etcd.Endpoints(), EtcdPrefix: b.prefix,
+		ConfigFor:     func(i int) []byte { return initial(b, i).Render() },
+		Args:          args,
+		NoAPIServerID: !shimKnows(t, "--apiserver-id"),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("shim logs:\n%s", b.fleet.LogTails(3000))
+		}
+		b.fleet.Stop()
+	})
+	if b.syncer, err = b.fleet.NewSyncer(testbed.SyncerConfig{MinDelay: cfg.minDelay, MaxDelay: cfg.maxDelay,
+		Seed: clusterSeed(t), Logf: t.Logf}); err != nil {
+		t.Fatal(err)
+	}
+
+	b.load = testbed.NewWorkload("cluster", b.fleet.Endpoints())
+	if cfg.objects > 0 {
+		if err := b.load.Seed(ctx, "s", cfg.objects, 8); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Logf("testbed: %d etcd members, %d shims, %d Secrets in %v", cfg.etcdMembers, cfg.shims, cfg.objects,
+		time.Since(start).Round(time.Millisecond))
+	return b
+}
+
+// shims are the shims running now.
+func (b *clusterBed) shims() []*testbed.Shim { return b.fleet.Running() }
+
+// ids are the fleet's apiserver ids.
+func (b *clusterBed) ids() []string {
+	var out []string
+	for _, s := range b.fleet.Shims {
+		out = append(out, s.ID)
+	}
+	return out
+}
+
+// clusterLoad is a running workload: writers and sampler.
+type clusterLoad struct {
+	writers *testbed.Writers
+	sampler *testbed.Sampler
+}
+
+func (b *clusterBed) startLoad() *clusterLoad {
+	return &clusterLoad{
+		writers: b.load.StartWriters(b.t.Context(), testbed.WritersConfig{PerEndpoint: 2, Pause: 20 * time.Millisecond, CreateEvery: 50}),
+		sampler: b.load.StartSampler(b.t.Context(), testbed.SamplerConfig{Rate: 200}),
+	}
+}
+
+// finish stops the load and checks item 8's criteria: writes were acknowledged on
+// every shim in rotation and none failed there, the sampler read through every shim
+// with no unreadable, missing or stale read, and every shim in rotation serves every
+// object with its last acknowledged write.
+func (b *clusterBed) finish(l *clusterLoad) (testbed.WriteReport, testbed.SampleReport) {
+	t := b.t
+	t.Helper()
+	wr := l.writers.Stop()
+	sr := l.sampler.Stop()
+	t.Logf("writers: %s", wr)
+	t.Logf("sampler: %s", sr)
+	if wr.Failed() > 0 {
+		t.Errorf("%d failed writes on shims in rotation, e.g. %v", wr.Failed(), first(wr.Errors, 3))
+	}
+	for name, c := range wr.PerEndpoint {
+		if c.Acked == 0 {
+			t.Errorf("%s: no write acknowledged", name)
+		}
+	}
+	total := sr.Total()
+	if total.Bad() > 0 {
+		t.Errorf("sampler: %d unreadable, %d missing, %d stale, %d other errors; e.g. %v",
+			total.Unreadable, total.Missing, total.Stale, total.Errors, first(sr.Examples, 5))
+	}
+	for name, c := range sr.PerEndpoint {
+		if c.Reads == 0 {
+			t.Errorf("sampler: nothing read through %s", name)
+		}
+	}
+	b.verifyAll()
+	return wr, sr
+}
+
+// verifyAll lists the Secrets through every shim in rotation and compares them with
+// the writers' record.
+func (b *clusterBed) verifyAll() {
+	t := b.t
+	t.Helper()
+	for _, ep := range b.fleet.Endpoints() {
+		if !ep.InRotation() {
+			continue
+		}
+		rep, err := b.load.Verify(t.Context(), ep)
+		if err != nil {
+			t.Errorf("verify: %v", err)
+			continue
+		}
+		if !rep.OK() || rep.Objects < b.load.Objects() {
+			t.Errorf("verify: %s (%d acknowledged objects)", rep, b.load.Objects())
+		}
+	}
+}
+
+func first[T any](s []T, n int) []T { return s[:min(n, len(s))] }
+
+// waitConverged waits until every Secret is stored under want (judged from etcd),
+// every running shim serves with content, and, with coordination, every shim is a
+// published member. It returns the time the wait ended.
+func (b *clusterBed) waitConverged(what string, timeout time.Duration, content []byte, storedProbe testbed.Probe) time.Time {
+	t := b.t
+	t.Helper()
+	ctx, cancel := contextWithTimeout(t, timeout)
+	defer cancel()
+	probes := []testbed.Probe{storedProbe,
+		testbed.ConfigAppliedProbe(b.shims(), content, nil)}
+	if b.cfg.coordination {
+		var alive []string
+		for _, s := range b.fleet.Shims {
+			if s.Alive() {
+				alive = append(alive, s.ID)
+			}
+		}
+		probes = append(probes, testbed.MembersProbe(b.cli, b.coord, alive,
+			func(string, json.RawMessage) error { return nil }),
+			testbed.StatusProbe(b.shims(), clusterVerdictConverged))
+	}
+	if err := testbed.WaitFor(ctx, 100*time.Millisecond, probes...); err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	return time.Now()
+}
+
+// clusterVerdictConverged passes when the status document's cluster section says
+// converged, or when there is no such section (the schema belongs to pkg/cluster;
+// etcd and the config hashes are the testbed's own evidence).
+func clusterVerdictConverged(_ *testbed.Shim, doc testbed.StatusDoc) error {
+	var d struct {
+		Cluster *struct {
+			Verdict *struct {
+				Converged bool   `json:"converged"`
+				Summary   string `json:"summary"`
+			} `json:"verdict"`
+		} `json:"cluster"`
+	}
+	if err := json.Unmarshal(doc.Raw, &d); err != nil {
+		return err
+	}
+	if d.Cluster == nil || d.Cluster.Verdict == nil || d.Cluster.Verdict.Converged {
+		return nil
+	}
+	return fmt.Errorf("cluster verdict: %s", d.Cluster.Verdict.Summary)
+}
+
+// dropAndCheck applies cfg (an old key dropped) through the syncer and waits until
+// every running shim accepted it, then checks every Secret still reads back.
+func (b *clusterBed) dropAndCheck(cfg testbed.EncryptionConfig) {
+	t := b.t
+	t.Helper()
+	ctx, cancel := contextWithTimeout(t, 2*b.cfg.maxDelay+30*time.Second)
+	defer cancel()
+	if err := testbed.ApplyAndWaitAccepted(ctx, b.syncer, b.shims(), cfg.Render()); err != nil {
+		t.Fatalf("dropping the old key: %v", err)
+	}
+}
+
+// midMigration waits until etcd holds Secrets under both from and to: a migration
+// is under way.
+func (b *clusterBed) midMigration(from, to string, timeout time.Duration) {
+	t := b.t
+	t.Helper()
+	ctx, cancel := contextWithTimeout(t, timeout)
+	defer cancel()
+	err := testbed.WaitFor(ctx, 50*time.Millisecond, testbed.Probe{Name: "mid-migration", Check: func(ctx context.Context) error {
+		got, err := testbed.StoredPrefixes(ctx, b.cli, b.secretsKey)
+		if err != nil {
+			return err
+		}
+		if got[from] > 0 && got[to] > 0 {
+			return nil
+		}
+		return fmt.Errorf("stored %v", got)
+	}})
+	if err != nil {
+		t.Fatalf("waiting for the migration from %s to %s to be under way: %v", from, to, err)
+	}
+}
+
+func clusterObjects(t testing.TB) int { return envInt("CLUSTER_OBJECTS", 1000) }
+
+// (a) One edit "new local key first": key2 is added before key1 in every copy, each
+// copy at its own moment. No shim writes with key2 until all can read it; then all
+// data moves to key2, with writers on every shim and nothing unreadable, lost or
+// failed; then key1 can be dropped.
+func TestClusterOneEditNewKeyFirst(t *testing.T) {
+	requireClusterShim(t)
+	scenarioOneEdit(t, clusterObjects(t))
+}
+
+// BenchmarkClusterOneEdit is item 9's measurement: 10,000 Secrets (CLUSTER_OBJECTS),
+// the time from the last file update to every object on key2, verified.
+func BenchmarkClusterOneEdit(b *testing.B) {
+	requireClusterShim(b)
+	for range b.N {
+		d := scenarioOneEdit(b, envInt("CLUSTER_OBJECTS", 10000))
+		b.ReportMetric(d.Seconds(), "s-to-converged")
+	}
+}
+
+func scenarioOneEdit(t testing.TB, objects int) time.Duration {
+	b := newClusterBed(t, bedConfig{name: "cluster-a", objects: objects, coordination: true})
+	l := b.startLoad()
+	edit := testbed.SecretsConfig(testbed.AESGCM(b.key2, b.key1))
+	round := b.syncer.Apply(t.Context(), edit.Render())
+	last, err := round.Wait(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := b.waitConverged("every object on key2", 60*time.Second, edit.Render(),
+		testbed.StoredUnderProbe(b.cli, b.secretsKey, stored2))
+	converged := done.Sub(last)
+	t.Logf("%d objects: from the last file update to every object on key2, verified: %v (first file at +%v, last at +%v)",
+		b.load.Objects(), converged.Round(time.Millisecond), slices.Min(round.Delays).Round(time.Millisecond),
+		last.Sub(round.Started).Round(time.Millisecond))
+	b.dropAndCheck(edit.WithoutKey("key1"))
+	b.finish(l)
+	if err := testbed.AllStoredUnder(t.Context(), b.cli, b.secretsKey, stored2); err != nil {
+		t.Fatal(err)
+	}
+	return converged
+}
+
+// (b) A plugin key-id change: every node's plugin gets the new KEK at its own moment.
+// All data moves to the new key id with nothing unreadable, lost or failed.
+func TestClusterPluginKeyIDChange(t *testing.T) {
+	requireClusterShim(t)
+	b := newClusterBed(t, bedConfig{name: "cluster-b", objects: clusterObjects(t), coordination: true, plugins: true,
+		initial: func(b *clusterBed, i int) testbed.EncryptionConfig {
+			return testbed.SecretsConfig(testbed.KMSv2(kmsName, b.plugins[i].Endpoint))
+		}})
+	ctx := t.Context()
+	if err := testbed.WaitFor(ctx, 100*time.Millisecond, testbed.StoredKeyIDProbe(b.cli, b.secretsKey, kmsName, "kek-1")); err != nil {
+		t.Fatal(err)
+	}
+	l := b.startLoad()
+	var keyFiles []string
+	for _, p := range b.plugins {
+		keyFiles = append(keyFiles, p.KeysFile)
+	}
+	kek2 := testbed.PluginKey{Name: "kek-2", Secret: testbed.RandomKey()}
+	keyrings, err := testbed.NewFileSyncer(testbed.SyncerConfig{Files: keyFiles, MaxDelay: b.cfg.maxDelay,
+		Mode: testbed.SyncRename, Seed: clusterSeed(t), Logf: t.Logf})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ring := func(keys ...testbed.PluginKey) []byte {
+		j, _ := json.Marshal(map[string]any{"keys": keys})
+		return j
+	}
+	last, err := keyrings.Apply(ctx, ring(kek2, b.kek1)).Wait(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx2, cancel := contextWithTimeout(t, 60*time.Second)
+	defer cancel()
+	if err := testbed.WaitFor(ctx2, 100*time.Millisecond, testbed.StoredKeyIDProbe(b.cli, b.secretsKey, kmsName, "kek-2")); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("from the last keyring update to every object on kek-2: %v", time.Since(last).Round(time.Millisecond))
+	// The old KEK leaves every plugin; everything still reads.
+	if _, err := keyrings.Apply(ctx, ring(kek2)).Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Second) // a Status interval and more with writers running
+	b.finish(l)
+}
+
+// (c) A shim killed mid-promotion (its file still old, the others holding key2
+// read-only for it) and restarted later with its old file: the others promote once
+// its lease expires, it is not ready while its file cannot read key2, and ready
+// once its file catches up.
+func TestClusterShimKilledMidPromotion(t *testing.T) {
+	requireClusterShim(t)
+	b := newClusterBed(t, bedConfig{name: "cluster-c", objects: clusterObjects(t), coordination: true})
+	ctx := t.Context()
+	l := b.startLoad()
+	edit := testbed.SecretsConfig(testbed.AESGCM(b.key2, b.key1))
+	content := edit.Render()
+	straggler := b.fleet.Shims[2]
+	others := []*testbed.Shim{b.fleet.Shims[0].Current(), b.fleet.Shims[1].Current()}
+	if _, err := b.syncer.ApplyEach(ctx, func(int) []byte { return content }, []int{0, 1}).Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := contextWithTimeout(t, 20*time.Second)
+	if err := testbed.WaitFor(wctx, 100*time.Millisecond, testbed.ConfigAppliedProbe(others, content, nil)); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	// The fence holds while the straggler is alive and cannot read key2.
+	time.Sleep(time.Second)
+	if got, err := testbed.StoredPrefixes(ctx, b.cli, b.secretsKey); err != nil || got[stored2] != 0 {
+		t.Fatalf("written with key2 while %s cannot read it: %v (%v)", straggler.ID, got, err)
+	}
+	straggler.Kill()
+	b.waitConverged("every object on key2 without the killed shim", 60*time.Second, content,
+		testbed.StoredUnderProbe(b.cli, b.secretsKey, stored2))
+
+	// Back with its old file: not ready, and it stays so.
+	if err := straggler.Launch(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(250 * time.Millisecond) {
+		if err := straggler.Current().Readyz(ctx); err == nil {
+			doc, _ := straggler.Current().Status(ctx)
+			t.Fatalf("%s is ready with a file that cannot read key2; its status document:\n%s", straggler.ID, doc.Raw)
+		}
+	}
+	// Its file catches up: ready, back in rotation.
+	if _, err := b.syncer.ApplyEach(ctx, func(int) []byte { return content }, []int{2}).Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rctx, cancel := contextWithTimeout(t, 30*time.Second)
+	defer cancel()
+	if err := straggler.WaitReady(rctx); err != nil {
+		t.Fatal(err)
+	}
+	b.waitConverged("converged with the straggler back", 30*time.Second, content,
+		testbed.StoredUnderProbe(b.cli, b.secretsKey, stored2))
+	b.dropAndCheck(edit.WithoutKey("key1"))
+	wr, _ := b.finish(l)
+	t.Logf("writes to %s while it was out: %d excused", straggler.ID, wr.PerEndpoint[straggler.ID].Excused)
+}
+
+// (d) The migration leader killed mid-migration: another shim takes over and
+// resumes from the checkpoint; nothing is lost.
+func TestClusterLeaderKilledMidMigration(t *testing.T) {
+	requireClusterShim(t)
+	n := clusterObjects(t)
+	// A bounded rate keeps the migration running long enough to kill its leader.
+	b := newClusterBed(t, bedConfig{name: "cluster-d", objects: n, coordination: true,
+		args: []string{"--storage-migration-rate", strconv.Itoa(max(n/8, 50))}})
+	ctx := t.Context()
+	l := b.startLoad()
+	edit := testbed.SecretsConfig(testbed.AESGCM(b.key2, b.key1))
+	if _, err := b.syncer.Apply(ctx, edit.Render()).Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	b.midMigration(stored1, stored2, 60*time.Second)
+	leader, err := testbed.MigrationLeader(ctx, b.cli, b.coord)
+	if err != nil {
+		t.Fatalf("no migration leader under %s: %v", testbed.MigrationLeaderKey(b.coord), err)
+	}
+	i := slices.Index(b.ids(), leader)
+	if i < 0 {
+		t.Fatalf("the migration leader is %q, not one of %v", leader, b.ids())
+	}
+	killed := b.fleet.Shims[i]
+	killed.Kill()
+	t.Logf("killed the migration leader %s", leader)
+	// Another shim is elected once the dead one's lease expires.
+	ectx, cancel := contextWithTimeout(t, 30*time.Second)
+	defer cancel()
+	err = testbed.WaitFor(ectx, 200*time.Millisecond, testbed.Probe{Name: "new migration leader", Check: func(ctx context.Context) error {
+		next, err := testbed.MigrationLeader(ctx, b.cli, b.coord)
+		if err != nil {
+			return err
+		}
+		if next == leader || !slices.Contains(b.ids(), next) {
+			return fmt.Errorf("leader %q", next)
+		}
+		return nil
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.waitConverged("every object on key2 after the leader died", 90*time.Second, edit.Render(),
+		testbed.StoredUnderProbe(b.cli, b.secretsKey, stored2))
+	if err := killed.Launch(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rctx, cancel := contextWithTimeout(t, 30*time.Second)
+	defer cancel()
+	if err := killed.WaitReady(rctx); err != nil {
+		t.Fatal(err)
+	}
+	b.dropAndCheck(edit.WithoutKey("key1"))
+	b.finish(l)
+}
+
+// (e) One etcd member stopped throughout: the shims run on the two others.
+func TestClusterOneEtcdMemberDown(t *testing.T) {
+	requireClusterShim(t)
+	b := newClusterBed(t, bedConfig{name: "cluster-e", objects: clusterObjects(t), coordination: true, stopEtcdMember: true})
+	l := b.startLoad()
+	edit := testbed.SecretsConfig(testbed.AESGCM(b.key2, b.key1))
+	if _, err := b.syncer.Apply(t.Context(), edit.Render()).Wait(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	b.waitConverged("every object on key2", 60*time.Second, edit.Render(),
+		testbed.StoredUnderProbe(b.cli, b.secretsKey, stored2))
+	b.dropAndCheck(edit.WithoutKey("key1"))
+	b.finish(l)
+}
+
+// (f) The key changes again (key3) while the migration to key2 runs: key3 is
+// migrated next and nothing stays behind on key2 or key1.
+func TestClusterKeyChangesDuringMigration(t *testing.T) {
+	requireClusterShim(t)
+	n := clusterObjects(t)
+	b := newClusterBed(t, bedConfig{name: "cluster-f", objects: n, coordination: true,
+		args: []string{"--storage-migration-rate", strconv.Itoa(max(n/8, 50))}})
+	ctx := t.Context()
+	l := b.startLoad()
+	to2 := testbed.SecretsConfig(testbed.AESGCM(b.key2, b.key1))
+	if _, err := b.syncer.Apply(ctx, to2.Render()).Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	b.midMigration(stored1, stored2, 60*time.Second)
+	to3 := testbed.SecretsConfig(testbed.AESGCM(b.key3, b.key2, b.key1))
+	if _, err := b.syncer.Apply(ctx, to3.Render()).Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	b.waitConverged("every object on key3", 90*time.Second, to3.Render(),
+		testbed.StoredUnderProbe(b.cli, b.secretsKey, stored3))
+	b.dropAndCheck(to3.WithoutKey("key1").WithoutKey("key2"))
+	b.finish(l)
+	if err := testbed.AllStoredUnder(ctx, b.cli, b.secretsKey, stored3); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func contextWithTimeout(t testing.TB, d time.Duration) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(t.Context(), d)
+}
