@@ -99,7 +99,7 @@ func TestKMSKeyIDChangeIsMigratedOnceEveryPluginReportsIt(t *testing.T) {
 	tr := a.agent.TransformerForResource(secrets)
 	for i := range 20 {
 		key := fmt.Sprintf("/registry/secrets/ns/s%02d", i)
-		out, err := tr.TransformToStorage(ctx, []byte(key), value.DefaultContext(key))
+		out, err := tr.TransformToStorage(ctx, storedObject(key), value.DefaultContext(key))
 		if err != nil {
 			t.Fatal(err)
 		}
