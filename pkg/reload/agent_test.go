@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -265,20 +266,22 @@ func TestR5HealthGateFailureThenRetry(t *testing.T) {
 	})
 }
 
-// R6: by construction there is exactly one kms-providers check whatever the number of
-// KMS providers, on /healthz and /readyz only (H1, H4); it exists without KMS when
-// reload is on and not when reload is off (upstream's rule).
+// R6: with reload on there is exactly one kms-providers check whatever the number of
+// KMS providers, on /healthz and /readyz only (H1, H4), present even without KMS. With
+// reload off the checks are upstream's: one kms-provider-<i> per KMS provider, none
+// without KMS, so probes written for kube-apiserver keep working.
 func TestR6H1H4InstallInto(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
 		content   string
 		reload    bool
-		wantCheck bool
+		wantNames []string
 	}{
-		{"reload, two KMS", configYAML(rule([]string{"secrets"}, "kms:a", "kms:b"), rule([]string{"configmaps"}, "kms:c")), true, true},
-		{"reload, no KMS", secretsConfig("aesgcm:k1"), true, true},
-		{"no reload, KMS", secretsConfig("kms:a"), false, true},
-		{"no reload, no KMS", secretsConfig("aesgcm:k1"), false, false},
+		{"reload, two KMS", configYAML(rule([]string{"secrets"}, "kms:a", "kms:b"), rule([]string{"configmaps"}, "kms:c")), true, []string{"kms-providers"}},
+		{"reload, no KMS", secretsConfig("aesgcm:k1"), true, []string{"kms-providers"}},
+		{"no reload, KMS", secretsConfig("kms:a"), false, []string{"kms-provider-0"}},
+		{"no reload, three KMS", configYAML(rule([]string{"secrets"}, "kms:a", "kms:b"), rule([]string{"configmaps"}, "kms:c")), false, []string{"kms-provider-0", "kms-provider-1", "kms-provider-2"}},
+		{"no reload, no KMS", secretsConfig("aesgcm:k1"), false, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newFixture(t, tc.content, func(o *Options) { o.AutomaticReload = tc.reload })
@@ -290,25 +293,21 @@ func TestR6H1H4InstallInto(t *testing.T) {
 			if c.ResourceTransformers != f.agent {
 				t.Fatal("ResourceTransformers not set")
 			}
-			count := func(list []string) int {
-				n := 0
+			kmsChecks := func(list []string) []string {
+				var out []string
 				for _, name := range list {
 					if name == "kms-providers" || strings.HasPrefix(name, "kms-provider-") {
-						n++
+						out = append(out, name)
 					}
 				}
-				return n
-			}
-			want := 0
-			if tc.wantCheck {
-				want = 1
+				return out
 			}
 			for endpoint, checks := range map[string][]string{"healthz": names(c.HealthzChecks), "readyz": names(c.ReadyzChecks)} {
-				if got := count(checks); got != want {
-					t.Fatalf("%s has %d kms checks, want %d: %v", endpoint, got, want, checks)
+				if got := kmsChecks(checks); !slices.Equal(got, tc.wantNames) {
+					t.Fatalf("%s has kms checks %v, want %v", endpoint, got, tc.wantNames)
 				}
 			}
-			if got := count(names(c.LivezChecks)); got != 0 || len(c.LivezChecks) != base["livez"] {
+			if got := kmsChecks(names(c.LivezChecks)); len(got) != 0 || len(c.LivezChecks) != base["livez"] {
 				t.Fatalf("livez changed: %v", names(c.LivezChecks))
 			}
 			_, hooked := c.PostStartHooks[PostStartHookName]
