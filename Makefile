@@ -8,7 +8,14 @@ RACE_PKGS ?= ./pkg/...
 BIN := bin
 VERSION_LDFLAGS := -X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 
-.PHONY: all build test lint fmt vet run e2e bench bench-go fuzz clean
+.PHONY: all build test lint fmt vet run e2e bench bench-go fuzz clean kube-apiserver run-kube-apiserver
+
+# dist/kube-apiserver: upstream's kube-apiserver with rekey inside, a Go module of its own.
+KUBE_VERSION := v1.37.2
+REKEY_VERSION := $(shell git describe --always --dirty 2>/dev/null || echo devel)
+KUBE_LDFLAGS := $(VERSION_LDFLAGS) -X k8s.io/component-base/version.gitTreeState=clean \
+	-X k8s.io/component-base/version.buildDate=$(shell date -u +%Y-%m-%dT%H:%M:%SZ) \
+	-X main.rekeyVersion=$(REKEY_VERSION)
 
 all: build
 
@@ -51,6 +58,15 @@ bench-go:
 ## fuzz: every fuzz target for FUZZTIME each (default 20s).
 fuzz:
 	@bash hack/fuzz.sh
+
+## kube-apiserver: bin/kube-apiserver, kube-apiserver $(KUBE_VERSION) with rekey as its encryption
+## layer (dist/kube-apiserver); the first build compiles k8s.io/kubernetes (many minutes).
+kube-apiserver:
+	cd dist/kube-apiserver && $(GO) build -ldflags "$(KUBE_LDFLAGS)" -o ../../$(BIN)/kube-apiserver .
+
+## run-kube-apiserver: etcd, the local KMS v2 plugin and bin/kube-apiserver, like `make run`.
+run-kube-apiserver: kube-apiserver
+	@bash hack/run-kube-apiserver.sh
 
 clean:
 	rm -rf $(BIN)
