@@ -59,7 +59,6 @@ type Options struct {
 // healthz.HealthChecker. The zero value is not usable; use New.
 type Checker struct {
 	opts   Options
-	name   string
 	probes atomic.Pointer[[]*cachedProbe]
 }
 
@@ -77,28 +76,13 @@ func New(opts Options) *Checker {
 	if opts.Timeout <= 0 {
 		opts.Timeout = DefaultTimeout
 	}
-	c := &Checker{opts: opts, name: Name}
+	c := &Checker{opts: opts}
 	c.probes.Store(&[]*cachedProbe{})
 	return c
 }
 
-// ProviderCheckName is the name upstream gives the check of the index-th KMS provider
-// of the file when automatic reload is off.
-func ProviderCheckName(index int) string { return fmt.Sprintf("kms-provider-%d", index) }
-
-// NewProvider returns a check of p alone named kms-provider-<index>: with automatic
-// reload off the configuration never changes, and upstream serves one such check per
-// KMS provider, which existing probes (/readyz/kms-provider-0) rely on. Swap must not be
-// called on it.
-func NewProvider(index int, p Probe, opts Options) *Checker {
-	c := New(opts)
-	c.name = ProviderCheckName(index)
-	c.probes.Store(&[]*cachedProbe{{index: index, probe: p}})
-	return c
-}
-
-// Name returns "kms-providers", or kms-provider-<i> for a check made by NewProvider.
-func (c *Checker) Name() string { return c.name }
+// Name returns "kms-providers".
+func (c *Checker) Name() string { return Name }
 
 // Check probes every provider of the current configuration; see CheckContext.
 func (c *Checker) Check(r *http.Request) error {
@@ -167,7 +151,7 @@ func (p *cachedProbe) describe(err error) error {
 	if err == nil {
 		return nil
 	}
-	return fmt.Errorf("%s: provider %q: %w", ProviderCheckName(p.index), p.probe.Name(), err)
+	return fmt.Errorf("kms-provider-%d: provider %q: %w", p.index, p.probe.Name(), err)
 }
 
 func (p *cachedProbe) fresh(c *Checker) bool {

@@ -217,23 +217,3 @@ func waitFor(t *testing.T, cond func() bool) {
 		time.Sleep(time.Millisecond)
 	}
 }
-
-// With reload off upstream serves one check per KMS provider, named by its index in
-// the file; NewProvider keeps that index in the check's name and in its error.
-func TestNewProviderNamedByIndex(t *testing.T) {
-	clk := clocktesting.NewFakeClock(time.Unix(1_700_000_000, 0))
-	p := &fakeProbe{name: "vault"}
-	c := NewProvider(2, p, Options{Clock: clk})
-	if c.Name() != "kms-provider-2" {
-		t.Fatalf("Name() = %q, want kms-provider-2", c.Name())
-	}
-	if err := c.Check(httptest.NewRequest("GET", "/readyz/kms-provider-2", nil)); err != nil {
-		t.Fatalf("healthy plugin: %v", err)
-	}
-	p.set(errors.New("connection refused"))
-	clk.Step(DefaultOKTTL)
-	err := c.Check(httptest.NewRequest("GET", "/readyz/kms-provider-2", nil))
-	if err == nil || !strings.Contains(err.Error(), `kms-provider-2: provider "vault": connection refused`) {
-		t.Fatalf("failing plugin: got %v", err)
-	}
-}

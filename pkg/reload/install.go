@@ -6,26 +6,23 @@ import (
 
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	k8shealthz "k8s.io/apiserver/pkg/server/healthz"
-
-	"github.com/rekey-io/rekey/pkg/healthz"
 )
 
 // PostStartHookName is the post-start hook that runs the reload loop; upstream's name.
 const PostStartHookName = "start-encryption-provider-config-automatic-reload"
 
 // HealthChecker returns the single kms-providers check. It probes the KMS providers of
-// whatever configuration is current; with no KMS provider it passes. InstallInto serves
-// it only with automatic reload on.
+// whatever configuration is current; with no KMS provider it passes.
 func (a *Agent) HealthChecker() k8shealthz.HealthChecker { return a.health }
 
-// InstallInto makes the agent c's ResourceTransformers, adds the KMS checks to /healthz
-// and /readyz (never /livez: a KMS outage must not get the apiserver restarted), and,
-// with automatic reload, registers the post-start hook that runs the reload loop until
-// the server stops. Closing the agent after the server has drained stays with the caller.
+// InstallInto makes the agent c's ResourceTransformers, adds the kms-providers check to
+// /healthz and /readyz (never /livez: a KMS outage must not get the apiserver
+// restarted), and, with automatic reload, registers the post-start hook that runs the
+// reload loop until the server stops. Closing the agent after the server has drained
+// stays with the caller.
 //
-// The checks are named as kube-apiserver names them: with automatic reload, the single
-// kms-providers check (present even without KMS providers); without it, one
-// kms-provider-<i> check per KMS provider of the file (none without KMS).
+// As kube-apiserver does, the check is left out only when reload is off and the
+// configuration has no KMS provider.
 func (a *Agent) InstallInto(c *genericapiserver.Config) error {
 	if c == nil {
 		return errors.New("reload: no server config to install into")
@@ -43,17 +40,9 @@ func (a *Agent) InstallInto(c *genericapiserver.Config) error {
 		}
 	}
 	c.ResourceTransformers = a
-	if a.opts.AutomaticReload {
+	if a.opts.AutomaticReload || len(a.cur.Load().set.KMSProviders()) > 0 {
 		c.AddHealthzChecks(a.health)
 		c.AddReadyzChecks(a.health)
-		return nil
-	}
-	// Without reload the providers never change, and upstream serves one check per KMS
-	// provider, kms-provider-<i>; probes that name them keep working.
-	for i, k := range a.cur.Load().set.KMSProviders() {
-		check := healthz.NewProvider(i, k, healthz.Options{Clock: a.clock})
-		c.AddHealthzChecks(check)
-		c.AddReadyzChecks(check)
 	}
 	return nil
 }
