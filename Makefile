@@ -26,7 +26,7 @@ build:
 ## on ./pkg/..., then everything else without -race.
 test: lint
 	$(GO) test -race -count=1 -timeout 20m $(RACE_PKGS)
-	$(GO) test -count=1 -timeout 20m $$($(GO) list ./... | grep -v '/pkg/')
+	$(GO) test -count=1 -timeout 45m $$($(GO) list ./... | grep -v '/pkg/')
 
 lint: fmt vet
 
@@ -36,6 +36,7 @@ fmt:
 
 vet:
 	$(GO) vet ./...
+	cd dist/kube-apiserver && $(GO) vet .
 
 ## run: start the local KMS v2 plugin and the apiserver shim with embedded etcd.
 run:
@@ -44,7 +45,7 @@ run:
 ## e2e: process-level tests (etcd, KMS v2 plugin and apiserver shim as real processes,
 ## kubectl and client-go); also part of `make test`. E2E_LONG=1 adds the throughput run.
 e2e:
-	$(GO) test -count=1 -v -timeout 20m ./test/e2e
+	$(GO) test -count=1 -v -timeout 45m ./test/e2e
 
 ## bench: the side-by-side harness (rekey vs upstream in one run); writes BENCHMARKS.md
 ## and charts under docs/bench. BENCH_FLAGS=-short finishes in under 2 minutes.
@@ -62,7 +63,7 @@ fuzz:
 ## kube-apiserver: bin/kube-apiserver, kube-apiserver $(KUBE_VERSION) with rekey as its encryption
 ## layer (dist/kube-apiserver); the first build compiles k8s.io/kubernetes (many minutes).
 kube-apiserver:
-	cd dist/kube-apiserver && $(GO) build -ldflags "$(KUBE_LDFLAGS)" -o ../../$(BIN)/kube-apiserver .
+	cd dist/kube-apiserver && $(GO) build -ldflags "$(KUBE_LDFLAGS)" -o $(abspath $(BIN))/kube-apiserver .
 
 ## run-kube-apiserver: etcd, the local KMS v2 plugin and bin/kube-apiserver, like `make run`.
 run-kube-apiserver: kube-apiserver

@@ -2,7 +2,8 @@
 # make run-kube-apiserver: etcd, the local KMS v2 plugin and bin/kube-apiserver (kube-apiserver
 # v1.37.2 with rekey inside) with the smallest set of flags it starts with, a sample
 # encryption config (Secrets: KMS v2, ConfigMaps: aesgcm, automatic reload on) and a
-# kubeconfig. Ctrl-C stops all three. State lives in $RUN_DIR (default
+# kubeconfig. It serves on loopback only, so the kubernetes Service gets no endpoints
+# (--endpoint-reconciler-type none: loopback addresses cannot be advertised). Ctrl-C stops all three. State lives in $RUN_DIR (default
 # /tmp/rekey-kube-apiserver); delete it to start over with fresh keys and data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -88,6 +89,7 @@ START=$(date +%s%N)
   --service-account-issuer https://kubernetes.default.svc.cluster.local \
   --service-account-key-file "$SA_KEY" --service-account-signing-key-file "$SA_KEY" \
   --service-cluster-ip-range 10.96.0.0/16 \
+  --endpoint-reconciler-type none \
   --encryption-provider-config "$CONFIG" \
   --encryption-provider-config-automatic-reload=true \
   --storage-migration > "$RUN_DIR/kube-apiserver.log" 2>&1 &
