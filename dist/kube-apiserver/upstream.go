@@ -76,6 +76,7 @@ func newAPIServerCommand() *cobra.Command {
 
 	cmd := &cobra.Command{
 		Use: "kube-apiserver",
+		// rekey: the last paragraph.
 		Long: `The Kubernetes API server validates and configures data
 for the api objects which include pods, services, replicationcontrollers, and
 others. The API Server services REST operations and provides the frontend to the
