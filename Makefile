@@ -27,6 +27,7 @@ build:
 test: lint
 	$(GO) test -race -count=1 -timeout 20m $(RACE_PKGS)
 	$(GO) test -count=1 -timeout 45m $$($(GO) list ./... | grep -v '/pkg/')
+	@if [ "$$REKEY_SKIP_KUBE_APISERVER" != 1 ]; then cd dist/kube-apiserver && $(GO) test -count=1 .; fi
 
 lint: fmt vet
 
@@ -36,7 +37,8 @@ fmt:
 
 vet:
 	$(GO) vet ./...
-	cd dist/kube-apiserver && $(GO) vet .
+	@# dist/kube-apiserver is a module of its own (k8s.io/kubernetes); REKEY_SKIP_KUBE_APISERVER=1 skips it.
+	@if [ "$$REKEY_SKIP_KUBE_APISERVER" != 1 ]; then cd dist/kube-apiserver && $(GO) vet .; fi
 
 ## run: start the local KMS v2 plugin and the apiserver shim with embedded etcd.
 run:

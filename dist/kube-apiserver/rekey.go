@@ -104,6 +104,9 @@ func (o *rekeyOptions) validate() []error {
 	if o.Layer != layerRekey && o.Layer != layerUpstream {
 		errs = append(errs, fmt.Errorf("--encryption-layer=%q: must be %q or %q", o.Layer, layerRekey, layerUpstream))
 	}
+	if o.Layer == layerUpstream && o.StorageMigration {
+		errs = append(errs, fmt.Errorf("--storage-migration needs --encryption-layer=%s: upstream's layer has no storage migration", layerRekey))
+	}
 	if o.StorageMigrationRate < 0 {
 		errs = append(errs, fmt.Errorf("--storage-migration-rate=%v: must be 0 (unlimited) or positive", o.StorageMigrationRate))
 	}
