@@ -20,6 +20,7 @@ func Scenarios() []Scenario {
 		{Name: "reload", Desc: "time from a config rename to the first write using it: rekey's agent (local and new KMS v2 provider) vs upstream's 1-minute-poll controller (skipped in short mode)", Run: runReload},
 		{Name: "migrate", Desc: "storage migration against an etcd process: objects/s re-encrypted (aesgcm key change, aesgcm ↔ KMS v2), inventory time, peak heap", Run: runMigrate},
 		{Name: "e2e", Desc: "the apiserver shim on embedded etcd, Secrets with KMS v2: create+get throughput and latency, rekey's layer vs the same shim with upstream's layer", Run: runE2E},
+		{Name: "kube-apiserver", Desc: "bin/kube-apiserver (dist/kube-apiserver) on an etcd process, Secrets with KMS v2: the e2e load against rekey's layer and upstream's (--encryption-layer) in the same binary; time to ready, RSS (skipped in short mode)", Run: runKubeAPIServer},
 	}
 }
 

@@ -32,6 +32,11 @@ const HashPrefix = "sha256:"
 // build KMS v1 providers, so such a config is rejected at validation time with these words.
 const KMSv1DeprecatedError = "KMSv1 is deprecated and will only receive security updates going forward. Use KMSv2 instead.  Set --feature-gates=KMSv1=true to use the deprecated KMSv1 feature."
 
+// KMSv1UnsupportedError is for binaries that also accept kube-apiserver's --feature-gates
+// (dist/kube-apiserver): there upstream's words would send the operator to a KMSv1 gate
+// that does not bring KMS v1 back, because rekey has no KMS v1 provider at all.
+const KMSv1UnsupportedError = "KMS v1 is not supported by this apiserver's encryption layer (rekey), whatever --feature-gates says. Use a KMS v2 plugin (apiVersion: v2)."
+
 // Config is a loaded, defaulted and validated encryption configuration.
 type Config struct {
 	// Source names where the bytes came from (normally the file path); used in errors.
@@ -47,6 +52,9 @@ type Options struct {
 	// Reload mirrors upstream's reload argument: when true, KMS v1 provider names must be
 	// unique too (v2 names always must be). An agent that reloads passes true.
 	Reload bool
+	// KMSv1Error is the text a KMS v1 provider is rejected with; empty means upstream's
+	// (KMSv1DeprecatedError).
+	KMSv1Error string
 }
 
 // decoder is immutable after construction; it is built once because building a scheme is
@@ -158,7 +166,7 @@ func Parse(data []byte, source string, opts Options) (*Config, error) {
 	if len(errs) == 0 {
 		// The checks below assume a structurally valid config (parsable resource names).
 		errs = append(errs, validateMasking(enc)...)
-		errs = append(errs, validateNoKMSv1(enc)...)
+		errs = append(errs, validateNoKMSv1(enc, opts.KMSv1Error)...)
 	}
 	if len(errs) > 0 {
 		return nil, fmt.Errorf("invalid encryption provider configuration file %q: %w", source, redactErrors(errs).ToAggregate())
@@ -195,13 +203,16 @@ func validateMasking(c *apiserver.EncryptionConfiguration) field.ErrorList {
 	return errs
 }
 
-func validateNoKMSv1(c *apiserver.EncryptionConfiguration) field.ErrorList {
+func validateNoKMSv1(c *apiserver.EncryptionConfiguration, msg string) field.ErrorList {
+	if msg == "" {
+		msg = KMSv1DeprecatedError
+	}
 	var errs field.ErrorList
 	for i, rc := range c.Resources {
 		for j, p := range rc.Providers {
 			if p.KMS != nil && p.KMS.APIVersion == "v1" {
 				path := field.NewPath("resources").Index(i).Child("providers").Index(j).Child("kms", "apiVersion")
-				errs = append(errs, field.Invalid(path, p.KMS.APIVersion, KMSv1DeprecatedError))
+				errs = append(errs, field.Invalid(path, p.KMS.APIVersion, msg))
 			}
 		}
 	}

@@ -39,6 +39,7 @@ func runMain(m *testing.M) int {
 		return 1
 	}
 	defer os.RemoveAll(dir)
+	workDir = dir
 	ctx := context.Background()
 	start := time.Now()
 	if bins, err = testbed.Build(ctx, filepath.Join(dir, "bin")); err != nil {
