@@ -12,6 +12,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
+
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // Controller defaults.
@@ -226,7 +228,7 @@ func (c *Controller) plan(now map[string]writeTarget) (changed []Resource, ready
 	ready = true
 	for _, r := range c.opts.Resources {
 		t := now[r.String()]
-		if strings.HasPrefix(t.Prefix, "k8s:enc:kms:v2:") && t.KeyIDHash == "" {
+		if strings.HasPrefix(t.Prefix, transformers.KMSv2Prefix) && t.KeyIDHash == "" {
 			ready = false
 		}
 		if applied == nil {

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"sort"
-	"strings"
 	"time"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -117,7 +116,7 @@ func (c *Chain) TransformFromStorage(ctx context.Context, data []byte, dataCtx v
 func (c *Chain) Info() RuleInfo {
 	w := c.sealers[0]
 	info := RuleInfo{Resource: c.resource, WritePrefix: string(c.prefixes[0])}
-	info.WriteProvider, info.WriteKey = describe(w)
+	info.WriteProvider, info.WriteKey = SplitPrefix(info.WritePrefix)
 	for _, p := range c.prefixes {
 		info.ReadPrefixes = append(info.ReadPrefixes, string(p))
 	}
@@ -128,31 +127,16 @@ func (c *Chain) Info() RuleInfo {
 	return info
 }
 
-// describe splits a sealer into provider type and key (or KMS provider) name.
-func describe(s Sealer) (provider, key string) {
-	p := string(s.Prefix())
-	if p == "" {
-		return "identity", ""
-	}
-	// k8s:enc:<provider>:v1:<key>:  or  k8s:enc:kms:v2:<name>:
-	rest := strings.TrimPrefix(p, "k8s:enc:")
-	parts := strings.SplitN(rest, ":", 3)
-	if len(parts) < 3 {
-		return rest, ""
-	}
-	return parts[0], strings.TrimSuffix(parts[2], ":")
-}
-
 // outerPrefixLabel is the transformer_prefix label upstream records: the provider prefix
 // without the key name for local providers (k8s:enc:aesgcm:v1:), the full prefix for KMS
 // (k8s:enc:kms:v2:<name>:), "identity" for identity.
 func outerPrefixLabel(s Sealer) string {
 	p := string(s.Prefix())
 	if p == "" {
-		return "identity"
+		return ProviderIdentity
 	}
-	provider, _ := describe(s)
-	if provider == "kms" {
+	provider, _ := SplitPrefix(p)
+	if provider == ProviderKMSv2 {
 		return p
 	}
 	return fmt.Sprintf("k8s:enc:%s:v1:", provider)
