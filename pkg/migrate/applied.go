@@ -36,7 +36,7 @@ const maxKeyIDHashes = 16
 
 // AppliedState is what the last applied encryption configuration could read, without
 // any key material: per rule, the resources and, per provider in order, its type, key
-// name, stored prefix and a fingerprint of the secret (keyFingerprint: a one-way,
+// name, stored prefix and a fingerprint of the secret (transformers.KeyFingerprint: a one-way,
 // domain-separated SHA-256 of a random 128–256-bit key, which proves two secrets equal
 // and cannot be turned back into either); for KMS providers the plugin endpoint and the
 // "sha256:" hashes of the key ids seen in storage.
@@ -70,7 +70,7 @@ type AppliedKey struct {
 	Name string `json:"name,omitempty"`
 	// Prefix is the stored prefix of the values it writes ("" for identity).
 	Prefix string `json:"prefix"`
-	// Fingerprint is "sha256:<hex>" of keyFingerprint (local keys only).
+	// Fingerprint is "sha256:<hex>" of transformers.KeyFingerprint (local keys only).
 	Fingerprint string `json:"fingerprint,omitempty"`
 	// Endpoint is the KMS plugin's endpoint.
 	Endpoint string `json:"endpoint,omitempty"`
