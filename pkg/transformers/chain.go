@@ -116,7 +116,7 @@ func (c *Chain) TransformFromStorage(ctx context.Context, data []byte, dataCtx v
 func (c *Chain) Info() RuleInfo {
 	w := c.sealers[0]
 	info := RuleInfo{Resource: c.resource, WritePrefix: string(c.prefixes[0])}
-	info.WriteProvider, info.WriteKey = SplitPrefix(info.WritePrefix)
+	info.WriteProvider, info.WriteKey = describe(w)
 	for _, p := range c.prefixes {
 		info.ReadPrefixes = append(info.ReadPrefixes, string(p))
 	}
@@ -127,6 +127,9 @@ func (c *Chain) Info() RuleInfo {
 	return info
 }
 
+// describe splits a sealer into provider type and key (or KMS provider) name.
+func describe(s Sealer) (provider, key string) { return SplitPrefix(string(s.Prefix())) }
+
 // outerPrefixLabel is the transformer_prefix label upstream records: the provider prefix
 // without the key name for local providers (k8s:enc:aesgcm:v1:), the full prefix for KMS
 // (k8s:enc:kms:v2:<name>:), "identity" for identity.
@@ -135,7 +138,7 @@ func outerPrefixLabel(s Sealer) string {
 	if p == "" {
 		return ProviderIdentity
 	}
-	provider, _ := SplitPrefix(p)
+	provider, _ := describe(s)
 	if provider == ProviderKMSv2 {
 		return p
 	}

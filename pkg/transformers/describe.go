@@ -98,9 +98,9 @@ func ByResource[T any](entries []Entry[T]) (rules map[schema.GroupResource][]T, 
 	return rules, order
 }
 
-// KeyInfo is one read path of a configured rule: a key, identity or a KMS provider. It
-// holds no key material.
-type KeyInfo struct {
+// ConfigKey is one read path of a rule as the configuration states it: a key, identity
+// or a KMS provider. It holds no key material.
+type ConfigKey struct {
 	// Provider is identity, aesgcm, aescbc, secretbox or kms (v2).
 	Provider string
 	// Name is the key name or the KMS provider name.
@@ -116,36 +116,36 @@ type KeyInfo struct {
 // Describe lists the entries of a configuration that config.Load or config.Parse
 // validated, with the read paths a Set built from it has, without building any
 // provider or holding a secret. ByResource turns them into per-resource rules.
-func Describe(cfg *config.Config) []Entry[KeyInfo] {
+func Describe(cfg *config.Config) []Entry[ConfigKey] {
 	if cfg == nil || cfg.Encryption == nil {
 		return nil
 	}
-	out := make([]Entry[KeyInfo], 0, len(cfg.Encryption.Resources))
+	out := make([]Entry[ConfigKey], 0, len(cfg.Encryption.Resources))
 	for _, rc := range cfg.Encryption.Resources {
-		var keys []KeyInfo
+		var keys []ConfigKey
 		for _, p := range rc.Providers {
 			keys = append(keys, describeProvider(p)...)
 		}
-		out = append(out, Entry[KeyInfo]{Resources: append([]string(nil), rc.Resources...), Items: keys})
+		out = append(out, Entry[ConfigKey]{Resources: append([]string(nil), rc.Resources...), Items: keys})
 	}
 	return out
 }
 
-func describeProvider(p apiserver.ProviderConfiguration) []KeyInfo {
-	local := func(provider, providerPrefix string, keys []apiserver.Key) []KeyInfo {
-		out := make([]KeyInfo, 0, len(keys))
+func describeProvider(p apiserver.ProviderConfiguration) []ConfigKey {
+	local := func(provider, providerPrefix string, keys []apiserver.Key) []ConfigKey {
+		out := make([]ConfigKey, 0, len(keys))
 		for _, k := range keys {
 			secret, err := base64.StdEncoding.DecodeString(k.Secret)
 			if err != nil {
 				secret = []byte(k.Secret) // unreachable after validation; still a stable identity
 			}
-			out = append(out, KeyInfo{Provider: provider, Name: k.Name, Prefix: KeyPrefix(providerPrefix, k.Name), Fingerprint: KeyFingerprint(providerPrefix, secret)})
+			out = append(out, ConfigKey{Provider: provider, Name: k.Name, Prefix: KeyPrefix(providerPrefix, k.Name), Fingerprint: KeyFingerprint(providerPrefix, secret)})
 		}
 		return out
 	}
 	switch {
 	case p.Identity != nil:
-		return []KeyInfo{{Provider: ProviderIdentity}}
+		return []ConfigKey{{Provider: ProviderIdentity}}
 	case p.AESGCM != nil:
 		return local(ProviderAESGCM, AESGCMPrefix, p.AESGCM.Keys)
 	case p.AESCBC != nil:
@@ -153,7 +153,7 @@ func describeProvider(p apiserver.ProviderConfiguration) []KeyInfo {
 	case p.Secretbox != nil:
 		return local(ProviderSecretbox, SecretboxPrefix, p.Secretbox.Keys)
 	case p.KMS != nil: // always v2: config validation rejects KMS v1
-		return []KeyInfo{{Provider: ProviderKMSv2, Name: p.KMS.Name, Prefix: KeyPrefix(KMSv2Prefix, p.KMS.Name), Endpoint: p.KMS.Endpoint}}
+		return []ConfigKey{{Provider: ProviderKMSv2, Name: p.KMS.Name, Prefix: KeyPrefix(KMSv2Prefix, p.KMS.Name), Endpoint: p.KMS.Endpoint}}
 	}
 	return nil
 }

@@ -144,7 +144,7 @@ func (g *gcmSealer) Open(_ context.Context, data []byte, dataCtx value.Context) 
 }
 
 func (g *gcmSealer) keyName() string {
-	_, k := SplitPrefix(string(g.prefix))
+	_, k := describe(g)
 	return k
 }
 
@@ -272,7 +272,7 @@ func (b *boxSealer) Open(_ context.Context, data []byte, _ value.Context) ([]byt
 	out := make([]byte, 0, len(data)-secretboxNonceSize-secretbox.Overhead)
 	out, ok := secretbox.Open(out, data[secretboxNonceSize:], nonce, &b.key)
 	if !ok {
-		_, name := SplitPrefix(string(b.prefix))
+		_, name := describe(b)
 		return nil, false, fmt.Errorf("secretbox key %q: authentication failed (wrong key or corrupted value)", name)
 	}
 	return out, false, nil
