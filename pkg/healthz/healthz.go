@@ -23,6 +23,8 @@ import (
 	"time"
 
 	utilerrors "k8s.io/apimachinery/pkg/util/errors"
+
+	"github.com/rekey-io/rekey/pkg/config"
 )
 
 // Name is the check's name: it is served at /healthz/kms-providers and
@@ -30,7 +32,7 @@ import (
 const Name = "kms-providers"
 
 // DefaultTimeout bounds one provider's check, as upstream bounds its KMS probes.
-const DefaultTimeout = 3 * time.Second
+const DefaultTimeout = config.DefaultKMSTimeout
 
 // Probe is one KMS provider as the check sees it. transformers.KMSProvider satisfies it.
 type Probe interface {

@@ -36,7 +36,7 @@ const maxKeyIDHashes = 16
 
 // AppliedState is what the last applied encryption configuration could read, without
 // any key material: per rule, the resources and, per provider in order, its type, key
-// name, stored prefix and a fingerprint of the secret (keyFingerprint: a one-way,
+// name, stored prefix and a fingerprint of the secret (transformers.KeyFingerprint: a one-way,
 // domain-separated SHA-256 of a random 128–256-bit key, which proves two secrets equal
 // and cannot be turned back into either); for KMS providers the plugin endpoint and the
 // "sha256:" hashes of the key ids seen in storage.
@@ -70,7 +70,7 @@ type AppliedKey struct {
 	Name string `json:"name,omitempty"`
 	// Prefix is the stored prefix of the values it writes ("" for identity).
 	Prefix string `json:"prefix"`
-	// Fingerprint is "sha256:<hex>" of keyFingerprint (local keys only).
+	// Fingerprint is "sha256:<hex>" of transformers.KeyFingerprint (local keys only).
 	Fingerprint string `json:"fingerprint,omitempty"`
 	// Endpoint is the KMS plugin's endpoint.
 	Endpoint string `json:"endpoint,omitempty"`
@@ -116,38 +116,16 @@ func NewAppliedState(cfg *config.Config, inv *Inventory, now time.Time) *Applied
 }
 
 func appliedRules(cfg *config.Config) []AppliedRule {
-	if cfg == nil || cfg.Encryption == nil {
-		return nil
-	}
 	var out []AppliedRule
-	for _, rc := range cfg.Encryption.Resources {
-		var keys []AppliedKey
-		for _, p := range rc.Providers {
-			switch {
-			case p.Identity != nil:
-				keys = append(keys, AppliedKey{Provider: ProviderIdentity})
-			case p.AESGCM != nil:
-				keys = append(keys, localKeys(ProviderAESGCM, keyEntries(transformers.AESGCMPrefix, p.AESGCM.Keys))...)
-			case p.AESCBC != nil:
-				keys = append(keys, localKeys(ProviderAESCBC, keyEntries(transformers.AESCBCPrefix, p.AESCBC.Keys))...)
-			case p.Secretbox != nil:
-				keys = append(keys, localKeys(ProviderSecretbox, keyEntries(transformers.SecretboxPrefix, p.Secretbox.Keys))...)
-			case p.KMS != nil && p.KMS.APIVersion == "v2":
-				keys = append(keys, AppliedKey{Provider: ProviderKMSv2, Name: p.KMS.Name, Prefix: transformers.KMSv2Prefix + p.KMS.Name + ":", Endpoint: p.KMS.Endpoint})
-			case p.KMS != nil:
-				keys = append(keys, AppliedKey{Provider: ProviderKMSv1, Name: p.KMS.Name, Prefix: kmsv1Prefix + p.KMS.Name + ":", Endpoint: p.KMS.Endpoint})
+	for _, e := range transformers.Describe(cfg) {
+		keys := make([]AppliedKey, len(e.Items))
+		for i, k := range e.Items {
+			keys[i] = AppliedKey{Provider: k.Provider, Name: k.Name, Prefix: k.Prefix, Endpoint: k.Endpoint}
+			if k.Fingerprint != ([32]byte{}) {
+				keys[i].Fingerprint = "sha256:" + hex.EncodeToString(k.Fingerprint[:])
 			}
 		}
-		out = append(out, AppliedRule{Resources: append([]string(nil), rc.Resources...), Keys: keys})
-	}
-	return out
-}
-
-func localKeys(provider string, entries []chainEntry) []AppliedKey {
-	out := make([]AppliedKey, len(entries))
-	for i, e := range entries {
-		_, name := splitPrefix(e.prefix)
-		out[i] = AppliedKey{Provider: provider, Name: name, Prefix: e.prefix, Fingerprint: "sha256:" + hex.EncodeToString(e.fp[:])}
+		out = append(out, AppliedRule{Resources: e.Resources, Keys: keys})
 	}
 	return out
 }
@@ -163,29 +141,26 @@ func (s *AppliedState) chains() chains {
 // chainsOf turns rules into lookup chains; a fingerprint that does not decode matches
 // no key, so a damaged state errs on the side of refusing.
 func chainsOf(rules []AppliedRule) chains {
-	cs := chains{byGR: map[schema.GroupResource]chain{}}
+	entries := make([]transformers.Entry[chainEntry], 0, len(rules))
 	for _, r := range rules {
-		entries := make([]chainEntry, 0, len(r.Keys))
+		e := transformers.Entry[chainEntry]{Resources: r.Resources, Items: make([]chainEntry, 0, len(r.Keys))}
 		for _, k := range r.Keys {
-			e := chainEntry{prefix: k.Prefix}
+			ce := chainEntry{prefix: k.Prefix}
 			if k.Fingerprint != "" {
-				if b, err := hex.DecodeString(trimHashPrefix(k.Fingerprint)); err == nil && len(b) == len(e.fp) {
-					copy(e.fp[:], b)
+				if b, err := hex.DecodeString(trimHashPrefix(k.Fingerprint)); err == nil && len(b) == len(ce.fp) {
+					copy(ce.fp[:], b)
 				} else {
-					e.fp = [32]byte{0: 0xff, 31: 0xff}
+					ce.fp = [32]byte{0: 0xff, 31: 0xff}
 				}
 			}
-			entries = append(entries, e)
+			e.Items = append(e.Items, ce)
 		}
-		for _, res := range r.Resources {
-			gr := schema.ParseGroupResource(res)
-			c, ok := cs.byGR[gr]
-			if !ok {
-				cs.order = append(cs.order, gr)
-			}
-			c.entries = append(c.entries, entries...)
-			cs.byGR[gr] = c
-		}
+		entries = append(entries, e)
+	}
+	byGR, order := transformers.ByResource(entries)
+	cs := chains{byGR: make(map[schema.GroupResource]chain, len(byGR)), order: order}
+	for gr, es := range byGR {
+		cs.byGR[gr] = chain{entries: es}
 	}
 	return cs
 }

@@ -34,14 +34,14 @@ func TestControllerBacksOffWhileAMigrationKeepsFailing(t *testing.T) {
 	src := FromRules(sw, func() []transformers.RuleInfo { return sw.cur.Load().Rules() })
 	fc := clocktesting.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
 	c := NewController(ControllerOptions{Client: cli, Source: src, Resources: testResources()[:1], AutoMigrate: true, Clock: fc, Logger: testLogger(t)})
-	c.step(ctx, true) // first inventory: nothing stale
+	c.check(ctx) // first inventory: nothing stale
 	_, s1 := setFor(t, "secrets", "aesgcm:key2,key1")
 	sw.cur.Store(s1)
 
 	// Ten minutes of 5 s checks: attempts at 0, 5, 15, 35, 75, 155 and 315 s.
 	attempts := 0
 	for i := 0; i <= 120; i++ {
-		if c.step(ctx, false) {
+		if c.check(ctx) {
 			attempts++
 		}
 		fc.Step(DefaultCheckInterval)
@@ -58,10 +58,10 @@ func TestControllerBacksOffWhileAMigrationKeepsFailing(t *testing.T) {
 	// A new write target is tried at once, with the backoff started over.
 	_, s2 := setFor(t, "secrets", "aesgcm:key3,key2,key1")
 	sw.cur.Store(s2)
-	if !c.step(ctx, false) || c.Status().ConsecutiveFailures != 1 {
+	if !c.check(ctx) || c.Status().ConsecutiveFailures != 1 {
 		t.Fatalf("after the write key changed: failures in a row = %d, want a fresh attempt", c.Status().ConsecutiveFailures)
 	}
-	if c.step(ctx, false) {
+	if c.check(ctx) {
 		t.Fatal("retried at once after a failure")
 	}
 	// The lost object is deleted: the next retry succeeds and clears the backoff.
@@ -69,13 +69,13 @@ func TestControllerBacksOffWhileAMigrationKeepsFailing(t *testing.T) {
 		t.Fatal(err)
 	}
 	fc.Step(DefaultRetryBackoff)
-	if !c.step(ctx, false) {
+	if !c.check(ctx) {
 		t.Fatal("no retry after the backoff")
 	}
 	if st := c.Status(); st.LastError != "" || st.ConsecutiveFailures != 0 || !st.RetryAt.IsZero() {
 		t.Fatalf("after a successful pass: %+v", st)
 	}
-	if c.step(ctx, false) {
+	if c.check(ctx) {
 		t.Fatal("migrated again after success")
 	}
 }
@@ -150,10 +150,10 @@ func TestControllerPluginOutageIsTransient(t *testing.T) {
 	src := FromRules(fault, func() []transformers.RuleInfo { return sw.cur.Load().Rules() })
 	fc := clocktesting.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
 	c := NewController(ControllerOptions{Client: cli, Source: src, Resources: testResources()[:1], AutoMigrate: true, Clock: fc, Logger: testLogger(t)})
-	c.step(ctx, true)
+	c.check(ctx)
 	sw.cur.Store(s1)
 
-	if !c.step(ctx, false) {
+	if !c.check(ctx) {
 		t.Fatal("no migration after the write key changed")
 	}
 	st := c.Status()
@@ -170,13 +170,13 @@ func TestControllerPluginOutageIsTransient(t *testing.T) {
 	if st.RetryAt.Sub(fc.Now()) != DefaultRetryBackoff {
 		t.Fatalf("retry at %s, want after %s", st.RetryAt, DefaultRetryBackoff)
 	}
-	if c.step(ctx, false) {
+	if c.check(ctx) {
 		t.Fatal("retried before the backoff passed")
 	}
 
 	kms.server.SetFaults(kmsplugin.Faults{})
 	fc.Step(DefaultRetryBackoff)
-	if !c.step(ctx, false) {
+	if !c.check(ctx) {
 		t.Fatal("no retry after the backoff")
 	}
 	if st := c.Status(); st.LastError != "" || st.LastMigration.Error != "" {

@@ -10,6 +10,9 @@ import (
 	"time"
 )
 
+// checkpointEvery bounds how often the checkpoint file is rewritten.
+const checkpointEvery = 250 * time.Millisecond
+
 // checkpointVersion changes when the file format does.
 const checkpointVersion = 1
 
@@ -103,4 +106,54 @@ func sameTargets(a, b map[string]writeTarget) bool {
 		}
 	}
 	return true
+}
+
+func (m *migrator) loadCheckpoint() error {
+	targets := m.targets()
+	m.ckpt = &Checkpoint{Targets: targets}
+	store := m.checkpoints()
+	if store == nil {
+		return nil
+	}
+	path := store.String()
+	old, err := store.Load()
+	if err != nil {
+		return err
+	}
+	switch {
+	case old == nil:
+		if m.opts.Resume {
+			m.log.Info("No migration checkpoint to resume from; starting from the beginning", "path", path)
+		}
+	case !m.opts.Resume && !old.Completed:
+		return fmt.Errorf("an unfinished migration checkpoint exists at %q (last key %q); pass --resume to continue it, or delete the file to start over", path, old.LastKey)
+	case !m.opts.Resume:
+		// A finished checkpoint of an earlier run: start a new migration.
+	case !sameTargets(old.Targets, targets):
+		m.log.Info("The write keys changed since the checkpoint was written; starting the migration from the beginning", "path", path)
+	default:
+		old.Completed = false // a resumed run always ends with its own re-scan
+		m.ckpt = old
+		m.c.restore(old.Counters)
+	}
+	m.saveCheckpoint(true)
+	return nil
+}
+
+func (m *migrator) saveCheckpoint(force bool) {
+	store := m.checkpoints()
+	if store == nil {
+		return
+	}
+	now := m.opts.Clock.Now()
+	if !force && now.Sub(m.lastCkptWrite) < checkpointEvery {
+		return
+	}
+	m.lastCkptWrite = now
+	m.ckpt.Counters = m.c.snapshot()
+	m.ckpt.UpdatedAt = now
+	if err := store.Save(m.ckpt); err != nil {
+		// Progress is only lost, never corrupted: a resume re-checks every object.
+		m.log.Error(err, "Could not save the migration checkpoint; a resumed migration will re-check more objects")
+	}
 }

@@ -6,27 +6,24 @@ import (
 	"encoding/hex"
 	"sort"
 	"strconv"
-	"strings"
-
-	"google.golang.org/protobuf/encoding/protowire"
 
 	"github.com/rekey-io/rekey/pkg/transformers"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/wire"
 )
 
-// Provider names used in inventories and metrics.
+// Provider names used in inventories and metrics; pkg/transformers owns them.
 const (
-	ProviderIdentity  = "identity"
-	ProviderAESGCM    = "aesgcm"
-	ProviderAESCBC    = "aescbc"
-	ProviderSecretbox = "secretbox"
-	ProviderKMSv2     = "kms"
-	ProviderKMSv1     = "kmsv1"
-	ProviderUnknown   = "unknown"
+	ProviderIdentity  = transformers.ProviderIdentity
+	ProviderAESGCM    = transformers.ProviderAESGCM
+	ProviderAESCBC    = transformers.ProviderAESCBC
+	ProviderSecretbox = transformers.ProviderSecretbox
+	ProviderKMSv2     = transformers.ProviderKMSv2
+	ProviderKMSv1     = transformers.ProviderKMSv1
+	ProviderUnknown   = transformers.ProviderUnknown
 )
 
 const (
-	encryptedMarker = "k8s:enc:"
-	kmsv1Prefix     = "k8s:enc:kms:v1:"
+	encryptedMarker = transformers.EncryptedMarker
 	// maxGuessedKeyName bounds how far a key name is looked for in a value whose key the
 	// configuration does not know.
 	maxGuessedKeyName = 64
@@ -168,14 +165,16 @@ func (c *classifier) classify(v []byte) Bucket {
 	if b.Prefix == "" {
 		b.Prefix = guessPrefix(v)
 	}
-	b.Provider, b.Key = splitPrefix(b.Prefix)
+	b.Provider, b.Key = transformers.SplitPrefix(b.Prefix)
 	if b.Provider == ProviderKMSv2 {
-		if keyID, typ, ok := kmsKeyID(v[len(b.Prefix):]); ok {
-			sum := sha256.Sum256(keyID)
+		var o wire.Object
+		var annos [wire.MaxInlineAnnotations]wire.Annotation
+		if _, err := wire.Decode(v[len(b.Prefix):], &o, annos[:]); err == nil {
+			sum := sha256.Sum256(o.KeyID)
 			b.KeyIDHash = "sha256:" + hex.EncodeToString(sum[:])
-			b.DEKSourceType = typ
+			b.DEKSourceType = o.SourceType.String()
 		} else {
-			// Cannot be read by any KMS v2 provider.
+			// Cannot be read by any KMS v2 provider: they decode it the same way.
 			b.KnownKey = false
 		}
 	}
@@ -228,91 +227,4 @@ func printable(b []byte) bool {
 		}
 	}
 	return true
-}
-
-// splitPrefix turns "k8s:enc:aesgcm:v1:key1:" into (aesgcm, key1) and
-// "k8s:enc:kms:v2:plugin:" into (kms, plugin).
-func splitPrefix(p string) (provider, key string) {
-	if p == "" {
-		return ProviderIdentity, ""
-	}
-	rest := strings.TrimPrefix(p, encryptedMarker)
-	parts := strings.SplitN(rest, ":", 3)
-	if len(parts) < 2 {
-		return ProviderUnknown, ""
-	}
-	key = ""
-	if len(parts) == 3 {
-		key = strings.TrimSuffix(parts[2], ":")
-	}
-	switch parts[0] + ":" + parts[1] {
-	case "aesgcm:v1":
-		return ProviderAESGCM, key
-	case "aescbc:v1":
-		return ProviderAESCBC, key
-	case "secretbox:v1":
-		return ProviderSecretbox, key
-	case "kms:v2":
-		return ProviderKMSv2, key
-	case "kms:v1":
-		return ProviderKMSv1, key
-	}
-	return ProviderUnknown, key
-}
-
-// Field numbers of the stored KMS v2 EncryptedObject protobuf.
-const (
-	kmsFieldEncryptedData = 1
-	kmsFieldKeyID         = 2
-	kmsFieldSourceType    = 5
-	kmsMaxKeyID           = 1024
-)
-
-// kmsKeyID reads the key id and DEK source type of a stored KMS v2 EncryptedObject
-// without decrypting anything. ok is false for a value no KMS v2 provider could read
-// (not protobuf, no data, no or oversized key id).
-func kmsKeyID(b []byte) (keyID []byte, sourceType string, ok bool) {
-	var hasData bool
-	typ := uint64(0)
-	for len(b) > 0 {
-		num, wt, n := protowire.ConsumeTag(b)
-		if n < 0 {
-			return nil, "", false
-		}
-		b = b[n:]
-		if wt == protowire.BytesType {
-			v, m := protowire.ConsumeBytes(b)
-			if m < 0 {
-				return nil, "", false
-			}
-			switch num {
-			case kmsFieldEncryptedData:
-				hasData = len(v) > 0
-			case kmsFieldKeyID:
-				keyID = v
-			}
-			b = b[m:]
-			continue
-		}
-		m := protowire.ConsumeFieldValue(num, wt, b)
-		if m < 0 {
-			return nil, "", false
-		}
-		if num == kmsFieldSourceType && wt == protowire.VarintType {
-			typ, _ = protowire.ConsumeVarint(b)
-		}
-		b = b[m:]
-	}
-	if !hasData || len(keyID) == 0 || len(keyID) > kmsMaxKeyID {
-		return nil, "", false
-	}
-	switch typ {
-	case 0:
-		sourceType = "AES_GCM_KEY"
-	case 1:
-		sourceType = "HKDF_SHA256_XNONCE_AES_GCM_SEED"
-	default:
-		return nil, "", false
-	}
-	return keyID, sourceType, true
 }

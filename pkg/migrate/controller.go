@@ -2,10 +2,6 @@ package migrate
 
 import (
 	"context"
-	"fmt"
-	"slices"
-	"sort"
-	"strings"
 	"sync"
 	"time"
 
@@ -81,25 +77,18 @@ type MigrationRecord struct {
 // Controller migrates stored data inside an apiserver: it watches the write target
 // (prefix and KMS key id hash) of every resource and, when one changes, rewrites that
 // resource's stale objects and records the verifying inventory, which the guard uses.
+//
+// Its decisions are a state machine (controllerMachine); the Controller is the thin
+// driver that reads the write targets, runs inventories and migrations against etcd,
+// and publishes the status.
 type Controller struct {
 	opts ControllerOptions
 	log  klog.Logger
+	// m is only touched by the goroutine running Run.
+	m *controllerMachine
 
-	mu      sync.Mutex
-	status  ControllerStatus
-	applied map[string]writeTarget // targets the last successful migration or inventory saw
-	// retry is the failed migration waiting for its backoff; nil when none. Only the
-	// goroutine running Run touches it.
-	retry *retryState
-}
-
-// retryState is a failed migration: which resources, under which write targets, how
-// often in a row, and when it may run again.
-type retryState struct {
-	resources []Resource
-	targets   string
-	failures  int
-	at        time.Time
+	mu     sync.Mutex
+	status ControllerStatus
 }
 
 // NewController returns a controller; call Run to start it.
@@ -129,7 +118,9 @@ func NewController(opts ControllerOptions) *Controller {
 	if opts.MaxRetryBackoff < opts.RetryBackoff {
 		opts.MaxRetryBackoff = max(DefaultMaxRetryBackoff, opts.RetryBackoff)
 	}
-	return &Controller{opts: opts, log: opts.Logger.WithName("storage-migration-controller"), status: ControllerStatus{AutoMigrate: opts.AutoMigrate}}
+	m := newControllerMachine(machineConfig{resources: opts.Resources, autoMigrate: opts.AutoMigrate,
+		inventoryInterval: opts.InventoryInterval, retryBackoff: opts.RetryBackoff, maxRetryBackoff: opts.MaxRetryBackoff})
+	return &Controller{opts: opts, log: opts.Logger.WithName("storage-migration-controller"), m: m, status: ControllerStatus{AutoMigrate: opts.AutoMigrate}}
 }
 
 // Inventory is the store the controller's inventories land in; pass it to NewGuard.
@@ -148,11 +139,8 @@ func (c *Controller) Status() ControllerStatus {
 // Run checks CheckInterval after each check ends, until ctx ends. A failed migration
 // waits for its backoff (see DefaultRetryBackoff), not just for the next check.
 func (c *Controller) Run(ctx context.Context) {
-	var lastInventory time.Time
 	for {
-		if c.step(ctx, c.opts.Clock.Since(lastInventory) >= c.opts.InventoryInterval) {
-			lastInventory = c.opts.Clock.Now()
-		}
+		c.check(ctx)
 		t := c.opts.Clock.NewTimer(c.opts.CheckInterval)
 		select {
 		case <-ctx.Done():
@@ -163,50 +151,35 @@ func (c *Controller) Run(ctx context.Context) {
 	}
 }
 
-// step runs one check; it returns true when it took an inventory.
-func (c *Controller) step(ctx context.Context, inventoryDue bool) bool {
-	now := c.currentTargets()
-	changed, ready := c.plan(now)
-	if r := c.retry; r != nil && c.opts.AutoMigrate && ready {
-		// A failed migration is retried, with the resources changed since, once its
-		// backoff has passed — at once when the write targets are no longer those it
-		// failed with.
-		todo := unionResources(r.resources, changed)
-		if targetsKey(now, todo) == r.targets && c.opts.Clock.Now().Before(r.at) {
-			return false
-		}
-		c.migrate(ctx, todo, now)
-		return true
-	}
-	switch {
-	case c.opts.AutoMigrate && len(changed) > 0 && ready:
-		c.migrate(ctx, changed, now)
-		return true
-	case len(changed) > 0 || inventoryDue:
-		inv, err := TakeInventory(ctx, InventoryOptions{Client: c.opts.Client, Source: c.opts.Source, Resources: c.opts.Resources, ConfigHash: c.opts.ConfigHash(), Metrics: c.opts.Metrics, Clock: c.opts.Clock})
-		if err != nil {
-			c.setErr(err)
-			return false
-		}
-		c.opts.Inventory.Set(inv)
-		c.mu.Lock()
-		first := c.applied == nil
-		c.applied = now
-		c.mu.Unlock()
-		// At start, stale data (e.g. from a migration cut short by a restart) is
-		// migrated too.
-		if first && c.opts.AutoMigrate && inv.TotalStale() > 0 && ready {
-			var stale []Resource
-			for _, r := range c.opts.Resources {
-				if ri := inv.Find(r.String()); ri != nil && ri.Stale > 0 {
-					stale = append(stale, r)
+// check feeds the machine the current write targets and carries out what it asks for.
+// It returns true when it took an inventory or ran a migration.
+func (c *Controller) check(ctx context.Context) bool {
+	c.m.Step(checkEvent{now: c.opts.Clock.Now(), targets: c.currentTargets()})
+	worked := false
+	for acts := c.m.Ready(); len(acts) > 0; acts = c.m.Ready() {
+		for _, a := range acts {
+			switch a.kind {
+			case actTakeInventory:
+				inv, err := TakeInventory(ctx, InventoryOptions{Client: c.opts.Client, Source: c.opts.Source, Resources: c.opts.Resources, ConfigHash: c.opts.ConfigHash(), Metrics: c.opts.Metrics, Clock: c.opts.Clock})
+				c.m.Step(inventoryEvent{now: c.opts.Clock.Now(), inv: inv, err: err})
+				c.publish(nil)
+				if err != nil {
+					c.log.Error(err, "Inventory failed; retrying at the next check")
 				}
+				worked = worked || err == nil
+			case actRecordInventory:
+				inv := a.inventory
+				if a.merge {
+					inv = mergeInventories(c.opts.Inventory.Latest(), inv, c.opts.Resources)
+				}
+				c.opts.Inventory.Set(inv)
+			case actMigrate:
+				c.migrate(ctx, a.resources)
+				worked = true
 			}
-			c.migrate(ctx, stale, now)
 		}
-		return true
 	}
-	return false
+	return worked
 }
 
 func (c *Controller) currentTargets() map[string]writeTarget {
@@ -217,35 +190,7 @@ func (c *Controller) currentTargets() map[string]writeTarget {
 	return t
 }
 
-// plan lists the resources whose write target differs from the last applied one, and
-// whether all of them can be written now (a KMS v2 target needs a known key id).
-func (c *Controller) plan(now map[string]writeTarget) (changed []Resource, ready bool) {
-	c.mu.Lock()
-	applied := c.applied
-	c.mu.Unlock()
-	ready = true
-	for _, r := range c.opts.Resources {
-		t := now[r.String()]
-		if strings.HasPrefix(t.Prefix, "k8s:enc:kms:v2:") && t.KeyIDHash == "" {
-			ready = false
-		}
-		if applied == nil {
-			continue // first round: inventory decides
-		}
-		if applied[r.String()] != t {
-			changed = append(changed, r)
-		}
-	}
-	if applied == nil {
-		return []Resource{}, ready
-	}
-	return changed, ready
-}
-
-func (c *Controller) migrate(ctx context.Context, rs []Resource, targets map[string]writeTarget) {
-	if len(rs) == 0 {
-		return
-	}
+func (c *Controller) migrate(ctx context.Context, rs []Resource) {
 	names := make([]string, len(rs))
 	for i, r := range rs {
 		names[i] = r.String()
@@ -254,102 +199,38 @@ func (c *Controller) migrate(ctx context.Context, rs []Resource, targets map[str
 	c.status.Running = names
 	c.mu.Unlock()
 	c.log.Info("Write key changed; migrating stored objects", "resources", names)
-	// The verifying re-scan covers only rs; it is merged into the latest inventory so
-	// that the guard keeps counting the other resources.
 	verified := &InventoryStore{}
 	res, err := Migrate(ctx, Options{Client: c.opts.Client, Source: c.opts.Source, Resources: rs, Rate: c.opts.Rate,
 		Inventory: verified, Metrics: c.opts.Metrics, ConfigHash: c.opts.ConfigHash(), Logger: c.opts.Logger, Clock: c.opts.Clock})
-	if inv := verified.Latest(); inv != nil {
-		c.opts.Inventory.Set(mergeInventories(c.opts.Inventory.Latest(), inv, c.opts.Resources))
-	}
-	rec := &MigrationRecord{Resources: names, Finished: c.opts.Clock.Now()}
+	now := c.opts.Clock.Now()
+	c.m.Step(migrationEvent{now: now, verified: verified.Latest(), err: err})
+	rec := &MigrationRecord{Resources: names, Finished: now}
 	if res != nil {
 		rec.Duration, rec.Counters = res.Duration, res.Counters
 	}
+	view := c.publish(rec)
+	switch {
+	case err == nil:
+	case isTransient(err):
+		c.log.Info("Storage migration stopped: KMS plugin unavailable, will retry", "resources", names, "retryIn", view.RetryAt.Sub(now), "failures", view.ConsecutiveFailures, "err", err)
+	default:
+		c.log.Error(err, "Storage migration failed; will retry", "resources", names, "retryIn", view.RetryAt.Sub(now), "failures", view.ConsecutiveFailures)
+	}
+}
+
+// publish copies the machine's view into the status, with rec as the latest finished
+// migration when it is not nil.
+func (c *Controller) publish(rec *MigrationRecord) controllerView {
+	v := c.m.View()
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.status.Running = nil
-	c.status.LastMigration = rec
-	if err != nil {
-		// applied stays, so the change is still pending; retry after a backoff that
-		// grows while the same write targets keep failing.
-		key := targetsKey(targets, rs)
-		failures := 1
-		if c.retry != nil && c.retry.targets == key {
-			failures = c.retry.failures + 1
-		}
-		backoff := c.backoff(failures)
-		at := c.opts.Clock.Now().Add(backoff)
-		c.retry = &retryState{resources: rs, targets: key, failures: failures, at: at}
-		c.status.ConsecutiveFailures, c.status.RetryAt = failures, at
-		rec.Error = err.Error()
-		if isTransient(err) {
-			// Never advise deleting data because a plugin is down.
-			msg := fmt.Sprintf("%v (next attempt at %s)", err, at.UTC().Format(time.RFC3339))
-			if !strings.Contains(msg, ErrPluginUnavailable.Error()) {
-				msg = ErrPluginUnavailable.Error() + ": " + msg
-			}
-			rec.Error, c.status.LastError = msg, msg
-			c.log.Info("Storage migration stopped: KMS plugin unavailable, will retry", "resources", names, "retryIn", backoff, "failures", failures, "err", err)
-			return
-		}
-		c.status.LastError = err.Error()
-		c.log.Error(err, "Storage migration failed; will retry", "resources", names, "retryIn", backoff, "failures", failures)
-		return
+	if rec != nil {
+		rec.Error = v.MigrationError
+		c.status.Running = nil
+		c.status.LastMigration = rec
 	}
-	c.retry = nil
-	c.status.ConsecutiveFailures, c.status.RetryAt = 0, time.Time{}
-	c.status.LastError = ""
-	if c.applied == nil {
-		c.applied = map[string]writeTarget{}
-	}
-	for k, v := range targets {
-		c.applied[k] = v
-	}
-}
-
-// backoff is the wait after the given number of failures in a row: RetryBackoff,
-// doubling up to MaxRetryBackoff.
-func (c *Controller) backoff(failures int) time.Duration {
-	d := c.opts.RetryBackoff
-	for i := 1; i < failures && d < c.opts.MaxRetryBackoff; i++ {
-		d *= 2
-	}
-	return min(d, c.opts.MaxRetryBackoff)
-}
-
-// targetsKey identifies the write targets of rs, so that a retry can tell whether
-// they changed since a migration failed.
-func targetsKey(targets map[string]writeTarget, rs []Resource) string {
-	names := make([]string, 0, len(rs))
-	for _, r := range rs {
-		names = append(names, r.String())
-	}
-	sort.Strings(names)
-	var b strings.Builder
-	for _, n := range names {
-		t := targets[n]
-		b.WriteString(n + "\x00" + t.Prefix + "\x00" + t.KeyIDHash + "\x00")
-	}
-	return b.String()
-}
-
-// unionResources is a followed by the resources of b not in a.
-func unionResources(a, b []Resource) []Resource {
-	out := append([]Resource(nil), a...)
-	for _, r := range b {
-		if !slices.Contains(out, r) {
-			out = append(out, r)
-		}
-	}
-	return out
-}
-
-func (c *Controller) setErr(err error) {
-	c.mu.Lock()
-	c.status.LastError = err.Error()
-	c.mu.Unlock()
-	c.log.Error(err, "Inventory failed; retrying at the next check")
+	c.status.LastError, c.status.ConsecutiveFailures, c.status.RetryAt = v.LastError, v.ConsecutiveFailures, v.RetryAt
+	return v
 }
 
 // mergeInventories returns newer with the resources it does not cover taken from older,

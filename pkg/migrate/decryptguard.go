@@ -179,7 +179,7 @@ func CheckDecrypt(ctx context.Context, inv *Inventory, cli *clientv3.Client, nex
 		if !ok {
 			continue
 		}
-		_, name := splitPrefix(rb.id.prefix)
+		_, name := transformers.SplitPrefix(rb.id.prefix)
 		out = append(out, DecryptFailure{Resource: rb.resource, Provider: name, KeyIDHash: rb.id.keyID, Objects: counts[rb], Unavailable: pluginUnavailable(err), Err: err})
 	}
 	sort.SliceStable(out, func(i, j int) bool { return out[i].Resource < out[j].Resource })

@@ -1,8 +1,6 @@
 package migrate
 
 import (
-	"crypto/sha256"
-	"encoding/base64"
 	"errors"
 	"fmt"
 	"sort"
@@ -12,6 +10,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // OverrideFlag is the flag of the apiserver shim and the rekey CLI that lets a change
@@ -175,7 +174,7 @@ func checkChains(inv *Inventory, cur, nxt chains, fresh bool) []Violation {
 }
 
 func bucketOf(prefix string) Bucket {
-	p, k := splitPrefix(prefix)
+	p, k := transformers.SplitPrefix(prefix)
 	return Bucket{Provider: p, Key: k, Prefix: prefix, KnownKey: true}
 }
 
@@ -206,27 +205,9 @@ func NewGuard(store *InventoryStore, override func() bool, m *Metrics, logger kl
 
 type chainEntry struct {
 	prefix string
-	// fp fingerprints a local key's secret (keyFingerprint); zero for identity and KMS.
+	// fp fingerprints a local key's secret (transformers.KeyFingerprint); zero for
+	// identity and KMS.
 	fp [32]byte
-}
-
-// fingerprintDomain separates key fingerprints from every other SHA-256 use of the
-// same bytes.
-const fingerprintDomain = "rekey.io/applied-key-fingerprint/v1\x00"
-
-// keyFingerprint identifies a local key's secret so that two configurations (or a
-// configuration and the persisted AppliedState) can be compared without holding the
-// key. It is not key material: it is a one-way SHA-256 hash, under a domain-separation
-// string, of a uniformly random 128- to 256-bit secret; recovering the secret from it
-// means searching that whole key space. It proves equality of secrets and nothing else.
-func keyFingerprint(providerPrefix string, secret []byte) [32]byte {
-	h := sha256.New()
-	h.Write([]byte(fingerprintDomain))
-	h.Write([]byte(providerPrefix))
-	h.Write(secret)
-	var fp [32]byte
-	h.Sum(fp[:0])
-	return fp
 }
 
 type chain struct{ entries []chainEntry }
@@ -277,26 +258,13 @@ type chains struct {
 
 var identityChain = chain{entries: []chainEntry{{prefix: ""}}}
 
+// newChains is the guard's view of cfg: the same per-entry description the applied
+// state persists, joined per resource as a Set joins them.
 func newChains(cfg *config.Config) chains { return chainsOf(appliedRules(cfg)) }
 
-func keyEntries[K interface{ ~struct{ Name, Secret string } }](providerPrefix string, keys []K) []chainEntry {
-	out := make([]chainEntry, 0, len(keys))
-	for _, k := range keys {
-		kk := struct{ Name, Secret string }(k)
-		secret, err := base64.StdEncoding.DecodeString(kk.Secret)
-		if err != nil {
-			secret = []byte(kk.Secret)
-		}
-		out = append(out, chainEntry{prefix: providerPrefix + kk.Name + ":", fp: keyFingerprint(providerPrefix, secret)})
-	}
-	return out
-}
-
 func (cs chains) lookup(gr schema.GroupResource) chain {
-	for _, k := range []schema.GroupResource{gr, {Group: gr.Group, Resource: "*"}, {Group: "*", Resource: "*"}} {
-		if c, ok := cs.byGR[k]; ok {
-			return c
-		}
+	if c, ok := transformers.Lookup(cs.byGR, gr); ok {
+		return c
 	}
 	return identityChain
 }

@@ -252,30 +252,17 @@ type checkResult struct {
 // checkAll decrypts a page with workers goroutines; results[i] belongs to kvs[i].
 func checkAll(ctx context.Context, tr value.Transformer, kvs []*mvccpb.KeyValue, workers int, results []checkResult) []checkResult {
 	results = append(results[:0], make([]checkResult, len(kvs))...)
-	if workers > len(kvs) {
-		workers = len(kvs)
-	}
-	var wg sync.WaitGroup
-	chunk := (len(kvs) + workers - 1) / workers
-	for w := 0; w < workers; w++ {
-		lo, hi := w*chunk, min((w+1)*chunk, len(kvs))
-		if lo >= hi {
-			break
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := lo; i < hi; i++ {
-				plain, stale, err := tr.TransformFromStorage(ctx, kvs[i].Value, value.DefaultContext(kvs[i].Key))
-				if err == nil && stale {
-					// What a migration would refuse to rewrite is unreadable here too.
-					err = checkStoredObject(plain)
-				}
-				results[i] = checkResult{stale: stale, err: err}
+	_ = fanOut(len(kvs), workers, func(lo, hi int) error {
+		for i := lo; i < hi; i++ {
+			plain, stale, err := tr.TransformFromStorage(ctx, kvs[i].Value, value.DefaultContext(kvs[i].Key))
+			if err == nil && stale {
+				// What a migration would refuse to rewrite is unreadable here too.
+				err = checkStoredObject(plain)
 			}
-		}()
-	}
-	wg.Wait()
+			results[i] = checkResult{stale: stale, err: err}
+		}
+		return nil
+	})
 	return results
 }
 

@@ -6,14 +6,12 @@ import (
 	"fmt"
 	"runtime"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"golang.org/x/time/rate"
-	"k8s.io/apiserver/pkg/storage/value"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 )
@@ -28,11 +26,6 @@ const (
 	DefaultBatchBytes = 1 << 20
 	// DefaultMaxPasses bounds migrate-and-verify rounds.
 	DefaultMaxPasses = 3
-	// maxConflictRetries bounds how often one object is re-read after a concurrent
-	// change before the migration gives up on it (and fails verification).
-	maxConflictRetries = 10
-	// checkpointEvery bounds how often the checkpoint file is rewritten.
-	checkpointEvery = 250 * time.Millisecond
 )
 
 // Options configure Migrate.
@@ -270,99 +263,6 @@ func (s *InventoryStore) setIfNotNil(inv *Inventory) {
 	}
 }
 
-func unreadableSample(inv *Inventory) string {
-	var parts []string
-	for _, r := range inv.Resources {
-		if r.Unreadable > 0 {
-			parts = append(parts, fmt.Sprintf("%s: %d, e.g. %s", r.Resource, r.Unreadable, strings.Join(r.UnreadableKeys, ", ")))
-		}
-	}
-	return strings.Join(parts, "; ")
-}
-
-func staleSample(inv *Inventory) string {
-	var parts []string
-	for _, r := range inv.Resources {
-		for _, b := range r.Buckets {
-			if b.Stale && b.Objects > 0 {
-				parts = append(parts, fmt.Sprintf("%s: %d under %s", r.Resource, b.Objects, describeBucket(b.Bucket)))
-			}
-		}
-	}
-	return strings.Join(parts, "; ")
-}
-
-func describeBucket(b Bucket) string {
-	if b.Other {
-		return fmt.Sprintf("%s values under further keys or key ids (an inventory lists at most %d distinct buckets per resource)", b.Provider, MaxBucketsPerResource)
-	}
-	switch b.Provider {
-	case ProviderIdentity:
-		return "plaintext (identity)"
-	case ProviderKMSv2:
-		if b.KeyIDHash != "" {
-			return fmt.Sprintf("kms provider %q key id %s", b.Key, b.KeyIDHash)
-		}
-		return fmt.Sprintf("kms provider %q (undecodable EncryptedObject)", b.Key)
-	}
-	if b.Key == "" {
-		return fmt.Sprintf("%s with an unreadable key name (prefix %q)", b.Provider, b.Prefix)
-	}
-	return fmt.Sprintf("%s key %q", b.Provider, b.Key)
-}
-
-// ---- checkpoint handling ----
-
-func (m *migrator) loadCheckpoint() error {
-	targets := m.targets()
-	m.ckpt = &Checkpoint{Targets: targets}
-	store := m.checkpoints()
-	if store == nil {
-		return nil
-	}
-	path := store.String()
-	old, err := store.Load()
-	if err != nil {
-		return err
-	}
-	switch {
-	case old == nil:
-		if m.opts.Resume {
-			m.log.Info("No migration checkpoint to resume from; starting from the beginning", "path", path)
-		}
-	case !m.opts.Resume && !old.Completed:
-		return fmt.Errorf("an unfinished migration checkpoint exists at %q (last key %q); pass --resume to continue it, or delete the file to start over", path, old.LastKey)
-	case !m.opts.Resume:
-		// A finished checkpoint of an earlier run: start a new migration.
-	case !sameTargets(old.Targets, targets):
-		m.log.Info("The write keys changed since the checkpoint was written; starting the migration from the beginning", "path", path)
-	default:
-		old.Completed = false // a resumed run always ends with its own re-scan
-		m.ckpt = old
-		m.c.restore(old.Counters)
-	}
-	m.saveCheckpoint(true)
-	return nil
-}
-
-func (m *migrator) saveCheckpoint(force bool) {
-	store := m.checkpoints()
-	if store == nil {
-		return
-	}
-	now := m.opts.Clock.Now()
-	if !force && now.Sub(m.lastCkptWrite) < checkpointEvery {
-		return
-	}
-	m.lastCkptWrite = now
-	m.ckpt.Counters = m.c.snapshot()
-	m.ckpt.UpdatedAt = now
-	if err := store.Save(m.ckpt); err != nil {
-		// Progress is only lost, never corrupted: a resume re-checks every object.
-		m.log.Error(err, "Could not save the migration checkpoint; a resumed migration will re-check more objects")
-	}
-}
-
 func (m *migrator) progress(p Progress) {
 	if m.opts.Progress == nil {
 		return
@@ -371,8 +271,6 @@ func (m *migrator) progress(p Progress) {
 	p.Elapsed = m.opts.Clock.Since(m.start)
 	m.opts.Progress(p)
 }
-
-// ---- one resource ----
 
 func (m *migrator) migrateResource(ctx context.Context, pass int, r Resource, from string) error {
 	name := r.String()
@@ -438,201 +336,5 @@ func (m *migrator) migrateResource(ctx context.Context, pass int, r Resource, fr
 	m.ckpt.Resource, m.ckpt.LastKey = "", ""
 	m.saveCheckpoint(true)
 	m.opts.Metrics.setRemaining(name, 0)
-	return nil
-}
-
-// handlePage re-encrypts the stale objects of one page with the workers and returns
-// when every object of the page is handled (so the checkpoint may move past it).
-func (m *migrator) handlePage(ctx context.Context, tr value.Transformer, resource string, kvs []*mvccpb.KeyValue) error {
-	workers := min(m.opts.Workers, (len(kvs)+m.opts.BatchSize-1)/m.opts.BatchSize)
-	workers = max(workers, 1)
-	chunk := (len(kvs) + workers - 1) / workers
-	errs := make([]error, workers)
-	var wg sync.WaitGroup
-	for w := 0; w < workers; w++ {
-		lo, hi := w*chunk, min((w+1)*chunk, len(kvs))
-		if lo >= hi {
-			break
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[w] = m.handleChunk(ctx, tr, resource, kvs[lo:hi])
-		}()
-	}
-	wg.Wait()
-	return errors.Join(errs...)
-}
-
-// rewrite is one object to be swapped: its new value and what it must still be.
-type rewrite struct {
-	key    []byte
-	val    []byte
-	modRev int64
-	lease  int64
-}
-
-func (m *migrator) handleChunk(ctx context.Context, tr value.Transformer, resource string, kvs []*mvccpb.KeyValue) error {
-	var batch []rewrite
-	size := 0
-	flush := func() error {
-		if len(batch) == 0 {
-			return nil
-		}
-		err := m.commit(ctx, tr, resource, batch)
-		batch, size = batch[:0], 0
-		return err
-	}
-	for _, kv := range kvs {
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		m.c.scanned.Add(1)
-		rw, result, err := m.prepare(ctx, tr, kv)
-		if err != nil {
-			return err
-		}
-		if result != "" {
-			m.count(resource, result)
-			continue
-		}
-		if size+len(rw.val)+len(rw.key) > m.opts.BatchBytes {
-			if err := flush(); err != nil {
-				return err
-			}
-		}
-		batch = append(batch, rw)
-		size += len(rw.val) + len(rw.key)
-		if len(batch) >= m.opts.BatchSize {
-			if err := flush(); err != nil {
-				return err
-			}
-		}
-	}
-	return flush()
-}
-
-// prepare decides about one stored value: a rewrite when it is stale, else the result
-// to count (current or unreadable). A stale value is rewritten only if it decrypted to
-// a stored Kubernetes object (checkStoredObject): anything else is counted unreadable
-// and left as it is, so a wrong-key read can never be made permanent.
-func (m *migrator) prepare(ctx context.Context, tr value.Transformer, kv *mvccpb.KeyValue) (rewrite, string, error) {
-	dataCtx := value.DefaultContext(kv.Key)
-	plain, stale, err := tr.TransformFromStorage(ctx, kv.Value, dataCtx)
-	if isTransient(err) {
-		// The plugin, not the value, failed: stop instead of counting it unreadable.
-		return rewrite{}, "", transient(kv.Key, err)
-	}
-	if err != nil {
-		m.log.V(2).Info("Leaving an object that cannot be decrypted", "key", string(kv.Key), "err", err)
-		return rewrite{}, resultUnreadable, nil
-	}
-	if !stale {
-		return rewrite{}, resultCurrent, nil
-	}
-	if err := checkStoredObject(plain); err != nil {
-		m.log.Info("Leaving an object whose decrypted value is not a Kubernetes object; a wrong key may have read it", "key", string(kv.Key))
-		return rewrite{}, resultUnreadable, nil
-	}
-	out, err := tr.TransformToStorage(ctx, plain, dataCtx)
-	if isTransient(err) {
-		return rewrite{}, "", transient(kv.Key, err)
-	}
-	if err != nil {
-		return rewrite{}, "", fmt.Errorf("re-encrypting %s with the write key failed (nothing was written): %w", kv.Key, err)
-	}
-	return rewrite{key: kv.Key, val: out, modRev: kv.ModRevision, lease: kv.Lease}, "", nil
-}
-
-func (m *migrator) count(resource, result string) {
-	switch result {
-	case resultRewritten:
-		m.c.rewritten.Add(1)
-	case resultCurrent:
-		m.c.current.Add(1)
-	case resultGone:
-		m.c.gone.Add(1)
-	case resultUnreadable:
-		m.c.unreadable.Add(1)
-	}
-	m.opts.Metrics.object(resource, result, 1)
-}
-
-func putOp(rw rewrite) clientv3.Op {
-	if rw.lease != 0 {
-		// Keep the object's lease (e.g. events with a TTL); an expired lease deleted
-		// the key, and the compare below then fails.
-		return clientv3.OpPut(string(rw.key), string(rw.val), clientv3.WithLease(clientv3.LeaseID(rw.lease)))
-	}
-	return clientv3.OpPut(string(rw.key), string(rw.val))
-}
-
-// commit writes a batch in one transaction that succeeds only if no object of the
-// batch changed since it was read. If any did, every object is retried on its own.
-func (m *migrator) commit(ctx context.Context, tr value.Transformer, resource string, batch []rewrite) error {
-	if m.limiter != nil {
-		if err := m.limiter.WaitN(ctx, len(batch)); err != nil {
-			return err
-		}
-	}
-	cmps := make([]clientv3.Cmp, len(batch))
-	puts := make([]clientv3.Op, len(batch))
-	for i, rw := range batch {
-		cmps[i] = clientv3.Compare(clientv3.ModRevision(string(rw.key)), "=", rw.modRev)
-		puts[i] = putOp(rw)
-	}
-	resp, err := m.opts.Client.Txn(ctx).If(cmps...).Then(puts...).Commit()
-	if err != nil {
-		return fmt.Errorf("writing %d re-encrypted %s to etcd: %w", len(batch), resource, err)
-	}
-	if resp.Succeeded {
-		m.c.rewritten.Add(int64(len(batch)))
-		m.opts.Metrics.object(resource, resultRewritten, len(batch))
-		return nil
-	}
-	for _, rw := range batch {
-		if err := m.commitOne(ctx, tr, resource, rw); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// commitOne swaps one object; on a conflict it re-reads the object and rewrites it
-// from its new value if that is still stale.
-func (m *migrator) commitOne(ctx context.Context, tr value.Transformer, resource string, rw rewrite) error {
-	key := string(rw.key)
-	for attempt := 0; attempt < maxConflictRetries; attempt++ {
-		resp, err := m.opts.Client.Txn(ctx).
-			If(clientv3.Compare(clientv3.ModRevision(key), "=", rw.modRev)).
-			Then(putOp(rw)).
-			Else(clientv3.OpGet(key)).
-			Commit()
-		if err != nil {
-			return fmt.Errorf("writing re-encrypted %s to etcd: %w", key, err)
-		}
-		if resp.Succeeded {
-			m.count(resource, resultRewritten)
-			return nil
-		}
-		m.c.conflicts.Add(1)
-		m.opts.Metrics.object(resource, resultConflict, 1)
-		kvs := resp.Responses[0].GetResponseRange().GetKvs()
-		if len(kvs) == 0 {
-			m.count(resource, resultGone)
-			return nil
-		}
-		next, result, err := m.prepare(ctx, tr, kvs[0])
-		if err != nil {
-			return err
-		}
-		if result != "" {
-			m.count(resource, result)
-			return nil
-		}
-		rw = next
-	}
-	// Left stale; the verifying re-scan finds it and the next pass tries again.
-	m.log.Info("Object kept changing while it was being re-encrypted; leaving it to the next pass", "key", key)
 	return nil
 }

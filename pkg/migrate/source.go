@@ -124,14 +124,12 @@ func identityRule(gr schema.GroupResource) transformers.RuleInfo {
 
 // lookupRule finds the rule for gr the way a Set does: exact, <group>/*, *.*, identity.
 func lookupRule(rules []transformers.RuleInfo, gr schema.GroupResource) transformers.RuleInfo {
-	byGR := make(map[schema.GroupResource]int, len(rules))
-	for i, r := range rules {
-		byGR[schema.ParseGroupResource(r.Resource)] = i
+	byGR := make(map[schema.GroupResource]transformers.RuleInfo, len(rules))
+	for _, r := range rules {
+		byGR[schema.ParseGroupResource(r.Resource)] = r
 	}
-	for _, k := range []schema.GroupResource{gr, {Group: gr.Group, Resource: "*"}, {Group: "*", Resource: "*"}} {
-		if i, ok := byGR[k]; ok {
-			return rules[i]
-		}
+	if r, ok := transformers.Lookup(byGR, gr); ok {
+		return r
 	}
 	return identityRule(gr)
 }

@@ -48,8 +48,6 @@ const (
 	MinGracePeriod = 5 * time.Second
 	// MinHealthGateTimeout is upstream's lower bound for the health gate of new plugins.
 	MinHealthGateTimeout = 10 * time.Second
-	// defaultKMSTimeout is the defaulted `timeout` of a kms provider.
-	defaultKMSTimeout = 3 * time.Second
 
 	retryInitial = 500 * time.Millisecond
 	retryMax     = time.Minute
@@ -580,10 +578,7 @@ func kmsTimeoutSum(cfg *config.Config) time.Duration {
 			if p.KMS == nil {
 				continue
 			}
-			t := defaultKMSTimeout
-			if p.KMS.Timeout != nil && p.KMS.Timeout.Duration > 0 {
-				t = p.KMS.Timeout.Duration
-			}
+			t := config.KMSTimeout(p.KMS)
 			if p.KMS.APIVersion == "v1" {
 				t *= 2
 			}

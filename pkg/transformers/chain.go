@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"sort"
-	"strings"
 	"time"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -146,19 +145,7 @@ func (c *Chain) Info() RuleInfo {
 }
 
 // describe splits a sealer into provider type and key (or KMS provider) name.
-func describe(s Sealer) (provider, key string) {
-	p := string(s.Prefix())
-	if p == "" {
-		return "identity", ""
-	}
-	// k8s:enc:<provider>:v1:<key>:  or  k8s:enc:kms:v2:<name>:
-	rest := strings.TrimPrefix(p, "k8s:enc:")
-	parts := strings.SplitN(rest, ":", 3)
-	if len(parts) < 3 {
-		return rest, ""
-	}
-	return parts[0], strings.TrimSuffix(parts[2], ":")
-}
+func describe(s Sealer) (provider, key string) { return SplitPrefix(string(s.Prefix())) }
 
 // outerPrefixLabel is the transformer_prefix label upstream records: the provider prefix
 // without the key name for local providers (k8s:enc:aesgcm:v1:), the full prefix for KMS
@@ -166,10 +153,10 @@ func describe(s Sealer) (provider, key string) {
 func outerPrefixLabel(s Sealer) string {
 	p := string(s.Prefix())
 	if p == "" {
-		return "identity"
+		return ProviderIdentity
 	}
 	provider, _ := describe(s)
-	if provider == "kms" {
+	if provider == ProviderKMSv2 {
 		return p
 	}
 	return fmt.Sprintf("k8s:enc:%s:v1:", provider)

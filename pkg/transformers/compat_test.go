@@ -13,47 +13,16 @@ import (
 	"k8s.io/apiserver/pkg/server/options/encryptionconfig"
 	"k8s.io/apiserver/pkg/storage/value"
 
+	"github.com/rekey-io/rekey/internal/compatconfigs"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
-// Provider snippets used to assemble configs. Keys differ per provider so a value
-// written by one provider can never be read by another by accident.
-var providerYAML = map[string]string{
-	"identity":       "      - identity: {}\n",
-	"aesgcm":         "      - aesgcm:\n          keys:\n            - {name: key1, secret: " + b64(32, 1) + "}\n            - {name: key2, secret: " + b64(16, 2) + "}\n",
-	"aesgcm-rev":     "      - aesgcm:\n          keys:\n            - {name: key2, secret: " + b64(16, 2) + "}\n            - {name: key1, secret: " + b64(32, 1) + "}\n",
-	"aescbc":         "      - aescbc:\n          keys:\n            - {name: key1, secret: " + b64(32, 3) + "}\n            - {name: key2, secret: " + b64(24, 4) + "}\n",
-	"aescbc-rev":     "      - aescbc:\n          keys:\n            - {name: key2, secret: " + b64(24, 4) + "}\n            - {name: key1, secret: " + b64(32, 3) + "}\n",
-	"secretbox":      "      - secretbox:\n          keys:\n            - {name: key1, secret: " + b64(32, 5) + "}\n            - {name: key2, secret: " + b64(32, 6) + "}\n",
-	"secretbox-rev":  "      - secretbox:\n          keys:\n            - {name: key2, secret: " + b64(32, 6) + "}\n            - {name: key1, secret: " + b64(32, 5) + "}\n",
-	"aescbc-other":   "      - aescbc:\n          keys:\n            - {name: key1, secret: " + b64(32, 7) + "}\n", // same prefix as aescbc key1, different key
-	"aesgcm-only-k2": "      - aesgcm:\n          keys:\n            - {name: key2, secret: " + b64(16, 2) + "}\n",
-	// Key names where one prefix is a proper prefix of the other; the long name is 15
-	// characters after "a:", so its values are block-aligned after the short prefix.
-	"aescbc-short-first": "      - aescbc:\n          keys:\n            - {name: a, secret: " + b64(32, 8) + "}\n            - {name: '" + longCBCName + "', secret: " + b64(32, 9) + "}\n",
-	"aescbc-long-first":  "      - aescbc:\n          keys:\n            - {name: '" + longCBCName + "', secret: " + b64(32, 9) + "}\n            - {name: a, secret: " + b64(32, 8) + "}\n",
-}
+// The configurations of the matrix live in internal/compatconfigs, so that the guard
+// is tested over the same ones.
+var configFor = compatconfigs.ConfigFor
 
-// longCBCName shares the prefix "a:" with the key name "a".
-const longCBCName = "a:bcdefghijklmnop"
-
-func b64(n int, seed byte) string {
-	k := make([]byte, n)
-	for i := range k {
-		k[i] = seed*31 + byte(i)*7 + 1
-	}
-	return encodeStd(k)
-}
-
-func configFor(resources string, providers ...string) string {
-	var b strings.Builder
-	b.WriteString("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [" + resources + "]\n    providers:\n")
-	for _, p := range providers {
-		b.WriteString(providerYAML[p])
-	}
-	return b.String()
-}
+const longCBCName = compatconfigs.LongCBCName
 
 // pair is one configuration built twice: by upstream and by us.
 type pair struct {
@@ -97,20 +66,7 @@ var secrets = schema.GroupResource{Resource: "secrets"}
 // it with every config, by upstream and by us: our read must agree with upstream's read
 // on success, plaintext and the stale flag, whoever wrote it.
 func TestCrossReadMatrix(t *testing.T) {
-	orders := [][]string{
-		{"identity"},
-		{"aesgcm"}, {"aesgcm-rev"}, {"aesgcm-only-k2"},
-		{"aescbc"}, {"aescbc-rev"},
-		{"secretbox"}, {"secretbox-rev"},
-		{"identity", "aesgcm", "aescbc", "secretbox"},
-		{"aesgcm", "secretbox", "aescbc", "identity"},
-		{"aescbc", "identity", "secretbox", "aesgcm"},
-		{"secretbox", "aescbc", "identity", "aesgcm"},
-		{"aesgcm-rev", "aescbc-rev", "secretbox-rev"},
-		{"aescbc-other", "aescbc"}, // overlapping prefixes: a failing provider must not stop the search
-		{"aescbc", "aescbc-other"},
-		{"aescbc-short-first"}, {"aescbc-long-first"},
-	}
+	orders := compatconfigs.Orders
 	var pairs []pair
 	for _, o := range orders {
 		pairs = append(pairs, loadPair(t, strings.Join(o, ","), configFor("secrets", o...)))
@@ -177,11 +133,7 @@ func TestCrossReadMatrix(t *testing.T) {
 // TestWritePrefixAndLookupMatchUpstream checks which provider and key write for each
 // resource, through exact, group-wildcard, *.* and fallback lookups.
 func TestWritePrefixAndLookupMatchUpstream(t *testing.T) {
-	yaml := "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n" +
-		"  - resources: [secrets, configmaps]\n    providers:\n" + providerYAML["aesgcm"] + providerYAML["identity"] +
-		"  - resources: ['*.apps']\n    providers:\n" + providerYAML["secretbox"] +
-		"  - resources: [secrets]\n    providers:\n" + providerYAML["aescbc"] + // appended to secrets' list
-		"  - resources: ['*.*']\n    providers:\n" + providerYAML["aescbc-rev"]
+	yaml := compatconfigs.Lookup
 	p := loadPair(t, "lookup", yaml)
 	ctx := context.Background()
 	aad := value.DefaultContext("/registry/x/y")

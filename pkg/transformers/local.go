@@ -23,8 +23,8 @@ const (
 	AESCBCPrefix    = "k8s:enc:aescbc:v1:"
 	SecretboxPrefix = "k8s:enc:secretbox:v1:"
 	KMSv2Prefix     = "k8s:enc:kms:v2:"
-	// encryptedMarker starts every encrypted value; identity refuses to read such data.
-	encryptedMarker = "k8s:enc:"
+	// EncryptedMarker starts every encrypted value; identity refuses to read such data.
+	EncryptedMarker = "k8s:enc:"
 )
 
 const (
@@ -42,7 +42,7 @@ var (
 
 // keyPrefix is the full stored prefix of one key: provider prefix ‖ key name ‖ ':'.
 func keyPrefix(providerPrefix, keyName string) []byte {
-	return []byte(providerPrefix + keyName + ":")
+	return []byte(KeyPrefix(providerPrefix, keyName))
 }
 
 func decodeKey(k apiserver.Key, provider string) ([]byte, error) {
@@ -80,7 +80,7 @@ func (identitySealer) Seal(_ context.Context, plaintext []byte, _ value.Context)
 }
 
 func (identitySealer) Open(_ context.Context, data []byte, _ value.Context) ([]byte, bool, error) {
-	if bytes.HasPrefix(data, []byte(encryptedMarker)) {
+	if bytes.HasPrefix(data, []byte(EncryptedMarker)) {
 		return nil, false, errIdentityEncrypted
 	}
 	return data, false, nil

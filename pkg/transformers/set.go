@@ -111,7 +111,7 @@ func Build(ctx context.Context, cfg *config.Config, opts Options) (set *Set, err
 		}
 	}()
 
-	entries := map[schema.GroupResource][]Sealer{}
+	entries := make([]Entry[Sealer], 0, len(cfg.Encryption.Resources))
 	for i, rc := range cfg.Encryption.Resources {
 		var sealers []Sealer
 		for j, p := range rc.Providers {
@@ -121,17 +121,11 @@ func Build(ctx context.Context, cfg *config.Config, opts Options) (set *Set, err
 			}
 			sealers = append(sealers, built...)
 		}
-		for _, r := range rc.Resources {
-			gr := schema.ParseGroupResource(r)
-			if _, dup := entries[gr]; !dup {
-				s.order = append(s.order, gr)
-			}
-			// Upstream appends the providers of a resource named in several entries,
-			// earlier entry first; so do we.
-			entries[gr] = append(entries[gr], sealers...)
-		}
+		entries = append(entries, Entry[Sealer]{Resources: rc.Resources, Items: sealers})
 	}
-	for gr, list := range entries {
+	byGR, order := ByResource(entries)
+	s.order = order
+	for gr, list := range byGR {
 		s.rules[gr] = newChain(gr, config.GroupResourceString(gr), list, opts.Metrics)
 	}
 	s.fallback = newChain(schema.GroupResource{}, "", []Sealer{identitySealer{}}, nil)
@@ -169,13 +163,7 @@ func (s *Set) Hash() string { return s.hash }
 // TransformerFor returns the chain for gr: the exact rule, else `<group>/*`, else `*.*`,
 // else an identity transformer that refuses to read encrypted data. Never nil.
 func (s *Set) TransformerFor(gr schema.GroupResource) *Chain {
-	if c := s.rules[gr]; c != nil {
-		return c
-	}
-	if c := s.rules[schema.GroupResource{Group: gr.Group, Resource: "*"}]; c != nil {
-		return c
-	}
-	if c := s.rules[schema.GroupResource{Group: "*", Resource: "*"}]; c != nil {
+	if c, ok := Lookup(s.rules, gr); ok {
 		return c
 	}
 	return s.fallback

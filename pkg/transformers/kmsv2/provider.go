@@ -29,6 +29,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 
+	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/transformers"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
@@ -147,10 +148,7 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 	if log.GetSink() == nil {
 		log = klog.Background()
 	}
-	timeout := 3 * time.Second
-	if cfg.Timeout != nil && cfg.Timeout.Duration > 0 {
-		timeout = cfg.Timeout.Duration
-	}
+	timeout := config.KMSTimeout(cfg)
 	pm := o.Metrics.forProvider(cfg.Name)
 	c, err := client.New(cfg.Endpoint, timeout, pm)
 	if err != nil {
@@ -159,7 +157,7 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &Provider{
 		name: cfg.Name, endpoint: cfg.Endpoint,
-		prefix: []byte(transformers.KMSv2Prefix + cfg.Name + ":"),
+		prefix: []byte(transformers.KeyPrefix(transformers.KMSv2Prefix, cfg.Name)),
 		opts:   o, clock: clk, log: log.WithValues("kmsProvider", cfg.Name), apiID: topts.APIServerID,
 		client: c, pm: pm,
 		dek:     newDEKCache(o.DEKCacheEntries, pm),

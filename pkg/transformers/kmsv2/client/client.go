@@ -20,6 +20,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	kmsapi "k8s.io/kms/apis/v2"
+
+	"github.com/rekey-io/rekey/pkg/config"
 )
 
 // Full gRPC method names, the method_name label values.
@@ -72,7 +74,7 @@ func New(endpoint string, timeout time.Duration, rec LatencyRecorder) (*Client, 
 		return nil, err
 	}
 	if timeout <= 0 {
-		timeout = 3 * time.Second
+		timeout = config.DefaultKMSTimeout
 	}
 	opts := []grpc.DialOption{
 		grpc.WithAuthority("localhost"),

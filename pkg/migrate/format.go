@@ -1,0 +1,49 @@
+package migrate
+
+// How inventories and their buckets read in errors and messages.
+
+import (
+	"fmt"
+	"strings"
+)
+
+func unreadableSample(inv *Inventory) string {
+	var parts []string
+	for _, r := range inv.Resources {
+		if r.Unreadable > 0 {
+			parts = append(parts, fmt.Sprintf("%s: %d, e.g. %s", r.Resource, r.Unreadable, strings.Join(r.UnreadableKeys, ", ")))
+		}
+	}
+	return strings.Join(parts, "; ")
+}
+
+func staleSample(inv *Inventory) string {
+	var parts []string
+	for _, r := range inv.Resources {
+		for _, b := range r.Buckets {
+			if b.Stale && b.Objects > 0 {
+				parts = append(parts, fmt.Sprintf("%s: %d under %s", r.Resource, b.Objects, describeBucket(b.Bucket)))
+			}
+		}
+	}
+	return strings.Join(parts, "; ")
+}
+
+func describeBucket(b Bucket) string {
+	if b.Other {
+		return fmt.Sprintf("%s values under further keys or key ids (an inventory lists at most %d distinct buckets per resource)", b.Provider, MaxBucketsPerResource)
+	}
+	switch b.Provider {
+	case ProviderIdentity:
+		return "plaintext (identity)"
+	case ProviderKMSv2:
+		if b.KeyIDHash != "" {
+			return fmt.Sprintf("kms provider %q key id %s", b.Key, b.KeyIDHash)
+		}
+		return fmt.Sprintf("kms provider %q (undecodable EncryptedObject)", b.Key)
+	}
+	if b.Key == "" {
+		return fmt.Sprintf("%s with an unreadable key name (prefix %q)", b.Provider, b.Prefix)
+	}
+	return fmt.Sprintf("%s key %q", b.Provider, b.Key)
+}

@@ -1,0 +1,199 @@
+package migrate
+
+// Rewriting the stale objects of one page: re-encrypt each through the current
+// transformers and swap it in with a compare-and-swap on its ModRevision.
+
+import (
+	"context"
+	"fmt"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"k8s.io/apiserver/pkg/storage/value"
+)
+
+// maxConflictRetries bounds how often one object is re-read after a concurrent change
+// before the migration gives up on it (and fails verification).
+const maxConflictRetries = 10
+
+// handlePage re-encrypts the stale objects of one page with the workers and returns
+// when every object of the page is handled (so the checkpoint may move past it).
+func (m *migrator) handlePage(ctx context.Context, tr value.Transformer, resource string, kvs []*mvccpb.KeyValue) error {
+	workers := min(m.opts.Workers, (len(kvs)+m.opts.BatchSize-1)/m.opts.BatchSize)
+	return fanOut(len(kvs), workers, func(lo, hi int) error {
+		return m.handleChunk(ctx, tr, resource, kvs[lo:hi])
+	})
+}
+
+// rewrite is one object to be swapped: its new value and what it must still be.
+type rewrite struct {
+	key    []byte
+	val    []byte
+	modRev int64
+	lease  int64
+}
+
+func (m *migrator) handleChunk(ctx context.Context, tr value.Transformer, resource string, kvs []*mvccpb.KeyValue) error {
+	var batch []rewrite
+	size := 0
+	flush := func() error {
+		if len(batch) == 0 {
+			return nil
+		}
+		err := m.commit(ctx, tr, resource, batch)
+		batch, size = batch[:0], 0
+		return err
+	}
+	for _, kv := range kvs {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		m.c.scanned.Add(1)
+		rw, result, err := m.prepare(ctx, tr, kv)
+		if err != nil {
+			return err
+		}
+		if result != "" {
+			m.count(resource, result)
+			continue
+		}
+		if size+len(rw.val)+len(rw.key) > m.opts.BatchBytes {
+			if err := flush(); err != nil {
+				return err
+			}
+		}
+		batch = append(batch, rw)
+		size += len(rw.val) + len(rw.key)
+		if len(batch) >= m.opts.BatchSize {
+			if err := flush(); err != nil {
+				return err
+			}
+		}
+	}
+	return flush()
+}
+
+// prepare decides about one stored value: a rewrite when it is stale, else the result
+// to count (current or unreadable). A stale value is rewritten only if it decrypted to
+// a stored Kubernetes object (checkStoredObject): anything else is counted unreadable
+// and left as it is, so a wrong-key read can never be made permanent.
+func (m *migrator) prepare(ctx context.Context, tr value.Transformer, kv *mvccpb.KeyValue) (rewrite, string, error) {
+	dataCtx := value.DefaultContext(kv.Key)
+	plain, stale, err := tr.TransformFromStorage(ctx, kv.Value, dataCtx)
+	if isTransient(err) {
+		// The plugin, not the value, failed: stop instead of counting it unreadable.
+		return rewrite{}, "", transient(kv.Key, err)
+	}
+	if err != nil {
+		m.log.V(2).Info("Leaving an object that cannot be decrypted", "key", string(kv.Key), "err", err)
+		return rewrite{}, resultUnreadable, nil
+	}
+	if !stale {
+		return rewrite{}, resultCurrent, nil
+	}
+	if err := checkStoredObject(plain); err != nil {
+		m.log.Info("Leaving an object whose decrypted value is not a Kubernetes object; a wrong key may have read it", "key", string(kv.Key))
+		return rewrite{}, resultUnreadable, nil
+	}
+	out, err := tr.TransformToStorage(ctx, plain, dataCtx)
+	if isTransient(err) {
+		return rewrite{}, "", transient(kv.Key, err)
+	}
+	if err != nil {
+		return rewrite{}, "", fmt.Errorf("re-encrypting %s with the write key failed (nothing was written): %w", kv.Key, err)
+	}
+	return rewrite{key: kv.Key, val: out, modRev: kv.ModRevision, lease: kv.Lease}, "", nil
+}
+
+func (m *migrator) count(resource, result string) {
+	switch result {
+	case resultRewritten:
+		m.c.rewritten.Add(1)
+	case resultCurrent:
+		m.c.current.Add(1)
+	case resultGone:
+		m.c.gone.Add(1)
+	case resultUnreadable:
+		m.c.unreadable.Add(1)
+	}
+	m.opts.Metrics.object(resource, result, 1)
+}
+
+func putOp(rw rewrite) clientv3.Op {
+	if rw.lease != 0 {
+		// Keep the object's lease (e.g. events with a TTL); an expired lease deleted
+		// the key, and the compare below then fails.
+		return clientv3.OpPut(string(rw.key), string(rw.val), clientv3.WithLease(clientv3.LeaseID(rw.lease)))
+	}
+	return clientv3.OpPut(string(rw.key), string(rw.val))
+}
+
+// commit writes a batch in one transaction that succeeds only if no object of the
+// batch changed since it was read. If any did, every object is retried on its own.
+func (m *migrator) commit(ctx context.Context, tr value.Transformer, resource string, batch []rewrite) error {
+	if m.limiter != nil {
+		if err := m.limiter.WaitN(ctx, len(batch)); err != nil {
+			return err
+		}
+	}
+	cmps := make([]clientv3.Cmp, len(batch))
+	puts := make([]clientv3.Op, len(batch))
+	for i, rw := range batch {
+		cmps[i] = clientv3.Compare(clientv3.ModRevision(string(rw.key)), "=", rw.modRev)
+		puts[i] = putOp(rw)
+	}
+	resp, err := m.opts.Client.Txn(ctx).If(cmps...).Then(puts...).Commit()
+	if err != nil {
+		return fmt.Errorf("writing %d re-encrypted %s to etcd: %w", len(batch), resource, err)
+	}
+	if resp.Succeeded {
+		m.c.rewritten.Add(int64(len(batch)))
+		m.opts.Metrics.object(resource, resultRewritten, len(batch))
+		return nil
+	}
+	for _, rw := range batch {
+		if err := m.commitOne(ctx, tr, resource, rw); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// commitOne swaps one object; on a conflict it re-reads the object and rewrites it
+// from its new value if that is still stale.
+func (m *migrator) commitOne(ctx context.Context, tr value.Transformer, resource string, rw rewrite) error {
+	key := string(rw.key)
+	for attempt := 0; attempt < maxConflictRetries; attempt++ {
+		resp, err := m.opts.Client.Txn(ctx).
+			If(clientv3.Compare(clientv3.ModRevision(key), "=", rw.modRev)).
+			Then(putOp(rw)).
+			Else(clientv3.OpGet(key)).
+			Commit()
+		if err != nil {
+			return fmt.Errorf("writing re-encrypted %s to etcd: %w", key, err)
+		}
+		if resp.Succeeded {
+			m.count(resource, resultRewritten)
+			return nil
+		}
+		m.c.conflicts.Add(1)
+		m.opts.Metrics.object(resource, resultConflict, 1)
+		kvs := resp.Responses[0].GetResponseRange().GetKvs()
+		if len(kvs) == 0 {
+			m.count(resource, resultGone)
+			return nil
+		}
+		next, result, err := m.prepare(ctx, tr, kvs[0])
+		if err != nil {
+			return err
+		}
+		if result != "" {
+			m.count(resource, result)
+			return nil
+		}
+		rw = next
+	}
+	// Left stale; the verifying re-scan finds it and the next pass tries again.
+	m.log.Info("Object kept changing while it was being re-encrypted; leaving it to the next pass", "key", key)
+	return nil
+}

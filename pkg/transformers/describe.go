@@ -1,0 +1,179 @@
+package transformers
+
+import (
+	"crypto/sha256"
+	"encoding/base64"
+	"strings"
+
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apiserver/pkg/apis/apiserver"
+
+	"github.com/rekey-io/rekey/pkg/config"
+)
+
+// This file owns the rules every other package needs to read a configuration or a
+// stored value the way a Set does, without building one: which prefix a key writes,
+// what a prefix names, which rule serves a resource, and how the rules of a resource
+// named in several entries are joined.
+
+// Provider names of stored prefixes (SplitPrefix), as inventories, metrics and the
+// status document spell them.
+const (
+	ProviderIdentity  = "identity"
+	ProviderAESGCM    = "aesgcm"
+	ProviderAESCBC    = "aescbc"
+	ProviderSecretbox = "secretbox"
+	ProviderKMSv2     = "kms"
+	ProviderKMSv1     = "kmsv1"
+	ProviderUnknown   = "unknown"
+)
+
+// KeyPrefix is the full stored prefix of one key or KMS provider: providerPrefix (e.g.
+// AESGCMPrefix, KMSv2Prefix) ‖ name ‖ ':'.
+func KeyPrefix(providerPrefix, name string) string { return providerPrefix + name + ":" }
+
+// SplitPrefix turns a stored prefix into its provider and key name:
+// "k8s:enc:aesgcm:v1:key1:" into (aesgcm, key1), "k8s:enc:kms:v2:plugin:" into (kms,
+// plugin), "" into (identity, ""). A prefix of no provider this package knows gives
+// ProviderUnknown.
+func SplitPrefix(p string) (provider, key string) {
+	if p == "" {
+		return ProviderIdentity, ""
+	}
+	parts := strings.SplitN(strings.TrimPrefix(p, EncryptedMarker), ":", 3)
+	if len(parts) < 2 {
+		return ProviderUnknown, ""
+	}
+	if len(parts) == 3 {
+		key = strings.TrimSuffix(parts[2], ":")
+	}
+	switch parts[0] + ":" + parts[1] {
+	case "aesgcm:v1":
+		return ProviderAESGCM, key
+	case "aescbc:v1":
+		return ProviderAESCBC, key
+	case "secretbox:v1":
+		return ProviderSecretbox, key
+	case "kms:v2":
+		return ProviderKMSv2, key
+	case "kms:v1":
+		return ProviderKMSv1, key
+	}
+	return ProviderUnknown, key
+}
+
+// Lookup finds the rule of gr in rules the way kube-apiserver does: the exact resource,
+// else `<group>/*` (written `*.<group>`), else `*.*`. ok is false when none applies (the
+// resource is then stored as plaintext).
+func Lookup[V any](rules map[schema.GroupResource]V, gr schema.GroupResource) (v V, ok bool) {
+	for _, k := range [...]schema.GroupResource{gr, {Group: gr.Group, Resource: "*"}, {Group: "*", Resource: "*"}} {
+		if v, ok = rules[k]; ok {
+			return v, true
+		}
+	}
+	return v, false
+}
+
+// Entry is one entry of a configuration's `resources` list, or a description of one:
+// the resources it names and its read paths in order.
+type Entry[T any] struct {
+	Resources []string
+	Items     []T
+}
+
+// ByResource joins entries into one list per resource, as kube-apiserver does: a
+// resource named in several entries reads with the earlier entry's items first. order
+// lists the resources in the order they are first named.
+func ByResource[T any](entries []Entry[T]) (rules map[schema.GroupResource][]T, order []schema.GroupResource) {
+	rules = map[schema.GroupResource][]T{}
+	for _, e := range entries {
+		for _, r := range e.Resources {
+			gr := schema.ParseGroupResource(r)
+			if _, dup := rules[gr]; !dup {
+				order = append(order, gr)
+			}
+			rules[gr] = append(rules[gr], e.Items...)
+		}
+	}
+	return rules, order
+}
+
+// ConfigKey is one read path of a rule as the configuration states it: a key, identity
+// or a KMS provider. It holds no key material.
+type ConfigKey struct {
+	// Provider is identity, aesgcm, aescbc, secretbox or kms (v2).
+	Provider string
+	// Name is the key name or the KMS provider name.
+	Name string
+	// Prefix is the stored prefix of the values it writes ("" for identity).
+	Prefix string
+	// Fingerprint is KeyFingerprint of a local key's secret; zero for identity and KMS.
+	Fingerprint [32]byte
+	// Endpoint is a KMS provider's plugin endpoint.
+	Endpoint string
+}
+
+// Describe lists the entries of a configuration that config.Load or config.Parse
+// validated, with the read paths a Set built from it has, without building any
+// provider or holding a secret. ByResource turns them into per-resource rules.
+func Describe(cfg *config.Config) []Entry[ConfigKey] {
+	if cfg == nil || cfg.Encryption == nil {
+		return nil
+	}
+	out := make([]Entry[ConfigKey], 0, len(cfg.Encryption.Resources))
+	for _, rc := range cfg.Encryption.Resources {
+		var keys []ConfigKey
+		for _, p := range rc.Providers {
+			keys = append(keys, describeProvider(p)...)
+		}
+		out = append(out, Entry[ConfigKey]{Resources: append([]string(nil), rc.Resources...), Items: keys})
+	}
+	return out
+}
+
+func describeProvider(p apiserver.ProviderConfiguration) []ConfigKey {
+	local := func(provider, providerPrefix string, keys []apiserver.Key) []ConfigKey {
+		out := make([]ConfigKey, 0, len(keys))
+		for _, k := range keys {
+			secret, err := base64.StdEncoding.DecodeString(k.Secret)
+			if err != nil {
+				secret = []byte(k.Secret) // unreachable after validation; still a stable identity
+			}
+			out = append(out, ConfigKey{Provider: provider, Name: k.Name, Prefix: KeyPrefix(providerPrefix, k.Name), Fingerprint: KeyFingerprint(providerPrefix, secret)})
+		}
+		return out
+	}
+	switch {
+	case p.Identity != nil:
+		return []ConfigKey{{Provider: ProviderIdentity}}
+	case p.AESGCM != nil:
+		return local(ProviderAESGCM, AESGCMPrefix, p.AESGCM.Keys)
+	case p.AESCBC != nil:
+		return local(ProviderAESCBC, AESCBCPrefix, p.AESCBC.Keys)
+	case p.Secretbox != nil:
+		return local(ProviderSecretbox, SecretboxPrefix, p.Secretbox.Keys)
+	case p.KMS != nil: // always v2: config validation rejects KMS v1
+		return []ConfigKey{{Provider: ProviderKMSv2, Name: p.KMS.Name, Prefix: KeyPrefix(KMSv2Prefix, p.KMS.Name), Endpoint: p.KMS.Endpoint}}
+	}
+	return nil
+}
+
+// fingerprintDomain separates key fingerprints from every other SHA-256 use of the
+// same bytes. Persisted fingerprints depend on it: never change it.
+const fingerprintDomain = "rekey.io/applied-key-fingerprint/v1\x00"
+
+// KeyFingerprint identifies a local key's secret so that two configurations (or a
+// configuration and a persisted description of one) can be compared without holding
+// the key. It is not key material: it is a one-way SHA-256 hash, under a
+// domain-separation string, of a uniformly random 128- to 256-bit secret; recovering
+// the secret from it means searching that whole key space. It proves equality of
+// secrets and nothing else.
+func KeyFingerprint(providerPrefix string, secret []byte) [32]byte {
+	h := sha256.New()
+	h.Write([]byte(fingerprintDomain))
+	h.Write([]byte(providerPrefix))
+	h.Write(secret)
+	var fp [32]byte
+	h.Sum(fp[:0])
+	return fp
+}
