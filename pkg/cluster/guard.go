@@ -43,9 +43,7 @@ func (n *Node) Guard(current, next *config.Config) error {
 	}
 	cur, nxt := chainsOf(current), chainsOf(next)
 	nextState := MemberState{APIServerID: n.opts.ID}
-	for _, r := range nxt {
-		nextState.Resources = append(nextState.Resources, r)
-	}
+	nextState.Resources = append(nextState.Resources, nxt...)
 	members := n.view.Members()
 	n.mu.Lock()
 	agent, mig := n.agent, n.migrator
