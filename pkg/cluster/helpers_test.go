@@ -79,3 +79,9 @@ func durationArg(t *testing.T, d *datadriven.TestData) time.Duration {
 }
 
 func ago(now, t time.Time) string { return fmt.Sprintf("%s", now.Sub(t)) }
+
+// storedObject is a plaintext the migration accepts as a stored object (it refuses to
+// rewrite anything else): a JSON Secret named after its etcd key.
+func storedObject(key string) []byte {
+	return fmt.Appendf(nil, `{"apiVersion":"v1","kind":"Secret","metadata":{"name":%q}}`, key)
+}

@@ -46,7 +46,7 @@ func TestMigratorMigratesOnceAllWriteTheSameKeyAndFailsOver(t *testing.T) {
 	tr := a.agent.TransformerForResource(secrets)
 	for i := range 40 {
 		key := fmt.Sprintf("/registry/secrets/ns/s%02d", i)
-		out, err := tr.TransformToStorage(ctx, []byte("v"), value.DefaultContext(key))
+		out, err := tr.TransformToStorage(ctx, storedObject(key), value.DefaultContext(key))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -185,7 +185,7 @@ func TestLeaderKilledMidMigrationAnotherResumes(t *testing.T) {
 	tr := a.agent.TransformerForResource(secrets)
 	for i := range n {
 		key := fmt.Sprintf("/registry/secrets/ns/s%03d", i)
-		out, err := tr.TransformToStorage(ctx, []byte(key), value.DefaultContext(key))
+		out, err := tr.TransformToStorage(ctx, storedObject(key), value.DefaultContext(key))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -240,7 +240,7 @@ func TestLeaderKilledMidMigrationAnotherResumes(t *testing.T) {
 			t.Fatalf("%s: %v %v", key, resp, err)
 		}
 		plain, _, err := b.agent.TransformerForResource(secrets).TransformFromStorage(ctx, resp.Kvs[0].Value, value.DefaultContext(key))
-		if err != nil || string(plain) != key {
+		if err != nil || string(plain) != string(storedObject(key)) {
 			t.Fatalf("%s reads %q, %v", key, plain, err)
 		}
 	}
