@@ -240,7 +240,28 @@ func TestReloadRefusesKMSPluginWithOtherKeyring(t *testing.T) {
 	// sample key per bucket, which the status document does not show).
 	waitFor("an inventory with a KMS v2 bucket", func() bool {
 		_, raw := status()
-		return strings.Contains(string(raw), `"provider": "kms"`)
+		var doc struct {
+			Storage struct {
+				Inventory *struct {
+					Resources []struct {
+						Buckets []struct {
+							Provider string `json:"provider"`
+						} `json:"buckets"`
+					} `json:"resources"`
+				} `json:"inventory"`
+			} `json:"storage"`
+		}
+		if json.Unmarshal(raw, &doc) != nil || doc.Storage.Inventory == nil {
+			return false
+		}
+		for _, r := range doc.Storage.Inventory.Resources {
+			for _, b := range r.Buckets {
+				if b.Provider == "kms" {
+					return true
+				}
+			}
+		}
+		return false
 	})
 	before, _ := status()
 
