@@ -650,6 +650,11 @@ func TestClusterShimKilledMidPromotion(t *testing.T) {
 			t.Fatalf("%s is ready with a file that cannot read key2; its status document:\n%s", straggler.ID, doc.Raw)
 		}
 	}
+	// The others keep writing with key2 (a promoted key is not demoted for a
+	// straggler): nothing new under key1 while it is back with its old file.
+	if got, err := testbed.StoredPrefixes(ctx, b.cli, b.secretsKey); err != nil || got[stored1] != 0 {
+		t.Fatalf("written with key1 after %s rejoined with its old file: %v (%v)", straggler.ID, got, err)
+	}
 	// Its file catches up: ready, back in rotation.
 	if _, err := b.syncer.ApplyEach(ctx, func(int) []byte { return content }, []int{2}).Wait(ctx); err != nil {
 		t.Fatal(err)
