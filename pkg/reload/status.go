@@ -64,6 +64,9 @@ func (s Status) MarshalJSON() ([]byte, error) {
 		if r.ReadPrefixes == nil {
 			r.ReadPrefixes = []string{}
 		}
+		if r.ReadKeys == nil {
+			r.ReadKeys = []transformers.KeyInfo{}
+		}
 		if r.KMS != nil {
 			k := kmsUTC(*r.KMS)
 			r.KMS = &k

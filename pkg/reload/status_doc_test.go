@@ -63,9 +63,11 @@ func exampleStatus() reload.Status {
 		ReplacedPendingClose: 1,
 		Resources: []transformers.RuleInfo{
 			{Resource: "secrets", WriteProvider: "kms", WriteKey: "vault", WritePrefix: "k8s:enc:kms:v2:vault:",
-				ReadPrefixes: []string{"k8s:enc:kms:v2:vault:", "k8s:enc:aesgcm:v1:key1:"}, KMS: &kms},
+				ReadPrefixes: []string{"k8s:enc:kms:v2:vault:", "k8s:enc:aesgcm:v1:key1:"}, KMS: &kms,
+				ReadKeys: []transformers.KeyInfo{{Provider: "kms", Key: "vault", KeyIDHash: kms.KeyIDHash}, {Provider: "aesgcm", Key: "key1"}}},
 			{Resource: "configmaps", WriteProvider: "aesgcm", WriteKey: "key2", WritePrefix: "k8s:enc:aesgcm:v1:key2:",
-				ReadPrefixes: []string{"k8s:enc:aesgcm:v1:key2:", ""}},
+				ReadPrefixes: []string{"k8s:enc:aesgcm:v1:key2:", ""},
+				ReadKeys:     []transformers.KeyInfo{{Provider: "aesgcm", Key: "key2"}, {Provider: "identity"}}},
 		},
 		KMSProviders: []transformers.KMSStatus{kms},
 		Extras: map[string]any{"storage": migrate.ControllerStatus{
