@@ -78,7 +78,7 @@ func durationArg(t *testing.T, d *datadriven.TestData) time.Duration {
 	return v
 }
 
-func ago(now, t time.Time) string { return fmt.Sprintf("%s", now.Sub(t)) }
+func ago(now, t time.Time) string { return now.Sub(t).String() }
 
 // storedObject is a plaintext the migration accepts as a stored object (it refuses to
 // rewrite anything else): a JSON Secret named after its etcd key.
