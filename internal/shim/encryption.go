@@ -428,8 +428,10 @@ func kmsFactory(o *Options, reg metrics.KubeRegistry, node *cluster.Node) transf
 		WriteTTL:       o.KMSTimings.WriteTTL,
 	}
 	if node != nil {
-		// A new key id reaches the other apiservers at once, not at the next refresh.
+		// A new key id reaches the other apiservers at once, not at the next refresh, and
+		// is written under only once every apiserver's plugin reports it.
 		fo.OnKeyIDChange = node.NotifyKeyID
+		fo.MayWriteKeyID = node.MayWriteKeyID
 	}
 	return kmsv2.NewFactory(fo)
 }

@@ -51,7 +51,9 @@ type ResourceState struct {
 	Write Key `json:"write"`
 	// Read lists every entry the rule can read, in configuration order.
 	Read []Key `json:"read"`
-	// Held is the configuration's write key while the write fence holds it back.
+	// Held is the configuration's write key while the write fence holds it back; for
+	// a KMS write key, also the key id its plugin reports while the provider's key-id
+	// fence holds that back (Held.KeyIDHash differs from Write.KeyIDHash).
 	Held *Key `json:"held,omitempty"`
 	// HeldSince is when the fence started holding it.
 	HeldSince time.Time `json:"heldSince,omitzero"`
@@ -59,10 +61,32 @@ type ResourceState struct {
 
 // KMSState is one KMS v2 provider of a member.
 type KMSState struct {
-	Name      string `json:"name"`
-	Healthy   bool   `json:"healthy"`
+	Name    string `json:"name"`
+	Healthy bool   `json:"healthy"`
+	// KeyIDHash is the key id new values are written under.
 	KeyIDHash string `json:"keyIDHash,omitempty"`
-	LastError string `json:"lastError,omitempty"`
+	// ReportedKeyIDHash is the key id the plugin's last healthy Status reported: the
+	// proof that this member can decrypt values written under it. The other members'
+	// key-id fences wait for it.
+	ReportedKeyIDHash string `json:"reportedKeyIDHash,omitempty"`
+	// HeldKeyIDHash is the reported key id this member's fence holds back (it still
+	// writes under KeyIDHash), since HeldSince.
+	HeldKeyIDHash string    `json:"heldKeyIDHash,omitempty"`
+	HeldSince     time.Time `json:"heldSince,omitzero"`
+	LastError     string    `json:"lastError,omitempty"`
+}
+
+// CanDecryptKeyID reports whether the member's plugin of KMS provider name is known to
+// decrypt values under keyIDHash: it reported that key id, or writes under it. A
+// member without that provider has nothing to say about its key ids (ok false).
+func (s MemberState) CanDecryptKeyID(name, keyIDHash string) (can, ok bool) {
+	for _, k := range s.KMS {
+		if k.Name != name {
+			continue
+		}
+		return k.ReportedKeyIDHash == keyIDHash || k.KeyIDHash == keyIDHash, true
+	}
+	return false, false
 }
 
 // Marshal encodes s for etcd.
@@ -92,11 +116,16 @@ func StateFromStatus(id, version string, st reload.Status, held map[string]time.
 		if r.WriteIndex > 0 && len(r.ReadKeys) > 0 {
 			k := r.ReadKeys[0]
 			rs.Held, rs.HeldSince = &k, held[r.Resource]
+		} else if r.KMS != nil && r.KMS.HeldKeyIDHash != "" {
+			k := rs.Write
+			k.KeyIDHash = r.KMS.HeldKeyIDHash
+			rs.Held, rs.HeldSince = &k, r.KMS.HeldSince
 		}
 		m.Resources = append(m.Resources, rs)
 	}
 	for _, k := range st.KMSProviders {
-		m.KMS = append(m.KMS, KMSState{Name: k.Name, Healthy: k.Healthy, KeyIDHash: k.KeyIDHash, LastError: k.LastError})
+		m.KMS = append(m.KMS, KMSState{Name: k.Name, Healthy: k.Healthy, KeyIDHash: k.KeyIDHash, LastError: k.LastError,
+			ReportedKeyIDHash: k.ReportedKeyIDHash, HeldKeyIDHash: k.HeldKeyIDHash, HeldSince: k.HeldSince})
 	}
 	if st.LastError != "" && st.LastErrorAt.After(st.LoadedAt) {
 		m.LastReloadError, m.LastReloadErrorAt = st.LastError, st.LastErrorAt

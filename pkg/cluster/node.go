@@ -205,6 +205,28 @@ func (n *Node) Notify() {
 // NotifyKeyID is kmsv2.FactoryOptions.OnKeyIDChange.
 func (n *Node) NotifyKeyID(string, string) { n.Notify() }
 
+// MayWriteKeyID is kmsv2.FactoryOptions.MayWriteKeyID, the write fence for KMS key ids:
+// this apiserver's KMS provider may start writing under keyIDHash once every other live
+// member with a provider of that name reports, in its member state, that its plugin
+// can decrypt that key id (reported by its plugin's Status, or written under). A
+// member whose plugin has not answered yet, or reports another key id, keeps it
+// closed. Members without that provider are the entry fence's business (they cannot
+// read the provider at all). It never blocks: it reads the watched member list.
+func (n *Node) MayWriteKeyID(provider, keyIDHash string) bool {
+	if !n.view.Loaded() {
+		return false
+	}
+	for _, m := range n.view.Members() {
+		if m.APIServerID == n.opts.ID {
+			continue
+		}
+		if can, ok := m.CanDecryptKeyID(provider, keyIDHash); ok && !can {
+			return false
+		}
+	}
+	return true
+}
+
 // Attach gives the node its agent; publishing starts.
 func (n *Node) Attach(a Agent) {
 	n.mu.Lock()
@@ -322,10 +344,12 @@ func (n *Node) evaluate() {
 	n.mu.Lock()
 	attached := n.agent != nil
 	n.mu.Unlock()
+	var kmsHeld []Hold
 	if attached {
 		// This apiserver's own state as it is now, not as last published.
 		self := n.state(now)
 		members = append(slices.DeleteFunc(members, func(m MemberState) bool { return m.APIServerID == n.opts.ID }), self)
+		kmsHeld = kmsHolds(self, nil)
 	}
 	v := Evaluate(members, nil, now, n.opts.DisagreementAlarm)
 	n.mu.Lock()
@@ -360,6 +384,9 @@ func (n *Node) evaluate() {
 		for _, h := range n.fence.Holds() {
 			m.fenceHeld.WithLabelValues(h.Resource).Set(now.Sub(h.Since).Seconds())
 		}
+		for _, h := range kmsHeld {
+			m.fenceHeld.WithLabelValues(h.Resource).Set(now.Sub(h.Since).Seconds())
+		}
 	}
 }
 
@@ -377,9 +404,36 @@ func (n *Node) Close() {
 	}
 }
 
-// Holds lists the write keys this apiserver's fence holds back.
+// Holds lists the write keys this apiserver's fence holds back, and the KMS key ids
+// its providers hold back (Held.KeyIDHash set, the same entry as Writing).
 func (n *Node) Holds() []Hold {
 	n.mu.Lock()
-	defer n.mu.Unlock()
-	return slices.Clone(n.fence.Holds())
+	holds, attached := slices.Clone(n.fence.Holds()), n.agent != nil
+	n.mu.Unlock()
+	if attached {
+		holds = append(holds, kmsHolds(n.state(time.Time{}), n.view.Members())...)
+	}
+	return holds
+}
+
+// kmsHolds describes self's held KMS key ids as Holds: WaitingFor names the other
+// members whose plugin does not report the key id yet.
+func kmsHolds(self MemberState, members []MemberState) []Hold {
+	var holds []Hold
+	for _, r := range self.Resources {
+		if r.Held == nil || r.Held.Provider != "kms" || r.Held.KeyIDHash == "" || !r.Held.SameEntry(r.Write) {
+			continue
+		}
+		h := Hold{Resource: r.Resource, Held: *r.Held, Writing: r.Write, Since: r.HeldSince, WaitingFor: []string{}}
+		for _, m := range members {
+			if m.APIServerID == self.APIServerID {
+				continue
+			}
+			if can, ok := m.CanDecryptKeyID(r.Held.Key, r.Held.KeyIDHash); ok && !can {
+				h.WaitingFor = append(h.WaitingFor, m.APIServerID)
+			}
+		}
+		holds = append(holds, h)
+	}
+	return holds
 }

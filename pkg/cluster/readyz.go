@@ -26,6 +26,16 @@ func (n *Node) ReadyzCheck() healthz.HealthChecker {
 		if agent == nil {
 			return fmt.Errorf("the encryption agent has not started")
 		}
+		// Fail closed until this apiserver knows enough to judge: without the member
+		// list nothing says which keys the others write, and without an inventory
+		// nothing says which keys the stored objects need (a straggler restarted with
+		// an old file would look ready until its first inventory).
+		if !n.view.Loaded() {
+			return fmt.Errorf("the list of live apiservers under %s has not been loaded yet; check the connection to etcd", MembersPrefix(n.opts.Prefix))
+		}
+		if n.opts.Inventory != nil && n.opts.Inventory.Latest() == nil {
+			return fmt.Errorf("no inventory of the stored objects yet, so it is not known whether this apiserver's encryption configuration can read them; waiting for the first one")
+		}
 		if missing := n.MissingKeys(); len(missing) > 0 {
 			return fmt.Errorf("this apiserver's encryption configuration cannot read keys the cluster uses: %s; add them to its configuration (as read keys)", strings.Join(missing, "; "))
 		}

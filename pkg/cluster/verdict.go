@@ -51,6 +51,13 @@ func Evaluate(members []MemberState, mig *MigrationState, now time.Time, alarmAf
 			}
 			var waiting []string
 			for _, o := range members {
+				if r.Held.Provider == "kms" && r.Held.KeyIDHash != "" && r.Held.SameEntry(r.Write) {
+					// A held key id: waiting for the members whose plugin has not reported it.
+					if can, ok := o.CanDecryptKeyID(r.Held.Key, r.Held.KeyIDHash); ok && !can {
+						waiting = append(waiting, o.APIServerID)
+					}
+					continue
+				}
 				if !o.CanRead(r.Resource, *r.Held) {
 					waiting = append(waiting, o.APIServerID)
 				}

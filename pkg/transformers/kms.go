@@ -40,4 +40,11 @@ type KMSStatus struct {
 	WriteExpiry time.Time `json:"writeExpiry,omitzero"`
 	// LastStatus is when the plugin last answered Status.
 	LastStatus time.Time `json:"lastStatus,omitzero"`
+	// ReportedKeyIDHash is "sha256:<hex>" of the key id the plugin's last healthy Status
+	// reported: a key id this apiserver can decrypt. It differs from KeyIDHash while
+	// the cluster's write fence holds it back (HeldKeyIDHash).
+	ReportedKeyIDHash string `json:"reportedKeyIDHash,omitempty"`
+	// HeldKeyIDHash is the key id the write fence holds back, since HeldSince.
+	HeldKeyIDHash string    `json:"heldKeyIDHash,omitempty"`
+	HeldSince     time.Time `json:"heldSince,omitzero"`
 }

@@ -17,6 +17,7 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 	defer close(p.done)
 	for {
 		// A Status may ask for an Encrypt: run until the machine wants nothing more now.
+		p.checkFence(m)
 		for acts := m.Ready(); len(acts) > 0 && ctx.Err() == nil; acts = m.Ready() {
 			for _, a := range acts {
 				switch a.Kind {
@@ -25,6 +26,7 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 					ev := state.StatusResult{At: p.clock.Now(), Err: err, Version: r.Version, Healthz: r.Healthz, KeyID: r.KeyID}
 					p.recordStatus(ev)
 					_ = m.Step(ev)
+					p.checkFence(m)
 				case state.CallEncrypt:
 					_ = m.Step(p.encrypt(ctx, a))
 				}
@@ -36,6 +38,9 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 		v := m.View()
 		p.publish(v)
 		wait := v.NextWake.Sub(p.clock.Now())
+		if v.Held != "" {
+			wait = min(wait, p.opts.FenceRecheckInterval)
+		}
 		if wait < 0 {
 			wait = 0
 		}
@@ -55,6 +60,21 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 		}
 		m.Tick(p.clock.Now())
 	}
+}
+
+// checkFence opens the cluster's write fence for a held key id once MayWriteKeyID says
+// every other apiserver's plugin reports it.
+func (p *Provider) checkFence(m *state.Machine) {
+	if p.opts.MayWriteKeyID == nil {
+		return
+	}
+	v := m.View()
+	if v.Held == "" || !v.Healthy || !p.opts.MayWriteKeyID(p.name, state.KeyIDHash(v.Held)) {
+		return
+	}
+	p.log.Info("Every apiserver's KMS plugin reports the new key id; writing under it", "keyIDHash", state.KeyIDHash(v.Held),
+		"heldFor", p.clock.Since(v.HeldSince).Round(time.Millisecond))
+	_ = m.Step(state.WriteAllowed{At: p.clock.Now(), KeyID: v.Held})
 }
 
 func (p *Provider) encrypt(ctx context.Context, a state.Action) state.EncryptResult {

@@ -68,7 +68,22 @@ type FactoryOptions struct {
 	// before (including its first). It runs on the provider's loop and must only
 	// signal, never block (a cluster publishes the change to the other apiservers).
 	OnKeyIDChange func(provider, keyIDHash string)
+	// MayWriteKeyID, when set, is the cluster's write fence for key ids: a provider
+	// whose plugin reports a new key id keeps writing with its current DEK seed
+	// (wrapped under the old key id) until MayWriteKeyID(provider, "sha256:<hex>")
+	// returns true, i.e. every other live apiserver's plugin reports that key id. It
+	// is asked after every Status that reports a held key id and every
+	// FenceRecheckInterval while one is held; it runs on the provider's loop and must
+	// not block. The first DEK seed is not fenced (nothing could be written without
+	// one). OnKeyIDChange is also called when the plugin reports a new key id, so the
+	// other apiservers learn it at once.
+	MayWriteKeyID func(provider, keyIDHash string) bool
+	// FenceRecheckInterval is how often a held key id is checked again (default 500 ms).
+	FenceRecheckInterval time.Duration
 }
+
+// DefaultFenceRecheckInterval is FactoryOptions.FenceRecheckInterval's default.
+const DefaultFenceRecheckInterval = 500 * time.Millisecond
 
 // Provider is one KMS v2 provider. It implements transformers.KMSProvider.
 type Provider struct {
@@ -94,6 +109,9 @@ type Provider struct {
 
 	write atomic.Pointer[writeState]
 	view  atomic.Pointer[state.View]
+	// reported is the key id last passed to OnKeyIDChange as reported by the plugin;
+	// only the loop (and New, before it) touches it.
+	reported string
 
 	mu      sync.Mutex
 	changed chan struct{} // closed and replaced on every published view
@@ -140,6 +158,9 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 	if o.WritesPerGeneration == 0 {
 		o.WritesPerGeneration = maxWritesPerGeneration
 	}
+	if o.FenceRecheckInterval <= 0 {
+		o.FenceRecheckInterval = DefaultFenceRecheckInterval
+	}
 	clk := topts.Clock
 	if clk == nil {
 		clk = clock.RealClock{}
@@ -170,6 +191,7 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 	m := state.New(state.Config{
 		Provider: cfg.Name, WriteType: wire.SourceHKDFSeed,
 		StatusInterval: o.StatusInterval, RetryInterval: o.RetryInterval, WriteTTL: o.WriteTTL,
+		Fenced: o.MayWriteKeyID != nil,
 	}, clk.Now())
 	p.publish(m.View())
 	go p.run(ctx, m)
@@ -345,6 +367,10 @@ func (p *Provider) Status() transformers.KMSStatus {
 		st.DEKSourceType = v.Write.Type.String()
 		st.WriteExpiry = v.Write.Expiry
 	}
+	st.ReportedKeyIDHash = state.KeyIDHash(v.Reported)
+	if v.Held != "" {
+		st.HeldKeyIDHash, st.HeldSince = state.KeyIDHash(v.Held), v.HeldSince
+	}
 	return st
 }
 
@@ -445,6 +471,18 @@ func (p *Provider) publish(v state.View) {
 			cur.expiry.Store(w.Expiry.UnixNano())
 		}
 		p.opts.Metrics.writeExpiry.WithLabelValues(p.name).Set(float64(w.Expiry.Unix()))
+	}
+	if v.Reported != p.reported {
+		p.reported = v.Reported
+		if v.Held != "" && p.opts.OnKeyIDChange != nil {
+			// Held: the others must learn that this plugin can read it (the fence of
+			// every apiserver waits for that).
+			defer p.opts.OnKeyIDChange(p.name, state.KeyIDHash(v.Reported))
+		}
+		if v.Held != "" {
+			p.log.Info("The KMS plugin reports a new key id; writing with the previous one until every apiserver's plugin reports it",
+				"keyIDHash", state.KeyIDHash(v.Held))
+		}
 	}
 	h := 0.0
 	if v.Healthy {

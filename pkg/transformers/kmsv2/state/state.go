@@ -19,6 +19,12 @@
 //     a key id different from the write state's. The Encrypt key id must equal that
 //     Status key id.
 //   - A failed rotation keeps the old write state with its old expiry.
+//   - With Config.Fenced (many apiservers, one cluster), a new key id reported while a
+//     write state exists is held: the machine keeps writing with its current DEK source
+//     (wrapped under the old key id, which every plugin can still decrypt), a healthy
+//     Status extends that write state as usual, and it rotates only after the driver
+//     steps WriteAllowed for the held key id (every other apiserver's plugin reports
+//     it). The first write state is not fenced: without one nothing can be written.
 package state
 
 import (
@@ -49,6 +55,8 @@ type Config struct {
 	StatusInterval time.Duration
 	RetryInterval  time.Duration
 	WriteTTL       time.Duration
+	// Fenced holds a new key id back until WriteAllowed (see the package rules).
+	Fenced bool
 }
 
 // Kind is an RPC the machine asks the driver to run.
@@ -87,6 +95,7 @@ type Event interface{ isEvent() }
 func (StatusResult) isEvent()         {}
 func (EncryptResult) isEvent()        {}
 func (HealthCheckRequested) isEvent() {}
+func (WriteAllowed) isEvent()         {}
 
 // StatusResult is the outcome of a Status RPC, stamped with its arrival time.
 type StatusResult struct {
@@ -113,6 +122,16 @@ type EncryptResult struct {
 // HealthCheckRequested asks for a Status as soon as none is in flight (a health check
 // found the cached result too old).
 type HealthCheckRequested struct{}
+
+// WriteAllowed opens the write fence for KeyID (Config.Fenced): every other apiserver's
+// plugin reports it, so values written under it are readable everywhere. It rotates at
+// once if KeyID is the held key id and the plugin is healthy, and is ignored otherwise
+// (the plugin moved on, nothing is held, or an unhealthy plugin must not rotate: the
+// driver asks again after the next healthy Status).
+type WriteAllowed struct {
+	At    time.Time
+	KeyID string
+}
 
 // WriteState is what new values are written with. It is immutable once published (the
 // machine never changes one it has handed out, nor the slices in it); a new expiry
@@ -150,6 +169,13 @@ type View struct {
 	NextWake time.Time
 	// Rotating: an Encrypt is in flight.
 	Rotating bool
+	// Reported is the key id of the last fully healthy Status: the key id this
+	// apiserver's plugin can decrypt (and would encrypt with). Empty before one.
+	Reported string
+	// Held is the key id the write fence holds back (Config.Fenced), empty when none;
+	// HeldSince is when the first healthy Status reported it.
+	Held      string
+	HeldSince time.Time
 }
 
 // Machine is the lifecycle state. Not safe for concurrent use; one driver owns it.
@@ -174,6 +200,13 @@ type Machine struct {
 	rotKeyID  string
 	rotStatus time.Time
 	rotQueued bool
+
+	// reported is the key id of the last fully healthy Status.
+	reported string
+	// held is the key id the fence holds back; heldSince its first healthy Status,
+	// heldStatus its latest (the rotation's expiry counts from it).
+	held                  string
+	heldSince, heldStatus time.Time
 
 	generation uint64
 }
@@ -229,6 +262,12 @@ func (m *Machine) Step(ev Event) error {
 		if m.nextStatus.After(m.now) {
 			m.nextStatus = m.now
 		}
+	case WriteAllowed:
+		m.Tick(e.At)
+		if m.held != "" && e.KeyID == m.held && m.healthy && !m.encryptInFlight && !m.rotQueued {
+			m.rotKeyID, m.rotStatus, m.rotQueued = m.held, m.heldStatus, true
+			m.held, m.heldSince, m.heldStatus = "", time.Time{}, time.Time{}
+		}
 	default:
 		return fmt.Errorf("kms v2 state: unknown event %T", ev)
 	}
@@ -274,7 +313,19 @@ func (m *Machine) stepStatus(e StatusResult) {
 		return
 	}
 	m.lastHealthy = e.At
-	if w := m.write; w != nil && w.KeyID == e.KeyID {
+	m.reported = e.KeyID
+	if w := m.write; w != nil && (w.KeyID == e.KeyID || m.cfg.Fenced) {
+		if w.KeyID == e.KeyID {
+			m.held, m.heldSince, m.heldStatus = "", time.Time{}, time.Time{}
+		} else {
+			// Fenced: the current DEK source stays readable by every plugin (old key
+			// ids remain decryptable), so it keeps writing, as long as the plugin is
+			// healthy, until WriteAllowed names the new key id.
+			if m.held != e.KeyID {
+				m.held, m.heldSince = e.KeyID, e.At
+			}
+			m.heldStatus = e.At
+		}
 		nw := *w
 		nw.Expiry = e.At.Add(m.cfg.WriteTTL)
 		m.write = &nw
@@ -354,6 +405,9 @@ func (m *Machine) View() View {
 		LastHealthy: m.lastHealthy,
 		NextWake:    m.nextStatus,
 		Rotating:    m.encryptInFlight || m.rotQueued,
+		Reported:    m.reported,
+		Held:        m.held,
+		HeldSince:   m.heldSince,
 	}
 	v.CanWrite = m.write != nil && m.now.Before(m.write.Expiry)
 	return v

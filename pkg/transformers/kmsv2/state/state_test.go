@@ -20,7 +20,9 @@ var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 //
 // Commands:
 //
-//	reset                                  a new machine at +0s; the plugin is healthy with key id 1
+//	reset [fenced]                         a new machine at +0s; the plugin is healthy with key id 1;
+//	                                       fenced: Config.Fenced, and the view gains a fence line
+//	allow key=K                            Steps WriteAllowed for K (the cluster's write fence opened)
 //	status [healthz=ok] [version=v2] [key=1] [key-len=N] [err=msg]
 //	                                       what the plugin's Status answers from now on
 //	encrypt [key=1] [key-len=N] [ciphertext=wrapped] [ciphertext-len=N] [annotation=k] [annotation-len=N] [source-len=32] [err=msg]
@@ -48,6 +50,7 @@ type harness struct {
 	now     time.Time
 	status  StatusResult
 	encrypt EncryptResult
+	fenced  bool
 }
 
 func newHarness() *harness {
@@ -63,6 +66,15 @@ func (h *harness) run(t *testing.T, d *datadriven.TestData) string {
 	switch d.Cmd {
 	case "reset":
 		*h = *newHarness()
+		if d.HasArg("fenced") {
+			h.fenced = true
+			h.m = New(Config{Provider: "kms1", WriteType: wire.SourceHKDFSeed, Fenced: true}, t0)
+		}
+		return h.view()
+	case "allow":
+		if err := h.m.Step(WriteAllowed{At: h.now, KeyID: keyArg(t, d)}); err != nil {
+			d.Fatalf(t, "%v", err)
+		}
 		return h.view()
 	case "status":
 		h.status = StatusResult{Version: "v2", Healthz: "ok", KeyID: keyArg(t, d)}
@@ -204,10 +216,20 @@ func (h *harness) view() string {
 	} else {
 		b.WriteString("write: none")
 	}
+	if h.fenced {
+		fmt.Fprintf(&b, "\nfence: reported=%s held=%s since=%s", orNone(v.Reported), orNone(v.Held), rel(v.HeldSince))
+	}
 	if v.Err != nil {
 		fmt.Fprintf(&b, "\nerr: %v", v.Err)
 	}
 	return b.String()
+}
+
+func orNone(s string) string {
+	if s == "" {
+		return "none"
+	}
+	return s
 }
 
 // Ready's slice is the caller's: a later Ready must not change it.
