@@ -46,22 +46,22 @@ type encryptionLayer interface {
 	install(c *genericapiserver.Config, etcd *genericoptions.EtcdOptions) error
 	// checkStart runs once etcd answers and before anything is served: it refuses a
 	// configuration that cannot read what the last applied one could.
-	checkStart(ctx context.Context, etcdServers []string, stateID string) error
+	checkStart(ctx context.Context, etcd etcdConn, stateID string) error
 	// startStorage adds what keeps stored data on the current keys (inventory and
-	// migration against etcdServers) as a post-start hook; it stops with the server.
-	startStorage(c *genericapiserver.Config, etcdServers []string) error
+	// migration against etcd) as a post-start hook; it stops with the server.
+	startStorage(c *genericapiserver.Config, etcd etcdConn) error
 	// statusPath and statusHandler describe the layer's status document ("" when none).
 	statusPath() string
 	statusHandler() http.Handler
 	close()
 }
 
-// newEncryptionLayer builds the layer; etcdServers is set (etcd is up) only when the
-// rekey layer coordinates with other apiservers.
-func newEncryptionLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, apiServerID string, etcdServers []string) (encryptionLayer, error) {
+// newEncryptionLayer builds the layer; etcd is set (etcd is up) only when the rekey
+// layer coordinates with other apiservers.
+func newEncryptionLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, apiServerID string, etcd *etcdConn) (encryptionLayer, error) {
 	switch o.EncryptionLayer {
 	case "", LayerRekey:
-		return newRekeyLayer(ctx, o, reg, apiServerID, etcdServers)
+		return newRekeyLayer(ctx, o, reg, apiServerID, etcd)
 	case LayerUpstream:
 		return &upstreamLayer{path: o.EncryptionConfig, reload: o.AutomaticReload}, nil
 	default:
@@ -84,8 +84,8 @@ func (u *upstreamLayer) install(_ *genericapiserver.Config, etcd *genericoptions
 	return nil
 }
 
-func (u *upstreamLayer) checkStart(context.Context, []string, string) error    { return nil }
-func (u *upstreamLayer) startStorage(*genericapiserver.Config, []string) error { return nil }
+func (u *upstreamLayer) checkStart(context.Context, etcdConn, string) error    { return nil }
+func (u *upstreamLayer) startStorage(*genericapiserver.Config, etcdConn) error { return nil }
 func (u *upstreamLayer) statusPath() string                                    { return "" }
 func (u *upstreamLayer) statusHandler() http.Handler                           { return nil }
 func (u *upstreamLayer) close()                                                {}
@@ -132,7 +132,7 @@ type storageOptions struct {
 	stateFile         string
 }
 
-func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, apiServerID string, etcdServers []string) (_ *rekeyLayer, err error) {
+func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, apiServerID string, etcd *etcdConn) (_ *rekeyLayer, err error) {
 	if o.EncryptionConfig == "" {
 		return &rekeyLayer{}, nil
 	}
@@ -143,8 +143,8 @@ func newRekeyLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, ap
 	store := &migrate.InventoryStore{}
 	var node *cluster.Node
 	var nodeClient *clientv3.Client
-	if len(etcdServers) > 0 {
-		if node, nodeClient, err = startClusterNode(ctx, o, reg, etcdServers, store); err != nil {
+	if etcd != nil {
+		if node, nodeClient, err = startClusterNode(ctx, o, reg, *etcd, store); err != nil {
 			return nil, err
 		}
 		defer func() {
@@ -232,11 +232,11 @@ const startCheckTimeout = 2 * time.Minute
 // be applied silently by a restart. The state key is
 // migrate.AppliedStatePrefix + stateID (the apiserver identity, stable across restarts
 // of the same host).
-func (r *rekeyLayer) checkStart(ctx context.Context, etcdServers []string, stateID string) error {
+func (r *rekeyLayer) checkStart(ctx context.Context, etcd etcdConn, stateID string) error {
 	if r.agent == nil {
 		return nil
 	}
-	cli, err := newEtcdClient(etcdServers)
+	cli, err := newEtcdClient(etcd)
 	if err != nil {
 		return fmt.Errorf("encryption start-up check: %w", err)
 	}
@@ -299,8 +299,8 @@ const ClusterStatusKey = "cluster"
 // startClusterNode connects to etcd, validates the coordination settings and loads the
 // member list, so that the write fence knows the other apiservers before the agent
 // applies its first configuration.
-func startClusterNode(ctx context.Context, o *Options, reg metrics.KubeRegistry, etcdServers []string, store *migrate.InventoryStore) (*cluster.Node, *clientv3.Client, error) {
-	cli, err := newEtcdClient(etcdServers)
+func startClusterNode(ctx context.Context, o *Options, reg metrics.KubeRegistry, etcd etcdConn, store *migrate.InventoryStore) (*cluster.Node, *clientv3.Client, error) {
+	cli, err := newEtcdClient(etcd)
 	if err != nil {
 		return nil, nil, fmt.Errorf("cluster coordination: %w", err)
 	}
@@ -334,12 +334,12 @@ func storageResources(etcdPrefix string) []migrate.Resource {
 	}
 }
 
-func (r *rekeyLayer) startStorage(c *genericapiserver.Config, etcdServers []string) error {
+func (r *rekeyLayer) startStorage(c *genericapiserver.Config, etcd etcdConn) error {
 	if r.agent == nil {
 		return nil
 	}
 	return c.AddPostStartHook(StorageMigrationHookName, func(hc genericapiserver.PostStartHookContext) error {
-		cli, err := newEtcdClient(etcdServers)
+		cli, err := newEtcdClient(etcd)
 		if err != nil {
 			return fmt.Errorf("storage migration: %w", err)
 		}

@@ -19,6 +19,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.etcd.io/etcd/client/pkg/v3/transport"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -67,6 +68,13 @@ type Options struct {
 
 	// EtcdServers are etcd client URLs; empty starts an embedded etcd in DataDir.
 	EtcdServers []string
+	// EtcdCAFile, EtcdCertFile and EtcdKeyFile secure the connection to EtcdServers
+	// (kube-apiserver's --etcd-cafile, --etcd-certfile, --etcd-keyfile): the storage
+	// backend and every etcd client of the rekey layer (cluster coordination, storage
+	// migration, the applied-state check) use them.
+	EtcdCAFile   string
+	EtcdCertFile string
+	EtcdKeyFile  string
 	// EtcdPrefix prefixes every key (default /registry).
 	EtcdPrefix string
 	// EtcdConnectTimeout bounds the start-up check of external etcd servers.
@@ -188,6 +196,12 @@ func (o *Options) complete() error {
 	if o.CertDir == "" {
 		return errors.New("--cert-dir is required: the serving certificate is read from or generated into it")
 	}
+	if len(o.EtcdServers) == 0 && (o.EtcdCAFile != "" || o.EtcdCertFile != "" || o.EtcdKeyFile != "") {
+		return errors.New("--etcd-cafile, --etcd-certfile and --etcd-keyfile need --etcd-servers: the embedded etcd serves plaintext on loopback")
+	}
+	if (o.EtcdCertFile == "") != (o.EtcdKeyFile == "") {
+		return errors.New("--etcd-certfile and --etcd-keyfile go together: set both for a client certificate, or neither")
+	}
 	if len(o.EtcdServers) == 0 && o.DataDir == "" {
 		return errors.New("--data-dir is required when --etcd-servers is empty (embedded etcd)")
 	}
@@ -265,23 +279,25 @@ func Run(ctx context.Context, o Options) error {
 		defer layer.close()
 	}
 
-	etcdServers := o.EtcdServers
-	if len(etcdServers) == 0 {
+	etcd := etcdConn{servers: o.EtcdServers, tls: transport.TLSInfo{
+		TrustedCAFile: o.EtcdCAFile, CertFile: o.EtcdCertFile, KeyFile: o.EtcdKeyFile,
+	}}
+	if len(etcd.servers) == 0 {
 		start := time.Now()
 		e, err := startEmbeddedEtcd(ctx, o.DataDir, o.EtcdUnsafeNoFsync, o.EtcdLogLevel)
 		if err != nil {
 			return err
 		}
 		defer e.close()
-		etcdServers = e.endpoints
-		logger.Info("Embedded etcd ready", "dataDir", o.DataDir, "endpoints", etcdServers, "elapsed", time.Since(start))
-	} else if err := checkEtcd(ctx, etcdServers, o.EtcdConnectTimeout); err != nil {
+		etcd.servers = e.endpoints
+		logger.Info("Embedded etcd ready", "dataDir", o.DataDir, "endpoints", etcd.servers, "elapsed", time.Since(start))
+	} else if err := checkEtcd(ctx, etcd, o.EtcdConnectTimeout); err != nil {
 		return err
 	}
 	if o.clustered() {
 		// The write fence must know the other apiservers before the first configuration
 		// is applied, so the layer starts after etcd.
-		if layer, err = newEncryptionLayer(ctx, &o, reg, c.APIServerID, etcdServers); err != nil {
+		if layer, err = newEncryptionLayer(ctx, &o, reg, c.APIServerID, &etcd); err != nil {
 			return err
 		}
 		defer layer.close()
@@ -290,7 +306,7 @@ func Run(ctx context.Context, o Options) error {
 	if stateID == "" {
 		stateID = c.APIServerID
 	}
-	if err := layer.checkStart(ctx, etcdServers, stateID); err != nil {
+	if err := layer.checkStart(ctx, etcd, stateID); err != nil {
 		return err
 	}
 
@@ -348,7 +364,10 @@ func Run(ctx context.Context, o Options) error {
 	}
 	backend := storagebackend.NewDefaultConfig(o.EtcdPrefix, codec)
 	backend.EncodeVersioner = versioner
-	backend.Transport.ServerList = etcdServers
+	backend.Transport.ServerList = etcd.servers
+	backend.Transport.TrustedCAFile = o.EtcdCAFile
+	backend.Transport.CertFile = o.EtcdCertFile
+	backend.Transport.KeyFile = o.EtcdKeyFile
 	etcdOpts := genericoptions.NewEtcdOptions(backend)
 	// The layer sets c.ResourceTransformers first; EtcdOptions keeps a non-nil value and
 	// wraps every resource's storage config with TransformerForResource.
@@ -358,7 +377,7 @@ func Run(ctx context.Context, o Options) error {
 	if err := etcdOpts.ApplyTo(c); err != nil {
 		return fmt.Errorf("etcd storage: %w", err)
 	}
-	if err := layer.startStorage(c, etcdServers); err != nil {
+	if err := layer.startStorage(c, etcd); err != nil {
 		return err
 	}
 
@@ -366,7 +385,7 @@ func Run(ctx context.Context, o Options) error {
 		URL:         "https://" + c.ExternalAddress,
 		Port:        port,
 		CAFile:      filepath.Join(o.CertDir, servingCertPairName+".crt"),
-		EtcdServers: etcdServers,
+		EtcdServers: etcd.servers,
 		EtcdPrefix:  o.EtcdPrefix,
 		StatusPath:  layer.statusPath(),
 	}
@@ -395,7 +414,7 @@ func Run(ctx context.Context, o Options) error {
 	if p, h := layer.statusPath(), layer.statusHandler(); p != "" && h != nil {
 		server.Handler.NonGoRestfulMux.Handle(p, h)
 	}
-	logger.Info("Serving", "url", info.URL, "etcd", etcdServers, "prefix", o.EtcdPrefix,
+	logger.Info("Serving", "url", info.URL, "etcd", etcd.servers, "etcdTLS", etcd.hasTLS(), "prefix", o.EtcdPrefix,
 		"encryptionLayer", o.EncryptionLayer, "encryptionConfig", o.EncryptionConfig)
 	return server.PrepareRun().RunWithContext(ctx)
 }
