@@ -2,7 +2,6 @@ package shim
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"net/url"
@@ -11,10 +10,9 @@ import (
 	"strings"
 	"time"
 
-	"go.etcd.io/etcd/client/pkg/v3/transport"
-	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/embed"
-	"go.uber.org/zap"
+
+	"github.com/rekey-io/rekey/pkg/layer"
 )
 
 // embeddedEtcd is a single-member etcd running inside the shim's process.
@@ -87,71 +85,9 @@ func freePorts(n int) ([]int, error) {
 	return ports, nil
 }
 
-// etcdConn is where and how the shim's own etcd clients connect: the storage backend's
-// --etcd-servers and its TLS files (--etcd-cafile, --etcd-certfile, --etcd-keyfile).
-type etcdConn struct {
-	servers []string
-	tls     transport.TLSInfo
-}
-
-// hasTLS reports whether any TLS file is set; with none the clients dial plaintext,
-// as the storage backend does.
-func (e etcdConn) hasTLS() bool {
-	return e.tls.TrustedCAFile != "" || e.tls.CertFile != "" || e.tls.KeyFile != ""
-}
-
-// clientConfig is the clientv3 configuration for e with timeout as dial timeout.
-func (e etcdConn) clientConfig(timeout time.Duration) (clientv3.Config, error) {
-	cfg := clientv3.Config{Endpoints: e.servers, DialTimeout: timeout, Logger: zap.NewNop()}
-	if e.hasTLS() {
-		tc, err := e.tls.ClientConfig()
-		if err != nil {
-			return cfg, fmt.Errorf("etcd TLS from --etcd-cafile, --etcd-certfile, --etcd-keyfile: %w", err)
-		}
-		cfg.TLS = tc
-	}
-	return cfg, nil
-}
-
 // checkEtcd fails with a clear error when none of the servers answers within timeout,
 // so a wrong --etcd-servers or TLS file is reported at start instead of as hanging
 // requests.
-func checkEtcd(ctx context.Context, e etcdConn, timeout time.Duration) error {
-	hint := "check --etcd-servers, or leave it empty to run an embedded etcd"
-	if e.hasTLS() {
-		hint = "check --etcd-servers and the TLS files --etcd-cafile, --etcd-certfile, --etcd-keyfile"
-	}
-	cfg, err := e.clientConfig(timeout)
-	if err != nil {
-		return err
-	}
-	cli, err := clientv3.New(cfg)
-	if err != nil {
-		return fmt.Errorf("cannot reach etcd at %s: %w (%s)", strings.Join(e.servers, ","), err, hint)
-	}
-	defer cli.Close()
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	if _, err := cli.Get(ctx, "health"); err != nil {
-		if errors.Is(err, context.DeadlineExceeded) {
-			err = fmt.Errorf("no answer within %s", timeout)
-		}
-		return fmt.Errorf("cannot reach etcd at %s: %w (%s)", strings.Join(e.servers, ","), err, hint)
-	}
-	return nil
-}
-
-// newEtcdClient is the one place the shim's etcd clients (storage migration, cluster
-// coordination, the applied-state check) are configured from the storage backend's
-// flags, so that they all connect as the storage backend does.
-func newEtcdClient(e etcdConn) (*clientv3.Client, error) {
-	cfg, err := e.clientConfig(DefaultEtcdConnectTimeout)
-	if err != nil {
-		return nil, err
-	}
-	cli, err := clientv3.New(cfg)
-	if err != nil {
-		return nil, fmt.Errorf("etcd client for %s: %w", strings.Join(e.servers, ","), err)
-	}
-	return cli, nil
+func checkEtcd(ctx context.Context, e layer.Etcd, timeout time.Duration) error {
+	return e.Check(ctx, timeout, "check --etcd-servers, or leave it empty to run an embedded etcd")
 }

@@ -19,7 +19,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"go.etcd.io/etcd/client/pkg/v3/transport"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -37,6 +36,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/shim/openapi"
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/layer"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -270,43 +270,41 @@ func Run(ctx context.Context, o Options) error {
 		return err
 	}
 	c := genericapiserver.NewConfig(sch.codecs)
-	var layer encryptionLayer
+	var enc encryptionLayer
 	if !o.clustered() {
 		// Without coordination the file is checked before etcd starts.
-		if layer, err = newEncryptionLayer(ctx, &o, reg, c.APIServerID, nil); err != nil {
+		if enc, err = newEncryptionLayer(ctx, &o, reg, c.APIServerID, layer.Etcd{}); err != nil {
 			return err
 		}
-		defer layer.close()
+		defer enc.close()
 	}
 
-	etcd := etcdConn{servers: o.EtcdServers, tls: transport.TLSInfo{
-		TrustedCAFile: o.EtcdCAFile, CertFile: o.EtcdCertFile, KeyFile: o.EtcdKeyFile,
-	}}
-	if len(etcd.servers) == 0 {
+	etcd := layer.Etcd{Servers: o.EtcdServers, CAFile: o.EtcdCAFile, CertFile: o.EtcdCertFile, KeyFile: o.EtcdKeyFile}
+	if len(etcd.Servers) == 0 {
 		start := time.Now()
 		e, err := startEmbeddedEtcd(ctx, o.DataDir, o.EtcdUnsafeNoFsync, o.EtcdLogLevel)
 		if err != nil {
 			return err
 		}
 		defer e.close()
-		etcd.servers = e.endpoints
-		logger.Info("Embedded etcd ready", "dataDir", o.DataDir, "endpoints", etcd.servers, "elapsed", time.Since(start))
+		etcd.Servers = e.endpoints
+		logger.Info("Embedded etcd ready", "dataDir", o.DataDir, "endpoints", etcd.Servers, "elapsed", time.Since(start))
 	} else if err := checkEtcd(ctx, etcd, o.EtcdConnectTimeout); err != nil {
 		return err
 	}
 	if o.clustered() {
 		// The write fence must know the other apiservers before the first configuration
 		// is applied, so the layer starts after etcd.
-		if layer, err = newEncryptionLayer(ctx, &o, reg, c.APIServerID, &etcd); err != nil {
+		if enc, err = newEncryptionLayer(ctx, &o, reg, c.APIServerID, etcd); err != nil {
 			return err
 		}
-		defer layer.close()
+		defer enc.close()
 	}
 	stateID := o.EncryptionStateID
 	if stateID == "" {
 		stateID = c.APIServerID
 	}
-	if err := layer.checkStart(ctx, etcd, stateID); err != nil {
+	if err := enc.checkStart(ctx, etcd, stateID); err != nil {
 		return err
 	}
 
@@ -364,20 +362,20 @@ func Run(ctx context.Context, o Options) error {
 	}
 	backend := storagebackend.NewDefaultConfig(o.EtcdPrefix, codec)
 	backend.EncodeVersioner = versioner
-	backend.Transport.ServerList = etcd.servers
+	backend.Transport.ServerList = etcd.Servers
 	backend.Transport.TrustedCAFile = o.EtcdCAFile
 	backend.Transport.CertFile = o.EtcdCertFile
 	backend.Transport.KeyFile = o.EtcdKeyFile
 	etcdOpts := genericoptions.NewEtcdOptions(backend)
 	// The layer sets c.ResourceTransformers first; EtcdOptions keeps a non-nil value and
 	// wraps every resource's storage config with TransformerForResource.
-	if err := layer.install(c, etcdOpts); err != nil {
+	if err := enc.install(c, etcdOpts); err != nil {
 		return err
 	}
 	if err := etcdOpts.ApplyTo(c); err != nil {
 		return fmt.Errorf("etcd storage: %w", err)
 	}
-	if err := layer.startStorage(c, etcd); err != nil {
+	if err := enc.startStorage(c); err != nil {
 		return err
 	}
 
@@ -385,9 +383,9 @@ func Run(ctx context.Context, o Options) error {
 		URL:         "https://" + c.ExternalAddress,
 		Port:        port,
 		CAFile:      filepath.Join(o.CertDir, servingCertPairName+".crt"),
-		EtcdServers: etcd.servers,
+		EtcdServers: etcd.Servers,
 		EtcdPrefix:  o.EtcdPrefix,
-		StatusPath:  layer.statusPath(),
+		StatusPath:  enc.statusPath(),
 	}
 	if o.Started != nil {
 		if err := c.AddPostStartHook("rekey-shim-started", func(genericapiserver.PostStartHookContext) error {
@@ -411,10 +409,10 @@ func Run(ctx context.Context, o Options) error {
 	if err := server.InstallLegacyAPIGroup(genericapiserver.DefaultLegacyAPIPrefix, &group); err != nil {
 		return fmt.Errorf("installing core/v1: %w", err)
 	}
-	if p, h := layer.statusPath(), layer.statusHandler(); p != "" && h != nil {
+	if p, h := enc.statusPath(), enc.statusHandler(); p != "" && h != nil {
 		server.Handler.NonGoRestfulMux.Handle(p, h)
 	}
-	logger.Info("Serving", "url", info.URL, "etcd", etcd.servers, "etcdTLS", etcd.hasTLS(), "prefix", o.EtcdPrefix,
+	logger.Info("Serving", "url", info.URL, "etcd", etcd.Servers, "etcdTLS", etcd.HasTLS(), "prefix", o.EtcdPrefix,
 		"encryptionLayer", o.EncryptionLayer, "encryptionConfig", o.EncryptionConfig)
 	return server.PrepareRun().RunWithContext(ctx)
 }
