@@ -155,6 +155,11 @@ shim whose file cannot read a key the others use fails /readyz. See "cluster" in
 	etcd := fss.FlagSet("etcd")
 	etcd.StringSliceVar(&f.opts.EtcdServers, "etcd-servers", f.opts.EtcdServers,
 		"etcd servers to connect to (scheme://ip:port), comma separated. Empty runs an embedded etcd in --data-dir.")
+	etcd.StringVar(&f.opts.EtcdCAFile, "etcd-cafile", "",
+		"SSL Certificate Authority file used to secure etcd communication. Used by the storage backend and by every etcd client of the rekey layer "+
+			"(cluster coordination, storage migration, the applied-state check).")
+	etcd.StringVar(&f.opts.EtcdCertFile, "etcd-certfile", "", "SSL certification file used to secure etcd communication (client certificate; with --etcd-keyfile).")
+	etcd.StringVar(&f.opts.EtcdKeyFile, "etcd-keyfile", "", "SSL key file used to secure etcd communication (with --etcd-certfile).")
 	etcd.StringVar(&f.opts.EtcdPrefix, "etcd-prefix", f.opts.EtcdPrefix, "The prefix to prepend to all resource paths in etcd.")
 	etcd.DurationVar(&f.opts.EtcdConnectTimeout, "etcd-connect-timeout", shim.DefaultEtcdConnectTimeout,
 		"How long to wait at start for --etcd-servers to answer before giving up.")

@@ -35,17 +35,23 @@ type common struct {
 	timeout     time.Duration
 }
 
-func (c *common) addFlags(fs *pflag.FlagSet) {
+// addEtcdFlags adds how to reach etcd: the flags every command has, with
+// kube-apiserver's names, so an apiserver's etcd flags can be copied as they are.
+func (c *common) addEtcdFlags(fs *pflag.FlagSet) {
 	fs.StringSliceVar(&c.etcdServers, "etcd-servers", nil, "etcd servers to connect to (scheme://ip:port), comma separated. Required.")
-	fs.StringVar(&c.etcdPrefix, "etcd-prefix", migrate.DefaultEtcdPrefix, "The prefix of all resource paths in etcd (kube-apiserver's --etcd-prefix).")
 	fs.StringVar(&c.etcdCA, "etcd-cafile", "", "SSL Certificate Authority file used to secure etcd communication.")
 	fs.StringVar(&c.etcdCert, "etcd-certfile", "", "SSL certification file used to secure etcd communication.")
 	fs.StringVar(&c.etcdKey, "etcd-keyfile", "", "SSL key file used to secure etcd communication.")
+	fs.DurationVar(&c.timeout, "etcd-dial-timeout", 10*time.Second, "How long to wait for etcd to answer.")
+}
+
+func (c *common) addFlags(fs *pflag.FlagSet) {
+	c.addEtcdFlags(fs)
+	fs.StringVar(&c.etcdPrefix, "etcd-prefix", migrate.DefaultEtcdPrefix, "The prefix of all resource paths in etcd (kube-apiserver's --etcd-prefix).")
 	fs.StringVar(&c.configPath, "encryption-provider-config", "", "The EncryptionConfiguration the apiservers run now. Required.")
 	fs.StringSliceVar(&c.resources, "resources", nil, "Resources to scan: secrets, widgets.example.com, or deployments.apps=/registry/deployments/ for a custom etcd path. Default: every resource the configuration names explicitly (secrets and configmaps when it only has wildcards).")
 	fs.Int64Var(&c.pageSize, "page-size", migrate.DefaultPageSize, "Objects per etcd range request.")
 	fs.DurationVar(&c.kmsWait, "kms-wait", 15*time.Second, "How long to wait for KMS v2 plugins to report their current key id.")
-	fs.DurationVar(&c.timeout, "etcd-dial-timeout", 10*time.Second, "How long to wait for etcd to answer.")
 }
 
 func (c *common) validate() error {

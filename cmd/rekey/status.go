@@ -69,11 +69,7 @@ The exit code is 0 only when the cluster has converged.`,
 		},
 	}
 	fs := cmd.Flags()
-	fs.StringSliceVar(&c.etcdServers, "etcd-servers", nil, "etcd servers to connect to (scheme://ip:port), comma separated. Required.")
-	fs.StringVar(&c.etcdCA, "etcd-cafile", "", "SSL Certificate Authority file used to secure etcd communication.")
-	fs.StringVar(&c.etcdCert, "etcd-certfile", "", "SSL certification file used to secure etcd communication.")
-	fs.StringVar(&c.etcdKey, "etcd-keyfile", "", "SSL key file used to secure etcd communication.")
-	fs.DurationVar(&c.timeout, "etcd-dial-timeout", 10*time.Second, "How long to wait for etcd to answer.")
+	c.addEtcdFlags(fs)
 	fs.StringVar(&prefix, "coordination-prefix", cluster.DefaultPrefix, "The apiservers' --coordination-prefix.")
 	fs.DurationVar(&alarm, "disagreement-alarm", cluster.DefaultDisagreementAlarm, "Report an alarm when a member has seen the others disagree for longer than this.")
 	fs.StringVarP(&output, "output", "o", "table", "Output format: table or json.")

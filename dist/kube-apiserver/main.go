@@ -3,7 +3,8 @@
 // keeps its meaning; --encryption-provider-config and
 // --encryption-provider-config-automatic-reload are served by the agent, for every
 // resource including custom resources and aggregated APIs. rekey's own flags (storage
-// migration, the layer switch) are listed under "Rekey flags" in --help.
+// migration, cluster coordination, the layer switch) are listed under "Rekey flags" in
+// --help; pkg/layer wires them exactly as in the apiserver shim.
 //
 // The copied part of upstream's command code is in upstream.go; the wiring of the agent
 // in rekey.go. See docs/kube-apiserver.md.

@@ -1,15 +1,12 @@
 package main
 
 import (
-	"context"
-	"crypto/tls"
 	"fmt"
 	"net/http"
 	"os"
 	"slices"
 	"sort"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -17,9 +14,6 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
-	"go.etcd.io/etcd/client/pkg/v3/transport"
-	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 	"k8s.io/apimachinery/pkg/util/wait"
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	genericoptions "k8s.io/apiserver/pkg/server/options"
@@ -29,11 +23,10 @@ import (
 	utilversion "k8s.io/component-base/version"
 	"k8s.io/klog/v2"
 
+	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/config"
+	rekeylayer "github.com/rekey-io/rekey/pkg/layer"
 	"github.com/rekey-io/rekey/pkg/migrate"
-	"github.com/rekey-io/rekey/pkg/reload"
-	"github.com/rekey-io/rekey/pkg/transformers"
-	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
 
 // Encryption layers; the flag exists for side-by-side measurements and interop tests.
@@ -42,12 +35,9 @@ const (
 	layerUpstream = "upstream"
 )
 
-// storageMigrationHookName is the post-start hook that starts the storage migration
-// controller; the shim uses the same name.
-const storageMigrationHookName = "start-rekey-storage-migration"
-
-// etcdDialTimeout bounds the migration controller's first connection to etcd.
-const etcdDialTimeout = 10 * time.Second
+// defaultKMSStatusInterval is the shim's: shorter than kube-apiserver's minute so that a
+// plugin's new key id reaches the write fence and the migrator quickly.
+const defaultKMSStatusInterval = 15 * time.Second
 
 // upstreamEncryptionMetricPrefixes are the families upstream's encryption packages
 // register in the legacy registry at init. With rekey's layer on, that code never runs
@@ -61,7 +51,7 @@ var upstreamEncryptionMetricPrefixes = []string{
 }
 
 // rekeyOptions are the flags this binary adds to kube-apiserver's. The names are the
-// apiserver shim's.
+// apiserver shim's; pkg/layer wires both the same way.
 type rekeyOptions struct {
 	Layer                    string
 	ReloadPollInterval       time.Duration
@@ -71,13 +61,28 @@ type rekeyOptions struct {
 	AllowDroppingKeysInUse   bool
 	StorageCheckInterval     time.Duration
 	StorageInventoryInterval time.Duration
+	EncryptionStateID        string
+	EncryptionStateFile      string
 	KMSStatusInterval        time.Duration
 	KMSRetryInterval         time.Duration
 	KMSWriteTTL              time.Duration
+
+	APIServerID              string
+	ClusterCoordination      bool
+	CoordinationPrefix       string
+	ClusterLeaseTTL          time.Duration
+	ClusterDisagreementAlarm time.Duration
 }
 
 func newRekeyOptions() *rekeyOptions {
-	return &rekeyOptions{Layer: layerRekey, StorageResources: []string{"secrets", "configmaps"}}
+	return &rekeyOptions{
+		Layer: layerRekey, StorageResources: []string{"secrets", "configmaps"},
+		KMSStatusInterval:        defaultKMSStatusInterval,
+		ClusterCoordination:      true,
+		CoordinationPrefix:       cluster.DefaultPrefix,
+		ClusterLeaseTTL:          cluster.DefaultLeaseTTL,
+		ClusterDisagreementAlarm: cluster.DefaultDisagreementAlarm,
+	}
 }
 
 func (o *rekeyOptions) addFlags(fs *pflag.FlagSet) {
@@ -91,12 +96,36 @@ func (o *rekeyOptions) addFlags(fs *pflag.FlagSet) {
 	fs.StringSliceVar(&o.StorageResources, "storage-migration-resources", o.StorageResources,
 		"Resources the inventory and migration scan: secrets, widgets.example.com, or deployments.apps=/registry/deployments/ for a built-in group stored elsewhere. Wildcards cannot be scanned.")
 	fs.BoolVar(&o.AllowDroppingKeysInUse, "unsafe-allow-dropping-keys-in-use", false,
-		"Let a reload drop a key that the latest inventory still finds in use. Objects under that key become unreadable.")
+		"Let a reload drop a key that the latest inventory still finds in use, or start with a configuration that cannot read what the last applied one could. "+
+			"Objects under that key become unreadable.")
+	fs.StringVar(&o.EncryptionStateFile, "encryption-state-file", "",
+		"Keep the record of what the last applied encryption configuration could read (key fingerprints, never keys) in this file instead of "+
+			"etcd key /rekey/applied/<encryption-state-id>. It must survive restarts: at start the configuration on disk is checked against it.")
+	fs.StringVar(&o.EncryptionStateID, "encryption-state-id", "",
+		"The id in the applied-state key /rekey/applied/<id>. Default: kube-apiserver's own identity (apiserver-<hash of the host name>). "+
+			"Set it when several apiservers share one host and one etcd; it must stay the same across restarts.")
 	fs.DurationVar(&o.StorageCheckInterval, "storage-migration-check-interval", 0, "How often write keys are compared (default 5s).")
 	fs.DurationVar(&o.StorageInventoryInterval, "storage-inventory-interval", 0, "How often a fresh inventory is taken without a key change (default 10m).")
-	fs.DurationVar(&o.KMSStatusInterval, "kms-status-interval", 0, "KMS v2 Status period while healthy (default 1m). For tests.")
+	fs.DurationVar(&o.KMSStatusInterval, "kms-status-interval", o.KMSStatusInterval,
+		"How often a healthy KMS v2 plugin is asked for its Status (upstream: 1m). A plugin's new key id is seen within one interval; "+
+			"with --cluster-coordination it is then published to the other apiservers at once.")
 	fs.DurationVar(&o.KMSRetryInterval, "kms-retry-interval", 0, "KMS v2 Status period while unhealthy (default 10s). For tests.")
 	fs.DurationVar(&o.KMSWriteTTL, "kms-write-ttl", 0, "How long KMS v2 writes continue after the last healthy Status (default 3m). For tests.")
+
+	fs.StringVar(&o.APIServerID, "apiserver-id", "",
+		"This apiserver's name among the apiservers sharing --etcd-servers (its member key under --coordination-prefix). "+
+			"Default: kube-apiserver's own identity, apiserver-<hash of the host name>, the name of its Lease in kube-system. "+
+			"Set it when several apiservers run on one host.")
+	fs.BoolVar(&o.ClusterCoordination, "cluster-coordination", o.ClusterCoordination,
+		"Coordinate with the other rekey apiservers through etcd: publish this apiserver's keys under a lease, never start writing with a key "+
+			"another live apiserver cannot read (hold it, promote it once all can), migrate stored data on one elected apiserver, and fail "+
+			"the rekey-cluster check of /readyz while this configuration cannot read a key the cluster uses. False: act alone.")
+	fs.StringVar(&o.CoordinationPrefix, "coordination-prefix", o.CoordinationPrefix,
+		"etcd key prefix of the coordination keys (members, migration leader, checkpoint); must be outside --etcd-prefix.")
+	fs.DurationVar(&o.ClusterLeaseTTL, "cluster-lease-ttl", o.ClusterLeaseTTL,
+		"Lease of this apiserver's member key and election session: a dead apiserver stops counting this long after it died (whole seconds, at least 2s).")
+	fs.DurationVar(&o.ClusterDisagreementAlarm, "cluster-disagreement-alarm", o.ClusterDisagreementAlarm,
+		"Raise an alarm (metric rekey_cluster_disagreement_alarm, status condition, log line) when the apiservers disagree about a write key for longer than this.")
 }
 
 func (o *rekeyOptions) validate() []error {
@@ -109,6 +138,12 @@ func (o *rekeyOptions) validate() []error {
 	}
 	if o.StorageMigrationRate < 0 {
 		errs = append(errs, fmt.Errorf("--storage-migration-rate=%v: must be 0 (unlimited) or positive", o.StorageMigrationRate))
+	}
+	// The coordination prefix is checked against --etcd-prefix when the layer starts.
+	if o.ClusterCoordination && o.Layer == layerRekey && o.APIServerID != "" {
+		if err := cluster.ValidateID(o.APIServerID); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	for _, r := range o.StorageResources {
 		if _, err := migrate.ParseResource(migrate.DefaultEtcdPrefix, r); err != nil {
@@ -129,8 +164,9 @@ func printVersionAndExitIfRequested(cmd *cobra.Command) {
 	os.Exit(0)
 }
 
-// layer is rekey inside one kube-apiserver: the agent, the storage migration controller
-// and what they serve. With --encryption-layer=upstream, or without
+// layer is rekey inside one kube-apiserver: pkg/layer (the agent, the start-up check, the
+// storage migration controller and the cluster node, wired as in the apiserver shim)
+// and what this binary adds around it. With --encryption-layer=upstream, or without
 // --encryption-provider-config, it does nothing.
 type layer struct {
 	opts *rekeyOptions
@@ -141,15 +177,7 @@ type layer struct {
 	path       string
 	autoReload bool
 
-	agent   *reload.Agent
-	store   *migrate.InventoryStore
-	metrics *migrate.Metrics
-
-	mu     sync.Mutex
-	ctrl   *migrate.Controller
-	client *clientv3.Client
-	cancel context.CancelFunc
-	done   chan struct{}
+	rekey *rekeylayer.Layer
 }
 
 func newLayer(o *rekeyOptions) *layer {
@@ -175,64 +203,17 @@ func (l *layer) takeEncryptionFlags(etcd *genericoptions.EtcdOptions) (restore f
 // install puts the agent where upstream's etcd options put their transformers: it
 // becomes c.ResourceTransformers (which CreateAPIExtensionsConfig hands to CRD storage
 // and CreateAggregatorConfig's etcd options pick up, so custom resources and APIServices
-// are covered), adds the KMS checks to /healthz and /readyz and the reload loop as a
-// post-start hook. c.RESTOptionsGetter was built before with no transformers; it is
-// rebuilt the way EtcdOptions.ApplyWithStorageFactoryTo builds it, on the same storage
-// factory, so the object count tracker, --etcd-servers-overrides and per-resource
-// encodings stay.
+// are covered), adds the KMS checks to /healthz and /readyz (and rekey-cluster to
+// /readyz with coordination) and the reload loop and storage migration as post-start
+// hooks. Before that it checks the configuration against the applied state in etcd.
+// c.RESTOptionsGetter was built before with no transformers; it is rebuilt the way
+// EtcdOptions.ApplyWithStorageFactoryTo builds it, on the same storage factory, so the
+// object count tracker, --etcd-servers-overrides and per-resource encodings stay. The
+// layer's own etcd clients use kube-apiserver's --etcd-servers and TLS files.
 func (l *layer) install(c *genericapiserver.Config, factory *serverstorage.DefaultStorageFactory, etcd *genericoptions.EtcdOptions) error {
 	if !l.active() || l.path == "" {
 		return nil
 	}
-	m, err := migrate.NewMetrics(l.reg)
-	if err != nil {
-		return fmt.Errorf("registering storage migration metrics: %w", err)
-	}
-	l.store, l.metrics = &migrate.InventoryStore{}, m
-	allow := l.opts.AllowDroppingKeysInUse
-	ctx := wait.ContextForChannel(c.DrainedNotify())
-	agent, err := reload.NewAgent(ctx, reload.Options{
-		Path:            l.path,
-		AutomaticReload: l.autoReload,
-		PollInterval:    l.opts.ReloadPollInterval,
-		Transformers: transformers.Options{
-			Logger:  l.log,
-			Metrics: transformers.NewMetrics(l.reg),
-			KMS: kmsv2.NewFactory(kmsv2.FactoryOptions{
-				Registry:       l.reg,
-				StatusInterval: l.opts.KMSStatusInterval,
-				RetryInterval:  l.opts.KMSRetryInterval,
-				WriteTTL:       l.opts.KMSWriteTTL,
-			}),
-		},
-		Registry:     l.reg,
-		APIServerID:  c.APIServerID,
-		KMSv1Error:   config.KMSv1UnsupportedError,
-		Logger:       l.log,
-		Guard:        migrate.NewGuard(l.store, func() bool { return allow }, m, l.log),
-		StatusExtras: func() map[string]any { return map[string]any{"storage": l.storageStatus()} },
-	})
-	if err != nil {
-		return err
-	}
-	l.agent = agent
-	if err := agent.InstallInto(c); err != nil {
-		return err
-	}
-	c.RESTOptionsGetter = etcd.CreateRESTOptionsGetter(factory, agent)
-	if err := l.addStorageMigration(c, etcd); err != nil {
-		return err
-	}
-	go func() {
-		<-c.DrainedNotify()
-		l.close()
-	}()
-	return nil
-}
-
-// addStorageMigration starts the inventory and migration controller after the server
-// has started, with an etcd client of its own on kube-apiserver's etcd flags.
-func (l *layer) addStorageMigration(c *genericapiserver.Config, etcd *genericoptions.EtcdOptions) error {
 	prefix := etcd.StorageConfig.Prefix
 	var resources []migrate.Resource
 	for _, s := range l.opts.StorageResources {
@@ -243,62 +224,63 @@ func (l *layer) addStorageMigration(c *genericapiserver.Config, etcd *genericopt
 		resources = append(resources, r)
 	}
 	tr := etcd.StorageConfig.Transport
-	return c.AddPostStartHook(storageMigrationHookName, func(hc genericapiserver.PostStartHookContext) error {
-		var tlsConfig *tls.Config
-		if tr.CertFile != "" || tr.KeyFile != "" || tr.TrustedCAFile != "" {
-			info := transport.TLSInfo{CertFile: tr.CertFile, KeyFile: tr.KeyFile, TrustedCAFile: tr.TrustedCAFile}
-			var err error
-			if tlsConfig, err = info.ClientConfig(); err != nil {
-				return fmt.Errorf("storage migration: etcd TLS from --etcd-certfile, --etcd-keyfile, --etcd-cafile: %w", err)
-			}
-		}
-		cli, err := clientv3.New(clientv3.Config{Endpoints: tr.ServerList, TLS: tlsConfig, DialTimeout: etcdDialTimeout, Logger: zap.NewNop()})
-		if err != nil {
-			return fmt.Errorf("storage migration: etcd client for %v: %w", tr.ServerList, err)
-		}
-		agent := l.agent
-		ctrl := migrate.NewController(migrate.ControllerOptions{
-			Client:            cli,
-			Source:            migrate.FromRules(agent, agent.Rules),
-			Resources:         resources,
-			AutoMigrate:       l.opts.StorageMigration,
-			CheckInterval:     l.opts.StorageCheckInterval,
-			InventoryInterval: l.opts.StorageInventoryInterval,
-			Rate:              l.opts.StorageMigrationRate,
-			ConfigHash:        func() string { return agent.ActiveConfig().Hash },
-			Inventory:         l.store,
-			Metrics:           l.metrics,
-			Logger:            l.log,
-		})
-		ctx, cancel := context.WithCancel(hc.Context)
-		done := make(chan struct{})
-		l.mu.Lock()
-		l.ctrl, l.client, l.cancel, l.done = ctrl, cli, cancel, done
-		l.mu.Unlock()
-		go func() {
-			defer close(done)
-			ctrl.Run(ctx)
-		}()
-		l.log.Info("Started storage migration controller", "automaticMigration", l.opts.StorageMigration,
-			"resources", l.opts.StorageResources, "etcdPrefix", prefix)
-		return nil
-	})
-}
-
-func (l *layer) storageStatus() migrate.ControllerStatus {
-	l.mu.Lock()
-	ctrl := l.ctrl
-	l.mu.Unlock()
-	if ctrl != nil {
-		return ctrl.Status()
+	memberID := l.opts.APIServerID
+	if memberID == "" {
+		memberID = c.APIServerID
 	}
-	return migrate.ControllerStatus{AutoMigrate: l.opts.StorageMigration, Inventory: l.store.Latest()}
+	ctx := wait.ContextForChannel(c.DrainedNotify())
+	rl, err := rekeylayer.New(ctx, rekeylayer.Options{
+		Path:                     l.path,
+		AutomaticReload:          l.autoReload,
+		ReloadPollInterval:       l.opts.ReloadPollInterval,
+		KMSStatusInterval:        l.opts.KMSStatusInterval,
+		KMSRetryInterval:         l.opts.KMSRetryInterval,
+		KMSWriteTTL:              l.opts.KMSWriteTTL,
+		KMSv1Error:               config.KMSv1UnsupportedError,
+		Etcd:                     rekeylayer.Etcd{Servers: tr.ServerList, CAFile: tr.TrustedCAFile, CertFile: tr.CertFile, KeyFile: tr.KeyFile},
+		Resources:                resources,
+		EtcdPrefix:               prefix,
+		StorageMigration:         l.opts.StorageMigration,
+		StorageMigrationRate:     l.opts.StorageMigrationRate,
+		StorageCheckInterval:     l.opts.StorageCheckInterval,
+		StorageInventoryInterval: l.opts.StorageInventoryInterval,
+		AllowDroppingKeysInUse:   l.opts.AllowDroppingKeysInUse,
+		EncryptionStateFile:      l.opts.EncryptionStateFile,
+		APIServerID:              c.APIServerID,
+		MemberID:                 memberID,
+		Cluster:                  l.opts.ClusterCoordination,
+		CoordinationPrefix:       l.opts.CoordinationPrefix,
+		ClusterLeaseTTL:          l.opts.ClusterLeaseTTL,
+		ClusterDisagreementAlarm: l.opts.ClusterDisagreementAlarm,
+		Registry:                 l.reg,
+		Logger:                   l.log,
+	})
+	if err != nil {
+		return err
+	}
+	l.rekey = rl
+	go func() {
+		<-c.DrainedNotify()
+		l.close()
+	}()
+	stateID := l.opts.EncryptionStateID
+	if stateID == "" {
+		stateID = c.APIServerID
+	}
+	if err := rl.CheckStart(ctx, stateID); err != nil {
+		return err
+	}
+	if err := rl.Install(c); err != nil {
+		return err
+	}
+	c.RESTOptionsGetter = etcd.CreateRESTOptionsGetter(factory, rl.Agent())
+	return rl.AddStorageHook(c)
 }
 
 // serveMetrics makes GET /metrics on the outermost server (the aggregator) serve the
 // legacy registry and rekey's registry as one, each name once.
 func (l *layer) serveMetrics(c *genericapiserver.Config) {
-	if l.agent == nil {
+	if l.rekey == nil || !l.rekey.Active() {
 		return
 	}
 	h := promhttp.HandlerFor(mergedGatherer{rekey: l.reg, legacy: legacyregistry.DefaultGatherer},
@@ -318,24 +300,15 @@ func (l *layer) serveMetrics(c *genericapiserver.Config) {
 // attach serves the status document on the outermost server, behind its authentication
 // and authorization (a non-resource URL: grant `get` on /rekey/status).
 func (l *layer) attach(s *genericapiserver.GenericAPIServer) {
-	if l.agent == nil {
+	if l.rekey == nil || !l.rekey.Active() {
 		return
 	}
-	s.Handler.NonGoRestfulMux.Handle(reload.StatusPath, l.agent.StatusHandler())
+	s.Handler.NonGoRestfulMux.Handle(l.rekey.StatusPath(), l.rekey.StatusHandler())
 }
 
 func (l *layer) close() {
-	l.mu.Lock()
-	cancel, done, cli := l.cancel, l.done, l.client
-	l.cancel = nil
-	l.mu.Unlock()
-	if cancel != nil {
-		cancel()
-		<-done
-		_ = cli.Close()
-	}
-	if l.agent != nil {
-		l.agent.Close()
+	if l.rekey != nil {
+		l.rekey.Close()
 	}
 }
 

@@ -60,6 +60,8 @@ func TestRekeyOptionsValidate(t *testing.T) {
 		{"migration on upstream's layer", func(o *rekeyOptions) { o.Layer, o.StorageMigration = layerUpstream, true }, "--storage-migration needs --encryption-layer=rekey"},
 		{"negative rate", func(o *rekeyOptions) { o.StorageMigrationRate = -1 }, "--storage-migration-rate"},
 		{"wildcard resource", func(o *rekeyOptions) { o.StorageResources = []string{"*.example.com"} }, "wildcards cannot be scanned"},
+		{"apiserver id with a slash", func(o *rekeyOptions) { o.APIServerID = "node/a" }, "--apiserver-id"},
+		{"no coordination, any id", func(o *rekeyOptions) { o.ClusterCoordination, o.APIServerID = false, "node/a" }, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			o := newRekeyOptions()

@@ -13,9 +13,12 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
+	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
@@ -28,8 +31,11 @@ const startTimeout = 30 * time.Second
 // Server is a running embedded etcd member.
 type Server struct {
 	etcd *embed.Etcd
-	// Endpoint is the client URL, e.g. "http://127.0.0.1:40123".
+	// Endpoint is the client URL, e.g. "http://127.0.0.1:40123" ("https://" with TLS).
 	Endpoint string
+	// TLS holds the CA and certificate files when the member serves TLS (Options.TLS),
+	// else nil.
+	TLS *TLSFiles
 }
 
 // Options tune the member. The zero value is what most tests want.
@@ -38,6 +44,9 @@ type Options struct {
 	MaxTxnOps uint
 	// QuotaBackendBytes raises the backend size limit (default 2 GiB).
 	QuotaBackendBytes int64
+	// TLS serves clients over TLS and requires a client certificate signed by the
+	// member's CA (etcd's --client-cert-auth); the generated files are in Server.TLS.
+	TLS bool
 }
 
 // Start starts a member and stops it when the test ends.
@@ -66,6 +75,17 @@ func start(dir string, opts Options) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	var tlsFiles *TLSFiles
+	if opts.TLS {
+		certDir := filepath.Join(dir, "pki")
+		if err := os.MkdirAll(certDir, 0o700); err != nil {
+			return nil, fmt.Errorf("etcdtest: %w", err)
+		}
+		if tlsFiles, err = writeTLSFiles(certDir); err != nil {
+			return nil, err
+		}
+		clientURL.Scheme = "https"
+	}
 	peerURL, err := freeURL()
 	if err != nil {
 		return nil, err
@@ -83,6 +103,14 @@ func start(dir string, opts Options) (*Server, error) {
 	cfg.ListenPeerUrls = []url.URL{*peerURL}
 	cfg.AdvertisePeerUrls = []url.URL{*peerURL}
 	cfg.InitialCluster = cfg.InitialClusterFromName(cfg.Name)
+	if tlsFiles != nil {
+		cfg.ClientTLSInfo = transport.TLSInfo{
+			CertFile:       tlsFiles.ServerCertFile,
+			KeyFile:        tlsFiles.ServerKeyFile,
+			TrustedCAFile:  tlsFiles.CAFile,
+			ClientCertAuth: true,
+		}
+	}
 	if opts.MaxTxnOps > 0 {
 		cfg.MaxTxnOps = opts.MaxTxnOps
 	}
@@ -103,7 +131,7 @@ func start(dir string, opts Options) (*Server, error) {
 		e.Close()
 		return nil, fmt.Errorf("etcdtest: member not ready after %s", startTimeout)
 	}
-	return &Server{etcd: e, Endpoint: clientURL.String()}, nil
+	return &Server{etcd: e, Endpoint: clientURL.String(), TLS: tlsFiles}, nil
 }
 
 func freeURL() (*url.URL, error) {
@@ -129,12 +157,21 @@ func (s *Server) Client(tb testing.TB) *clientv3.Client {
 
 // NewClient returns a client of the member; the caller closes it.
 func (s *Server) NewClient() (*clientv3.Client, error) {
-	cli, err := clientv3.New(clientv3.Config{
+	cfg := clientv3.Config{
 		Endpoints:   []string{s.Endpoint},
 		DialTimeout: 5 * time.Second,
 		Logger:      zap.NewNop(),
 		DialOptions: []grpc.DialOption{grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64 << 20))},
-	})
+	}
+	if s.TLS != nil {
+		info := transport.TLSInfo{CertFile: s.TLS.ClientCertFile, KeyFile: s.TLS.ClientKeyFile, TrustedCAFile: s.TLS.CAFile}
+		tc, err := info.ClientConfig()
+		if err != nil {
+			return nil, fmt.Errorf("etcdtest: client TLS: %w", err)
+		}
+		cfg.TLS = tc
+	}
+	cli, err := clientv3.New(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("etcdtest: client for %s: %w", s.Endpoint, err)
 	}

@@ -2,7 +2,6 @@ package shim
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"net/url"
@@ -11,9 +10,9 @@ import (
 	"strings"
 	"time"
 
-	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/embed"
-	"go.uber.org/zap"
+
+	"github.com/rekey-io/rekey/pkg/layer"
 )
 
 // embeddedEtcd is a single-member etcd running inside the shim's process.
@@ -86,36 +85,9 @@ func freePorts(n int) ([]int, error) {
 	return ports, nil
 }
 
-// checkEtcd fails with a clear error when none of servers answers within timeout, so
-// a wrong --etcd-servers is reported at start instead of as hanging requests.
-func checkEtcd(ctx context.Context, servers []string, timeout time.Duration) error {
-	cli, err := clientv3.New(clientv3.Config{
-		Endpoints:   servers,
-		DialTimeout: timeout,
-		Logger:      zap.NewNop(),
-	})
-	if err != nil {
-		return fmt.Errorf("cannot reach etcd at %s: %w (check --etcd-servers, or leave it empty to run an embedded etcd)", strings.Join(servers, ","), err)
-	}
-	defer cli.Close()
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	if _, err := cli.Get(ctx, "health"); err != nil {
-		if errors.Is(err, context.DeadlineExceeded) {
-			err = fmt.Errorf("no answer within %s", timeout)
-		}
-		return fmt.Errorf("cannot reach etcd at %s: %w (check --etcd-servers, or leave it empty to run an embedded etcd)", strings.Join(servers, ","), err)
-	}
-	return nil
-}
-
-// newEtcdClient is the one place the shim's etcd clients (storage migration, cluster
-// coordination) are configured from the storage backend's flags, so that TLS options
-// added to --etcd-* apply to all of them.
-func newEtcdClient(servers []string) (*clientv3.Client, error) {
-	cli, err := clientv3.New(clientv3.Config{Endpoints: servers, DialTimeout: DefaultEtcdConnectTimeout, Logger: zap.NewNop()})
-	if err != nil {
-		return nil, fmt.Errorf("etcd client for %s: %w", strings.Join(servers, ","), err)
-	}
-	return cli, nil
+// checkEtcd fails with a clear error when none of the servers answers within timeout,
+// so a wrong --etcd-servers or TLS file is reported at start instead of as hanging
+// requests.
+func checkEtcd(ctx context.Context, e layer.Etcd, timeout time.Duration) error {
+	return e.Check(ctx, timeout, "check --etcd-servers, or leave it empty to run an embedded etcd")
 }

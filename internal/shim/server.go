@@ -36,6 +36,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/shim/openapi"
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/layer"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -67,6 +68,13 @@ type Options struct {
 
 	// EtcdServers are etcd client URLs; empty starts an embedded etcd in DataDir.
 	EtcdServers []string
+	// EtcdCAFile, EtcdCertFile and EtcdKeyFile secure the connection to EtcdServers
+	// (kube-apiserver's --etcd-cafile, --etcd-certfile, --etcd-keyfile): the storage
+	// backend and every etcd client of the rekey layer (cluster coordination, storage
+	// migration, the applied-state check) use them.
+	EtcdCAFile   string
+	EtcdCertFile string
+	EtcdKeyFile  string
 	// EtcdPrefix prefixes every key (default /registry).
 	EtcdPrefix string
 	// EtcdConnectTimeout bounds the start-up check of external etcd servers.
@@ -188,6 +196,12 @@ func (o *Options) complete() error {
 	if o.CertDir == "" {
 		return errors.New("--cert-dir is required: the serving certificate is read from or generated into it")
 	}
+	if len(o.EtcdServers) == 0 && (o.EtcdCAFile != "" || o.EtcdCertFile != "" || o.EtcdKeyFile != "") {
+		return errors.New("--etcd-cafile, --etcd-certfile and --etcd-keyfile need --etcd-servers: the embedded etcd serves plaintext on loopback")
+	}
+	if (o.EtcdCertFile == "") != (o.EtcdKeyFile == "") {
+		return errors.New("--etcd-certfile and --etcd-keyfile go together: set both for a client certificate, or neither")
+	}
 	if len(o.EtcdServers) == 0 && o.DataDir == "" {
 		return errors.New("--data-dir is required when --etcd-servers is empty (embedded etcd)")
 	}
@@ -256,41 +270,41 @@ func Run(ctx context.Context, o Options) error {
 		return err
 	}
 	c := genericapiserver.NewConfig(sch.codecs)
-	var layer encryptionLayer
+	var enc encryptionLayer
 	if !o.clustered() {
 		// Without coordination the file is checked before etcd starts.
-		if layer, err = newEncryptionLayer(ctx, &o, reg, c.APIServerID, nil); err != nil {
+		if enc, err = newEncryptionLayer(ctx, &o, reg, c.APIServerID, layer.Etcd{}); err != nil {
 			return err
 		}
-		defer layer.close()
+		defer enc.close()
 	}
 
-	etcdServers := o.EtcdServers
-	if len(etcdServers) == 0 {
+	etcd := layer.Etcd{Servers: o.EtcdServers, CAFile: o.EtcdCAFile, CertFile: o.EtcdCertFile, KeyFile: o.EtcdKeyFile}
+	if len(etcd.Servers) == 0 {
 		start := time.Now()
 		e, err := startEmbeddedEtcd(ctx, o.DataDir, o.EtcdUnsafeNoFsync, o.EtcdLogLevel)
 		if err != nil {
 			return err
 		}
 		defer e.close()
-		etcdServers = e.endpoints
-		logger.Info("Embedded etcd ready", "dataDir", o.DataDir, "endpoints", etcdServers, "elapsed", time.Since(start))
-	} else if err := checkEtcd(ctx, etcdServers, o.EtcdConnectTimeout); err != nil {
+		etcd.Servers = e.endpoints
+		logger.Info("Embedded etcd ready", "dataDir", o.DataDir, "endpoints", etcd.Servers, "elapsed", time.Since(start))
+	} else if err := checkEtcd(ctx, etcd, o.EtcdConnectTimeout); err != nil {
 		return err
 	}
 	if o.clustered() {
 		// The write fence must know the other apiservers before the first configuration
 		// is applied, so the layer starts after etcd.
-		if layer, err = newEncryptionLayer(ctx, &o, reg, c.APIServerID, etcdServers); err != nil {
+		if enc, err = newEncryptionLayer(ctx, &o, reg, c.APIServerID, etcd); err != nil {
 			return err
 		}
-		defer layer.close()
+		defer enc.close()
 	}
 	stateID := o.EncryptionStateID
 	if stateID == "" {
 		stateID = c.APIServerID
 	}
-	if err := layer.checkStart(ctx, etcdServers, stateID); err != nil {
+	if err := enc.checkStart(ctx, etcd, stateID); err != nil {
 		return err
 	}
 
@@ -348,17 +362,20 @@ func Run(ctx context.Context, o Options) error {
 	}
 	backend := storagebackend.NewDefaultConfig(o.EtcdPrefix, codec)
 	backend.EncodeVersioner = versioner
-	backend.Transport.ServerList = etcdServers
+	backend.Transport.ServerList = etcd.Servers
+	backend.Transport.TrustedCAFile = o.EtcdCAFile
+	backend.Transport.CertFile = o.EtcdCertFile
+	backend.Transport.KeyFile = o.EtcdKeyFile
 	etcdOpts := genericoptions.NewEtcdOptions(backend)
 	// The layer sets c.ResourceTransformers first; EtcdOptions keeps a non-nil value and
 	// wraps every resource's storage config with TransformerForResource.
-	if err := layer.install(c, etcdOpts); err != nil {
+	if err := enc.install(c, etcdOpts); err != nil {
 		return err
 	}
 	if err := etcdOpts.ApplyTo(c); err != nil {
 		return fmt.Errorf("etcd storage: %w", err)
 	}
-	if err := layer.startStorage(c, etcdServers); err != nil {
+	if err := enc.startStorage(c); err != nil {
 		return err
 	}
 
@@ -366,9 +383,9 @@ func Run(ctx context.Context, o Options) error {
 		URL:         "https://" + c.ExternalAddress,
 		Port:        port,
 		CAFile:      filepath.Join(o.CertDir, servingCertPairName+".crt"),
-		EtcdServers: etcdServers,
+		EtcdServers: etcd.Servers,
 		EtcdPrefix:  o.EtcdPrefix,
-		StatusPath:  layer.statusPath(),
+		StatusPath:  enc.statusPath(),
 	}
 	if o.Started != nil {
 		if err := c.AddPostStartHook("rekey-shim-started", func(genericapiserver.PostStartHookContext) error {
@@ -392,10 +409,10 @@ func Run(ctx context.Context, o Options) error {
 	if err := server.InstallLegacyAPIGroup(genericapiserver.DefaultLegacyAPIPrefix, &group); err != nil {
 		return fmt.Errorf("installing core/v1: %w", err)
 	}
-	if p, h := layer.statusPath(), layer.statusHandler(); p != "" && h != nil {
+	if p, h := enc.statusPath(), enc.statusHandler(); p != "" && h != nil {
 		server.Handler.NonGoRestfulMux.Handle(p, h)
 	}
-	logger.Info("Serving", "url", info.URL, "etcd", etcdServers, "prefix", o.EtcdPrefix,
+	logger.Info("Serving", "url", info.URL, "etcd", etcd.Servers, "etcdTLS", etcd.HasTLS(), "prefix", o.EtcdPrefix,
 		"encryptionLayer", o.EncryptionLayer, "encryptionConfig", o.EncryptionConfig)
 	return server.PrepareRun().RunWithContext(ctx)
 }

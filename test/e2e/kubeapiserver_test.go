@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -25,6 +26,7 @@ import (
 	"k8s.io/apiserver/pkg/storage/value"
 
 	"github.com/rekey-io/rekey/internal/testbed"
+	"github.com/rekey-io/rekey/pkg/cluster"
 )
 
 // workDir is the run's scratch directory (set by TestMain, removed after the run).
@@ -57,6 +59,11 @@ func kubeAPIServers(t *testing.T) testbed.KubeAPIServerBinaries {
 	return kapiBins
 }
 
+// coordinationPrefix is the --coordination-prefix of the rekey apiservers of t.
+func coordinationPrefix(t *testing.T) string {
+	return "/rekey-e2e/" + strings.NewReplacer("/", "-").Replace(t.Name())
+}
+
 func startKubeAPIServer(t *testing.T, bin string, c testbed.KubeAPIServerConfig) *testbed.Shim {
 	t.Helper()
 	if c.Dir == "" {
@@ -64,6 +71,16 @@ func startKubeAPIServer(t *testing.T, bin string, c testbed.KubeAPIServerConfig)
 	}
 	if c.EtcdServers == nil {
 		c.EtcdServers = []string{etcd.Endpoint}
+	}
+	if bin == kapiBins.Rekey && !slices.ContainsFunc(c.Args, func(a string) bool { return strings.HasPrefix(a, "--coordination-prefix") }) {
+		// Tests share one etcd but are separate clusters: each coordinates under its own prefix.
+		c.Args = append(c.Args, "--coordination-prefix", coordinationPrefix(t))
+	}
+	if bin == kapiBins.Rekey && !slices.ContainsFunc(c.Args, func(a string) bool { return strings.HasPrefix(a, "--encryption-state-id") }) {
+		// Every apiserver on this host has the same identity, the default state id: each
+		// test's apiserver records its applied configuration under its own key, as
+		// apiservers of separate clusters would.
+		c.Args = append(c.Args, "--encryption-state-id", strings.NewReplacer("/", "-").Replace(t.Name())+"-"+c.Name)
 	}
 	s, err := testbed.StartKubeAPIServer(t.Context(), bin, c)
 	if err != nil {
@@ -230,6 +247,22 @@ func TestKubeAPIServerWithRekey(t *testing.T) {
 		if code, body := get(t, s, path); code != want {
 			t.Errorf("GET %s: %d %s, want %d", path, code, body, want)
 		}
+	}
+
+	// Cluster coordination is on by default, as in the shim: the member key is published
+	// under the coordination prefix with kube-apiserver's etcd client flags, and the
+	// rekey-cluster check is on /readyz only.
+	members, err := cli.Get(ctx, coordinationPrefix(t)+"/members/", clientv3.WithPrefix())
+	if err != nil || len(members.Kvs) != 1 || members.Kvs[0].Lease == 0 {
+		t.Errorf("member keys under %s/members/: %v %v, want one under a lease", coordinationPrefix(t), err, members)
+	} else if id := strings.TrimPrefix(string(members.Kvs[0].Key), coordinationPrefix(t)+"/members/"); !strings.HasPrefix(id, "apiserver-") {
+		t.Errorf("member id %q, want kube-apiserver's identity apiserver-<hash>", id)
+	}
+	if code, body := get(t, s, "/readyz?verbose"); code != http.StatusOK || !strings.Contains(body, "[+]"+cluster.ReadyzCheckName+" ok") {
+		t.Errorf("/readyz?verbose: %d, want the %s check listed:\n%s", code, cluster.ReadyzCheckName, body)
+	}
+	if code, _ := get(t, s, "/livez/"+cluster.ReadyzCheckName); code != http.StatusNotFound {
+		t.Errorf("/livez/%s: %d, want 404 (readyz only)", cluster.ReadyzCheckName, code)
 	}
 
 	// A hot reload while writers run: new Secrets go to aesgcm key2 within moments and

@@ -1,0 +1,505 @@
+// Package layer is the rekey encryption layer of an apiserver, wired once for every
+// binary that embeds it (the apiserver shim and dist/kube-apiserver): the reload agent
+// (transformers, kms-providers checks, reload loop, status document), the start-up check
+// against the applied state, the storage inventory and migration controller, the guards
+// that refuse dropping a key still in use, and — with cluster coordination — the
+// cluster node (member key, write fence, rekey-cluster readiness, elected migrator).
+//
+// The order of calls is the apiserver's start-up order:
+//
+//	l, err := layer.New(ctx, opts)         // etcd must answer when opts.Cluster is set
+//	err = l.CheckStart(ctx, stateID)       // before anything is served
+//	err = l.Install(genericConfig)         // c.ResourceTransformers, health checks, reload hook
+//	err = l.AddStorageHook(genericConfig)  // inventory and migration after start
+//	mux.Handle(reload.StatusPath, l.StatusHandler())
+//	defer l.Close()
+package layer
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	genericapiserver "k8s.io/apiserver/pkg/server"
+	"k8s.io/component-base/metrics"
+	"k8s.io/klog/v2"
+
+	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/reload"
+	"github.com/rekey-io/rekey/pkg/transformers"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
+)
+
+// StorageMigrationHookName is the post-start hook that starts the storage migration
+// controller (and, with coordination, the elected migrator).
+const StorageMigrationHookName = "start-rekey-storage-migration"
+
+// Members of the status document the layer adds to the agent's.
+const (
+	// StorageStatusKey holds the storage inventory and the migration controller's state.
+	StorageStatusKey = "storage"
+	// ClusterStatusKey holds the cluster view (with coordination).
+	ClusterStatusKey = "cluster"
+)
+
+// StartCheckTimeout bounds the start-up check: reading the applied state and an
+// inventory of the scanned resources by prefix (no decryption, no KMS call).
+const StartCheckTimeout = 2 * time.Minute
+
+// Options configure the layer. Path empty makes a layer that does nothing.
+type Options struct {
+	// Path is --encryption-provider-config; AutomaticReload its automatic reload.
+	Path               string
+	AutomaticReload    bool
+	ReloadPollInterval time.Duration
+	// KMS builds KMS v2 providers; default kmsv2.NewFactory with the KMS timings below.
+	KMS transformers.KMSFactory
+	// KMSStatusInterval, KMSRetryInterval and KMSWriteTTL override the KMS v2 lifecycle
+	// defaults (zero keeps one).
+	KMSStatusInterval time.Duration
+	KMSRetryInterval  time.Duration
+	KMSWriteTTL       time.Duration
+	// KMSv1Error replaces the agent's words for a rejected KMS v1 provider (see
+	// reload.Options.KMSv1Error; empty keeps the default).
+	KMSv1Error string
+
+	// Etcd is how the layer's own clients reach etcd: the storage backend's flags.
+	// Required by New with Cluster; otherwise it may be set later with SetEtcd (an
+	// embedded etcd that starts after the configuration was checked).
+	Etcd Etcd
+	// Resources are what the inventory, the migration and the start-up check scan.
+	Resources []migrate.Resource
+	// EtcdPrefix is the storage backend's --etcd-prefix (for logs and the cluster node).
+	EtcdPrefix string
+
+	// StorageMigration re-encrypts stored objects when a write key changes.
+	StorageMigration     bool
+	StorageMigrationRate float64
+	// StorageCheckInterval and StorageInventoryInterval: see migrate.ControllerOptions.
+	StorageCheckInterval     time.Duration
+	StorageInventoryInterval time.Duration
+	// AllowDroppingKeysInUse overrides the key-in-use guards (disaster recovery only).
+	AllowDroppingKeysInUse bool
+	// EncryptionStateFile keeps the applied state in a file instead of etcd.
+	EncryptionStateFile string
+
+	// APIServerID is k8s.io/apiserver's identity of this apiserver (Config.APIServerID),
+	// the apiserver_id label of the agent's metrics.
+	APIServerID string
+	// MemberID names this apiserver among those sharing etcd: its member key, with
+	// Cluster (--apiserver-id).
+	MemberID string
+	// Cluster coordinates with the other apiservers sharing etcd (pkg/cluster).
+	Cluster bool
+	// CoordinationPrefix, ClusterLeaseTTL, ClusterDisagreementAlarm: see cluster.Options.
+	CoordinationPrefix       string
+	ClusterLeaseTTL          time.Duration
+	ClusterDisagreementAlarm time.Duration
+
+	// Registry receives the layer's metrics; Logger its logs.
+	Registry metrics.KubeRegistry
+	Logger   klog.Logger
+}
+
+// Validate checks what can be checked before etcd is reached.
+func (o *Options) Validate() error {
+	if !o.Cluster || o.Path == "" {
+		return nil
+	}
+	if err := cluster.ValidatePrefix(o.CoordinationPrefix, o.EtcdPrefix); err != nil {
+		return err
+	}
+	return cluster.ValidateID(o.MemberID)
+}
+
+// Layer is the rekey encryption layer of one apiserver.
+type Layer struct {
+	opts    Options
+	agent   *reload.Agent
+	store   *migrate.InventoryStore
+	metrics *migrate.Metrics
+	log     klog.Logger
+
+	// node coordinates with the other apiservers (nil without Cluster); nodeClient is
+	// its etcd client.
+	node       *cluster.Node
+	nodeClient *clientv3.Client
+
+	closeOnce sync.Once
+
+	mu sync.Mutex
+	// state persists what the applied configuration can read (CheckStart sets it);
+	// stateClient is its etcd client, also used by the decrypt guard.
+	state       migrate.AppliedStateStore
+	stateClient *clientv3.Client
+	ctrl        *migrate.Controller
+	migrator    *cluster.Migrator
+	client      *clientv3.Client
+	cancel      context.CancelFunc
+	done        chan struct{}
+}
+
+// New builds the layer and loads the configuration. With Cluster it first connects to
+// etcd and loads the member list, so that the write fence knows the other apiservers
+// before the agent applies its first configuration.
+func New(ctx context.Context, o Options) (_ *Layer, err error) {
+	if o.Path == "" {
+		return &Layer{opts: o}, nil
+	}
+	if o.Logger.GetSink() == nil {
+		o.Logger = klog.Background()
+	}
+	if o.Registry == nil {
+		o.Registry = metrics.NewKubeRegistry()
+	}
+	if err := o.Validate(); err != nil {
+		return nil, err
+	}
+	m, err := migrate.NewMetrics(o.Registry)
+	if err != nil {
+		return nil, fmt.Errorf("registering storage migration metrics: %w", err)
+	}
+	l := &Layer{opts: o, store: &migrate.InventoryStore{}, metrics: m, log: o.Logger}
+	if o.Cluster {
+		if err := l.startClusterNode(ctx); err != nil {
+			return nil, err
+		}
+		defer func() {
+			if err != nil {
+				l.node.Close()
+				_ = l.nodeClient.Close()
+			}
+		}()
+	}
+	allow := o.AllowDroppingKeysInUse
+	ropts := reload.Options{
+		Path:            o.Path,
+		AutomaticReload: o.AutomaticReload,
+		PollInterval:    o.ReloadPollInterval,
+		Transformers: transformers.Options{
+			Logger:  o.Logger,
+			Metrics: transformers.NewMetrics(o.Registry),
+			KMS:     l.kmsFactory(),
+		},
+		Registry:    o.Registry,
+		APIServerID: o.APIServerID,
+		KMSv1Error:  o.KMSv1Error,
+		Logger:      o.Logger,
+		Guard:       migrate.NewGuard(l.store, func() bool { return allow }, m, o.Logger),
+		SetGuard: migrate.NewDecryptGuard(migrate.DecryptGuardOptions{
+			Inventory: l.store,
+			Client:    l.etcdClient,
+			Override:  func() bool { return allow },
+			Metrics:   m,
+			Logger:    o.Logger,
+		}),
+		Applied:      l.saveApplied,
+		StatusExtras: func() map[string]any { return map[string]any{StorageStatusKey: l.storageStatus()} },
+	}
+	if node := l.node; node != nil {
+		local := ropts.Guard
+		ropts.Guard = func(current, next *config.Config) error {
+			if err := local(current, next); err != nil {
+				return err
+			}
+			if allow {
+				return nil // disaster recovery overrides the cluster guard too
+			}
+			return node.Guard(current, next)
+		}
+		ropts.WriteFence, ropts.OnChange = node.WriteFence, node.Notify
+		ropts.StatusExtras = func() map[string]any {
+			return map[string]any{StorageStatusKey: l.storageStatus(), ClusterStatusKey: node.Status()}
+		}
+	}
+	agent, err := reload.NewAgent(ctx, ropts)
+	if err != nil {
+		return nil, err
+	}
+	l.agent = agent
+	if l.node != nil {
+		l.node.Attach(agent)
+	}
+	return l, nil
+}
+
+// Active reports whether the layer encrypts (a configuration file is set).
+func (l *Layer) Active() bool { return l.agent != nil }
+
+// Agent is the reload agent, or nil when the layer is not active.
+func (l *Layer) Agent() *reload.Agent { return l.agent }
+
+func (l *Layer) startClusterNode(ctx context.Context) error {
+	o := l.opts
+	cli, err := o.Etcd.NewClient()
+	if err != nil {
+		return fmt.Errorf("cluster coordination: %w", err)
+	}
+	cm, err := cluster.NewMetrics(o.Registry)
+	if err != nil {
+		_ = cli.Close()
+		return fmt.Errorf("registering cluster metrics: %w", err)
+	}
+	node, err := cluster.New(cluster.Options{
+		Client: cli, ID: o.MemberID, Prefix: o.CoordinationPrefix, ResourcePrefix: o.EtcdPrefix,
+		LeaseTTL: o.ClusterLeaseTTL, DisagreementAlarm: o.ClusterDisagreementAlarm,
+		Inventory: l.store, Metrics: cm, Logger: o.Logger,
+	})
+	if err == nil {
+		err = node.Start(ctx)
+	}
+	if err != nil {
+		_ = cli.Close()
+		return err
+	}
+	o.Logger.Info("Coordinating with the other apiservers through etcd", "apiserverID", o.MemberID,
+		"prefix", o.CoordinationPrefix, "members", len(node.View().Members()))
+	l.node, l.nodeClient = node, cli
+	return nil
+}
+
+func (l *Layer) kmsFactory() transformers.KMSFactory {
+	if l.opts.KMS != nil {
+		return l.opts.KMS
+	}
+	fo := kmsv2.FactoryOptions{
+		Registry:       l.opts.Registry,
+		StatusInterval: l.opts.KMSStatusInterval,
+		RetryInterval:  l.opts.KMSRetryInterval,
+		WriteTTL:       l.opts.KMSWriteTTL,
+	}
+	if l.node != nil {
+		// A new key id reaches the other apiservers at once, not at the next refresh, and
+		// is written under only once every apiserver's plugin reports it.
+		fo.OnKeyIDChange = l.node.NotifyKeyID
+		fo.MayWriteKeyID = l.node.MayWriteKeyID
+	}
+	return kmsv2.NewFactory(fo)
+}
+
+// CheckStart compares the configuration on disk with the state the last applied one
+// left in etcd (key migrate.AppliedStatePrefix + stateID, stateID being stable across
+// restarts of the same apiserver) or in EncryptionStateFile, before the server serves:
+// a configuration refused on reload, or edited while the apiserver was down, must not
+// be applied silently by a restart.
+func (l *Layer) CheckStart(ctx context.Context, stateID string) error {
+	if l.agent == nil {
+		return nil
+	}
+	cli, err := l.etcd().NewClient()
+	if err != nil {
+		return fmt.Errorf("encryption start-up check: %w", err)
+	}
+	var state migrate.AppliedStateStore = migrate.EtcdAppliedState{Client: cli, Key: migrate.AppliedStatePrefix + stateID}
+	if l.opts.EncryptionStateFile != "" {
+		state = migrate.FileAppliedState{Path: l.opts.EncryptionStateFile}
+	}
+	l.mu.Lock()
+	l.state, l.stateClient = state, cli
+	l.mu.Unlock()
+	ctx, cancel := context.WithTimeout(ctx, StartCheckTimeout)
+	defer cancel()
+	agent := l.agent
+	err = migrate.CheckStartup(ctx, migrate.StartupOptions{
+		State:        state,
+		Config:       agent.ActiveConfig(),
+		Client:       cli,
+		Source:       migrate.FromRules(agent, agent.Rules),
+		Resources:    l.opts.Resources,
+		Transformers: agent,
+		Override:     l.opts.AllowDroppingKeysInUse,
+		Inventory:    l.store,
+		Metrics:      l.metrics,
+		Logger:       l.log,
+	})
+	if err != nil {
+		return err
+	}
+	l.log.Info("Encryption configuration matches the applied state", "state", state.String(), "hash", agent.ActiveConfig().Hash)
+	return nil
+}
+
+// SetEtcd sets where the layer's clients connect when that was not known at New; call
+// it before CheckStart.
+func (l *Layer) SetEtcd(e Etcd) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.opts.Etcd = e
+}
+
+func (l *Layer) etcd() Etcd {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.opts.Etcd
+}
+
+// etcdClient is the client CheckStart made, or nil before it ran.
+func (l *Layer) etcdClient() *clientv3.Client {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.stateClient
+}
+
+// saveApplied records cfg as applied after a reload swapped it in. A failure is logged:
+// the swap is done, and the next successful save or start records the state again.
+func (l *Layer) saveApplied(cfg *config.Config) {
+	l.mu.Lock()
+	state := l.state
+	l.mu.Unlock()
+	if state == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), DefaultEtcdDialTimeout)
+	defer cancel()
+	if err := state.Save(ctx, migrate.NewAppliedState(cfg, l.store.Latest(), time.Now())); err != nil {
+		l.log.Error(err, "Could not record the applied encryption configuration; the next start compares with the previous one", "hash", cfg.Hash)
+	}
+}
+
+// Install makes the agent c.ResourceTransformers with its kms-providers checks and the
+// reload post-start hook, and adds the rekey-cluster check to /readyz with coordination.
+func (l *Layer) Install(c *genericapiserver.Config) error {
+	if l.agent == nil {
+		return nil
+	}
+	if err := l.agent.InstallInto(c); err != nil {
+		return err
+	}
+	if l.node != nil {
+		// /readyz only: a straggler is alive, it just must not take traffic yet.
+		c.AddReadyzChecks(l.node.ReadyzCheck())
+	}
+	return nil
+}
+
+// AddStorageHook starts, after the server has started, the migration controller (the
+// inventory, and the migration itself unless coordination elects a migrator instead)
+// and with coordination the elected cluster migrator; both stop with the server.
+func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
+	if l.agent == nil {
+		return nil
+	}
+	return c.AddPostStartHook(StorageMigrationHookName, func(hc genericapiserver.PostStartHookContext) error {
+		cli, err := l.etcd().NewClient()
+		if err != nil {
+			return fmt.Errorf("storage migration: %w", err)
+		}
+		agent, o := l.agent, l.opts
+		ctrl := migrate.NewController(migrate.ControllerOptions{
+			Client:    cli,
+			Source:    migrate.FromRules(agent, agent.Rules),
+			Resources: o.Resources,
+			// With coordination the elected cluster migrator migrates; this controller
+			// only keeps the local inventory current.
+			AutoMigrate:       o.StorageMigration && l.node == nil,
+			CheckInterval:     o.StorageCheckInterval,
+			InventoryInterval: o.StorageInventoryInterval,
+			Rate:              o.StorageMigrationRate,
+			ConfigHash:        func() string { return agent.ActiveConfig().Hash },
+			Inventory:         l.store,
+			Metrics:           l.metrics,
+			Logger:            l.log,
+		})
+		ctx, cancel := context.WithCancel(hc.Context)
+		done := make(chan struct{})
+		var mig *cluster.Migrator
+		if l.node != nil && o.StorageMigration {
+			view := l.node.View()
+			mig = cluster.NewMigrator(cluster.MigratorOptions{
+				Client: cli, Prefix: l.node.Prefix(), ID: l.node.ID(), SessionTTL: o.ClusterLeaseTTL,
+				Resources: o.Resources, Source: migrate.FromRules(agent, agent.Rules),
+				Inventory: l.store, Metrics: l.metrics, Rate: o.StorageMigrationRate,
+				ConfigHash: func() string { return agent.ActiveConfig().Hash },
+				Members:    view.Members, MembersChanged: view.Changed, Logger: l.log,
+			})
+			l.node.SetMigrator(mig)
+		}
+		l.mu.Lock()
+		l.ctrl, l.migrator, l.client, l.cancel, l.done = ctrl, mig, cli, cancel, done
+		l.mu.Unlock()
+		go func() {
+			defer close(done)
+			var wg sync.WaitGroup
+			if mig != nil {
+				wg.Add(1)
+				go func() { defer wg.Done(); mig.Run(ctx) }()
+			}
+			ctrl.Run(ctx)
+			wg.Wait()
+		}()
+		l.log.Info("Started storage migration controller", "automaticMigration", o.StorageMigration,
+			"allowDroppingKeysInUse", o.AllowDroppingKeysInUse, "etcdPrefix", o.EtcdPrefix, "resources", len(o.Resources))
+		return nil
+	})
+}
+
+// storageStatus is the storage member of the status document: the controller's state,
+// or before it starts, the latest inventory alone.
+func (l *Layer) storageStatus() migrate.ControllerStatus {
+	l.mu.Lock()
+	ctrl, mig := l.ctrl, l.migrator
+	l.mu.Unlock()
+	st := migrate.ControllerStatus{AutoMigrate: l.opts.StorageMigration, Inventory: l.store.Latest()}
+	if ctrl != nil {
+		st = ctrl.Status()
+	}
+	if mig != nil {
+		// The elected cluster migrator migrates, not the local controller: show its work.
+		st.AutoMigrate = l.opts.StorageMigration
+		ms, leading := mig.State()
+		st.Running = nil
+		if leading && ms.Running != nil {
+			st.Running = []string{ms.Running.Resource}
+		}
+		if last := mig.LastMigration(); last != nil {
+			st.LastMigration = last
+		}
+	}
+	return st
+}
+
+// StatusPath is where StatusHandler belongs ("" when the layer is not active).
+func (l *Layer) StatusPath() string {
+	if l.agent == nil {
+		return ""
+	}
+	return reload.StatusPath
+}
+
+// StatusHandler serves the status document (nil when the layer is not active).
+func (l *Layer) StatusHandler() http.Handler {
+	if l.agent == nil {
+		return nil
+	}
+	return l.agent.StatusHandler()
+}
+
+// Close stops the controllers, revokes the member lease and closes the agent and the
+// etcd clients. It may be called more than once.
+func (l *Layer) Close() { l.closeOnce.Do(l.close) }
+
+func (l *Layer) close() {
+	l.mu.Lock()
+	cancel, done, cli, stateCli, node, nodeCli := l.cancel, l.done, l.client, l.stateClient, l.node, l.nodeClient
+	l.mu.Unlock()
+	if cancel != nil {
+		cancel()
+		<-done
+		_ = cli.Close()
+	}
+	if node != nil {
+		node.Close() // revokes the member lease: the others stop counting this one
+		_ = nodeCli.Close()
+	}
+	if l.agent != nil {
+		l.agent.Close()
+	}
+	if stateCli != nil {
+		_ = stateCli.Close()
+	}
+}
