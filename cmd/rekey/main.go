@@ -4,6 +4,7 @@
 //	rekey migrate      --etcd-servers URL --encryption-provider-config FILE [--rate N] [--checkpoint PATH] [--resume]
 //	rekey check-config --etcd-servers URL --encryption-provider-config FILE --new FILE
 //	rekey status       --etcd-servers URL [--coordination-prefix /rekey] [-o table|json]
+//	rekey rotate       --encryption-provider-config FILE [--provider aesgcm|secretbox|aescbc|kms] [-o -] [--remove-old NAME --etcd-servers URL]
 //
 // inventory counts stored objects per resource, provider, key (KMS: provider name and
 // key id hash) and state; migrate re-encrypts every stale object with compare-and-swap
@@ -30,6 +31,6 @@ func newRootCommand() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: false,
 	}
-	root.AddCommand(newInventoryCommand(), newMigrateCommand(), newCheckConfigCommand(), newStatusCommand())
+	root.AddCommand(newInventoryCommand(), newMigrateCommand(), newCheckConfigCommand(), newStatusCommand(), newRotateCommand())
 	return root
 }

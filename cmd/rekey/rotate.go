@@ -1,0 +1,212 @@
+package main
+
+import (
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/migrate"
+)
+
+func newRotateCommand() *cobra.Command {
+	var c common
+	var r rotation
+	var output string
+	var removeOld string
+	cmd := &cobra.Command{
+		Use:   "rotate",
+		Short: "Put a new write key first in the encryption configuration, or remove the key it replaced",
+		Long: `rotate generates a new random 32-byte key and writes it first in every rule whose
+write provider is a local key (aesgcm, aescbc, secretbox); the key it replaces stays right
+behind it, so every apiserver can still read what it wrote. --provider changes the type:
+aesgcm, secretbox, aescbc (deprecated upstream; a warning is printed) or kms, which adds a
+KMS v2 provider (--kms-name, --kms-endpoint unix:///…) first. When no rule writes with a
+local key, --provider aesgcm encrypts the rules that write identity (first-time
+encryption). A KMS v2 name may appear once per file, so --provider kms rotates exactly one
+rule (--resources picks it). --resources keeps only the rules naming one of the given
+resources as written in the file.
+
+The file is replaced atomically (temporary file in the same directory, fsync, rename)
+with its mode and owner kept, and only after pkg/config validated the result; comments
+are not kept. -o - prints the new configuration instead (GitOps, a configuration held
+in a Secret).
+
+Once every apiserver writes with the new key and the migration is verified (rekey
+status, rekey migrate), --remove-old NAME removes the read key NAME (step 1 prints it). It takes a
+fresh inventory (--etcd-servers) and refuses, naming resource, key and object count,
+when any stored object still needs that key. See docs/rotation.md.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if c.configPath == "" {
+				return errors.New("--encryption-provider-config is required: rotate edits that file")
+			}
+			data, _, err := config.ReadFile(c.configPath)
+			if err != nil {
+				return err
+			}
+			cur, err := config.Parse(data, c.configPath, config.Options{Reload: true})
+			if err != nil {
+				return fmt.Errorf("the current configuration is not valid, so rotate leaves it alone: %w", err)
+			}
+			ext, err := decodeExternal(data)
+			if err != nil {
+				return err
+			}
+			r.resources = c.resources
+			var next []byte
+			var summary string
+			if removeOld != "" {
+				dropped, rules, err := rotateDrop(ext, removeOld)
+				if err != nil {
+					return err
+				}
+				if next, err = encodeExternal(dropped); err != nil {
+					return err
+				}
+				nextCfg, err := config.Parse(next, c.configPath+" (without the old key)", config.Options{Reload: true})
+				if err != nil {
+					return fmt.Errorf("removing the old key would give an invalid configuration (file left alone): %w", err)
+				}
+				if err := c.guardRemoval(cmd, cur, nextCfg); err != nil {
+					return err
+				}
+				summary = fmt.Sprintf("removed the read key %q from %s", removeOld, ruleNames(dropped, rules))
+			} else {
+				r.now, r.random = time.Now(), rand.Reader
+				res, err := rotateAdd(ext, r)
+				if err != nil {
+					return err
+				}
+				for _, w := range res.warnings {
+					fmt.Fprintln(cmd.ErrOrStderr(), w)
+				}
+				if next, err = encodeExternal(res.cfg); err != nil {
+					return err
+				}
+				if _, err := config.Parse(next, c.configPath+" (rotated)", config.Options{Reload: true}); err != nil {
+					return fmt.Errorf("the rotated configuration would not be valid (file left alone): %w", err)
+				}
+				summary = fmt.Sprintf("new write key %q first in %s; the previous write key stays for reads until `rekey rotate --remove-old NAME` (NAME: %s)", res.newKey, ruleNames(res.cfg, res.rules), strings.Join(res.oldKeys, ", "))
+			}
+			if output == "-" {
+				_, err := cmd.OutOrStdout().Write(next)
+				fmt.Fprintln(cmd.ErrOrStderr(), summary)
+				return err
+			}
+			if output != "" {
+				return fmt.Errorf("-o %q: only - (print the new configuration) is supported; without -o the file is replaced", output)
+			}
+			if err := replaceFile(c.configPath, next); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s: %s (%s)\n", c.configPath, summary, config.Hash(next))
+			return nil
+		},
+	}
+	c.addFlags(cmd.Flags())
+	fs := cmd.Flags()
+	fs.StringVar(&r.provider, "provider", "", "Type of the new write key: aesgcm, secretbox, aescbc (deprecated) or kms. Default: the type each rule writes with now.")
+	fs.StringVar(&r.kmsName, "kms-name", "", "Name of the new KMS v2 provider (--provider kms).")
+	fs.StringVar(&r.kmsEndpoint, "kms-endpoint", "", "Socket of the new KMS v2 plugin, unix:///path (--provider kms).")
+	fs.DurationVar(&r.kmsTimeout, "kms-timeout", 0, "Timeout of the new KMS v2 provider (--provider kms); default: the apiserver's (3s).")
+	fs.StringVarP(&output, "output", "o", "", "- prints the new configuration to stdout and leaves the file alone.")
+	fs.StringVar(&removeOld, "remove-old", "", "Remove this read key (a local key name, a KMS provider name, or identity) from every rule that writes with another key, after the guard allows it. Needs --etcd-servers.")
+	return cmd
+}
+
+// guardRemoval takes a fresh inventory with cur and refuses next when it would leave a
+// stored object unreadable (migrate.CheckChange, the reload guard's rule).
+func (c *common) guardRemoval(cmd *cobra.Command, cur, next *config.Config) error {
+	if len(c.etcdServers) == 0 {
+		return errors.New("--remove-old needs --etcd-servers: the guard counts the objects that still use the old key before it goes")
+	}
+	ctx := cmd.Context()
+	cli, err := c.client(ctx)
+	if err != nil {
+		return err
+	}
+	defer cli.Close()
+	l, err := c.load(ctx, c.configPath, false)
+	if err != nil {
+		return err
+	}
+	defer l.set.Close()
+	res, err := c.resourceList(cur, next)
+	if err != nil {
+		return err
+	}
+	inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{Client: cli, Source: migrate.FromSet(l.set), Resources: res, PageSize: c.pageSize, ConfigHash: cur.Hash})
+	if err != nil {
+		return err
+	}
+	if vs := migrate.CheckChange(inv, cur, next); len(vs) > 0 {
+		var b strings.Builder
+		for _, v := range vs {
+			fmt.Fprintf(&b, "\n  - %s", v)
+		}
+		return fmt.Errorf("the old key still encrypts stored data; run `rekey migrate` (or wait for the cluster's migrator) and try again:%s", b.String())
+	}
+	return nil
+}
+
+// replaceFile writes data over path atomically: a temporary file in the same directory
+// (so the rename does not cross file systems) with path's mode and owner, fsynced, renamed
+// over path, and the directory fsynced so the rename survives a crash. A symlink is
+// followed and its target replaced, so the link stays.
+func replaceFile(path string, data []byte) error {
+	target, err := filepath.EvalSymlinks(path)
+	if err != nil {
+		return fmt.Errorf("resolving %q: %w", path, err)
+	}
+	fi, err := os.Stat(target)
+	if err != nil {
+		return fmt.Errorf("reading %q's mode: %w", target, err)
+	}
+	dir := filepath.Dir(target)
+	tmp, err := os.CreateTemp(dir, "."+filepath.Base(target)+".rekey-*")
+	if err != nil {
+		return fmt.Errorf("creating a temporary file next to %q (the directory must be writable; or use -o - and install the output yourself): %w", target, err)
+	}
+	done := false
+	defer func() {
+		if !done {
+			_ = tmp.Close()
+			_ = os.Remove(tmp.Name())
+		}
+	}()
+	if err := tmp.Chmod(fi.Mode().Perm()); err != nil {
+		return fmt.Errorf("setting the mode of %q: %w", tmp.Name(), err)
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		if err := tmp.Chown(int(st.Uid), int(st.Gid)); err != nil {
+			return fmt.Errorf("keeping %q's owner %d:%d (run rotate as that user or root, or use -o -): %w", target, st.Uid, st.Gid, err)
+		}
+	}
+	if _, err := io.Copy(tmp, strings.NewReader(string(data))); err != nil {
+		return fmt.Errorf("writing %q: %w", tmp.Name(), err)
+	}
+	if err := tmp.Sync(); err != nil {
+		return fmt.Errorf("syncing %q: %w", tmp.Name(), err)
+	}
+	if err := tmp.Close(); err != nil {
+		return fmt.Errorf("closing %q: %w", tmp.Name(), err)
+	}
+	if err := os.Rename(tmp.Name(), target); err != nil {
+		return fmt.Errorf("replacing %q: %w", target, err)
+	}
+	done = true
+	if d, err := os.Open(dir); err == nil {
+		_ = d.Sync()
+		_ = d.Close()
+	}
+	return nil
+}
