@@ -151,6 +151,21 @@ func (w *Workload) Objects() int {
 	return len(w.names)
 }
 
+// UnknownCreates is the number of objects whose create had an unknown outcome (the
+// request failed or was cut off by Stop, but etcd may have applied it) and that were
+// never acknowledged: each may or may not exist.
+func (w *Workload) UnknownCreates() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	n := 0
+	for _, r := range w.objects {
+		if r.ackSeq == 0 && len(r.unknown) > 0 {
+			n++
+		}
+	}
+	return n
+}
+
 // Seed creates n Secrets (<prefix>-<i>) spread over the endpoints in rotation,
 // with parallel requests; any failure ends it.
 func (w *Workload) Seed(ctx context.Context, prefix string, n, parallel int) error {

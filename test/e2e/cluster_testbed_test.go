@@ -154,8 +154,10 @@ func TestTestbedWorkloadOneShim(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !rep.OK() || rep.Objects != w.Objects() || w.Objects() <= 300 {
-		t.Fatalf("verify: %s, %d acknowledged objects", rep, w.Objects())
+	// A create cut off by Stop may have been applied without its answer arriving: such
+	// an object may exist, unacknowledged.
+	if !rep.OK() || rep.Objects < w.Objects() || rep.Objects > w.Objects()+w.UnknownCreates() || w.Objects() <= 300 {
+		t.Fatalf("verify: %s, %d acknowledged objects, %d creates with an unknown outcome", rep, w.Objects(), w.UnknownCreates())
 	}
 	if err := testbed.AllStoredUnder(ctx, cli, prefix+"/secrets/", stored2); err != nil {
 		t.Fatal(err)
