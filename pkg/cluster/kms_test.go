@@ -190,17 +190,7 @@ func TestKMSKeyIDChangeIsMigratedOnceEveryPluginReportsIt(t *testing.T) {
 	members, keyFiles := startKMSNodes(t, cli, false)
 	a, b := members[0], members[1]
 	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
-	tr := a.agent.TransformerForResource(secrets)
-	for i := range 20 {
-		key := fmt.Sprintf("/registry/secrets/ns/s%02d", i)
-		out, err := tr.TransformToStorage(ctx, storedObject(key), value.DefaultContext(key))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := cli.Put(ctx, key, string(out)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	storeSecrets(t, cli, a, 20, "/registry/secrets/ns/s%02d")
 	mctx, mcancel := context.WithCancel(ctx)
 	defer mcancel()
 	mig, done := startMigrator(t, mctx, cli, a, nil)

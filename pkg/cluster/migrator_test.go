@@ -43,17 +43,7 @@ func TestMigratorMigratesOnceAllWriteTheSameKeyAndFailsOver(t *testing.T) {
 	b := startMember(t, cli, "b", secretsConfig("k1"))
 	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
 	ctx := context.Background()
-	tr := a.agent.TransformerForResource(secrets)
-	for i := range 40 {
-		key := fmt.Sprintf("/registry/secrets/ns/s%02d", i)
-		out, err := tr.TransformToStorage(ctx, storedObject(key), value.DefaultContext(key))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := cli.Put(ctx, key, string(out)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	storeSecrets(t, cli, a, 40, "/registry/secrets/ns/s%02d")
 	actx, acancel := context.WithCancel(ctx)
 	defer acancel()
 	migA, doneA := startMigrator(t, actx, cli, a, nil)
@@ -182,17 +172,7 @@ func TestLeaderKilledMidMigrationAnotherResumes(t *testing.T) {
 	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
 	ctx := context.Background()
 	const n = 120
-	tr := a.agent.TransformerForResource(secrets)
-	for i := range n {
-		key := fmt.Sprintf("/registry/secrets/ns/s%03d", i)
-		out, err := tr.TransformToStorage(ctx, storedObject(key), value.DefaultContext(key))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := cli.Put(ctx, key, string(out)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	storeSecrets(t, cli, a, n, "/registry/secrets/ns/s%03d")
 	for _, m := range []*member{a, b} {
 		writeFile(t, m.path, secretsConfig("k2", "k1"))
 		if err := m.agent.Reload(ctx); err != nil {

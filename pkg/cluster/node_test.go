@@ -368,3 +368,21 @@ func TestReadinessFailsClosedUntilAnInventoryIsKnown(t *testing.T) {
 		t.Fatalf("b with every stored object readable: %v; want ready", err)
 	}
 }
+
+// storeSecrets writes n stored Secrets through m's transformers straight into etcd,
+// named by nameFormat (a Sprintf format with one integer verb).
+func storeSecrets(t *testing.T, cli *clientv3.Client, m *member, n int, nameFormat string) {
+	t.Helper()
+	ctx := context.Background()
+	tr := m.agent.TransformerForResource(secrets)
+	for i := range n {
+		key := fmt.Sprintf(nameFormat, i)
+		out, err := tr.TransformToStorage(ctx, storedObject(key), value.DefaultContext(key))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cli.Put(ctx, key, string(out)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
