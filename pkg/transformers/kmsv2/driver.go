@@ -22,8 +22,12 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 			for _, a := range acts {
 				switch a.Kind {
 				case state.CallStatus:
+					// A Status answers for the moment it was asked: stamping it when the
+					// reply arrives would make an answer that straddled a change look newer
+					// than it is, and Check would serve it from cache as fresh.
+					askedAt := p.clock.Now()
 					r, err := p.client.Status(ctx)
-					ev := state.StatusResult{At: p.clock.Now(), Err: err, Version: r.Version, Healthz: r.Healthz, KeyID: r.KeyID}
+					ev := state.StatusResult{At: askedAt, Err: err, Version: r.Version, Healthz: r.Healthz, KeyID: r.KeyID}
 					p.recordStatus(ev)
 					_ = m.Step(ev)
 					p.checkFence(m)

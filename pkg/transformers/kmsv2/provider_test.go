@@ -358,3 +358,33 @@ func TestOnKeyIDChangeReportsEachNewKeyID(t *testing.T) {
 		t.Fatalf("OnKeyIDChange heard %q, want %q", heard, want)
 	}
 }
+
+// A Status asked while the plugin was sick and answered after it recovered (and the clock
+// moved on) answers for the moment it was asked: it must not pin "sick" in Check's cache.
+// CI once failed TestWritesStopThreeMinutesAfterLastHealthyStatus this way when a timer's
+// Status straddled the test's recovery.
+func TestStatusAnswersForTheMomentItWasAsked(t *testing.T) {
+	tp := startPlugin(t, "key-1")
+	clk := testingclock.NewFakeClock(time.Now())
+	p := newProviderWith(t, "kms1", tp.endpoint, transformers.Options{Clock: clk}, FactoryOptions{})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	tp.SetFaults(kmsplugin.Faults{StatusHealthz: "sick", Latency: kmsplugin.Duration{Duration: 500 * time.Millisecond}})
+	asked := tp.Stats().Status
+	clk.Step(DefaultHealthyTTL + time.Second)
+	first := make(chan error, 1)
+	go func() { first <- p.Check(ctx) }()
+	for tp.Stats().Status == asked {
+		if ctx.Err() != nil {
+			t.Fatal("no Status reached the plugin")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	// The sick answer is still on its way: recover and move past the unhealthy cache.
+	tp.SetFaults(kmsplugin.Faults{})
+	clk.Step(DefaultUnhealthyTTL + time.Second)
+	<-first // sick or healthy, depending on which answer it waited for
+	if err := p.Check(ctx); err != nil {
+		t.Fatalf("Check after the plugin recovered and the unhealthy cache expired: %v", err)
+	}
+}

@@ -97,7 +97,8 @@ func (EncryptResult) isEvent()        {}
 func (HealthCheckRequested) isEvent() {}
 func (WriteAllowed) isEvent()         {}
 
-// StatusResult is the outcome of a Status RPC, stamped with its arrival time.
+// StatusResult is the outcome of a Status RPC. At is when it was asked: the answer describes
+// the plugin as of then, and a later stamp would let a slow answer look fresher than it is.
 type StatusResult struct {
 	At      time.Time
 	Err     error
