@@ -88,6 +88,10 @@ func TestRotationKMSToKMS(t *testing.T) {
 		}})
 	ctx := t.Context()
 	pluginsA := b.plugins
+	var processes []*testbed.Shim // no apiserver restarts: the same processes at the end
+	for _, s := range b.fleet.Shims {
+		processes = append(processes, s.Current())
+	}
 
 	// Plugin B on every node: its own socket, its own keyring (another key vault).
 	kekB := testbed.PluginKey{Name: "kek-b", Secret: testbed.RandomKey()}
@@ -141,9 +145,10 @@ func TestRotationKMSToKMS(t *testing.T) {
 	edited := time.Now()
 	round := b.syncer.ApplyEach(ctx, forNode(added), nil)
 
-	// An early removal is refused: every Secret is still under kms-a (no node has the
-	// new file before the syncer's 1 s minimum delay, and the fence holds kms-b until
-	// all have it).
+	// An early removal is refused while Secrets are still under kms-a: no node has the
+	// new file before the syncer's 1 s minimum delay, and the fence holds kms-b back
+	// until all have it. (The count is not pinned: on a slow machine the migration may
+	// have begun by the time the guard's inventory runs.)
 	out, err := runRekey(t, append([]string{"rotate", "--encryption-provider-config", src, "--remove-old", "kms-a"}, etcdFlags...)...)
 	var exit *exec.ExitError
 	if !errors.As(err, &exit) {
@@ -153,8 +158,8 @@ func TestRotationKMSToKMS(t *testing.T) {
 	if refused == nil || !strings.Contains(out, "still encrypts stored data") {
 		t.Fatalf("early --remove-old kms-a: the refusal does not name secrets, kms-a and a count:\n%s", out)
 	}
-	if n, _ := strconv.Atoi(refused[1]); n < objects {
-		t.Errorf("the guard counted %d Secrets under kms-a, want at least the %d seeded", n, objects)
+	if n, _ := strconv.Atoi(refused[1]); n == 0 {
+		t.Errorf("the guard refused with 0 Secrets under kms-a")
 	}
 	if now, _ := os.ReadFile(src); string(now) != string(added) {
 		t.Fatal("the refused removal changed the file")
@@ -207,6 +212,11 @@ func TestRotationKMSToKMS(t *testing.T) {
 	for _, s := range b.shims() {
 		if err := s.Readyz(ctx); err != nil {
 			t.Errorf("%s with plugin A stopped: %v", s.Name, err)
+		}
+	}
+	for i, s := range b.fleet.Shims {
+		if s.Current() != processes[i] || !s.Alive() {
+			t.Errorf("%s was restarted or died during the rotation", s.ID)
 		}
 	}
 	wr, sr := b.finish(l) // 0 failed writes, 0 bad reads, every Secret read through every shim
