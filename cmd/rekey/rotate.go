@@ -45,7 +45,15 @@ in a Secret).
 Once every apiserver writes with the new key and the migration is verified (rekey
 status, rekey migrate), --remove-old NAME removes the read key NAME (step 1 prints it). It takes a
 fresh inventory (--etcd-servers) and refuses, naming resource, key and object count,
-when any stored object still needs that key. See docs/rotation.md.`,
+when any stored object still needs that key.
+
+--wait runs the whole rotation and follows the apiservers (cluster coordination, under
+--coordination-prefix): new key first in the file; every apiserver writes with it; the
+migration leader verified every stored object; the old key removed behind the same guard;
+every apiserver runs the final file. It exits 0 only then, and non-zero after
+--wait-timeout, naming the stage and what it waits for. Run again after an
+interruption, it finds the rotation in progress from the file and the cluster and
+continues it (no second new key). See docs/rotation.md.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if c.configPath == "" {
