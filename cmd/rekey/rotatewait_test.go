@@ -179,11 +179,15 @@ func TestRotateWaitResume(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	f.follow.Store(false)
-	args := []string{"rotate", "--encryption-provider-config", path, "--wait", "--etcd-servers", srv.Endpoint,
-		"--progress", "plain", "--wait-interval", "50ms"}
-	out, err := run(t, append(args, "--wait-timeout", "1s")...)
-	if err == nil || !strings.Contains(err.Error(), "stage 1/4 (promote)") || !strings.Contains(err.Error(), "run `rekey rotate --wait` again") {
+	args := []string{"rotate", "--encryption-provider-config", path, "--wait", "--etcd-servers", srv.Endpoint, "--wait-interval", "50ms"}
+	out, err := run(t, append(args, "--wait-timeout", "1s", "--progress", "bar")...)
+	if err == nil || !strings.Contains(err.Error(), "stage 1/4 (promote)") || !strings.Contains(err.Error(), "run `rekey rotate --wait` again") ||
+		!strings.Contains(err.Error(), "its file does not have the new key yet") {
 		t.Fatalf("rotate --wait with apiservers that do not follow: err %v, want a timeout in stage 1/4\n%s", err, out)
+	}
+	// The bar: one line redrawn in place, with the stage and the apiservers done.
+	if !strings.Contains(out, "\r\033[Krotate [1/4 promote] ") || !strings.Contains(out, "0/2 apiservers") {
+		t.Errorf("--progress bar drew no progress line:\n%q", out)
 	}
 	first := fileKeys(t, path)
 	if len(first) != 2 || first[1] != "key1" {
@@ -191,7 +195,7 @@ func TestRotateWaitResume(t *testing.T) {
 	}
 
 	f.follow.Store(true)
-	out, err = run(t, append(args, "--wait-timeout", "1m")...)
+	out, err = run(t, append(args, "--wait-timeout", "1m", "--progress", "plain")...)
 	if err != nil {
 		t.Fatalf("resumed rotate --wait: %v\n%s", err, out)
 	}
