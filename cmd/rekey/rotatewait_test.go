@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -204,5 +205,37 @@ func TestRotateWaitResume(t *testing.T) {
 	}
 	if got := fileKeys(t, path); len(got) != 1 || got[0] != first[0] {
 		t.Fatalf("keys after the resumed wait: %v, want only %s (no second new key)", got, first[0])
+	}
+}
+
+// TestRotateWaitFirstTimeEncryption: --wait --provider aesgcm on a file that writes
+// secrets in plaintext encrypts them, migrates, and removes identity at the end.
+func TestRotateWaitFirstTimeEncryption(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	path := filepath.Join(t.TempDir(), "enc.yaml")
+	plain := "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n      - identity: {}\n"
+	if err := os.WriteFile(path, []byte(plain), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	seed(t, cli, path, 10)
+	startFakeApiservers(t, cli, path, srv.Endpoint)
+	out, err := run(t, "rotate", "--encryption-provider-config", path, "--wait", "--provider", "aesgcm", "--etcd-servers", srv.Endpoint,
+		"--progress", "plain", "--wait-interval", "50ms", "--wait-timeout", "1m")
+	if err != nil {
+		t.Fatalf("rotate --wait --provider aesgcm: %v\n%s", err, out)
+	}
+	if !strings.Contains(out, "first-time encryption") || !strings.Contains(out, `removed the read key "identity"`) {
+		t.Errorf("output lacks the first-time encryption or the removal of identity:\n%s", out)
+	}
+	cfg, err := config.Load(path, config.Options{Reload: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p := cfg.Encryption.Resources[0].Providers; len(p) != 1 || p[0].AESGCM == nil || len(p[0].AESGCM.Keys) != 1 {
+		t.Fatalf("providers after first-time encryption: %d, want one aesgcm key only", len(p))
+	}
+	if out, err := run(t, "inventory", "--encryption-provider-config", path, "--etcd-servers", srv.Endpoint); err != nil || !strings.Contains(out, "0 stale") {
+		t.Fatalf("inventory after first-time encryption: %v\n%s", err, out)
 	}
 }

@@ -25,8 +25,8 @@
 //     passed stage is checked again and passes at once), never a second new key;
 //   - no key behind, but a live apiserver does not run the file yet: the old key was
 //     already removed, so only the acknowledgements are waited for;
-//   - otherwise the previous rotation is complete and a new one starts with the first
-//     edit.
+//   - otherwise the previous rotation is complete (or the file has no rule writing with a
+//     key: first-time encryption) and a new one starts with the first edit.
 package rotation
 
 import (
@@ -377,18 +377,20 @@ func (m *Machine) decide() bool {
 		m.enter(StagePromote)
 		return true
 	}
-	if len(m.file.Rules) == 0 {
-		m.fail("no rule of the file writes with a local key or KMS (and matches --resources); nothing to rotate — to encrypt for the first time, run `rekey rotate --provider aesgcm` without --wait first")
-		return false
-	}
-	if acked, _ := m.acked(); acked < len(m.cluster.Members) {
+	// With no rule writing with a key (first-time encryption, or nothing to rotate: the
+	// first edit says which), there is no earlier rotation to finish.
+	if acked, _ := m.acked(); len(m.file.Rules) > 0 && acked < len(m.cluster.Members) {
 		m.target = slices.Clone(m.file.Rules)
 		m.linef("resuming the rotation in progress: the old key is already out of the file, but not every apiserver runs it yet; no new key is added")
 		m.enter(StageAck)
 		return true
 	}
 	m.stage, m.inflight = StageEdit, false
-	m.linef("every apiserver runs %s and no old key is left: starting a new rotation", m.file.Hash)
+	if len(m.file.Rules) == 0 {
+		m.linef("no rule of the file writes with a key: starting with the first edit (first-time encryption)")
+	} else {
+		m.linef("every apiserver runs %s and no old key is left: starting a new rotation", m.file.Hash)
+	}
 	return true
 }
 
