@@ -25,41 +25,12 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/rekey-io/rekey/internal/testbed"
 	"github.com/rekey-io/rekey/pkg/cluster"
 )
-
-// rekeyCLI builds cmd/rekey once per run (testbed.Build builds the servers only).
-var rekeyCLI struct {
-	once sync.Once
-	path string
-	err  error
-}
-
-func rekeyBin(t testing.TB) string {
-	t.Helper()
-	rekeyCLI.once.Do(func() {
-		root, err := testbed.ModuleRoot()
-		if err != nil {
-			rekeyCLI.err = err
-			return
-		}
-		rekeyCLI.path = filepath.Join(workDir, "bin", "rekey")
-		cmd := exec.Command("go", "build", "-o", rekeyCLI.path, "./cmd/rekey")
-		cmd.Dir = root
-		if out, err := cmd.CombinedOutput(); err != nil {
-			rekeyCLI.err = fmt.Errorf("go build ./cmd/rekey: %w\n%s", err, out)
-		}
-	})
-	if rekeyCLI.err != nil {
-		t.Fatal(rekeyCLI.err)
-	}
-	return rekeyCLI.path
-}
 
 // runRekey runs the rekey CLI and returns its combined output.
 func runRekey(t testing.TB, args ...string) (string, error) {
