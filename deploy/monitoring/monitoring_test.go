@@ -388,7 +388,7 @@ func TestEveryMetricIsExposedByARunningShim(t *testing.T) {
 		ShimBin: bins.Shim, Dir: dir, N: 2, EtcdServers: []string{etcd.Endpoint},
 		Config: config(k1), SyncMode: testbed.SyncRename,
 		Args: []string{"--cluster-lease-ttl", "2s", "--storage-migration-check-interval", "250ms",
-			"--kms-status-interval", "1s", "--storage-migration-rate", "40"},
+			"--kms-status-interval", "1s", "--storage-migration-rate", "20"},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -484,7 +484,8 @@ func TestEveryMetricIsExposedByARunningShim(t *testing.T) {
 	if err := testbed.WriteFileAtomic(b.ConfigPath, config(k2, k1)); err != nil {
 		t.Fatal(err)
 	}
-	// Then the elected apiserver migrates 120 ConfigMaps at 40/s.
+	// Then the elected apiserver migrates 120 ConfigMaps at 20/s: its progress series
+	// (updated every second) lives for about 6 s.
 	waitFor(t, 60*time.Second, "the migration's progress and results", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
