@@ -31,8 +31,11 @@ test: lint
 	$(GO) test -race -count=1 -timeout 20m $(RACE_PKGS)
 	$(GO) test -count=1 -timeout 45m $$($(GO) list ./... | grep -v '/pkg/')
 	@if [ "$$REKEY_SKIP_KUBE_APISERVER" != 1 ]; then cd dist/kube-apiserver && $(GO) test -count=1 .; fi
+	@# deploy/monitoring: the alert rules and dashboard checked against running shims (a module of its own).
+	cd deploy/monitoring && $(GO) test -count=1 -timeout 10m .
 
-## lint: gofmt, go vet, staticcheck, `go mod tidy` leaves no diff, the generated OpenAPI is current.
+## lint: gofmt, go vet, staticcheck, `go mod tidy` leaves no diff (here and in deploy/monitoring), the
+## generated OpenAPI is current.
 lint: fmt vet staticcheck tidy-check openapi-check
 
 fmt:
@@ -43,6 +46,7 @@ vet:
 	$(GO) vet ./...
 	@# dist/kube-apiserver is a module of its own (k8s.io/kubernetes); REKEY_SKIP_KUBE_APISERVER=1 skips it.
 	@if [ "$$REKEY_SKIP_KUBE_APISERVER" != 1 ]; then cd dist/kube-apiserver && $(GO) vet .; fi
+	cd deploy/monitoring && $(GO) vet .
 
 tools: $(STATICCHECK)
 
@@ -51,10 +55,12 @@ $(STATICCHECK):
 
 staticcheck: $(STATICCHECK)
 	$(STATICCHECK) ./...
+	cd deploy/monitoring && $(CURDIR)/$(STATICCHECK) .
 
 # -diff prints what tidy would change and fails, leaving go.mod and go.sum untouched.
 tidy-check:
 	@$(GO) mod tidy -diff || { echo "go.mod/go.sum are not tidy: run go mod tidy and commit the result"; exit 1; }
+	@cd deploy/monitoring && $(GO) mod tidy -diff || { echo "deploy/monitoring/go.mod/go.sum are not tidy: run go mod tidy there and commit the result"; exit 1; }
 
 openapi-check:
 	@bash hack/update-openapi.sh --verify

@@ -90,6 +90,7 @@ func (n *Node) Guard(current, next *config.Config) error {
 	if len(reasons) == 0 {
 		return nil
 	}
+	n.opts.Metrics.guardRefused()
 	return &GuardError{Next: fmt.Sprintf("%q (%s)", next.Source, next.Hash), Reasons: reasons}
 }
 

@@ -13,6 +13,7 @@ type Metrics struct {
 	fenceHeld    *metrics.GaugeVec
 	migrationObj *metrics.GaugeVec
 	leader       *metrics.Gauge
+	refusals     *metrics.Counter
 }
 
 // NewMetrics creates the metrics and registers them in reg (nil: none).
@@ -34,8 +35,13 @@ func NewMetrics(reg metrics.KubeRegistry) (*Metrics, error) {
 			Help: "Progress of the cluster's running storage migration: objects done and total of the current pass, per resource.", StabilityLevel: metrics.ALPHA},
 			[]string{"resource", "state"}),
 		leader: gauge("migration_leader", "1 on the apiserver elected to run storage migration."),
+		// pkg/migrate's rekey_storage_guard_refusals_total counts the refusals of the stored-objects
+		// guard; this one counts the cluster guard's, which that counter does not see.
+		refusals: metrics.NewCounter(&metrics.CounterOpts{Namespace: "rekey", Subsystem: "cluster", Name: "guard_refusals_total",
+			Help:           "Configuration changes refused because they would drop a key another live apiserver still writes with or the cluster's storage migration still needs.",
+			StabilityLevel: metrics.ALPHA}),
 	}
-	for _, c := range []metrics.Registerable{m.members, m.converged, m.alarm, m.fenceHeld, m.migrationObj, m.leader} {
+	for _, c := range []metrics.Registerable{m.members, m.converged, m.alarm, m.fenceHeld, m.migrationObj, m.leader, m.refusals} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -48,4 +54,11 @@ func b2f(b bool) float64 {
 		return 1
 	}
 	return 0
+}
+
+func (m *Metrics) guardRefused() {
+	if m == nil {
+		return
+	}
+	m.refusals.Inc()
 }

@@ -17,6 +17,7 @@ import (
 	"go.uber.org/goleak"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
+	"k8s.io/component-base/metrics"
 	"k8s.io/klog/v2/ktesting"
 	testingclock "k8s.io/utils/clock/testing"
 
@@ -232,7 +233,12 @@ func TestStragglerIsNotReadyAndGuardRefusesDrop(t *testing.T) {
 	if p := a.writePrefix(t); p != "k8s:enc:aesgcm:v1:k2:" {
 		t.Fatalf("a alone writes %q, want k2", p)
 	}
-	b := startMember(t, cli, "b", secretsConfig("k1"))
+	reg := metrics.NewKubeRegistry()
+	bm, err := NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := startMember(t, cli, "b", secretsConfig("k1"), func(o *Options) { o.Metrics = bm })
 	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
 	eventually(t, "b sees a", func() bool { return memberIDs(b.node.View()) == "a,b" })
 	eventually(t, "b not ready, naming k2", func() bool {
@@ -259,14 +265,36 @@ func TestStragglerIsNotReadyAndGuardRefusesDrop(t *testing.T) {
 	}
 
 	// b drops k2 (which a writes with): refused; the old configuration keeps serving.
+	if n := guardRefusals(t, reg); n != 0 {
+		t.Fatalf("rekey_cluster_guard_refusals_total = %v before any refusal", n)
+	}
 	writeFile(t, b.path, secretsConfig("k1"))
-	err := b.agent.Reload(context.Background())
+	err = b.agent.Reload(context.Background())
 	if err == nil || !strings.Contains(err.Error(), "aesgcm/k2 is the write key of apiserver a") {
 		t.Fatalf("dropping k2 = %v, want a refusal naming a", err)
+	}
+	if n := guardRefusals(t, reg); n != 1 {
+		t.Errorf("rekey_cluster_guard_refusals_total = %v after one refusal, want 1", n)
 	}
 	if p := b.writePrefix(t); p != "k8s:enc:aesgcm:v1:k2:" {
 		t.Fatalf("b writes %q after a refused reload", p)
 	}
+}
+
+// guardRefusals reads rekey_cluster_guard_refusals_total from reg.
+func guardRefusals(t *testing.T, reg metrics.KubeRegistry) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "rekey_cluster_guard_refusals_total" {
+			return mf.GetMetric()[0].GetCounter().GetValue()
+		}
+	}
+	t.Fatal("rekey_cluster_guard_refusals_total is not registered")
+	return 0
 }
 
 func TestValidatePrefix(t *testing.T) {
