@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"time"
 
 	xfont "golang.org/x/image/font"
 	"gonum.org/v1/plot"
@@ -266,7 +267,7 @@ func (r *Report) renderChart(d *chartData, format string) ([]byte, error) {
 
 	// Footer: what the bars are and which run they come from.
 	foot := textStyle(sans, footSize, 0, 0)
-	footText := fmt.Sprintf("Bars start at the 1× line (= %s) and end at the ratio of medians; log scale.\nData: %s.", d.Baseline(), r.runLabel())
+	footText := fmt.Sprintf("Bars start at the 1× line (= %s) and end at the ratio of medians; log scale.\nData: %s.", d.Baseline(), r.runLabel(r.runOf(d.Scenarios[0]).Started))
 	c.FillText(foot, vg.Point{X: c.Min.X, Y: c.Min.Y}, footText)
 	bottom := c.Min.Y + foot.Height(footText) + 6
 
@@ -289,11 +290,12 @@ func (r *Report) renderChart(d *chartData, format string) ([]byte, error) {
 	return out, nil
 }
 
-func (r *Report) runLabel() string {
-	if r.Started.IsZero() {
+// runLabel names the run that started at started (the chart's scenario's run).
+func (r *Report) runLabel(started time.Time) string {
+	if started.IsZero() {
 		return "rekey-bench"
 	}
-	s := "rekey-bench run of " + r.Started.UTC().Format("2006-01-02")
+	s := "rekey-bench run of " + started.UTC().Format("2006-01-02")
 	if r.Host.CPUs > 0 {
 		s += fmt.Sprintf(", %d CPUs", r.Host.CPUs)
 	}

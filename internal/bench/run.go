@@ -17,6 +17,12 @@ type Settings struct {
 	SampleTime time.Duration
 	// Progress receives one line per finished case (nil: silent).
 	Progress io.Writer
+	// RotationObjects is the number of Secrets the rotation scenario rotates (default
+	// 10,000; 1,000 in short mode).
+	RotationObjects int
+	// RotationSides are the rotation scenario's sides to run: rekey, upstream (default
+	// both).
+	RotationSides []string
 }
 
 // Impl is one implementation of an operation.
