@@ -11,11 +11,13 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -46,8 +48,10 @@ const (
 	rotationScenario = "rotation (10,000 Secrets, 3 apiservers, 3-member etcd)"
 	// lastConfigInfo is the metric both layers expose with the hash of the config they
 	// serve: "sha256:" and the hex SHA-256 of the file's bytes (k8s.io/apiserver's
-	// encryptionconfig computeEncryptionConfigHash, and pkg/config.Hash).
-	lastConfigInfo = "apiserver_encryption_config_controller_automatic_reload_last_config_info"
+	// encryptionconfig computeEncryptionConfigHash, and pkg/config.Hash). Its name is
+	// BuildFQName("apiserver", "encryption_config_controller", "last_config_info") in
+	// k8s.io/apiserver's encryptionconfig/metrics: there is no "automatic_reload" in it.
+	lastConfigInfo = "apiserver_encryption_config_controller_last_config_info"
 	// rotationPrefix is the shims' --etcd-prefix: rekey rotate's default.
 	rotationPrefix = "/registry"
 	// rewriteWorkers is the upstream script's concurrency for the no-op updates, as an
@@ -96,7 +100,10 @@ func runRotation(s Settings) ([]Row, error) {
 			return nil, fmt.Errorf("rotation side %q: must be one of %v", side, rotationSides)
 		}
 	}
-	ctx := context.Background()
+	// An interrupted run stops its etcd members and shims (their own process groups
+	// do not get the terminal's signal).
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
 	dir, err := os.MkdirTemp("", "rkr")
 	if err != nil {
 		return nil, err
@@ -184,22 +191,29 @@ func rotationRows(res map[string]*rotationResult, objects int) []Row {
 	}
 	edits := row("edits of the source file", "edits", func(r *rotationResult) float64 { return float64(r.edits) })
 	failed := row("writer requests failed (writers on every apiserver)", "requests", func(r *rotationResult) float64 { return float64(r.writes.Failed()) })
-	acked := row("writer requests acknowledged", "requests", func(r *rotationResult) float64 { return float64(r.writes.Acked()) })
 	unreadable := row("unreadable reads (sampler, every Secret through every apiserver)", "reads", func(r *rotationResult) float64 { return float64(r.reads.Total().Unreadable) })
-	reads := row("sampler reads", "reads", func(r *rotationResult) float64 { return float64(r.reads.Total().Reads) })
-	under := row("stored Secrets under the new key at the end (etcd scan)", "objects", func(r *rotationResult) float64 { return float64(r.underNew) })
+	under := row("stored Secrets under the new key at the end (etcd scan)", "%", func(r *rotationResult) float64 {
+		if r.stored == 0 {
+			return 0
+		}
+		return 100 * float64(r.underNew) / float64(r.stored)
+	})
+	for i := range under.Figures {
+		under.Figures[i].HigherIsBetter = true
+	}
 	for _, side := range rotationSides {
 		r := res[side]
 		if r == nil {
 			continue
 		}
-		failed.Checks = append(failed.Checks, Check{Desc: side + ": 0 failed", Met: r.writes.Failed() == 0, Got: fmt.Sprint(r.writes.Failed())})
+		failed.Checks = append(failed.Checks, Check{Desc: side + ": 0 failed", Met: r.writes.Failed() == 0,
+			Got: fmt.Sprintf("%d of %d", r.writes.Failed(), r.writes.Failed()+r.writes.Acked())})
 		var per []string
 		for _, ep := range slices.Sorted(maps.Keys(r.reads.PerEndpoint)) {
 			per = append(per, fmt.Sprint(r.reads.PerEndpoint[ep].Unreadable))
 		}
 		unreadable.Checks = append(unreadable.Checks, Check{Desc: side + ": 0 unreadable", Met: r.reads.Total().Unreadable == 0,
-			Got: "per apiserver " + strings.Join(per, " / ")})
+			Got: fmt.Sprintf("%s of %d reads, per apiserver", strings.Join(per, " / "), r.reads.Total().Reads)})
 		under.Checks = append(under.Checks, Check{Desc: side + ": every stored Secret", Met: r.underNew == r.stored && r.stored > 0,
 			Got: fmt.Sprintf("%d of %d", r.underNew, r.stored)})
 	}
@@ -207,7 +221,7 @@ func rotationRows(res map[string]*rotationResult, objects int) []Row {
 		under.Checks = append(under.Checks, Check{Desc: "upstream's rewrite", Met: true,
 			Got: fmt.Sprintf("%d no-op updates, %d conflicts retried", r.rewritten, r.rewriteConflicts)})
 	}
-	return []Row{total, after, edits, failed, acked, unreadable, reads, under}
+	return []Row{total, after, edits, failed, unreadable, under}
 }
 
 // buildRekey compiles cmd/rekey into dir.

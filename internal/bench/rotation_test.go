@@ -16,10 +16,10 @@ import (
 
 // The id label ends in hash=" too: only the hash label counts, wherever it stands.
 func TestParseConfigHashes(t *testing.T) {
-	body := []byte(`# HELP apiserver_encryption_config_controller_automatic_reload_last_config_info Information about the last applied encryption configuration with hash as label, split by apiserver identity.
-# TYPE apiserver_encryption_config_controller_automatic_reload_last_config_info gauge
-apiserver_encryption_config_controller_automatic_reload_last_config_info{apiserver_id_hash="sha256:1111",hash="sha256:aaaa"} 1
-apiserver_encryption_config_controller_automatic_reload_last_config_info{hash="sha256:bbbb",apiserver_id_hash="sha256:2222"} 1
+	body := []byte(`# HELP apiserver_encryption_config_controller_last_config_info Information about the last applied encryption configuration with hash as label, split by apiserver identity.
+# TYPE apiserver_encryption_config_controller_last_config_info gauge
+apiserver_encryption_config_controller_last_config_info{apiserver_id_hash="sha256:1111",hash="sha256:aaaa"} 1
+apiserver_encryption_config_controller_last_config_info{hash="sha256:bbbb",apiserver_id_hash="sha256:2222"} 1
 apiserver_encryption_config_controller_automatic_reloads_total{apiserver_id_hash="sha256:1111",status="success"} 2
 `)
 	got := parseConfigHashes(body)
@@ -108,6 +108,9 @@ func TestRotationRows(t *testing.T) {
 	}
 	if want := []string{"upstream: every stored Secret 10090 of 10100"}; !reflect.DeepEqual(missed, want) {
 		t.Fatalf("missed %v, want %v", missed, want)
+	}
+	if got := under.Figures[1].Stats.Median; got < 99.89 || got > 99.91 {
+		t.Fatalf("upstream's share under the new key %.2f%%, want 99.90%%", got)
 	}
 
 	// Side (a) not run: its figures say so, and there is no ratio to chart or check.
