@@ -33,6 +33,7 @@ func main() {
 		appendix   = flag.String("appendix", "", "a markdown file appended at the end of the report (hand-measured sections)")
 		rotObjects = flag.Int("rotation-objects", 0, "Secrets the rotation scenario rotates (default 10,000; short 1,000)")
 		rotSides   = flag.String("rotation-sides", "", "comma-separated sides of the rotation scenario to run: rekey, upstream (default both)")
+		rotRekey   = flag.String("rotation-rekey-bin", "", "the rekey binary the rotation scenario runs (default: cmd/rekey built from this tree)")
 	)
 	flag.Parse()
 	if *list {
@@ -55,7 +56,7 @@ func main() {
 	if *sampleTime > 0 {
 		settings.SampleTime = *sampleTime
 	}
-	settings.RotationObjects = *rotObjects
+	settings.RotationObjects, settings.RotationRekeyBin = *rotObjects, *rotRekey
 	if *rotSides != "" {
 		settings.RotationSides = strings.Split(*rotSides, ",")
 	}

@@ -118,9 +118,11 @@ func runRotation(s Settings) ([]Row, error) {
 	if err != nil {
 		return nil, err
 	}
-	rekeyBin, err := buildRekey(ctx, filepath.Join(dir, "bin"))
-	if err != nil {
-		return nil, err
+	rekeyBin := s.RotationRekeyBin
+	if rekeyBin == "" {
+		if rekeyBin, err = buildRekey(ctx, filepath.Join(dir, "bin")); err != nil {
+			return nil, err
+		}
 	}
 	if slices.Contains(sides, "rekey") {
 		// Refuse before minutes of setup, not after.
@@ -215,7 +217,7 @@ func rotationRows(res map[string]*rotationResult, objects int) []Row {
 			per = append(per, fmt.Sprint(r.reads.PerEndpoint[ep].Unreadable))
 		}
 		unreadable.Checks = append(unreadable.Checks, Check{Desc: side + ": 0 unreadable", Met: r.reads.Total().Unreadable == 0,
-			Got: fmt.Sprintf("%s of %d reads, per apiserver", strings.Join(per, " / "), r.reads.Total().Reads)})
+			Got: fmt.Sprintf("per apiserver %s; %d reads in all", strings.Join(per, " / "), r.reads.Total().Reads)})
 		under.Checks = append(under.Checks, Check{Desc: side + ": every stored Secret", Met: r.underNew == r.stored && r.stored > 0,
 			Got: fmt.Sprintf("%d of %d", r.underNew, r.stored)})
 	}

@@ -23,6 +23,9 @@ type Settings struct {
 	// RotationSides are the rotation scenario's sides to run: rekey, upstream (default
 	// both).
 	RotationSides []string
+	// RotationRekeyBin is the rekey binary side (a) runs (default: cmd/rekey built from
+	// this tree).
+	RotationRekeyBin string
 }
 
 // Impl is one implementation of an operation.
