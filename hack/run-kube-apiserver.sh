@@ -3,10 +3,13 @@
 # v1.37.2 with rekey inside) with the smallest set of flags it starts with, a sample
 # encryption config (Secrets: KMS v2, ConfigMaps: aesgcm, automatic reload on) and a
 # kubeconfig. It serves on loopback only, so the kubernetes Service gets no endpoints
-# (--endpoint-reconciler-type none: loopback addresses cannot be advertised). Ctrl-C stops all three. State lives in $RUN_DIR (default
-# /tmp/rekey-kube-apiserver); delete it to start over with fresh keys and data.
+# (--endpoint-reconciler-type none: loopback addresses cannot be advertised). Ctrl-C stops
+# all three. State lives in $RUN_DIR (default /tmp/rekey-kube-apiserver); delete it to
+# start over with fresh keys and data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=hack/lib.sh
+source hack/lib.sh
 
 RUN_DIR=${RUN_DIR:-/tmp/rekey-kube-apiserver}
 PORT=${PORT:-6443}
@@ -17,57 +20,11 @@ BIN=${BIN:-bin}
 echo ">> building $BIN/etcd and $BIN/kms-plugin"
 go build -o "$BIN/" ./hack/tools/etcd ./cmd/kms-plugin
 
-mkdir -p "$RUN_DIR"
-chmod 700 "$RUN_DIR"
-SOCK="$RUN_DIR/kms.sock"
-KEYS="$RUN_DIR/kms-keys.yaml"
-CONFIG="$RUN_DIR/encryption.yaml"
-TOKENS="$RUN_DIR/tokens.csv"
+prepare_run_dir
 SA_KEY="$RUN_DIR/sa.key"
-KUBECONFIG_FILE="$RUN_DIR/kubeconfig"
-rand32() { head -c 32 /dev/urandom | base64; }
-
-if [ ! -f "$KEYS" ]; then
-  printf 'keys:\n- name: kek-1\n  secret: %s\n' "$(rand32)" > "$KEYS"
-fi
-if [ ! -f "$CONFIG" ]; then
-  cat > "$CONFIG" <<YAML
-apiVersion: apiserver.config.k8s.io/v1
-kind: EncryptionConfiguration
-resources:
-- resources: [secrets]
-  providers:
-  - kms:
-      apiVersion: v2
-      name: local-plugin
-      endpoint: unix://$SOCK
-      timeout: 3s
-  - identity: {}
-- resources: [configmaps]
-  providers:
-  - aesgcm:
-      keys:
-      - name: key1
-        secret: $(rand32)
-  - identity: {}
-YAML
-fi
-if [ ! -f "$TOKENS" ]; then
-  echo "$(head -c 24 /dev/urandom | base64 | tr -d '/+='),admin,admin,\"system:masters\"" > "$TOKENS"
-fi
 # The service-account token signing key (kube-apiserver refuses to start without one).
 [ -f "$SA_KEY" ] || openssl ecparam -name prime256v1 -genkey -noout -out "$SA_KEY" 2>/dev/null
-chmod 600 "$KEYS" "$CONFIG" "$TOKENS" "$SA_KEY"
-TOKEN=$(cut -d, -f1 "$TOKENS")
-
-PIDS=()
-cleanup() {
-  trap - EXIT INT TERM
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  echo ">> stopped"
-}
-trap cleanup EXIT INT TERM
+chmod 600 "$SA_KEY"
 
 ETCD_URL="http://127.0.0.1:$ETCD_PORT"
 PEER_URL="http://127.0.0.1:$((ETCD_PORT + 1))"
@@ -76,8 +33,7 @@ PEER_URL="http://127.0.0.1:$((ETCD_PORT + 1))"
   --listen-peer-urls "$PEER_URL" --initial-advertise-peer-urls "$PEER_URL" \
   --initial-cluster "rekey=$PEER_URL" --log-level warn > "$RUN_DIR/etcd.log" 2>&1 &
 PIDS+=($!)
-"$BIN/kms-plugin" --listen-addr "unix://$SOCK" --keys-file "$KEYS" > "$RUN_DIR/kms-plugin.log" 2>&1 &
-PIDS+=($!)
+start_plugin
 
 START=$(date +%s%N)
 "$BIN/kube-apiserver" \
@@ -96,31 +52,8 @@ START=$(date +%s%N)
 APISERVER_PID=$!
 PIDS+=($APISERVER_PID)
 
-CA="$RUN_DIR/certs/apiserver.crt"
-for _ in $(seq 1200); do
-  if ! kill -0 "$APISERVER_PID" 2>/dev/null; then
-    echo "!! kube-apiserver exited; last lines of $RUN_DIR/kube-apiserver.log:"; tail -20 "$RUN_DIR/kube-apiserver.log"; exit 1
-  fi
-  [ -f "$CA" ] && curl -sf --cacert "$CA" -H "Authorization: Bearer $TOKEN" "https://127.0.0.1:$PORT/readyz" >/dev/null 2>&1 && break
-  sleep 0.1
-done
-READY_MS=$(( ($(date +%s%N) - START) / 1000000 ))
-
-cat > "$KUBECONFIG_FILE" <<KC
-apiVersion: v1
-kind: Config
-clusters:
-- name: rekey-kube-apiserver
-  cluster: {server: "https://127.0.0.1:$PORT", certificate-authority: "$CA"}
-users:
-- name: admin
-  user: {token: "$TOKEN"}
-contexts:
-- name: rekey-kube-apiserver
-  context: {cluster: rekey-kube-apiserver, user: admin}
-current-context: rekey-kube-apiserver
-KC
-chmod 600 "$KUBECONFIG_FILE"
+wait_ready kube-apiserver "$APISERVER_PID" "$RUN_DIR/kube-apiserver.log" 1200 -H "Authorization: Bearer $TOKEN"
+write_kubeconfig rekey-kube-apiserver
 
 cat <<MSG
 

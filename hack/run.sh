@@ -5,6 +5,8 @@
 # start over with fresh keys and data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=hack/lib.sh
+source hack/lib.sh
 
 RUN_DIR=${RUN_DIR:-/tmp/rekey-run}
 PORT=${PORT:-6443}
@@ -14,57 +16,9 @@ VERSION_LDFLAGS="-X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/c
 echo ">> building $BIN/apiserver-shim and $BIN/kms-plugin (the first build takes a few minutes)"
 go build -ldflags "$VERSION_LDFLAGS" -o "$BIN/" ./cmd/apiserver-shim ./cmd/kms-plugin
 
-mkdir -p "$RUN_DIR"
-chmod 700 "$RUN_DIR"
-SOCK="$RUN_DIR/kms.sock"
-KEYS="$RUN_DIR/kms-keys.yaml"
-CONFIG="$RUN_DIR/encryption.yaml"
-TOKENS="$RUN_DIR/tokens.csv"
-KUBECONFIG_FILE="$RUN_DIR/kubeconfig"
-rand32() { head -c 32 /dev/urandom | base64; }
+prepare_run_dir
 
-if [ ! -f "$KEYS" ]; then
-  printf 'keys:\n- name: kek-1\n  secret: %s\n' "$(rand32)" > "$KEYS"
-fi
-if [ ! -f "$CONFIG" ]; then
-  cat > "$CONFIG" <<YAML
-apiVersion: apiserver.config.k8s.io/v1
-kind: EncryptionConfiguration
-resources:
-- resources: [secrets]
-  providers:
-  - kms:
-      apiVersion: v2
-      name: local-plugin
-      endpoint: unix://$SOCK
-      timeout: 3s
-  - identity: {}
-- resources: [configmaps]
-  providers:
-  - aesgcm:
-      keys:
-      - name: key1
-        secret: $(rand32)
-  - identity: {}
-YAML
-fi
-if [ ! -f "$TOKENS" ]; then
-  echo "$(head -c 24 /dev/urandom | base64 | tr -d '/+='),admin,admin,\"system:masters\"" > "$TOKENS"
-fi
-chmod 600 "$KEYS" "$CONFIG" "$TOKENS"
-TOKEN=$(cut -d, -f1 "$TOKENS")
-
-PIDS=()
-cleanup() {
-  trap - EXIT INT TERM
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-  echo ">> stopped"
-}
-trap cleanup EXIT INT TERM
-
-"$BIN/kms-plugin" --listen-addr "unix://$SOCK" --keys-file "$KEYS" > "$RUN_DIR/kms-plugin.log" 2>&1 &
-PIDS+=($!)
+start_plugin
 
 START=$(date +%s%N)
 "$BIN/apiserver-shim" \
@@ -75,31 +29,8 @@ START=$(date +%s%N)
 SHIM_PID=$!
 PIDS+=($SHIM_PID)
 
-CA="$RUN_DIR/certs/apiserver.crt"
-for _ in $(seq 300); do
-  if ! kill -0 "$SHIM_PID" 2>/dev/null; then
-    echo "!! apiserver-shim exited; last lines of $RUN_DIR/apiserver-shim.log:"; tail -20 "$RUN_DIR/apiserver-shim.log"; exit 1
-  fi
-  [ -f "$CA" ] && curl -sf --cacert "$CA" "https://127.0.0.1:$PORT/readyz" >/dev/null 2>&1 && break
-  sleep 0.1
-done
-READY_MS=$(( ($(date +%s%N) - START) / 1000000 ))
-
-cat > "$KUBECONFIG_FILE" <<KC
-apiVersion: v1
-kind: Config
-clusters:
-- name: rekey-shim
-  cluster: {server: "https://127.0.0.1:$PORT", certificate-authority: "$CA"}
-users:
-- name: admin
-  user: {token: "$TOKEN"}
-contexts:
-- name: rekey-shim
-  context: {cluster: rekey-shim, user: admin}
-current-context: rekey-shim
-KC
-chmod 600 "$KUBECONFIG_FILE"
+wait_ready apiserver-shim "$SHIM_PID" "$RUN_DIR/apiserver-shim.log" 300
+write_kubeconfig rekey-shim
 
 cat <<MSG
 

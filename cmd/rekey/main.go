@@ -5,6 +5,7 @@
 //	rekey check-config --etcd-servers URL --encryption-provider-config FILE --new FILE
 //	rekey status       --etcd-servers URL [--coordination-prefix /rekey] [-o table|json]
 //	rekey rotate       --encryption-provider-config FILE [--provider aesgcm|secretbox|aescbc|kms] [-o -] [--remove-old NAME --etcd-servers URL]
+//	rekey rotate       --encryption-provider-config FILE --wait --etcd-servers URL [--coordination-prefix /rekey] [--wait-timeout 30m] [--progress auto|bar|plain]
 //
 // inventory counts stored objects per resource, provider, key (KMS: provider name and
 // key id hash) and state; migrate re-encrypts every stale object with compare-and-swap

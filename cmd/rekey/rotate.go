@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	apiserverv1 "k8s.io/apiserver/pkg/apis/apiserver/v1"
 
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/migrate"
@@ -22,6 +23,7 @@ func newRotateCommand() *cobra.Command {
 	var r rotation
 	var output string
 	var removeOld string
+	var w waitOptions
 	cmd := &cobra.Command{
 		Use:   "rotate",
 		Short: "Put a new write key first in the encryption configuration, or remove the key it replaced",
@@ -30,8 +32,8 @@ write provider is a local key (aesgcm, aescbc, secretbox); the key it replaces s
 behind it, so every apiserver can still read what it wrote. --provider changes the type:
 aesgcm, secretbox, aescbc (deprecated upstream; a warning is printed) or kms, which adds a
 KMS v2 provider (--kms-name, --kms-endpoint unix:///…) first. When no rule writes with a
-local key, --provider aesgcm encrypts the rules that write identity (first-time
-encryption). A KMS v2 name may appear once per file, so --provider kms rotates exactly one
+local key or KMS v2, --provider aesgcm (or secretbox, or kms) encrypts the rules that
+write identity (first-time encryption). A KMS v2 name may appear once per file, so --provider kms rotates exactly one
 rule (--resources picks it). --resources keeps only the rules naming one of the given
 resources as written in the file.
 
@@ -43,7 +45,15 @@ in a Secret).
 Once every apiserver writes with the new key and the migration is verified (rekey
 status, rekey migrate), --remove-old NAME removes the read key NAME (step 1 prints it). It takes a
 fresh inventory (--etcd-servers) and refuses, naming resource, key and object count,
-when any stored object still needs that key. See docs/rotation.md.`,
+when any stored object still needs that key.
+
+--wait runs the whole rotation and follows the apiservers (cluster coordination, under
+--coordination-prefix): new key first in the file; every apiserver writes with it; the
+migration leader verified every stored object; the old key removed behind the same guard;
+every apiserver runs the final file. It exits 0 only then, and non-zero after
+--wait-timeout, naming the stage and what it waits for. Run again after an
+interruption, it finds the rotation in progress from the file and the cluster and
+continues it (no second new key). See docs/rotation.md.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if c.configPath == "" {
@@ -62,40 +72,25 @@ when any stored object still needs that key. See docs/rotation.md.`,
 				return err
 			}
 			r.resources = c.resources
+			if w.wait {
+				if output != "" || removeOld != "" {
+					return errors.New("--wait runs the whole rotation (both edits) on the file; it does not combine with -o or --remove-old")
+				}
+				r.now, r.random = time.Now(), rand.Reader
+				return c.rotateWait(cmd, r, w)
+			}
 			var next []byte
 			var summary string
 			if removeOld != "" {
-				dropped, rules, err := rotateDrop(ext, removeOld)
+				next, summary, err = c.removeKeys(cmd, cur, ext, []string{removeOld})
 				if err != nil {
 					return err
 				}
-				if next, err = encodeExternal(dropped); err != nil {
-					return err
-				}
-				nextCfg, err := config.Parse(next, c.configPath+" (without the old key)", config.Options{Reload: true})
-				if err != nil {
-					return fmt.Errorf("removing the old key would give an invalid configuration (file left alone): %w", err)
-				}
-				if err := c.guardRemoval(cmd, cur, nextCfg); err != nil {
-					return err
-				}
-				summary = fmt.Sprintf("removed the read key %q from %s", removeOld, ruleNames(dropped, rules))
 			} else {
 				r.now, r.random = time.Now(), rand.Reader
-				res, err := rotateAdd(ext, r)
-				if err != nil {
+				if next, summary, err = c.addKey(cmd, ext, r); err != nil {
 					return err
 				}
-				for _, w := range res.warnings {
-					fmt.Fprintln(cmd.ErrOrStderr(), w)
-				}
-				if next, err = encodeExternal(res.cfg); err != nil {
-					return err
-				}
-				if _, err := config.Parse(next, c.configPath+" (rotated)", config.Options{Reload: true}); err != nil {
-					return fmt.Errorf("the rotated configuration would not be valid (file left alone): %w", err)
-				}
-				summary = fmt.Sprintf("new write key %q first in %s; the previous write key stays for reads until `rekey rotate --remove-old NAME` (NAME: %s)", res.newKey, ruleNames(res.cfg, res.rules), strings.Join(res.oldKeys, ", "))
 			}
 			if output == "-" {
 				_, err := cmd.OutOrStdout().Write(next)
@@ -119,8 +114,57 @@ when any stored object still needs that key. See docs/rotation.md.`,
 	fs.StringVar(&r.kmsEndpoint, "kms-endpoint", "", "Socket of the new KMS v2 plugin, unix:///path (--provider kms).")
 	fs.DurationVar(&r.kmsTimeout, "kms-timeout", 0, "Timeout of the new KMS v2 provider (--provider kms); default: the apiserver's (3s).")
 	fs.StringVarP(&output, "output", "o", "", "- prints the new configuration to stdout and leaves the file alone.")
+	w.addFlags(fs)
 	fs.StringVar(&removeOld, "remove-old", "", "Remove this read key (a local key name, a KMS provider name, or identity) from every rule that writes with another key, after the guard allows it. Needs --etcd-servers.")
 	return cmd
+}
+
+// addKey returns the file's next content with a new write key first (step 1), validated
+// as the apiserver would, and a summary line; warnings go to stderr.
+func (c *common) addKey(cmd *cobra.Command, ext *apiserverv1.EncryptionConfiguration, r rotation) ([]byte, string, error) {
+	res, err := rotateAdd(ext, r)
+	if err != nil {
+		return nil, "", err
+	}
+	for _, w := range res.warnings {
+		fmt.Fprintln(cmd.ErrOrStderr(), w)
+	}
+	next, err := encodeExternal(res.cfg)
+	if err != nil {
+		return nil, "", err
+	}
+	if _, err := config.Parse(next, c.configPath+" (rotated)", config.Options{Reload: true}); err != nil {
+		return nil, "", fmt.Errorf("the rotated configuration would not be valid (file left alone): %w", err)
+	}
+	return next, fmt.Sprintf("new write key %q first in %s; the previous write key stays for reads", res.newKey, ruleNames(res.cfg, res.rules)) +
+		fmt.Sprintf(" until `rekey rotate --remove-old NAME` (NAME: %s)", strings.Join(res.oldKeys, ", ")), nil
+}
+
+// removeKeys returns the file's next content without the read keys names (step 2), once
+// the guard allowed it: a fresh inventory taken with the current configuration cur, and
+// migrate.CheckChange from cur to the result.
+func (c *common) removeKeys(cmd *cobra.Command, cur *config.Config, ext *apiserverv1.EncryptionConfiguration, names []string) ([]byte, string, error) {
+	var parts []string
+	for _, name := range names {
+		dropped, rules, err := rotateDrop(ext, name)
+		if err != nil {
+			return nil, "", err
+		}
+		parts = append(parts, fmt.Sprintf("removed the read key %q from %s", name, ruleNames(dropped, rules)))
+		ext = dropped
+	}
+	next, err := encodeExternal(ext)
+	if err != nil {
+		return nil, "", err
+	}
+	nextCfg, err := config.Parse(next, c.configPath+" (without the old key)", config.Options{Reload: true})
+	if err != nil {
+		return nil, "", fmt.Errorf("removing the old key would give an invalid configuration (file left alone): %w", err)
+	}
+	if err := c.guardRemoval(cmd, cur, nextCfg); err != nil {
+		return nil, "", err
+	}
+	return next, strings.Join(parts, "; "), nil
 }
 
 // guardRemoval takes a fresh inventory with cur and refuses next when it would leave a

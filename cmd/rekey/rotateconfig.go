@@ -94,7 +94,7 @@ func isLocal(kind string) bool {
 }
 
 // selectRules picks the rules a rotation changes. Default: every rule whose write
-// provider is a local key. When none does and a local type is asked for, the rules that
+// provider is a local key. When none does and a type is asked for, the rules that
 // write identity (first-time encryption). A switch to KMS also takes rules writing KMS
 // v2 (a move to a second plugin), and must select exactly one rule: KMS v2 provider names
 // are unique across the whole file. --resources keeps only rules naming one of them.
@@ -124,6 +124,10 @@ func selectRules(cfg *apiserverv1.EncryptionConfiguration, r rotation) ([]int, e
 		rules = pick(func(k string) bool {
 			return isLocal(k) || k == providerKMS || (len(r.resources) > 0 && k == "identity")
 		})
+		if len(rules) == 0 {
+			// First-time encryption straight to a KMS plugin, as with a local type.
+			rules = pick(func(k string) bool { return k == "identity" })
+		}
 		if len(rules) > 1 {
 			return nil, fmt.Errorf("--provider kms would rotate %d rules (%s), but a KMS v2 provider name may appear only once in a configuration; choose one with --resources and run rotate once per rule with its own --kms-name", len(rules), ruleNames(cfg, rules))
 		}
@@ -135,6 +139,9 @@ func selectRules(cfg *apiserverv1.EncryptionConfiguration, r rotation) ([]int, e
 	}
 	if len(rules) == 0 {
 		what := "writes with a local key (aesgcm, aescbc or secretbox)"
+		if r.provider == providerKMS {
+			what = "writes with a local key, KMS v2 or identity"
+		}
 		if r.provider == "" {
 			what += "; to encrypt for the first time, pass --provider aesgcm"
 		}

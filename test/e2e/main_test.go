@@ -8,9 +8,11 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -158,4 +160,32 @@ func eventually(t *testing.T, timeout, interval time.Duration, what string, f fu
 		}
 		time.Sleep(interval)
 	}
+}
+
+// rekeyCLI builds cmd/rekey once per run (testbed.Build builds the servers only).
+var rekeyCLI struct {
+	once sync.Once
+	path string
+	err  error
+}
+
+func rekeyBin(t testing.TB) string {
+	t.Helper()
+	rekeyCLI.once.Do(func() {
+		root, err := testbed.ModuleRoot()
+		if err != nil {
+			rekeyCLI.err = err
+			return
+		}
+		rekeyCLI.path = filepath.Join(workDir, "bin", "rekey")
+		cmd := exec.Command("go", "build", "-o", rekeyCLI.path, "./cmd/rekey")
+		cmd.Dir = root
+		if out, err := cmd.CombinedOutput(); err != nil {
+			rekeyCLI.err = fmt.Errorf("go build ./cmd/rekey: %w\n%s", err, out)
+		}
+	})
+	if rekeyCLI.err != nil {
+		t.Fatal(rekeyCLI.err)
+	}
+	return rekeyCLI.path
 }

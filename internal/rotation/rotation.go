@@ -1,0 +1,633 @@
+// Package rotation decides the stages of `rekey rotate --wait`: a pure state machine in
+// etcd raft's shape (no I/O, no goroutines, time comes in through Tick). The driver in
+// cmd/rekey reads the encryption configuration file and the cluster's coordination keys,
+// feeds them as events, asks Ready what to do, does it (write the first edit; run the
+// guard and write the second edit) and reports back.
+//
+// A rotation runs through four stages after its first edit (the new key first in the
+// file, the old one right behind it):
+//
+//  1. promote — every live apiserver writes the rotated resources with the new key and
+//     its write fence holds nothing back;
+//  2. migrate — the elected migration leader has a verified record for every rotated
+//     resource whose target is the key every member writes with;
+//  3. remove  — the keys behind the new write key leave the file (the second edit),
+//     once the guard (a fresh inventory and migrate.CheckChange) allows it;
+//  4. ack     — every live apiserver runs the file as it is now (its published
+//     configuration hash equals the file's).
+//
+// The file is the only record of a rotation in progress; the machine keeps no state
+// anywhere else. On start (and so on a resume after an interruption) it decides from the
+// file and the cluster:
+//
+//   - a rotated rule holds a key behind its write key: that write key is the rotation in
+//     progress, continued from the first stage whose condition does not hold yet (a
+//     passed stage is checked again and passes at once), never a second new key;
+//   - no key behind, but a live apiserver does not run the file yet: the old key was
+//     already removed, so only the acknowledgements are waited for;
+//   - otherwise the previous rotation is complete (or the file has no rule writing with a
+//     key: first-time encryption) and a new one starts with the first edit.
+package rotation
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/rekey-io/rekey/pkg/cluster"
+)
+
+// Key names one provider entry: provider and key name (KMS: provider name and key id
+// hash). Never key material.
+type Key = cluster.Key
+
+// Rule is one resources entry of the file, as the rotation sees it.
+type Rule struct {
+	// Resources are the rule's resource names as written in the file.
+	Resources []string
+	// Entries are its providers' keys in file order; Entries[0] writes.
+	Entries []Key
+}
+
+func (r Rule) name() string { return strings.Join(r.Resources, ",") }
+
+// Stage is where a rotation is.
+type Stage int
+
+// The stages, in order. Promote to Ack are the four the output counts.
+const (
+	StageStart   Stage = iota // reading the file and the cluster to decide
+	StageEdit                 // the first edit is being written
+	StagePromote              // 1/4
+	StageMigrate              // 2/4
+	StageRemove               // 3/4
+	StageAck                  // 4/4
+	StageDone
+	StageFailed
+)
+
+// Stages is how many stages the output counts.
+const Stages = 4
+
+var stageNames = map[Stage]string{StageStart: "start", StageEdit: "edit", StagePromote: "promote", StageMigrate: "migrate",
+	StageRemove: "remove", StageAck: "ack", StageDone: "done", StageFailed: "failed"}
+
+func (s Stage) String() string { return stageNames[s] }
+
+// Number is the stage's position out of Stages (0 before the first, Stages+1 after).
+func (s Stage) Number() int {
+	switch {
+	case s < StagePromote:
+		return 0
+	case s > StageAck:
+		return Stages + 1
+	}
+	return int(s - StagePromote + 1)
+}
+
+// Action is what the driver does next.
+type Action int
+
+const (
+	// ActionWait: nothing to do but observe again.
+	ActionWait Action = iota
+	// ActionWriteFirstEdit: generate the new key and write it first in the file, then
+	// report FirstEditWritten and the file as it is now.
+	ActionWriteFirstEdit
+	// ActionRemoveOld: run the guard for removing Ready.Remove and, when it allows,
+	// write the second edit; report RemoveWritten or RemoveRefused, then the file.
+	ActionRemoveOld
+	// ActionDone: the rotation is complete (exit 0).
+	ActionDone
+	// ActionFail: give up with Ready.Err (exit non-zero).
+	ActionFail
+)
+
+var actionNames = map[Action]string{ActionWait: "wait", ActionWriteFirstEdit: "write-first-edit", ActionRemoveOld: "remove-old",
+	ActionDone: "done", ActionFail: "fail"}
+
+func (a Action) String() string { return actionNames[a] }
+
+// Event is an input of Step.
+type Event interface{ event() }
+
+// FileRead is the file as it is now: its content hash and its rules that a rotation may
+// concern (rules writing with a local key or KMS, as --resources narrows them).
+type FileRead struct {
+	Hash  string
+	Rules []Rule
+}
+
+// ClusterObserved is what etcd holds: the live members and the migration leader's state
+// (nil when none was written).
+type ClusterObserved struct {
+	Members   []cluster.MemberState
+	Migration *cluster.MigrationState
+	// Prefix is the coordination prefix, for messages.
+	Prefix string
+}
+
+// FirstEditWritten reports that ActionWriteFirstEdit wrote the file.
+type FirstEditWritten struct{}
+
+// RemoveWritten reports that the guard allowed the second edit and it was written.
+type RemoveWritten struct{}
+
+// RemoveRefused reports that the guard refused the second edit (Reason says why).
+type RemoveRefused struct{ Reason string }
+
+// Tick moves the clock.
+type Tick struct{ Now time.Time }
+
+func (FileRead) event()         {}
+func (ClusterObserved) event()  {}
+func (FirstEditWritten) event() {}
+func (RemoveWritten) event()    {}
+func (RemoveRefused) event()    {}
+func (Tick) event()             {}
+
+// Config configures a Machine.
+type Config struct {
+	// Timeout bounds the whole wait (--wait-timeout).
+	Timeout time.Duration
+	// GuardRetry is how long to wait after a refused second edit before asking again.
+	GuardRetry time.Duration
+}
+
+// DefaultGuardRetry is Config.GuardRetry's default.
+const DefaultGuardRetry = 5 * time.Second
+
+// Progress is what the progress bar shows.
+type Progress struct {
+	// Members is how many live apiservers publish their state; Acked how many have done
+	// what the stage waits for (promote: write with the new key, nothing held; ack: run
+	// the file).
+	Members, Acked int
+	// Done and Total count the running migration's objects (0/0 when none runs).
+	Done, Total int64
+}
+
+// Ready is the machine's output.
+type Ready struct {
+	Action Action
+	// Remove names the keys the second edit removes (ActionRemoveOld): local key names,
+	// KMS provider names, or "identity".
+	Remove []string
+	// Err is the error of ActionFail: the stage, what is missing, what to do.
+	Err   string
+	Stage Stage
+	// Target describes the rotation ("secrets: aesgcm/key-…"), empty before it is known.
+	Target string
+	// Waiting says what the current stage waits for ("" when nothing).
+	Waiting  string
+	Progress Progress
+	// Lines are the transitions since the previous Ready, one line each.
+	Lines []string
+}
+
+// Machine is the rotation's state machine.
+type Machine struct {
+	cfg      Config
+	start    time.Time
+	now      time.Time
+	stage    Stage
+	file     *FileRead
+	cluster  *ClusterObserved
+	target   []Rule // rotated rules: Entries[0] the new write key, the rest to remove
+	inflight bool   // an action was handed out and its result has not come back
+	edited   bool   // the first edit was written
+	retryAt  time.Time
+	refused  string
+	waiting  string
+	progress Progress
+	lines    []string
+	err      string
+}
+
+// New returns a machine started at now.
+func New(cfg Config, now time.Time) *Machine {
+	if cfg.GuardRetry <= 0 {
+		cfg.GuardRetry = DefaultGuardRetry
+	}
+	return &Machine{cfg: cfg, start: now, now: now}
+}
+
+// Step feeds one event.
+func (m *Machine) Step(ev Event) {
+	switch e := ev.(type) {
+	case FileRead:
+		e.Rules = slices.Clone(e.Rules)
+		m.file = &e
+	case ClusterObserved:
+		m.cluster = &e
+	case FirstEditWritten:
+		if m.stage == StageEdit {
+			// The file read before the edit is stale: wait for it to be read again.
+			m.inflight, m.edited, m.file = false, true, nil
+		}
+	case RemoveWritten:
+		if m.stage == StageRemove {
+			m.inflight, m.refused = false, ""
+			m.linef("second edit written: %s removed", strings.Join(m.removeNames(), ", "))
+			m.file = nil
+		}
+	case RemoveRefused:
+		if m.stage == StageRemove {
+			m.inflight = false
+			m.retryAt = m.now.Add(m.cfg.GuardRetry)
+			if e.Reason != m.refused {
+				m.linef("the guard refused the second edit; asking again every %s: %s", m.cfg.GuardRetry, e.Reason)
+			}
+			m.refused = e.Reason
+		}
+	case Tick:
+		if e.Now.After(m.now) {
+			m.now = e.Now
+		}
+	}
+	m.advance()
+}
+
+// Ready returns what to do now and the lines since the last call. An action other than
+// wait is handed out once; the machine waits for its result.
+func (m *Machine) Ready() Ready {
+	r := Ready{Stage: m.stage, Waiting: m.waiting, Progress: m.progress, Lines: m.lines, Target: describe(m.target)}
+	m.lines = nil
+	switch {
+	case m.stage == StageDone:
+		r.Action = ActionDone
+	case m.stage == StageFailed:
+		r.Action, r.Err = ActionFail, m.err
+	case m.inflight, m.file == nil:
+	case m.stage == StageEdit && !m.edited:
+		r.Action, m.inflight = ActionWriteFirstEdit, true
+	case m.stage == StageRemove && len(m.removeNames()) > 0 && !m.now.Before(m.retryAt):
+		r.Action, r.Remove, m.inflight = ActionRemoveOld, m.removeNames(), true
+	}
+	return r
+}
+
+func (m *Machine) linef(format string, args ...any) {
+	m.lines = append(m.lines, fmt.Sprintf(format, args...))
+}
+
+func describe(rules []Rule) string {
+	var s []string
+	for _, r := range rules {
+		s = append(s, r.name()+": "+r.Entries[0].String())
+	}
+	return strings.Join(s, "; ")
+}
+
+func (m *Machine) enter(s Stage) {
+	m.stage = s
+	if s >= StagePromote && s <= StageAck {
+		m.linef("stage %d/%d %s: %s", s.Number(), Stages, s, stageGoal[s])
+	}
+}
+
+var stageGoal = map[Stage]string{
+	StagePromote: "waiting until every apiserver writes with the new key",
+	StageMigrate: "waiting for the migration leader to verify every stored object is under the new key",
+	StageRemove:  "removing the old key from the file once the guard allows it",
+	StageAck:     "waiting until every apiserver runs the final file",
+}
+
+func (m *Machine) fail(format string, args ...any) {
+	m.stage, m.inflight = StageFailed, false
+	m.err = fmt.Sprintf(format, args...)
+}
+
+// advance moves through every stage whose condition holds now.
+func (m *Machine) advance() {
+	if m.stage == StageDone || m.stage == StageFailed {
+		return
+	}
+	if m.file == nil || m.cluster == nil {
+		m.waiting = "reading the file and the cluster"
+		m.checkDeadline()
+		return
+	}
+	if m.stage == StageStart && !m.decide() {
+		m.checkDeadline()
+		return
+	}
+	if m.stage == StageEdit {
+		if !m.edited {
+			m.waiting = "writing the first edit"
+			return
+		}
+		pending := pendingRules(m.file.Rules)
+		if len(pending) == 0 {
+			// The write happened but the file read back has no key behind the write key:
+			// someone else replaced it meanwhile.
+			m.fail("the file read back after the first edit has no old key behind its write key (was it replaced meanwhile?); check it and run `rekey rotate --wait` again")
+			return
+		}
+		if m.target == nil {
+			m.target = pending
+			m.linef("first edit written: new write key %s; the previous key stays behind it for reads", describe(m.target))
+			m.enter(StagePromote)
+		}
+	}
+	if !m.fileFollowsTarget() {
+		return
+	}
+	for {
+		var ok bool
+		switch m.stage {
+		case StagePromote:
+			ok = m.promoteOK()
+		case StageMigrate:
+			ok = m.migrateOK()
+		case StageRemove:
+			ok = len(pendingRules(m.targetRulesInFile())) == 0
+			m.waiting = "the guard and the second edit (removing " + strings.Join(m.removeNames(), ", ") + ")"
+			if m.refused != "" {
+				m.waiting = "the guard refused removing " + strings.Join(m.removeNames(), ", ") + ": " + m.refused
+			}
+		case StageAck:
+			ok = m.ackOK()
+		}
+		if !ok {
+			break
+		}
+		m.waiting = ""
+		if m.stage == StageAck {
+			m.stage = StageDone
+			m.linef("rotation complete: every apiserver runs %s, which writes %s and holds no old key", m.file.Hash, describe(m.target))
+			return
+		}
+		m.enter(m.stage + 1)
+	}
+	m.checkDeadline()
+}
+
+// decide picks the rotation in progress, or a new one (see the package comment). It
+// reports false while it cannot decide yet.
+func (m *Machine) decide() bool {
+	if len(m.cluster.Members) == 0 {
+		m.waiting = fmt.Sprintf("no live apiserver publishes its state under %s (do the apiservers run with --cluster-coordination and this --coordination-prefix?)", cluster.MembersPrefix(m.cluster.Prefix))
+		return false
+	}
+	if pending := pendingRules(m.file.Rules); len(pending) > 0 {
+		m.target = pending
+		m.linef("resuming the rotation in progress: the file already writes %s with an old key behind it; no new key is added", describe(pending))
+		m.enter(StagePromote)
+		return true
+	}
+	// With no rule writing with a key (first-time encryption, or nothing to rotate: the
+	// first edit says which), there is no earlier rotation to finish.
+	if acked, _ := m.acked(); len(m.file.Rules) > 0 && acked < len(m.cluster.Members) {
+		m.target = slices.Clone(m.file.Rules)
+		m.linef("resuming the rotation in progress: the old key is already out of the file, but not every apiserver runs it yet; no new key is added")
+		m.enter(StageAck)
+		return true
+	}
+	m.stage, m.inflight = StageEdit, false
+	if len(m.file.Rules) == 0 {
+		m.linef("no rule of the file writes with a key: starting with the first edit (first-time encryption)")
+	} else {
+		m.linef("every apiserver runs %s and no old key is left: starting a new rotation", m.file.Hash)
+	}
+	return true
+}
+
+// pendingRules are the rules with a key behind their write key.
+func pendingRules(rules []Rule) []Rule {
+	var out []Rule
+	for _, r := range rules {
+		if len(r.Entries) > 1 {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// targetRulesInFile are the file's current versions of the rotated rules.
+func (m *Machine) targetRulesInFile() []Rule {
+	var out []Rule
+	for _, t := range m.target {
+		for _, r := range m.file.Rules {
+			if slices.Equal(r.Resources, t.Resources) {
+				out = append(out, r)
+			}
+		}
+	}
+	return out
+}
+
+// fileFollowsTarget fails the rotation when the file no longer writes the rotated rules
+// with the new key: someone edited it under the rotation.
+func (m *Machine) fileFollowsTarget() bool {
+	for _, t := range m.target {
+		i := slices.IndexFunc(m.file.Rules, func(r Rule) bool { return slices.Equal(r.Resources, t.Resources) })
+		if i < 0 {
+			m.fail("the file changed during the rotation: the rule for %s is gone; check the file and run `rekey rotate --wait` again to follow it as it is", t.name())
+			return false
+		}
+		if w := m.file.Rules[i].Entries[0]; !w.SameEntry(t.Entries[0]) {
+			m.fail("the file changed during the rotation: %s is now written with %s, the rotation was to %s; check the file and run `rekey rotate --wait` again to follow it as it is", t.name(), w, t.Entries[0])
+			return false
+		}
+	}
+	return true
+}
+
+// removeNames names the keys behind the new write keys, as --remove-old takes them.
+func (m *Machine) removeNames() []string {
+	var out []string
+	for _, r := range m.targetRulesInFile() {
+		for _, k := range r.Entries[1:] {
+			n := k.Key
+			if k.Provider == "identity" {
+				n = "identity"
+			}
+			if !slices.Contains(out, n) {
+				out = append(out, n)
+			}
+		}
+	}
+	return out
+}
+
+// promoteOK: every live member writes every rotated resource with the new key and
+// holds nothing back.
+func (m *Machine) promoteOK() bool {
+	members := m.cluster.Members
+	m.progress = Progress{Members: len(members)}
+	var missing []string
+	for _, mem := range members {
+		ok := true
+		for _, t := range m.target {
+			for _, res := range t.Resources {
+				rule, _ := mem.Rule(res)
+				switch {
+				case rule.Held != nil && rule.Held.SameEntry(t.Entries[0]) && !rule.Write.SameEntry(t.Entries[0]):
+					ok = false
+					missing = append(missing, fmt.Sprintf("%s holds %s back for %s (its fence waits for the apiservers that cannot read it yet)", mem.APIServerID, rule.Held, res))
+				case !rule.Write.SameEntry(t.Entries[0]):
+					ok = false
+					if slices.ContainsFunc(rule.Read, t.Entries[0].SameEntry) {
+						missing = append(missing, fmt.Sprintf("%s writes %s with %s", mem.APIServerID, res, rule.Write))
+					} else {
+						missing = append(missing, fmt.Sprintf("%s writes %s with %s and its file does not have the new key yet", mem.APIServerID, res, rule.Write))
+					}
+				case rule.Held != nil:
+					ok = false
+					missing = append(missing, fmt.Sprintf("%s holds %s back for %s", mem.APIServerID, rule.Held, res))
+				}
+			}
+		}
+		if ok {
+			m.progress.Acked++
+		}
+	}
+	if len(members) == 0 {
+		m.waiting = "no live apiserver publishes its state"
+		return false
+	}
+	m.waiting = strings.Join(dedupe(missing), "; ")
+	return len(missing) == 0
+}
+
+// migrateOK: the leader verified every rotated resource (rules naming concrete
+// resources; a wildcard rule is left to the guard's inventory) on the key every member
+// writes it with.
+func (m *Machine) migrateOK() bool {
+	mig := m.cluster.Migration
+	m.progress = Progress{Members: len(m.cluster.Members), Acked: len(m.cluster.Members)}
+	byID := map[string]cluster.MemberState{}
+	for _, mem := range m.cluster.Members {
+		byID[mem.APIServerID] = mem
+	}
+	var missing []string
+	for _, t := range m.target {
+		for _, res := range t.Resources {
+			if strings.Contains(res, "*") {
+				continue
+			}
+			common, ok, why := cluster.CommonWriteKey(byID, res)
+			if !ok {
+				missing = append(missing, res+": "+why)
+				continue
+			}
+			if mig == nil {
+				missing = append(missing, fmt.Sprintf("%s: no migration leader has written %s yet", res, cluster.MigrationStateKey(m.cluster.Prefix)))
+				continue
+			}
+			if mig.Running != nil && mig.Running.Resource == res {
+				s := fmt.Sprintf("%s: migrating to %s", res, mig.Running.Target)
+				if p := mig.Progress; p != nil && p.Resource == res {
+					s += fmt.Sprintf(" %d/%d", p.Done, p.Total)
+					m.progress.Done, m.progress.Total = p.Done, p.Total
+				}
+				missing = append(missing, s)
+				continue
+			}
+			if i := slices.IndexFunc(mig.Plans, func(p cluster.Plan) bool { return p.Resource == res }); i >= 0 && mig.Plans[i].State != cluster.PlanDone {
+				p := mig.Plans[i]
+				s := fmt.Sprintf("%s: migration %s", res, p.State)
+				if p.Detail != "" {
+					s += " (" + p.Detail + ")"
+				}
+				missing = append(missing, s)
+				continue
+			}
+			rec, ok := mig.Records[res]
+			switch {
+			case !ok:
+				missing = append(missing, fmt.Sprintf("%s: no migration recorded yet", res))
+			case rec.Target != common:
+				missing = append(missing, fmt.Sprintf("%s: the last migration was to %s, not %s", res, rec.Target, common))
+			case !rec.Verified:
+				missing = append(missing, fmt.Sprintf("%s: the migration to %s is not verified: %s", res, common, rec.Error))
+			}
+		}
+	}
+	m.waiting = strings.Join(missing, "; ")
+	return len(missing) == 0
+}
+
+// acked counts the live members that run the file as it is now.
+func (m *Machine) acked() (int, []string) {
+	n := 0
+	var missing []string
+	for _, mem := range m.cluster.Members {
+		if mem.ConfigHash == m.file.Hash {
+			n++
+			continue
+		}
+		s := fmt.Sprintf("%s runs %s", mem.APIServerID, short(mem.ConfigHash))
+		if mem.LastReloadError != "" {
+			first, _, _ := strings.Cut(mem.LastReloadError, "\n")
+			s += " and refused a newer file: " + first
+		}
+		missing = append(missing, s)
+	}
+	return n, missing
+}
+
+func (m *Machine) ackOK() bool {
+	n, missing := m.acked()
+	m.progress = Progress{Members: len(m.cluster.Members), Acked: n}
+	if len(m.cluster.Members) == 0 {
+		m.waiting = "no live apiserver publishes its state"
+		return false
+	}
+	m.waiting = ""
+	if len(missing) > 0 {
+		m.waiting = fmt.Sprintf("the file is %s; %s", short(m.file.Hash), strings.Join(missing, "; "))
+	}
+	return len(missing) == 0
+}
+
+// checkDeadline fails a wait that outlived the timeout, saying where it stopped.
+func (m *Machine) checkDeadline() {
+	if m.cfg.Timeout <= 0 || m.stage == StageDone || m.stage == StageFailed || m.now.Sub(m.start) < m.cfg.Timeout {
+		return
+	}
+	where := "before the first stage"
+	if n := m.stage.Number(); n > 0 {
+		where = fmt.Sprintf("at stage %d/%d (%s)", n, Stages, m.stage)
+	}
+	m.fail("not complete after %s, %s: %s; %s; run `rekey rotate --wait` again to continue from there",
+		m.cfg.Timeout, where, dash(m.waiting), advice[m.stage])
+}
+
+var advice = map[Stage]string{
+	StageStart:   "check that the apiservers run with cluster coordination under this --coordination-prefix (`rekey status`)",
+	StageEdit:    "check the file",
+	StagePromote: "install the file on every apiserver (a mounted Secret reaches each node after the kubelet's sync period) and check `rekey status`",
+	StageMigrate: "check the migration leader's state with `rekey status` and its log",
+	StageRemove:  "the guard counts stored objects still under the old key; check `rekey inventory` and the migration",
+	StageAck:     "install the final file on every apiserver; an apiserver that refused it says why in `rekey status`",
+}
+
+func short(h string) string {
+	if len(h) > len("sha256:")+12 {
+		return h[:len("sha256:")+12]
+	}
+	if h == "" {
+		return "no configuration hash"
+	}
+	return h
+}
+
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func dedupe(s []string) []string {
+	var out []string
+	for _, x := range s {
+		if !slices.Contains(out, x) {
+			out = append(out, x)
+		}
+	}
+	return out
+}

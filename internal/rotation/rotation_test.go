@@ -1,0 +1,216 @@
+package rotation
+
+import (
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cockroachdb/datadriven"
+
+	"github.com/rekey-io/rekey/pkg/cluster"
+)
+
+var epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+// TestTranscripts steps the machine through testdata/*.txt. Every command prints Ready.
+//
+//	start [timeout=<d>] [reset]          a new machine that sees the cluster as it is
+//	                                     (reset: no members, no migration state)
+//	file hash=<h>                        input: "<resources>: <key>, <key>…" per rule (first writes)
+//	member id=<id> hash=<h> [gone] [error=<text>]
+//	                                     input: "<resource>: <key>, …" with * on the writing
+//	                                     entry (a * not on the first entry: the first is held)
+//	migration                            input: none | record <res> <key> verified|error=<text> |
+//	                                     running <res> <key> <done>/<total> | plan <res> <state>
+//	first-edit-written / remove-written / remove-refused reason=<text>
+//	tick <duration>
+//
+// Keys are "aesgcm/k1", "kms/vault@h1" (key id hash h1) or "identity".
+func TestTranscripts(t *testing.T) {
+	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
+		var m *Machine
+		now := epoch
+		members := map[string]cluster.MemberState{}
+		var mig *cluster.MigrationState
+		observe := func() {
+			var list []cluster.MemberState
+			for _, mem := range members {
+				list = append(list, mem)
+			}
+			slices.SortFunc(list, func(a, b cluster.MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) })
+			m.Step(ClusterObserved{Members: list, Migration: mig, Prefix: "/rekey"})
+		}
+		datadriven.RunTest(t, path, func(t *testing.T, d *datadriven.TestData) string {
+			if m == nil && d.Cmd != "start" {
+				d.Fatalf(t, "start first")
+			}
+			switch d.Cmd {
+			case "start":
+				cfg := Config{GuardRetry: 5 * time.Second}
+				if d.HasArg("timeout") {
+					var s string
+					d.ScanArgs(t, "timeout", &s)
+					cfg.Timeout = mustDuration(t, d, s)
+				}
+				if d.HasArg("reset") {
+					members, mig = map[string]cluster.MemberState{}, nil
+				}
+				m = New(cfg, now)
+				observe()
+			case "file":
+				var hash string
+				d.ScanArgs(t, "hash", &hash)
+				var rules []Rule
+				for _, line := range lines(d.Input) {
+					res, keys, ok := strings.Cut(line, ":")
+					if !ok {
+						d.Fatalf(t, "rule line %q: want <resources>: <keys>", line)
+					}
+					r := Rule{Resources: strings.Split(strings.TrimSpace(res), ",")}
+					for _, k := range strings.Split(keys, ",") {
+						r.Entries = append(r.Entries, parseKey(k))
+					}
+					rules = append(rules, r)
+				}
+				m.Step(FileRead{Hash: hash, Rules: rules})
+			case "member":
+				var id string
+				d.ScanArgs(t, "id", &id)
+				if d.HasArg("gone") {
+					delete(members, id)
+				} else {
+					mem := cluster.MemberState{APIServerID: id}
+					d.ScanArgs(t, "hash", &mem.ConfigHash)
+					if d.HasArg("error") {
+						d.ScanArgs(t, "error", &mem.LastReloadError)
+					}
+					for _, line := range lines(d.Input) {
+						res, keys, _ := strings.Cut(line, ":")
+						rs := cluster.ResourceState{Resource: strings.TrimSpace(res)}
+						w := 0
+						for i, k := range strings.Split(keys, ",") {
+							k = strings.TrimSpace(k)
+							if strings.HasPrefix(k, "*") {
+								w, k = i, k[1:]
+							}
+							rs.Read = append(rs.Read, parseKey(k))
+						}
+						rs.Write = rs.Read[w]
+						if w > 0 {
+							h := rs.Read[0]
+							rs.Held = &h
+						}
+						mem.Resources = append(mem.Resources, rs)
+					}
+					members[id] = mem
+				}
+				observe()
+			case "migration":
+				mig = &cluster.MigrationState{Records: map[string]cluster.Record{}}
+				for _, line := range lines(d.Input) {
+					f := strings.Fields(line)
+					switch {
+					case f[0] == "none":
+						mig = nil
+					case f[0] == "record" && len(f) == 4:
+						rec := cluster.Record{Target: parseKey(f[2]), Verified: f[3] == "verified"}
+						if !rec.Verified {
+							rec.Error = strings.TrimPrefix(f[3], "error=")
+						}
+						mig.Records[f[1]] = rec
+					case f[0] == "running" && len(f) == 4:
+						done, total, _ := strings.Cut(f[3], "/")
+						mig.Running = &cluster.Migration{Resource: f[1], Target: parseKey(f[2])}
+						mig.Progress = &cluster.Progress{Resource: f[1], Done: atoi(t, d, done), Total: atoi(t, d, total)}
+					case f[0] == "plan" && len(f) >= 3:
+						mig.Plans = append(mig.Plans, cluster.Plan{Resource: f[1], State: f[2], Detail: strings.Join(f[3:], " ")})
+					default:
+						d.Fatalf(t, "migration line %q", line)
+					}
+				}
+				observe()
+			case "first-edit-written":
+				m.Step(FirstEditWritten{})
+			case "remove-written":
+				m.Step(RemoveWritten{})
+			case "remove-refused":
+				var reason string
+				d.ScanArgs(t, "reason", &reason)
+				m.Step(RemoveRefused{Reason: reason})
+			case "tick":
+				if len(d.CmdArgs) != 1 {
+					d.Fatalf(t, "tick: want one duration")
+				}
+				now = now.Add(mustDuration(t, d, d.CmdArgs[0].Key))
+				m.Step(Tick{Now: now})
+			default:
+				d.Fatalf(t, "unknown command %q", d.Cmd)
+			}
+			return render(m.Ready())
+		})
+	})
+}
+
+func render(r Ready) string {
+	var b strings.Builder
+	for _, l := range r.Lines {
+		fmt.Fprintf(&b, "> %s\n", l)
+	}
+	fmt.Fprintf(&b, "%s", r.Action)
+	if len(r.Remove) > 0 {
+		fmt.Fprintf(&b, " %s", strings.Join(r.Remove, ","))
+	}
+	fmt.Fprintf(&b, " | stage %s", r.Stage)
+	if n := r.Stage.Number(); n >= 1 && n <= Stages {
+		fmt.Fprintf(&b, " %d/%d", n, Stages)
+	}
+	if p := r.Progress; p.Members > 0 {
+		fmt.Fprintf(&b, " | acked %d/%d", p.Acked, p.Members)
+	}
+	if p := r.Progress; p.Total > 0 {
+		fmt.Fprintf(&b, " | objects %d/%d", p.Done, p.Total)
+	}
+	b.WriteString("\n")
+	if r.Waiting != "" && r.Action == ActionWait {
+		fmt.Fprintf(&b, "waiting: %s\n", r.Waiting)
+	}
+	if r.Err != "" {
+		fmt.Fprintf(&b, "error: %s\n", r.Err)
+	}
+	return b.String()
+}
+
+func lines(s string) []string {
+	var out []string
+	for _, l := range strings.Split(strings.TrimSpace(s), "\n") {
+		if l = strings.TrimSpace(l); l != "" {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+func parseKey(s string) Key {
+	s, hash, _ := strings.Cut(strings.TrimSpace(s), "@")
+	p, k, _ := strings.Cut(s, "/")
+	return Key{Provider: p, Key: k, KeyIDHash: hash}
+}
+
+func mustDuration(t *testing.T, d *datadriven.TestData, s string) time.Duration {
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		d.Fatalf(t, "%v", err)
+	}
+	return v
+}
+
+func atoi(t *testing.T, d *datadriven.TestData, s string) int64 {
+	v, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		d.Fatalf(t, "%v", err)
+	}
+	return v
+}

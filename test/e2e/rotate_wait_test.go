@@ -1,0 +1,171 @@
+package e2e
+
+// `rekey rotate --wait` on the many-apiserver testbed (issue 12, item 1): the operator
+// edits one source file; a syncer copies it to each shim's own file after a random
+// delay, as kubelets refresh a mounted Secret on every node.
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/rekey-io/rekey/internal/testbed"
+)
+
+// followSource copies source to every shim's file through the syncer whenever it
+// changes, one round at a time (a kubelet never installs an older version after a
+// newer one). It stops with ctx.
+func followSource(ctx context.Context, t *testing.T, syncer *testbed.FileSyncer, source string) *sync.WaitGroup {
+	var wg sync.WaitGroup
+	last, err := os.ReadFile(source)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wg.Go(func() {
+		for ctx.Err() == nil {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(100 * time.Millisecond):
+			}
+			cur, err := os.ReadFile(source)
+			if err != nil || bytes.Equal(cur, last) {
+				continue
+			}
+			last = cur
+			t.Logf("source file changed (%s): syncing it to the shims", testbed.ConfigHash(cur))
+			if _, err := syncer.Apply(ctx, cur).Wait(ctx); err != nil && ctx.Err() == nil {
+				t.Errorf("syncing the source file: %v", err)
+			}
+		}
+	})
+	return &wg
+}
+
+// sourceKeys reads the key names of the source file's secrets rule (never secrets).
+func sourceKeys(t *testing.T, path string) []string {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cfg struct {
+		Resources []struct {
+			Providers []struct {
+				AESGCM *struct {
+					Keys []struct {
+						Name string `json:"name"`
+					} `json:"keys"`
+				} `json:"aesgcm"`
+			} `json:"providers"`
+		} `json:"resources"`
+	}
+	if err := yaml.Unmarshal(data, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, p := range cfg.Resources[0].Providers {
+		if p.AESGCM != nil {
+			for _, k := range p.AESGCM.Keys {
+				names = append(names, k.Name)
+			}
+		}
+	}
+	return names
+}
+
+// TestRotateWait runs the built `rekey rotate --wait` against a source file while
+// writers and a sampler run on three shims: it exits 0 with only the new key in the
+// file and every Secret stored under it, nothing failed and nothing unreadable. Then a
+// second rotation is killed right after its first edit, and run again: it finishes that
+// rotation without adding another key.
+func TestRotateWait(t *testing.T) {
+	requireClusterShim(t)
+	bin := rekeyBin(t)
+	b := newClusterBed(t, bedConfig{name: "rotate-wait", objects: envInt("ROTATE_WAIT_OBJECTS", 300), coordination: true,
+		minDelay: 500 * time.Millisecond, maxDelay: 4 * time.Second})
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	source := filepath.Join(t.TempDir(), "encryption.yaml")
+	if err := os.WriteFile(source, testbed.SecretsConfig(testbed.AESGCM(b.key1)).Render(), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	syncing := followSource(ctx, t, b.syncer, source)
+	defer syncing.Wait()
+	defer cancel()
+	l := b.startLoad()
+	args := []string{"rotate", "--encryption-provider-config", source, "--wait",
+		"--etcd-servers", strings.Join(b.etcd.Endpoints(), ","), "--etcd-prefix", b.prefix,
+		"--coordination-prefix", b.coord, "--wait-timeout", "60s", "--progress", "plain"}
+
+	start := time.Now()
+	out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
+	t.Logf("rekey rotate --wait (%v):\n%s", time.Since(start).Round(time.Millisecond), out)
+	if err != nil {
+		t.Fatalf("rekey rotate --wait: %v", err)
+	}
+	keys := sourceKeys(t, source)
+	if len(keys) != 1 || !strings.HasPrefix(keys[0], "key-") {
+		t.Fatalf("keys in the source file after rotate --wait: %v, want only the new key", keys)
+	}
+	if err := testbed.AllStoredUnder(ctx, b.cli, b.secretsKey, "k8s:enc:aesgcm:v1:"+keys[0]+":"); err != nil {
+		t.Fatal(err)
+	}
+	if s := string(out); strings.Contains(s, b.key1.Secret) || !strings.Contains(s, "stage 4/4 ack") {
+		t.Fatalf("output lacks the stages or holds key material")
+	}
+
+	// Resume: the first run is killed once it has written its first edit.
+	cmd := exec.CommandContext(ctx, bin, args...)
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = cmd.Stdout
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	var killed strings.Builder
+	sc := bufio.NewScanner(stdout)
+	for sc.Scan() {
+		killed.WriteString(sc.Text() + "\n")
+		if strings.Contains(sc.Text(), "first edit written") {
+			_ = cmd.Process.Kill()
+			break
+		}
+	}
+	_, _ = io.Copy(io.Discard, stdout)
+	_ = cmd.Wait()
+	t.Logf("killed rekey rotate --wait after its first edit:\n%s", killed.String())
+	mid := sourceKeys(t, source)
+	if len(mid) != 2 || mid[1] != keys[0] {
+		t.Fatalf("keys after the killed run: %v, want [<new> %s]", mid, keys[0])
+	}
+	out, err = exec.CommandContext(ctx, bin, args...).CombinedOutput()
+	t.Logf("rekey rotate --wait, resumed:\n%s", out)
+	if err != nil {
+		t.Fatalf("resumed rekey rotate --wait: %v", err)
+	}
+	if !strings.Contains(string(out), "resuming the rotation in progress") {
+		t.Errorf("the resumed run does not say it resumes")
+	}
+	if got := sourceKeys(t, source); len(got) != 1 || got[0] != mid[0] {
+		t.Fatalf("keys after the resumed run: %v, want only %s (no second new key)", got, mid[0])
+	}
+	if err := testbed.AllStoredUnder(ctx, b.cli, b.secretsKey, "k8s:enc:aesgcm:v1:"+mid[0]+":"); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	syncing.Wait()
+	b.finish(l)
+}
