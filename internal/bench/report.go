@@ -126,6 +126,9 @@ func (r *Report) Merge(old *Report) *Report {
 	}
 	top := runs[rows[0].Scenario]
 	out.Command, out.Started = top.Command, top.Started
+	if !fresh[rows[0].Scenario] {
+		out.Host = old.Host // the header describes the first scenario's run
+	}
 	for sc, ri := range runs {
 		if ri.Command != top.Command || !ri.Started.Equal(top.Started) {
 			if out.ScenarioRuns == nil {
