@@ -77,6 +77,7 @@ type Report struct {
 type RunInfo struct {
 	Command string    `json:"command"`
 	Started time.Time `json:"started"`
+	Host    Host      `json:"host"`
 }
 
 // runOf is the run that measured scenario sc.
@@ -84,7 +85,7 @@ func (r *Report) runOf(sc string) RunInfo {
 	if ri, ok := r.ScenarioRuns[sc]; ok {
 		return ri
 	}
-	return RunInfo{Command: r.Command, Started: r.Started}
+	return RunInfo{Command: r.Command, Started: r.Started, Host: r.Host}
 }
 
 // Merge puts this run's rows into an earlier report: old keeps the scenarios this run
@@ -119,16 +120,12 @@ func (r *Report) Merge(old *Report) *Report {
 			rows = append(rows, r.rowsOf(sc)...)
 		}
 	}
-	out := &Report{Host: r.Host, Rows: rows}
+	out := &Report{Command: r.Command, Started: r.Started, Host: r.Host, Rows: rows}
 	if len(rows) == 0 {
-		out.Command, out.Started = r.Command, r.Started
 		return out
 	}
 	top := runs[rows[0].Scenario]
-	out.Command, out.Started = top.Command, top.Started
-	if !fresh[rows[0].Scenario] {
-		out.Host = old.Host // the header describes the first scenario's run
-	}
+	out.Command, out.Started, out.Host = top.Command, top.Started, top.Host
 	for sc, ri := range runs {
 		if ri.Command != top.Command || !ri.Started.Equal(top.Started) {
 			if out.ScenarioRuns == nil {
@@ -253,7 +250,9 @@ func (r *Report) WriteMarkdown(w io.Writer, chartDir string) {
 	for _, sc := range r.scenarios() {
 		fmt.Fprintf(w, "### %s\n\n", sc)
 		if ri, ok := r.ScenarioRuns[sc]; ok {
-			fmt.Fprintf(w, "Measured by another run than the one above. Command: `%s`  \nRun: %s\n\n", ri.Command, ri.Started.UTC().Format(time.RFC3339))
+			h := ri.Host
+			fmt.Fprintf(w, "Measured by another run than the one above. Command: `%s`  \nRun: %s, %s/%s, %d CPUs (GOMAXPROCS %d), %s, CPU: %s\n\n",
+				ri.Command, ri.Started.UTC().Format(time.RFC3339), h.OS, h.Arch, h.CPUs, h.GOMAXPROCS, h.GoVersion, h.CPU)
 		}
 		rows := r.rowsOf(sc)
 		var impls []string

@@ -133,7 +133,9 @@ func TestRotationRows(t *testing.T) {
 // each with the run that measured it.
 func TestMergeKeepsOtherScenarios(t *testing.T) {
 	old := sampleReport()
-	rotationRun := &Report{Command: "rekey-bench -scenarios rotation", Started: old.Started.Add(48 * time.Hour), Host: old.Host,
+	otherHost := old.Host
+	otherHost.CPU = "Intel Xeon"
+	rotationRun := &Report{Command: "rekey-bench -scenarios rotation", Started: old.Started.Add(48 * time.Hour), Host: otherHost,
 		Rows: rotationRows(map[string]*rotationResult{"rekey": {total: time.Second, afterLastFile: time.Second, stored: 1, underNew: 1},
 			"upstream": {total: 9 * time.Second, afterLastFile: 8 * time.Second, stored: 1, underNew: 1}}, 10_000)}
 	merged := rotationRun.Merge(old)
@@ -143,7 +145,10 @@ func TestMergeKeepsOtherScenarios(t *testing.T) {
 	if merged.Command != old.Command || !merged.Started.Equal(old.Started) {
 		t.Fatalf("merged run %q %v, want the first scenario's %q %v", merged.Command, merged.Started, old.Command, old.Started)
 	}
-	if ri, ok := merged.ScenarioRuns[rotationScenario]; !ok || ri.Command != rotationRun.Command {
+	if merged.Host != old.Host {
+		t.Fatalf("merged header host %+v, want the main run's %+v", merged.Host, old.Host)
+	}
+	if ri, ok := merged.ScenarioRuns[rotationScenario]; !ok || ri.Command != rotationRun.Command || ri.Host != otherHost {
 		t.Fatalf("rotation's run: %+v", merged.ScenarioRuns)
 	}
 	if len(merged.ScenarioRuns) != 1 {
