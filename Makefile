@@ -82,7 +82,7 @@ bench:
 	$(GO) run ./cmd/rekey-bench $(BENCH_FLAGS) $(BENCH_OUT)
 
 ## bench-rotation: the rotation scenario alone (issue 12: rekey rotate --wait vs
-## upstream's procedure, 10,000 Secrets on 3 apiservers, about 8 minutes); replaces its
+## upstream's procedure, 10,000 Secrets on 3 apiservers, 6–8 minutes); replaces its
 ## section of BENCHMARKS.md and results.json and keeps every other one.
 bench-rotation:
 	$(GO) run ./cmd/rekey-bench -scenarios rotation $(BENCH_FLAGS) $(BENCH_OUT)
