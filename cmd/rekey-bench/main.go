@@ -4,8 +4,10 @@ package main
 
 import (
 	"bytes"
+	"errors"
 	"flag"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
@@ -27,11 +29,20 @@ func main() {
 		from       = flag.String("from", "", "measure nothing: read results JSON written by -results and render the markdown and charts from it")
 		notes      = flag.String("notes", "", "a markdown file inserted at the top of the report (the analysis of what the figures mean)")
 		failOnMiss = flag.Bool("fail-on-miss", false, "exit 1 when a target is missed")
+		merge      = flag.String("merge", "", "results JSON of an earlier run: keep its scenarios this run does not measure (a missing file keeps nothing)")
+		appendix   = flag.String("appendix", "", "a markdown file appended at the end of the report (hand-measured sections)")
+		rotObjects = flag.Int("rotation-objects", 0, "Secrets the rotation scenario rotates (default 10,000; short 1,000)")
+		rotSides   = flag.String("rotation-sides", "", "comma-separated sides of the rotation scenario to run: rekey, upstream (default both)")
+		rotRekey   = flag.String("rotation-rekey-bin", "", "the rekey binary the rotation scenario runs (default: cmd/rekey built from this tree)")
 	)
 	flag.Parse()
 	if *list {
 		for _, s := range bench.Scenarios() {
-			fmt.Printf("%-10s %s\n", s.Name, s.Desc)
+			only := ""
+			if s.Explicit {
+				only = " (only with -scenarios)"
+			}
+			fmt.Printf("%-14s %s%s\n", s.Name, s.Desc, only)
 		}
 		return
 	}
@@ -45,6 +56,10 @@ func main() {
 	if *sampleTime > 0 {
 		settings.SampleTime = *sampleTime
 	}
+	settings.RotationObjects, settings.RotationRekeyBin = *rotObjects, *rotRekey
+	if *rotSides != "" {
+		settings.RotationSides = strings.Split(*rotSides, ",")
+	}
 	var names []string
 	if *scenarios != "" {
 		names = strings.Split(*scenarios, ",")
@@ -56,15 +71,9 @@ func main() {
 	}
 	var report *bench.Report
 	if *from != "" {
-		f, err := os.Open(*from)
-		if err != nil {
+		var err error
+		if report, err = readReport(*from); err != nil {
 			fmt.Fprintln(os.Stderr, "rekey-bench:", err)
-			os.Exit(2)
-		}
-		report, err = bench.ReadReport(f)
-		f.Close()
-		if err != nil {
-			fmt.Fprintf(os.Stderr, "rekey-bench: %s: %v\n", *from, err)
 			os.Exit(2)
 		}
 	} else {
@@ -77,6 +86,18 @@ func main() {
 				os.Exit(1)
 			}
 			report.Rows = append(report.Rows, rows...)
+		}
+		if *merge != "" {
+			old, err := readReport(*merge)
+			switch {
+			case errors.Is(err, fs.ErrNotExist):
+				fmt.Fprintf(os.Stderr, "rekey-bench: %s does not exist: nothing to merge\n", *merge)
+			case err != nil:
+				fmt.Fprintln(os.Stderr, "rekey-bench:", err)
+				os.Exit(2)
+			default:
+				report = report.Merge(old)
+			}
 		}
 	}
 	if *results != "" {
@@ -115,6 +136,15 @@ func main() {
 		buf.WriteString("\n## Results\n\n")
 	}
 	report.WriteMarkdown(&buf, chartRef)
+	if *appendix != "" {
+		text, err := os.ReadFile(*appendix)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "rekey-bench:", err)
+			os.Exit(1)
+		}
+		buf.WriteString("\n")
+		buf.Write(text)
+	}
 	os.Stdout.Write(buf.Bytes())
 	if *markdown != "" {
 		if err := os.WriteFile(*markdown, buf.Bytes(), 0o644); err != nil {
@@ -128,4 +158,18 @@ func main() {
 			os.Exit(1)
 		}
 	}
+}
+
+// readReport reads results JSON written by -results.
+func readReport(path string) (*bench.Report, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	r, err := bench.ReadReport(f)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return r, nil
 }

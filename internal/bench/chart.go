@@ -266,7 +266,7 @@ func (r *Report) renderChart(d *chartData, format string) ([]byte, error) {
 
 	// Footer: what the bars are and which run they come from.
 	foot := textStyle(sans, footSize, 0, 0)
-	footText := fmt.Sprintf("Bars start at the 1× line (= %s) and end at the ratio of medians; log scale.\nData: %s.", d.Baseline(), r.runLabel())
+	footText := fmt.Sprintf("Bars start at the 1× line (= %s) and end at the ratio of medians; log scale.\nData: %s.", d.Baseline(), runLabel(r.runOf(d.Scenarios[0])))
 	c.FillText(foot, vg.Point{X: c.Min.X, Y: c.Min.Y}, footText)
 	bottom := c.Min.Y + foot.Height(footText) + 6
 
@@ -289,16 +289,17 @@ func (r *Report) renderChart(d *chartData, format string) ([]byte, error) {
 	return out, nil
 }
 
-func (r *Report) runLabel() string {
-	if r.Started.IsZero() {
+// runLabel names the run that measured a chart's (first) scenario.
+func runLabel(ri RunInfo) string {
+	if ri.Started.IsZero() {
 		return "rekey-bench"
 	}
-	s := "rekey-bench run of " + r.Started.UTC().Format("2006-01-02")
-	if r.Host.CPUs > 0 {
-		s += fmt.Sprintf(", %d CPUs", r.Host.CPUs)
+	s := "rekey-bench run of " + ri.Started.UTC().Format("2006-01-02")
+	if ri.Host.CPUs > 0 {
+		s += fmt.Sprintf(", %d CPUs", ri.Host.CPUs)
 	}
-	if r.Host.CPU != "" && r.Host.CPU != "unknown" {
-		s += " (" + r.Host.CPU + ")"
+	if ri.Host.CPU != "" && ri.Host.CPU != "unknown" {
+		s += " (" + ri.Host.CPU + ")"
 	}
 	return s
 }

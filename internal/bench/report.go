@@ -68,6 +68,73 @@ type Report struct {
 	Started time.Time `json:"started"`
 	Host    Host      `json:"host"`
 	Rows    []Row     `json:"rows"`
+	// ScenarioRuns names the run of each scenario measured by another command than
+	// Command (see Merge), by scenario.
+	ScenarioRuns map[string]RunInfo `json:"scenarioRuns,omitempty"`
+}
+
+// RunInfo is the command and start of one harness run.
+type RunInfo struct {
+	Command string    `json:"command"`
+	Started time.Time `json:"started"`
+	Host    Host      `json:"host"`
+}
+
+// runOf is the run that measured scenario sc.
+func (r *Report) runOf(sc string) RunInfo {
+	if ri, ok := r.ScenarioRuns[sc]; ok {
+		return ri
+	}
+	return RunInfo{Command: r.Command, Started: r.Started, Host: r.Host}
+}
+
+// Merge puts this run's rows into an earlier report: old keeps the scenarios this run
+// did not measure, each with the run that did; a scenario this run measured replaces
+// old's rows in place (or is appended). The merged report's Command and Started are
+// those of its first scenario's run, and ScenarioRuns names every other run, so a
+// section measured alone (a scenario that takes minutes) is not mistaken for part of
+// the main run, and the main run's figures are not measured again.
+func (r *Report) Merge(old *Report) *Report {
+	fresh := map[string]bool{}
+	for _, sc := range r.scenarios() {
+		fresh[sc] = true
+	}
+	runs := map[string]RunInfo{}
+	var rows []Row
+	placed := map[string]bool{}
+	for _, row := range old.Rows {
+		sc := row.Scenario
+		if !fresh[sc] {
+			runs[sc] = old.runOf(sc)
+			rows = append(rows, row)
+			continue
+		}
+		if !placed[sc] {
+			placed[sc] = true
+			rows = append(rows, r.rowsOf(sc)...)
+		}
+	}
+	for _, sc := range r.scenarios() {
+		runs[sc] = r.runOf(sc)
+		if !placed[sc] {
+			rows = append(rows, r.rowsOf(sc)...)
+		}
+	}
+	out := &Report{Command: r.Command, Started: r.Started, Host: r.Host, Rows: rows}
+	if len(rows) == 0 {
+		return out
+	}
+	top := runs[rows[0].Scenario]
+	out.Command, out.Started, out.Host = top.Command, top.Started, top.Host
+	for sc, ri := range runs {
+		if ri.Command != top.Command || !ri.Started.Equal(top.Started) {
+			if out.ScenarioRuns == nil {
+				out.ScenarioRuns = map[string]RunInfo{}
+			}
+			out.ScenarioRuns[sc] = ri
+		}
+	}
+	return out
 }
 
 // Host describes the machine a run measured.
@@ -182,6 +249,11 @@ func (r *Report) WriteMarkdown(w io.Writer, chartDir string) {
 	charts := r.charts()
 	for _, sc := range r.scenarios() {
 		fmt.Fprintf(w, "### %s\n\n", sc)
+		if ri, ok := r.ScenarioRuns[sc]; ok {
+			h := ri.Host
+			fmt.Fprintf(w, "Measured by another run than the one above. Command: `%s`  \nRun: %s, %s/%s, %d CPUs (GOMAXPROCS %d), %s, CPU: %s\n\n",
+				ri.Command, ri.Started.UTC().Format(time.RFC3339), h.OS, h.Arch, h.CPUs, h.GOMAXPROCS, h.GoVersion, h.CPU)
+		}
 		rows := r.rowsOf(sc)
 		var impls []string
 		for _, f := range rows[0].Figures {

@@ -17,6 +17,15 @@ type Settings struct {
 	SampleTime time.Duration
 	// Progress receives one line per finished case (nil: silent).
 	Progress io.Writer
+	// RotationObjects is the number of Secrets the rotation scenario rotates (default
+	// 10,000; 1,000 in short mode).
+	RotationObjects int
+	// RotationSides are the rotation scenario's sides to run: rekey, upstream (default
+	// both).
+	RotationSides []string
+	// RotationRekeyBin is the rekey binary side (a) runs (default: cmd/rekey built from
+	// this tree).
+	RotationRekeyBin string
 }
 
 // Impl is one implementation of an operation.

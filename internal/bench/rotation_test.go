@@ -1,0 +1,240 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"reflect"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rekey-io/rekey/internal/testbed"
+)
+
+// The id label ends in hash=" too: only the hash label counts, wherever it stands.
+func TestParseConfigHashes(t *testing.T) {
+	body := []byte(`# HELP apiserver_encryption_config_controller_last_config_info Information about the last applied encryption configuration with hash as label, split by apiserver identity.
+# TYPE apiserver_encryption_config_controller_last_config_info gauge
+apiserver_encryption_config_controller_last_config_info{apiserver_id_hash="sha256:1111",hash="sha256:aaaa"} 1
+apiserver_encryption_config_controller_last_config_info{hash="sha256:bbbb",apiserver_id_hash="sha256:2222"} 1
+apiserver_encryption_config_controller_automatic_reloads_total{apiserver_id_hash="sha256:1111",status="success"} 2
+`)
+	got := parseConfigHashes(body)
+	if want := []string{"sha256:aaaa", "sha256:bbbb"}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("parseConfigHashes = %v, want %v", got, want)
+	}
+	if got := parseConfigHashes([]byte("apiserver_encryption_config_controller_automatic_reloads_total 1\n")); len(got) != 0 {
+		t.Fatalf("hashes from a body without the metric: %v", got)
+	}
+}
+
+func TestRotateHelpHasWait(t *testing.T) {
+	with := "Flags:\n      --etcd-servers strings   etcd servers\n      --wait                   Follow the cluster\n"
+	without := "Flags:\n      --etcd-servers strings   etcd servers\n      --wait-timeout duration  not the flag\n  -o, --output string   waits for --wait\n"
+	if !rotateHelpHasWait(with) {
+		t.Error("--wait not found in a help text that lists it")
+	}
+	if rotateHelpHasWait(without) {
+		t.Error("--wait found in a help text that only mentions it")
+	}
+}
+
+func TestConfigKeys(t *testing.T) {
+	k1 := testbed.NamedKey{Name: "key1", Secret: testbed.RandomKey()}
+	k2 := testbed.NamedKey{Name: "key2", Secret: testbed.RandomKey()}
+	got, err := configKeys(testbed.SecretsConfig(testbed.AESGCM(k2, k1), testbed.Identity()).Render())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"key2", "key1"}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("configKeys = %v, want %v", got, want)
+	}
+	if _, err := configKeys([]byte("resources: [")); err == nil {
+		t.Fatal("configKeys accepted broken YAML")
+	}
+}
+
+// The scenario takes minutes, so the default run leaves it out; naming it runs it.
+func TestSelectLeavesExplicitScenariosOut(t *testing.T) {
+	def, err := Select(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range def {
+		if s.Name == "rotation" {
+			t.Fatal("the default run includes the rotation scenario")
+		}
+	}
+	named, err := Select([]string{"rotation"})
+	if err != nil || len(named) != 1 || named[0].Name != "rotation" {
+		t.Fatalf("Select(rotation) = %v, %v", named, err)
+	}
+}
+
+func TestRotationRows(t *testing.T) {
+	rk := &rotationResult{side: "rekey", total: 20 * time.Second, afterLastFile: 12 * time.Second, edits: 2,
+		underNew: 10_100, stored: 10_100, newKey: "key-2026"}
+	up := &rotationResult{side: "upstream", total: 200 * time.Second, afterLastFile: 190 * time.Second, edits: 3,
+		underNew: 10_090, stored: 10_100, newKey: "key2", rewritten: 10_050}
+	rows := rotationRows(map[string]*rotationResult{"rekey": rk, "upstream": up}, 10_000)
+	if rows[0].Scenario != rotationScenario {
+		t.Fatalf("scenario %q", rows[0].Scenario)
+	}
+	total := rows[0]
+	if sp := total.Speedup(1); sp != 10 {
+		t.Fatalf("speedup %v, want 10", sp)
+	}
+	if len(total.Checks) != 1 || !total.Checks[0].Met || len(total.Plots) != 1 {
+		t.Fatalf("total row: checks %+v, plots %+v", total.Checks, total.Plots)
+	}
+	if c := rows[1].Checks; len(c) != 1 || !c[0].Met {
+		t.Fatalf("< 60 s check: %+v", c)
+	}
+	var under Row
+	for _, r := range rows {
+		if strings.HasPrefix(r.Case, "stored Secrets under the new key") {
+			under = r
+		}
+	}
+	// upstream left 10 Secrets on the old key: that is a miss, and says so.
+	var missed []string
+	for _, c := range under.Checks {
+		if !c.Met {
+			missed = append(missed, c.Desc+" "+c.Got)
+		}
+	}
+	if want := []string{"upstream: every stored Secret 10090 of 10100"}; !reflect.DeepEqual(missed, want) {
+		t.Fatalf("missed %v, want %v", missed, want)
+	}
+	if got := under.Figures[1].Stats.Median; got < 99.89 || got > 99.91 {
+		t.Fatalf("upstream's share under the new key %.2f%%, want 99.90%%", got)
+	}
+
+	// Side (a) not run: its figures say so, and there is no ratio to chart or check.
+	upDone := *up
+	upDone.underNew = upDone.stored
+	only := rotationRows(map[string]*rotationResult{"upstream": &upDone}, 1_000)
+	if !strings.Contains(only[0].Scenario, "1,000 Secrets") {
+		t.Fatalf("scenario %q does not name 1,000 Secrets", only[0].Scenario)
+	}
+	if only[0].Figures[0].Note != "not run" || len(only[0].Plots) != 0 || len(only[0].Checks) != 0 {
+		t.Fatalf("upstream-only total row: %+v", only[0])
+	}
+	r := &Report{Rows: only}
+	if r.Missed() != 0 {
+		t.Fatalf("an upstream-only run reports %d misses", r.Missed())
+	}
+}
+
+// A scenario measured alone replaces its own rows and keeps every other scenario's,
+// each with the run that measured it.
+func TestMergeKeepsOtherScenarios(t *testing.T) {
+	old := sampleReport()
+	otherHost := old.Host
+	otherHost.CPU = "Intel Xeon"
+	rotationRun := &Report{Command: "rekey-bench -scenarios rotation", Started: old.Started.Add(48 * time.Hour), Host: otherHost,
+		Rows: rotationRows(map[string]*rotationResult{"rekey": {total: time.Second, afterLastFile: time.Second, stored: 1, underNew: 1},
+			"upstream": {total: 9 * time.Second, afterLastFile: 8 * time.Second, stored: 1, underNew: 1}}, 10_000)}
+	merged := rotationRun.Merge(old)
+	if got, want := merged.scenarios(), append(old.scenarios(), rotationScenario); !slices.Equal(got, want) {
+		t.Fatalf("scenarios %v, want %v", got, want)
+	}
+	if merged.Command != old.Command || !merged.Started.Equal(old.Started) {
+		t.Fatalf("merged run %q %v, want the first scenario's %q %v", merged.Command, merged.Started, old.Command, old.Started)
+	}
+	if merged.Host != old.Host {
+		t.Fatalf("merged header host %+v, want the main run's %+v", merged.Host, old.Host)
+	}
+	if ri, ok := merged.ScenarioRuns[rotationScenario]; !ok || ri.Command != rotationRun.Command || ri.Host != otherHost {
+		t.Fatalf("rotation's run: %+v", merged.ScenarioRuns)
+	}
+	if len(merged.ScenarioRuns) != 1 {
+		t.Fatalf("runs of scenarios measured by the main run recorded apart: %+v", merged.ScenarioRuns)
+	}
+	if !reflect.DeepEqual(merged.rowsOf("transform"), old.rowsOf("transform")) {
+		t.Fatal("merging changed another scenario's rows")
+	}
+	var md bytes.Buffer
+	merged.WriteMarkdown(&md, "")
+	if !strings.Contains(md.String(), "Command: `rekey-bench -scenarios rotation`") {
+		t.Fatalf("the markdown does not name the rotation's own run:\n%s", md.String())
+	}
+
+	// Measuring it again replaces it in place, and the JSON round trip keeps the runs.
+	again := &Report{Command: "rekey-bench -scenarios rotation -rotation-objects 10000", Started: old.Started.Add(72 * time.Hour),
+		Rows: rotationRun.Rows[:1]}
+	var buf bytes.Buffer
+	if err := merged.WriteJSON(&buf); err != nil {
+		t.Fatal(err)
+	}
+	back, err := ReadReport(&buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	twice := again.Merge(back)
+	if n := len(twice.rowsOf(rotationScenario)); n != 1 {
+		t.Fatalf("%d rotation rows after the second merge, want 1", n)
+	}
+	if ri := twice.ScenarioRuns[rotationScenario]; ri.Command != again.Command {
+		t.Fatalf("rotation's run after the second merge: %+v", ri)
+	}
+}
+
+// The source file's changes reach every node's file, one round per change.
+func TestSourceSyncAppliesEachEdit(t *testing.T) {
+	dir := t.TempDir()
+	files := []string{filepath.Join(dir, "a", "enc.yaml"), filepath.Join(dir, "b", "enc.yaml")}
+	for _, f := range files {
+		if err := testbed.InitSyncedFile(f, []byte("v0")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	syncer, err := testbed.NewFileSyncer(testbed.SyncerConfig{Files: files, MaxDelay: 30 * time.Millisecond, Seed: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	source := filepath.Join(dir, "source.yaml")
+	if err := os.WriteFile(source, []byte("v0"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	s := startSourceSync(ctx, source, []byte("v0"), syncer)
+	defer s.stop()
+	for _, v := range []string{"v1", "v2"} {
+		if err := testbed.WriteFileAtomic(source, []byte(v)); err != nil {
+			t.Fatal(err)
+		}
+		for {
+			if r := s.rounds(); len(r) > 0 && r[len(r)-1].round != nil {
+				select {
+				case <-r[len(r)-1].round.Done():
+				case <-ctx.Done():
+					t.Fatal(ctx.Err())
+				}
+				if all(files, v) {
+					break
+				}
+			}
+			if ctx.Err() != nil {
+				t.Fatalf("%s never reached every file", v)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	if n := len(s.rounds()); n != 2 {
+		t.Fatalf("%d rounds for 2 edits", n)
+	}
+}
+
+func all(files []string, want string) bool {
+	for _, f := range files {
+		if b, err := os.ReadFile(f); err != nil || string(b) != want {
+			return false
+		}
+	}
+	return true
+}
