@@ -38,11 +38,22 @@ func ValidatePrefix(prefix, resourcePrefix string) error {
 	if !strings.HasPrefix(prefix, "/") || strings.HasSuffix(prefix, "/") || len(prefix) < 2 {
 		return fmt.Errorf("--coordination-prefix %q must start with / and not end with / (e.g. %s)", prefix, DefaultPrefix)
 	}
-	p, r := prefix+"/", strings.TrimSuffix(resourcePrefix, "/")+"/"
-	if strings.HasPrefix(p, r) || strings.HasPrefix(r, p) {
-		return fmt.Errorf("--coordination-prefix %q overlaps --etcd-prefix %q: choose one outside the resource prefix (e.g. %s)", prefix, resourcePrefix, DefaultPrefix)
+	if overlaps(prefix, resourcePrefix) {
+		// Suggest a prefix that works with this --etcd-prefix: the default itself can be
+		// the one that collides (--etcd-prefix /rekey).
+		suggest := DefaultPrefix
+		if overlaps(suggest, resourcePrefix) {
+			suggest = DefaultPrefix + "-coordination"
+		}
+		return fmt.Errorf("--coordination-prefix %q overlaps --etcd-prefix %q: choose one outside the resource prefix (e.g. %s)", prefix, resourcePrefix, suggest)
 	}
 	return nil
+}
+
+// overlaps reports whether one key prefix contains the other.
+func overlaps(prefix, resourcePrefix string) bool {
+	p, r := prefix+"/", strings.TrimSuffix(resourcePrefix, "/")+"/"
+	return strings.HasPrefix(p, r) || strings.HasPrefix(r, p)
 }
 
 // ValidateID checks an apiserver id (--apiserver-id): it names an etcd key.

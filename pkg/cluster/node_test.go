@@ -314,6 +314,16 @@ func TestValidatePrefix(t *testing.T) {
 			t.Errorf("ValidatePrefix(%q, %q) = %v, want ok=%v", c.prefix, c.resource, err, c.ok)
 		}
 	}
+	// The suggested prefix must itself be valid with that --etcd-prefix (the bench once
+	// used --etcd-prefix /rekey, where the default is the collision).
+	for _, resource := range []string{"/registry", "/rekey", "/rekey/data"} {
+		err := ValidatePrefix(resource, resource)
+		_, suggest, ok := strings.Cut(fmt.Sprint(err), "(e.g. ")
+		suggest = strings.TrimSuffix(suggest, ")")
+		if !ok || ValidatePrefix(suggest, resource) != nil {
+			t.Errorf("ValidatePrefix(%q, %q) = %v; its suggestion %q does not fit that --etcd-prefix", resource, resource, err, suggest)
+		}
+	}
 }
 
 // TestReadinessCountsStoredKeysAnotherMemberReads: a stored key this apiserver cannot
