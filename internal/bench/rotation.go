@@ -24,7 +24,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
-	"sigs.k8s.io/yaml"
 
 	"github.com/rekey-io/rekey/internal/testbed"
 )
@@ -360,7 +359,7 @@ func rotateOnce(ctx context.Context, progress io.Writer, dir string, bins testbe
 	res.total, res.afterLastFile = done.Sub(first.detected), done.Sub(lastFile)
 
 	// The end state, checked independently of the procedure that claimed it.
-	keys, err := configKeys(final)
+	keys, err := testbed.AESGCMKeyNames(final)
 	if err != nil {
 		return nil, err
 	}
@@ -652,35 +651,6 @@ func parseConfigHashes(body []byte) []string {
 		}
 	}
 	return out
-}
-
-// configKeys lists the local key names of a config's aesgcm providers in order.
-func configKeys(content []byte) ([]string, error) {
-	var cfg struct {
-		Resources []struct {
-			Providers []struct {
-				AESGCM *struct {
-					Keys []struct {
-						Name string `json:"name"`
-					} `json:"keys"`
-				} `json:"aesgcm"`
-			} `json:"providers"`
-		} `json:"resources"`
-	}
-	if err := yaml.Unmarshal(content, &cfg); err != nil {
-		return nil, fmt.Errorf("reading the final config: %w", err)
-	}
-	var out []string
-	for _, r := range cfg.Resources {
-		for _, p := range r.Providers {
-			if p.AESGCM != nil {
-				for _, k := range p.AESGCM.Keys {
-					out = append(out, k.Name)
-				}
-			}
-		}
-	}
-	return out, nil
 }
 
 // sourceSync is the operator's single copy of the config (a Secret, a file in Git)

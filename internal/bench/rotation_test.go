@@ -42,21 +42,6 @@ func TestRotateHelpHasWait(t *testing.T) {
 	}
 }
 
-func TestConfigKeys(t *testing.T) {
-	k1 := testbed.NamedKey{Name: "key1", Secret: testbed.RandomKey()}
-	k2 := testbed.NamedKey{Name: "key2", Secret: testbed.RandomKey()}
-	got, err := configKeys(testbed.SecretsConfig(testbed.AESGCM(k2, k1), testbed.Identity()).Render())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if want := []string{"key2", "key1"}; !reflect.DeepEqual(got, want) {
-		t.Fatalf("configKeys = %v, want %v", got, want)
-	}
-	if _, err := configKeys([]byte("resources: [")); err == nil {
-		t.Fatal("configKeys accepted broken YAML")
-	}
-}
-
 // The scenario takes minutes, so the default run leaves it out; naming it runs it.
 func TestSelectLeavesExplicitScenariosOut(t *testing.T) {
 	def, err := Select(nil)

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+
+	"sigs.k8s.io/yaml"
 )
 
 // Provider is one provider entry of an EncryptionConfiguration, in a form the
@@ -114,4 +116,34 @@ func (c EncryptionConfig) WithoutKMS(name string) EncryptionConfig {
 func ConfigHash(content []byte) string {
 	h := sha256.Sum256(content)
 	return "sha256:" + hex.EncodeToString(h[:])
+}
+
+// AESGCMKeyNames lists the key names of a config's aesgcm providers in order (no
+// secrets): what a rotation test or benchmark checks of the file it edited.
+func AESGCMKeyNames(content []byte) ([]string, error) {
+	var cfg struct {
+		Resources []struct {
+			Providers []struct {
+				AESGCM *struct {
+					Keys []struct {
+						Name string `json:"name"`
+					} `json:"keys"`
+				} `json:"aesgcm"`
+			} `json:"providers"`
+		} `json:"resources"`
+	}
+	if err := yaml.Unmarshal(content, &cfg); err != nil {
+		return nil, fmt.Errorf("reading the encryption config: %w", err)
+	}
+	var out []string
+	for _, r := range cfg.Resources {
+		for _, p := range r.Providers {
+			if p.AESGCM != nil {
+				for _, k := range p.AESGCM.Keys {
+					out = append(out, k.Name)
+				}
+			}
+		}
+	}
+	return out, nil
 }

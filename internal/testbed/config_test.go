@@ -3,6 +3,7 @@ package testbed
 import (
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -56,5 +57,20 @@ func TestEncryptionConfigRenderAndDrop(t *testing.T) {
 	}
 	if EncryptionPrefix([]byte("k8s\x00plain")) != "plaintext" || EncryptionPrefix([]byte("k8s:enc:kms:v2:p:x")) != "k8s:enc:kms:v2:p:" {
 		t.Fatal("EncryptionPrefix")
+	}
+}
+
+func TestAESGCMKeyNames(t *testing.T) {
+	k1 := NamedKey{Name: "key1", Secret: RandomKey()}
+	k2 := NamedKey{Name: "key2", Secret: RandomKey()}
+	got, err := AESGCMKeyNames(SecretsConfig(AESGCM(k2, k1), Identity()).Render())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"key2", "key1"}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("AESGCMKeyNames = %v, want %v", got, want)
+	}
+	if _, err := AESGCMKeyNames([]byte("resources: [")); err == nil {
+		t.Fatal("AESGCMKeyNames accepted broken YAML")
 	}
 }

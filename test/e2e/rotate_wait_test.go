@@ -17,8 +17,6 @@ import (
 	"testing"
 	"time"
 
-	"sigs.k8s.io/yaml"
-
 	"github.com/rekey-io/rekey/internal/testbed"
 )
 
@@ -52,34 +50,16 @@ func followSource(ctx context.Context, t *testing.T, syncer *testbed.FileSyncer,
 	return &wg
 }
 
-// sourceKeys reads the key names of the source file's secrets rule (never secrets).
+// sourceKeys reads the aesgcm key names of the source file (never secrets).
 func sourceKeys(t *testing.T, path string) []string {
 	t.Helper()
 	data, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var cfg struct {
-		Resources []struct {
-			Providers []struct {
-				AESGCM *struct {
-					Keys []struct {
-						Name string `json:"name"`
-					} `json:"keys"`
-				} `json:"aesgcm"`
-			} `json:"providers"`
-		} `json:"resources"`
-	}
-	if err := yaml.Unmarshal(data, &cfg); err != nil {
+	names, err := testbed.AESGCMKeyNames(data)
+	if err != nil {
 		t.Fatal(err)
-	}
-	var names []string
-	for _, p := range cfg.Resources[0].Providers {
-		if p.AESGCM != nil {
-			for _, k := range p.AESGCM.Keys {
-				names = append(names, k.Name)
-			}
-		}
 	}
 	return names
 }
