@@ -82,7 +82,7 @@ continues it (no second new key). See docs/rotation.md.`,
 			var next []byte
 			var summary string
 			if removeOld != "" {
-				next, summary, err = c.removeKeys(cmd, cur, ext, []string{removeOld})
+				next, summary, err = c.removeKeys(cmd, cur, ext, []string{removeOld}, r.resources)
 				if err != nil {
 					return err
 				}
@@ -115,7 +115,7 @@ continues it (no second new key). See docs/rotation.md.`,
 	fs.DurationVar(&r.kmsTimeout, "kms-timeout", 0, "Timeout of the new KMS v2 provider (--provider kms); default: the apiserver's (3s).")
 	fs.StringVarP(&output, "output", "o", "", "- prints the new configuration to stdout and leaves the file alone.")
 	w.addFlags(fs)
-	fs.StringVar(&removeOld, "remove-old", "", "Remove this read key (a local key name, a KMS provider name, or identity) from every rule that writes with another key, after the guard allows it. Needs --etcd-servers.")
+	fs.StringVar(&removeOld, "remove-old", "", "Remove this read key (a local key name, a KMS provider name, or identity) from every rule that writes with another key (narrowed by --resources), after the guard allows it. Needs --etcd-servers.")
 	return cmd
 }
 
@@ -143,10 +143,10 @@ func (c *common) addKey(cmd *cobra.Command, ext *apiserverv1.EncryptionConfigura
 // removeKeys returns the file's next content without the read keys names (step 2), once
 // the guard allowed it: a fresh inventory taken with the current configuration cur, and
 // migrate.CheckChange from cur to the result.
-func (c *common) removeKeys(cmd *cobra.Command, cur *config.Config, ext *apiserverv1.EncryptionConfiguration, names []string) ([]byte, string, error) {
+func (c *common) removeKeys(cmd *cobra.Command, cur *config.Config, ext *apiserverv1.EncryptionConfiguration, names, resources []string) ([]byte, string, error) {
 	var parts []string
 	for _, name := range names {
-		dropped, rules, err := rotateDrop(ext, name)
+		dropped, rules, err := rotateDrop(ext, name, resources)
 		if err != nil {
 			return nil, "", err
 		}

@@ -117,10 +117,10 @@ func TestRotateGolden(t *testing.T) {
 				t.Errorf("old keys = %q, want [%s]", res.oldKeys, tc.oldKey)
 			}
 			// The new write key is never removed as "old".
-			if _, _, err := rotateDrop(res.cfg, res.newKey); err == nil {
+			if _, _, err := rotateDrop(res.cfg, res.newKey, nil); err == nil {
 				t.Error("removing the write key itself was accepted")
 			}
-			dropped, rules, err := rotateDrop(res.cfg, tc.oldKey)
+			dropped, rules, err := rotateDrop(res.cfg, tc.oldKey, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -129,7 +129,7 @@ func TestRotateGolden(t *testing.T) {
 			}
 			checkGolden(t, dropped, tc.name+".drop.yaml")
 			// A re-run of the second step finds nothing left to remove.
-			if _, _, err := rotateDrop(dropped, tc.oldKey); err == nil || !strings.Contains(err.Error(), "nothing to remove") {
+			if _, _, err := rotateDrop(dropped, tc.oldKey, nil); err == nil || !strings.Contains(err.Error(), "nothing to remove") {
 				t.Errorf("second removal: err = %v, want nothing to remove", err)
 			}
 		})
@@ -412,5 +412,36 @@ func TestRotateProviderSwitches(t *testing.T) {
 				t.Fatalf("inventory --decrypt-check with the final file: %v\n%s", err, out)
 			}
 		})
+	}
+}
+
+// The second step stays inside the rules --resources names: removing identity after a
+// rotation of secrets must not touch a configmaps rule that still reads plaintext.
+func TestRotateDropKeepsToTheNamedResources(t *testing.T) {
+	key := func(name string) apiserverv1.Key { return apiserverv1.Key{Name: name, Secret: "c2VjcmV0"} }
+	aesgcm := func(names ...string) apiserverv1.ProviderConfiguration {
+		var ks []apiserverv1.Key
+		for _, n := range names {
+			ks = append(ks, key(n))
+		}
+		return apiserverv1.ProviderConfiguration{AESGCM: &apiserverv1.AESConfiguration{Keys: ks}}
+	}
+	identity := apiserverv1.ProviderConfiguration{Identity: &apiserverv1.IdentityConfiguration{}}
+	cfg := &apiserverv1.EncryptionConfiguration{Resources: []apiserverv1.ResourceConfiguration{
+		{Resources: []string{"secrets"}, Providers: []apiserverv1.ProviderConfiguration{aesgcm("k2", "k1"), identity}},
+		{Resources: []string{"configmaps"}, Providers: []apiserverv1.ProviderConfiguration{aesgcm("c1"), identity}},
+	}}
+	dropped, rules, err := rotateDrop(cfg, "identity", []string{"secrets"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rules) != 1 || rules[0] != 0 || len(dropped.Resources[0].Providers) != 1 || len(dropped.Resources[1].Providers) != 2 {
+		t.Fatalf("rotateDrop(identity, --resources secrets) changed rules %v: %+v", rules, dropped.Resources)
+	}
+	if _, _, err := rotateDrop(cfg, "c1", []string{"secrets"}); err == nil || !strings.Contains(err.Error(), "no rule naming secrets") {
+		t.Fatalf("rotateDrop(c1, --resources secrets) = %v, want nothing to remove in secrets", err)
+	}
+	if dropped, rules, err := rotateDrop(cfg, "identity", nil); err != nil || len(rules) != 2 || len(dropped.Resources[1].Providers) != 1 {
+		t.Fatalf("rotateDrop(identity) without --resources: rules %v, err %v; want both rules", rules, err)
 	}
 }

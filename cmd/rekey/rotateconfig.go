@@ -99,17 +99,7 @@ func isLocal(kind string) bool {
 // v2 (a move to a second plugin), and must select exactly one rule: KMS v2 provider names
 // are unique across the whole file. --resources keeps only rules naming one of them.
 func selectRules(cfg *apiserverv1.EncryptionConfiguration, r rotation) ([]int, error) {
-	named := func(rc apiserverv1.ResourceConfiguration) bool {
-		if len(r.resources) == 0 {
-			return true
-		}
-		for _, want := range r.resources {
-			if slices.Contains(rc.Resources, want) {
-				return true
-			}
-		}
-		return false
-	}
+	named := func(rc apiserverv1.ResourceConfiguration) bool { return namesAny(rc, r.resources) }
 	pick := func(ok func(kind string) bool) []int {
 		var out []int
 		for i, rc := range cfg.Resources {
@@ -151,6 +141,20 @@ func selectRules(cfg *apiserverv1.EncryptionConfiguration, r rotation) ([]int, e
 		return nil, fmt.Errorf("no rule in the configuration %s", what)
 	}
 	return rules, nil
+}
+
+// namesAny reports whether rule rc names one of resources as written in the file (any
+// rule when resources is empty): the --resources filter of both steps.
+func namesAny(rc apiserverv1.ResourceConfiguration, resources []string) bool {
+	if len(resources) == 0 {
+		return true
+	}
+	for _, want := range resources {
+		if slices.Contains(rc.Resources, want) {
+			return true
+		}
+	}
+	return false
 }
 
 func ruleNames(cfg *apiserverv1.EncryptionConfiguration, rules []int) string {
@@ -356,15 +360,16 @@ func setKeys(p *apiserverv1.ProviderConfiguration, keys []apiserverv1.Key) {
 }
 
 // rotateDrop returns a copy of cfg without the read key named old (a local key, a KMS
-// provider, or "identity") in every rule that writes with another key. A rule whose
-// write key is old keeps it: removing a write key is a new rotation, not a clean-up.
-// Running it again finds nothing to remove.
-func rotateDrop(in *apiserverv1.EncryptionConfiguration, old string) (*apiserverv1.EncryptionConfiguration, []int, error) {
+// provider, or "identity") in every rule that writes with another key and names one of
+// resources (every such rule when resources is empty: the rules step 1 rotated). A rule
+// whose write key is old keeps it: removing a write key is a new rotation, not a
+// clean-up. Running it again finds nothing to remove.
+func rotateDrop(in *apiserverv1.EncryptionConfiguration, old string, resources []string) (*apiserverv1.EncryptionConfiguration, []int, error) {
 	cfg := in.DeepCopy()
 	var rules []int
 	for i := range cfg.Resources {
 		rc := &cfg.Resources[i]
-		if len(rc.Providers) == 0 || oldName(*rc) == old {
+		if len(rc.Providers) == 0 || oldName(*rc) == old || !namesAny(*rc, resources) {
 			continue
 		}
 		removed := false
@@ -400,6 +405,9 @@ func rotateDrop(in *apiserverv1.EncryptionConfiguration, old string) (*apiserver
 		}
 	}
 	if len(rules) == 0 {
+		if len(resources) > 0 {
+			return nil, nil, fmt.Errorf("no rule naming %s holds %q as a read key behind another write key; nothing to remove", strings.Join(resources, ", "), old)
+		}
 		return nil, nil, fmt.Errorf("no rule holds %q as a read key behind another write key; nothing to remove", old)
 	}
 	return cfg, rules, nil

@@ -102,7 +102,11 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation, w waitOptions) error
 			return fmt.Errorf("rotate --wait: %s", rd.Err)
 		case stages.ActionWriteFirstEdit:
 			r.now = time.Now()
-			summary, hash, err := c.writeFirstEdit(cmd, r)
+			summary, hash, err := c.writeFirstEdit(cmd, r, fr.Hash)
+			if errors.Is(err, errFileChanged) {
+				p.notef("%s changed since it was read; reading it again before the first edit", c.configPath)
+				continue
+			}
 			if err != nil {
 				p.done()
 				return fmt.Errorf("rotate --wait: writing the first edit: %w", err)
@@ -111,7 +115,11 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation, w waitOptions) error
 			m.Step(stages.FirstEditWritten{})
 			continue
 		case stages.ActionRemoveOld:
-			summary, hash, err := c.writeSecondEdit(cmd, rd.Remove)
+			summary, hash, err := c.writeSecondEdit(cmd, rd.Remove, r.resources, fr.Hash)
+			if errors.Is(err, errFileChanged) {
+				p.notef("%s changed since it was read; reading it again before the second edit", c.configPath)
+				continue
+			}
 			if err != nil {
 				m.Step(stages.RemoveRefused{Reason: oneLine(err.Error())})
 				continue
@@ -151,7 +159,7 @@ func (c *common) readRotationFile(resources []string) (stages.FileRead, error) {
 		if kind := writeProviderType(rc.Providers[0]); !isLocal(kind) && kind != providerKMS {
 			continue
 		}
-		if len(resources) > 0 && !slices.ContainsFunc(resources, func(r string) bool { return slices.Contains(rc.Resources, r) }) {
+		if !namesAny(rc, resources) {
 			continue
 		}
 		fr.Rules = append(fr.Rules, stages.Rule{Resources: slices.Clone(rc.Resources), Entries: ruleEntries(rc)})
@@ -179,10 +187,18 @@ func ruleEntries(rc apiserverv1.ResourceConfiguration) []cluster.Key {
 }
 
 // writeFirstEdit puts a new write key first in the file (step 1).
-func (c *common) writeFirstEdit(cmd *cobra.Command, r rotation) (summary, hash string, err error) {
-	data, _, err := config.ReadFile(c.configPath)
+// errFileChanged: the file is not the one the decision to edit it was taken on (another
+// rotate, a person, a pipeline wrote it in between); the loop reads it again and decides
+// anew, so two edits never stack on one another unseen.
+var errFileChanged = errors.New("the configuration file changed since it was read")
+
+func (c *common) writeFirstEdit(cmd *cobra.Command, r rotation, readHash string) (summary, hash string, err error) {
+	data, now, err := config.ReadFile(c.configPath)
 	if err != nil {
 		return "", "", err
+	}
+	if now != readHash {
+		return "", "", errFileChanged
 	}
 	ext, err := decodeExternal(data)
 	if err != nil {
@@ -202,10 +218,13 @@ func (c *common) writeFirstEdit(cmd *cobra.Command, r rotation) (summary, hash s
 
 // writeSecondEdit removes names from the file once the guard allows it (step 2, the same
 // path as --remove-old).
-func (c *common) writeSecondEdit(cmd *cobra.Command, names []string) (summary, hash string, err error) {
-	data, _, err := config.ReadFile(c.configPath)
+func (c *common) writeSecondEdit(cmd *cobra.Command, names, resources []string, readHash string) (summary, hash string, err error) {
+	data, now, err := config.ReadFile(c.configPath)
 	if err != nil {
 		return "", "", err
+	}
+	if now != readHash {
+		return "", "", errFileChanged
 	}
 	cur, err := config.Parse(data, c.configPath, config.Options{Reload: true})
 	if err != nil {
@@ -215,7 +234,7 @@ func (c *common) writeSecondEdit(cmd *cobra.Command, names []string) (summary, h
 	if err != nil {
 		return "", "", err
 	}
-	next, summary, err := c.removeKeys(cmd, cur, ext, names)
+	next, summary, err := c.removeKeys(cmd, cur, ext, names, resources)
 	if err != nil {
 		return "", "", err
 	}

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/spf13/cobra"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/rekey-io/rekey/internal/etcdtest"
@@ -181,7 +183,7 @@ func TestRotateWaitResume(t *testing.T) {
 	}
 	f.follow.Store(false)
 	args := []string{"rotate", "--encryption-provider-config", path, "--wait", "--etcd-servers", srv.Endpoint, "--wait-interval", "50ms"}
-	out, err := run(t, append(args, "--wait-timeout", "1s", "--progress", "bar")...)
+	out, err := run(t, append(args, "--wait-timeout", "3s", "--progress", "bar")...)
 	if err == nil || !strings.Contains(err.Error(), "stage 1/4 (promote)") || !strings.Contains(err.Error(), "run `rekey rotate --wait` again") ||
 		!strings.Contains(err.Error(), "its file does not have the new key yet") {
 		t.Fatalf("rotate --wait with apiservers that do not follow: err %v, want a timeout in stage 1/4\n%s", err, out)
@@ -237,5 +239,32 @@ func TestRotateWaitFirstTimeEncryption(t *testing.T) {
 	}
 	if out, err := run(t, "inventory", "--encryption-provider-config", path, "--etcd-servers", srv.Endpoint); err != nil || !strings.Contains(out, "0 stale") {
 		t.Fatalf("inventory after first-time encryption: %v\n%s", err, out)
+	}
+}
+
+// An edit is written only to the file the decision was taken on: when someone else wrote
+// the file in between (a second rotate, a pipeline), the edit is refused with
+// errFileChanged and the file is left as they wrote it, so two new keys never stack.
+func TestRotateWaitEditsOnlyTheFileItRead(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "enc.yaml")
+	before := "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n- resources: [secrets]\n  providers:\n  - aesgcm:\n      keys:\n      - {name: key1, secret: " + secret(1) + "}\n"
+	if err := os.WriteFile(path, []byte(before), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	readHash := config.Hash([]byte(before))
+	theirs := strings.Replace(before, "- {name: key1", "- {name: theirs, secret: "+secret(2)+"}\n      - {name: key1", 1)
+	if err := os.WriteFile(path, []byte(theirs), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c := &common{configPath: path}
+	cmd := &cobra.Command{}
+	if _, _, err := c.writeFirstEdit(cmd, rotation{now: time.Now()}, readHash); !errors.Is(err, errFileChanged) {
+		t.Fatalf("first edit of a file changed since it was read: %v, want errFileChanged", err)
+	}
+	if _, _, err := c.writeSecondEdit(cmd, []string{"key1"}, nil, readHash); !errors.Is(err, errFileChanged) {
+		t.Fatalf("second edit of a file changed since it was read: %v, want errFileChanged", err)
+	}
+	if got, _ := os.ReadFile(path); string(got) != theirs {
+		t.Fatalf("the file was written over:\n%s", got)
 	}
 }

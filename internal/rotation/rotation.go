@@ -357,6 +357,10 @@ func (m *Machine) advance() {
 		if m.stage == StageAck {
 			m.stage = StageDone
 			m.linef("rotation complete: every apiserver runs %s, which writes %s and holds no old key", m.file.Hash, describe(m.target))
+			if !m.edited {
+				// A scheduled job that resumed must not read this as "rotated today".
+				m.linef("this run finished an earlier rotation and added no key; run rekey rotate --wait again for a new key")
+			}
 			return
 		}
 		m.enter(m.stage + 1)

@@ -256,12 +256,22 @@ func (b bearer) RoundTrip(r *http.Request) (*http.Response, error) {
 	return b.next.RoundTrip(r)
 }
 
-// KubectlPath is the kubectl the e2e tests use.
-const KubectlPath = "/usr/bin/kubectl"
+// KubectlPath is the kubectl the e2e tests use: $KUBECTL when set, else the first
+// kubectl on PATH (.ci/run puts one built from k8s.io/kubernetes there when the machine
+// has none), else /usr/bin/kubectl.
+func KubectlPath() string {
+	if p := os.Getenv("KUBECTL"); p != "" {
+		return p
+	}
+	if p, err := exec.LookPath("kubectl"); err == nil {
+		return p
+	}
+	return "/usr/bin/kubectl"
+}
 
 // Kubectl runs kubectl against the shim and returns its stdout; stdin is optional.
 func (s *Shim) Kubectl(ctx context.Context, stdin string, args ...string) (string, error) {
-	cmd := exec.CommandContext(ctx, KubectlPath, append([]string{"--kubeconfig", s.Kubeconfig}, args...)...)
+	cmd := exec.CommandContext(ctx, KubectlPath(), append([]string{"--kubeconfig", s.Kubeconfig}, args...)...)
 	if stdin != "" {
 		cmd.Stdin = strings.NewReader(stdin)
 	}

@@ -34,7 +34,7 @@ func TestTwoShimsOneEditFence(t *testing.T) {
 	key1, key2 := testbed.RandomKey(), testbed.RandomKey()
 	old := encryptionConfig([]string{aesgcm("key1", key1)}, []string{aesgcm("key1", key1)})
 	both := encryptionConfig([]string{aesgcm("key2", key2), aesgcm("key1", key1)}, []string{aesgcm("key2", key2), aesgcm("key1", key1)})
-	coord := []string{"--coordination-prefix", "/rekey-e2e-cluster", "--cluster-lease-ttl", "2s", "--storage-migration-check-interval", "250ms"}
+	coord := []string{"--coordination-prefix", "/rekey-e2e-cluster", "--cluster-lease-ttl", "30s", "--storage-migration-check-interval", "250ms"} // long leases: a lapse on a loaded machine would end the hold this test checks
 	var shims []*testbed.Shim
 	var paths []string
 	for _, id := range []string{"a", "b"} {

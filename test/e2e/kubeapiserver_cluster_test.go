@@ -106,7 +106,7 @@ func TestKubeAPIServersFenceOnEtcdCluster(t *testing.T) {
 		servers[id] = startKubeAPIServer(t, kapi.Rekey, testbed.KubeAPIServerConfig{Name: id, Dir: filepath.Join(dir, id),
 			EtcdServers: ec.Endpoints(), EtcdPrefix: prefix, ServiceAccountKey: saKey,
 			EncryptionConfig: paths[id], AutomaticReload: true,
-			Args: []string{"--apiserver-id", id, "--cluster-lease-ttl", "2s", "--encryption-provider-config-poll-interval", "1s"}})
+			Args: []string{"--apiserver-id", id, "--cluster-lease-ttl", "30s", "--encryption-provider-config-poll-interval", "1s"}})
 	}
 	a, b := servers["kapi-a"], servers["kapi-b"]
 	ns := "kapi-fence"

@@ -31,8 +31,8 @@ func TestMain(m *testing.M) {
 }
 
 func runMain(m *testing.M) int {
-	if _, err := os.Stat(testbed.KubectlPath); err != nil {
-		fmt.Fprintf(os.Stderr, "e2e: %s is required: %v\n", testbed.KubectlPath, err)
+	if _, err := os.Stat(testbed.KubectlPath()); err != nil {
+		fmt.Fprintf(os.Stderr, "e2e: kubectl is required (%v); set KUBECTL or put one on PATH (.ci/run builds one)\n", err)
 		return 1
 	}
 	dir, err := os.MkdirTemp("", "rekey-e2e-")

@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -50,6 +51,32 @@ func followSource(ctx context.Context, t *testing.T, syncer *testbed.FileSyncer,
 	return &wg
 }
 
+// fileSecrets returns every secret in an encryption config file.
+func fileSecrets(t *testing.T, path string) []string {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, m := range regexp.MustCompile(`secret: *"?([A-Za-z0-9+/=]{16,})`).FindAllStringSubmatch(string(data), -1) {
+		out = append(out, m[1])
+	}
+	if len(out) == 0 {
+		t.Fatalf("no secret found in %s", path)
+	}
+	return out
+}
+
+func noSecretsIn(t *testing.T, what, out string, secrets []string) {
+	t.Helper()
+	for _, s := range secrets {
+		if strings.Contains(out, s) {
+			t.Fatalf("%s printed key material", what)
+		}
+	}
+}
+
 // sourceKeys reads the aesgcm key names of the source file (never secrets).
 func sourceKeys(t *testing.T, path string) []string {
 	t.Helper()
@@ -86,7 +113,7 @@ func TestRotateWait(t *testing.T) {
 	l := b.startLoad()
 	args := []string{"rotate", "--encryption-provider-config", source, "--wait",
 		"--etcd-servers", strings.Join(b.etcd.Endpoints(), ","), "--etcd-prefix", b.prefix,
-		"--coordination-prefix", b.coord, "--wait-timeout", "60s", "--progress", "plain"}
+		"--coordination-prefix", b.coord, "--wait-timeout", "3m", "--progress", "plain"}
 
 	start := time.Now()
 	out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
@@ -101,9 +128,11 @@ func TestRotateWait(t *testing.T) {
 	if err := testbed.AllStoredUnder(ctx, b.cli, b.secretsKey, "k8s:enc:aesgcm:v1:"+keys[0]+":"); err != nil {
 		t.Fatal(err)
 	}
-	if s := string(out); strings.Contains(s, b.key1.Secret) || !strings.Contains(s, "stage 4/4 ack") {
-		t.Fatalf("output lacks the stages or holds key material")
+	if !strings.Contains(string(out), "stage 4/4 ack") {
+		t.Fatalf("output lacks the stages")
 	}
+	// No key material: neither the old key nor the one rotate generated.
+	noSecretsIn(t, "rotate --wait", string(out), append(fileSecrets(t, source), b.key1.Secret))
 
 	// Resume: the first run is killed once it has written its first edit.
 	cmd := exec.CommandContext(ctx, bin, args...)
@@ -128,6 +157,7 @@ func TestRotateWait(t *testing.T) {
 	_ = cmd.Wait()
 	t.Logf("killed rekey rotate --wait after its first edit:\n%s", killed.String())
 	mid := sourceKeys(t, source)
+	keysSeen := fileSecrets(t, source) // the killed run's new key and the first run's
 	if len(mid) != 2 || mid[1] != keys[0] {
 		t.Fatalf("keys after the killed run: %v, want [<new> %s]", mid, keys[0])
 	}
@@ -139,6 +169,7 @@ func TestRotateWait(t *testing.T) {
 	if !strings.Contains(string(out), "resuming the rotation in progress") {
 		t.Errorf("the resumed run does not say it resumes")
 	}
+	noSecretsIn(t, "the resumed rotate --wait", killed.String()+string(out), append(fileSecrets(t, source), keysSeen...))
 	if got := sourceKeys(t, source); len(got) != 1 || got[0] != mid[0] {
 		t.Fatalf("keys after the resumed run: %v, want only %s (no second new key)", got, mid[0])
 	}

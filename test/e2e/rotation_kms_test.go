@@ -113,13 +113,9 @@ func TestRotationKMSToKMS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	edited := time.Now()
-	round := b.syncer.ApplyEach(ctx, forNode(added), nil)
-
-	// An early removal is refused while Secrets are still under kms-a: no node has the
-	// new file before the syncer's 1 s minimum delay, and the fence holds kms-b back
-	// until all have it. (The count is not pinned: on a slow machine the migration may
-	// have begun by the time the guard's inventory runs.)
+	// An early removal is refused while Secrets are still under kms-a. It runs before
+	// any node gets the new file, so no migration can have begun however slow the
+	// machine is (an operator who runs it right after step 1 sees the same).
 	out, err := runRekey(t, append([]string{"rotate", "--encryption-provider-config", src, "--remove-old", "kms-a"}, etcdFlags...)...)
 	var exit *exec.ExitError
 	if !errors.As(err, &exit) {
@@ -135,6 +131,9 @@ func TestRotationKMSToKMS(t *testing.T) {
 	if now, _ := os.ReadFile(src); string(now) != string(added) {
 		t.Fatal("the refused removal changed the file")
 	}
+
+	edited := time.Now()
+	round := b.syncer.ApplyEach(ctx, forNode(added), nil)
 
 	// The cluster converges: every node loaded its copy, every Secret is on kms-b, and
 	// the migration leader verified it.

@@ -1,6 +1,7 @@
 package kmsv2
 
 import (
+	"sync"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -24,6 +25,14 @@ type Metrics struct {
 	rotations      *metrics.CounterVec
 	healthy        *metrics.GaugeVec
 	writeExpiry    *metrics.GaugeVec
+
+	// live counts the open Providers per name. When the last one of a name closes (a
+	// reload removed the provider), its health and write-expiry series are deleted: left
+	// behind, a frozen expiry would raise the "write DEK about to expire" alert for a
+	// provider that no longer exists. A reload that keeps the name opens the new
+	// Provider before closing the old one, so the count never reaches zero there.
+	liveMu sync.Mutex
+	live   map[string]int
 
 	// statusKeyIDs remembers the label sets of statusKeyIDTS, most recently used first;
 	// evicting one deletes its series, so a plugin that changes key ids cannot grow the
@@ -102,6 +111,28 @@ func NewMetrics(reg metrics.KubeRegistry) *Metrics {
 			m.hits, m.misses, m.cacheEvictions, m.rotations, m.healthy, m.writeExpiry)
 	}
 	return m
+}
+
+// opened and closed count the Providers named provider (see live).
+func (m *Metrics) opened(provider string) {
+	m.liveMu.Lock()
+	defer m.liveMu.Unlock()
+	if m.live == nil {
+		m.live = map[string]int{}
+	}
+	m.live[provider]++
+}
+
+func (m *Metrics) closed(provider string) {
+	m.liveMu.Lock()
+	defer m.liveMu.Unlock()
+	if m.live[provider]--; m.live[provider] > 0 {
+		return
+	}
+	delete(m.live, provider)
+	m.healthy.DeleteLabelValues(provider)
+	m.writeExpiry.DeleteLabelValues(provider)
+	m.cacheSize.DeleteLabelValues(provider)
 }
 
 // statusKeyID records when provider's Status last returned a key id, keeping at most

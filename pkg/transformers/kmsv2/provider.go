@@ -193,6 +193,7 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 		StatusInterval: o.StatusInterval, RetryInterval: o.RetryInterval, WriteTTL: o.WriteTTL,
 		Fenced: o.MayWriteKeyID != nil,
 	}, clk.Now())
+	o.Metrics.opened(cfg.Name)
 	p.publish(m.View())
 	go p.run(ctx, m)
 	return p, nil
@@ -447,6 +448,7 @@ func (p *Provider) Close() {
 		p.cancel()
 		<-p.done
 		_ = p.client.Close()
+		p.opts.Metrics.closed(p.name) // after the loop ended: nothing sets the series again
 	})
 }
 

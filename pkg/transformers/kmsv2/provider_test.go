@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"k8s.io/apiserver/pkg/storage/value"
 	kmstypes "k8s.io/apiserver/pkg/storage/value/encrypt/envelope/kmsv2/v2"
+	"k8s.io/component-base/metrics"
 	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/rekey-io/rekey/internal/kmsplugin"
@@ -386,5 +387,30 @@ func TestStatusAnswersForTheMomentItWasAsked(t *testing.T) {
 	<-first // sick or healthy, depending on which answer it waited for
 	if err := p.Check(ctx); err != nil {
 		t.Fatalf("Check after the plugin recovered and the unhealthy cache expired: %v", err)
+	}
+}
+
+// A provider a reload removed leaves no health or write-expiry series behind (a frozen
+// expiry would fire the monitoring pack's "write DEK about to expire" alert forever);
+// one a reload keeps (the new Provider opens before the old one closes) keeps them.
+func TestClosingTheLastProviderOfANameDeletesItsSeries(t *testing.T) {
+	tp := startPlugin(t, "key-1")
+	reg := metrics.NewKubeRegistry()
+	m := NewMetrics(reg)
+	series := func() (healthy, expiry int) {
+		return countSeries(t, reg, "rekey_kmsv2_healthy"), countSeries(t, reg, "rekey_kmsv2_write_expiry_timestamp_seconds")
+	}
+	old := newProviderWith(t, "kms1", tp.endpoint, transformers.Options{}, FactoryOptions{Metrics: m})
+	if h, e := series(); h != 1 || e != 1 {
+		t.Fatalf("a ready provider: %d healthy and %d write-expiry series, want 1 and 1", h, e)
+	}
+	kept := newProviderWith(t, "kms1", tp.endpoint, transformers.Options{}, FactoryOptions{Metrics: m})
+	old.Close()
+	if h, e := series(); h != 1 || e != 1 {
+		t.Fatalf("after a reload that keeps kms1: %d healthy and %d write-expiry series, want 1 and 1", h, e)
+	}
+	kept.Close()
+	if h, e := series(); h != 0 || e != 0 {
+		t.Fatalf("after a reload that removed kms1: %d healthy and %d write-expiry series, want none", h, e)
 	}
 }
