@@ -15,6 +15,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"strconv"
 	"testing"
 	"time"
 
@@ -23,6 +24,8 @@ import (
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
+
+	"github.com/rekey-io/rekey/internal/freeport"
 )
 
 // startTimeout bounds how long the member may take to elect itself.
@@ -135,13 +138,11 @@ func start(dir string, opts Options) (*Server, error) {
 }
 
 func freeURL() (*url.URL, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := freeport.Pick()
 	if err != nil {
 		return nil, fmt.Errorf("etcdtest: finding a free port: %w", err)
 	}
-	addr := l.Addr().String()
-	_ = l.Close()
-	return &url.URL{Scheme: "http", Host: addr}, nil
+	return &url.URL{Scheme: "http", Host: net.JoinHostPort("127.0.0.1", strconv.Itoa(port))}, nil
 }
 
 // Client returns a client of the member, closed when the test ends.

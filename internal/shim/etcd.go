@@ -12,6 +12,7 @@ import (
 
 	"go.etcd.io/etcd/server/v3/embed"
 
+	"github.com/rekey-io/rekey/internal/freeport"
 	"github.com/rekey-io/rekey/pkg/layer"
 )
 
@@ -71,19 +72,9 @@ func startEmbeddedEtcd(ctx context.Context, dir string, noFsync bool, logLevel s
 
 func (e *embeddedEtcd) close() { e.etcd.Close() }
 
-// freePorts returns n distinct loopback ports that were free a moment ago.
-func freePorts(n int) ([]int, error) {
-	var ports []int
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, fmt.Errorf("cannot find a free port: %w", err)
-		}
-		defer l.Close()
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	return ports, nil
-}
+// freePorts returns n distinct loopback ports that were free a moment ago, below the
+// ephemeral range (internal/freeport says why).
+func freePorts(n int) ([]int, error) { return freeport.PickN(n) }
 
 // checkEtcd fails with a clear error when none of the servers answers within timeout,
 // so a wrong --etcd-servers or TLS file is reported at start instead of as hanging

@@ -4,13 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/rekey-io/rekey/internal/freeport"
 )
 
 // VersionLDFlags stamps binaries with a Kubernetes version kubectl can parse; the
@@ -137,15 +138,9 @@ func (p *Process) Log(max int) string {
 	return string(b)
 }
 
-// FreePort returns a loopback TCP port that was free a moment ago.
-func FreePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
+// FreePort returns a loopback TCP port that was free a moment ago, below the ephemeral
+// range (internal/freeport says why).
+func FreePort() (int, error) { return freeport.Pick() }
 
 // poll calls f every interval until it returns nil, ctx ends or p exits.
 func poll(ctx context.Context, p *Process, interval time.Duration, f func() error) error {
