@@ -57,11 +57,7 @@ applies the same guard to every reload.`,
 			defer cur.set.Close()
 			// Scan what either configuration names: a rule only the new one has still
 			// changes how its resource's stored objects are read.
-			res, err := c.resourceList(cur.cfg, nextCfg)
-			if err != nil {
-				return err
-			}
-			inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{Client: cli, Source: migrate.FromSet(cur.set), Resources: res, PageSize: c.pageSize, ConfigHash: cur.cfg.Hash})
+			inv, res, err := c.inventory(ctx, cli, cur, false, cur.cfg, nextCfg)
 			if err != nil {
 				return err
 			}

@@ -110,6 +110,11 @@ func (c *common) load(ctx context.Context, path string, requireKMS bool) (*loade
 	if err != nil {
 		return nil, err
 	}
+	return c.build(ctx, cfg, requireKMS)
+}
+
+// build is load for a configuration already read (and checked) by the caller.
+func (c *common) build(ctx context.Context, cfg *config.Config, requireKMS bool) (*loaded, error) {
 	set, err := transformers.Build(ctx, cfg, transformers.Options{KMS: kmsv2.NewFactory(kmsv2.FactoryOptions{}), Logger: klog.Background()})
 	if err != nil {
 		return nil, err
@@ -127,6 +132,20 @@ func (c *common) load(ctx context.Context, path string, requireKMS bool) (*loade
 		}
 	}
 	return &loaded{cfg: cfg, set: set}, nil
+}
+
+// inventory takes a fresh inventory of the resources cfgs name (resourceList), reading
+// the stored objects with l's transformers and recording l's configuration hash.
+func (c *common) inventory(ctx context.Context, cli *clientv3.Client, l *loaded, decryptCheck bool, cfgs ...*config.Config) (*migrate.Inventory, []migrate.Resource, error) {
+	res, err := c.resourceList(cfgs...)
+	if err != nil {
+		return nil, nil, err
+	}
+	inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{
+		Client: cli, Source: migrate.FromSet(l.set), Resources: res, PageSize: c.pageSize,
+		DecryptCheck: decryptCheck, ConfigHash: l.cfg.Hash,
+	})
+	return inv, res, err
 }
 
 // resourceList resolves --resources, defaulting to the explicit rules of cfgs (all of

@@ -43,14 +43,7 @@ ones that cannot be read.`,
 				return err
 			}
 			defer l.set.Close()
-			res, err := c.resourceList(l.cfg)
-			if err != nil {
-				return err
-			}
-			inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{
-				Client: cli, Source: migrate.FromSet(l.set), Resources: res, PageSize: c.pageSize,
-				DecryptCheck: decrypt, ConfigHash: l.cfg.Hash,
-			})
+			inv, _, err := c.inventory(ctx, cli, l, decrypt, l.cfg)
 			if err != nil {
 				return err
 			}

@@ -179,16 +179,14 @@ func (c *common) guardRemoval(cmd *cobra.Command, cur, next *config.Config) erro
 		return err
 	}
 	defer cli.Close()
-	l, err := c.load(ctx, c.configPath, false)
+	// The transformers of cur itself: the content the caller read and decided on, not
+	// the file read a second time.
+	l, err := c.build(ctx, cur, false)
 	if err != nil {
 		return err
 	}
 	defer l.set.Close()
-	res, err := c.resourceList(cur, next)
-	if err != nil {
-		return err
-	}
-	inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{Client: cli, Source: migrate.FromSet(l.set), Resources: res, PageSize: c.pageSize, ConfigHash: cur.Hash})
+	inv, _, err := c.inventory(ctx, cli, l, false, cur, next)
 	if err != nil {
 		return err
 	}
