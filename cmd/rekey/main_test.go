@@ -13,7 +13,6 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
 
@@ -105,36 +104,6 @@ func TestInventoryMigrateCheckConfig(t *testing.T) {
 	// Now key1 holds nothing and mid → new passes.
 	if out, err := run(t, append([]string{"check-config", "--encryption-provider-config", midCfg, "--new", newCfg}, etcd...)...); err != nil {
 		t.Fatalf("check-config mid→new after migration: %v\n%s", err, out)
-	}
-}
-
-func seed(t *testing.T, cli *clientv3.Client, cfgPath string, n int) {
-	t.Helper()
-	cfg, err := config.Load(cfgPath, config.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	set, err := transformers.Build(context.Background(), cfg, transformers.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tr := set.TransformerFor(schema.GroupResource{Resource: "secrets"})
-	// A stored object in kube-apiserver's protobuf envelope: migration rewrites nothing else.
-	u := runtime.Unknown{TypeMeta: runtime.TypeMeta{APIVersion: "v1", Kind: "Secret"}, Raw: []byte("payload")}
-	raw, err := u.Marshal()
-	if err != nil {
-		t.Fatal(err)
-	}
-	obj := append([]byte("k8s\x00"), raw...)
-	for i := 0; i < n; i++ {
-		key := fmt.Sprintf("/registry/secrets/ns/s%04d", i)
-		out, err := tr.TransformToStorage(context.Background(), obj, value.DefaultContext(key))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := cli.Put(context.Background(), key, string(out)); err != nil {
-			t.Fatal(err)
-		}
 	}
 }
 

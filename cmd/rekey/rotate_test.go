@@ -273,9 +273,9 @@ func TestRotateCommand(t *testing.T) {
 	}
 }
 
-// seedWith stores n Secrets written with cfgPath's write provider (KMS v2 included;
+// seed stores n Secrets written with cfgPath's write provider (KMS v2 included;
 // identity stores them in plaintext).
-func seedWith(t *testing.T, cli *clientv3.Client, cfgPath string, n int) {
+func seed(t *testing.T, cli *clientv3.Client, cfgPath string, n int) {
 	t.Helper()
 	ctx := t.Context()
 	cfg, err := config.Load(cfgPath, config.Options{})
@@ -369,7 +369,7 @@ func TestRotateProviderSwitches(t *testing.T) {
 			if err := os.WriteFile(path, []byte(tc.in), 0o600); err != nil {
 				t.Fatal(err)
 			}
-			seedWith(t, cli, path, 25)
+			seed(t, cli, path, 25)
 			if out, err := run(t, append([]string{"rotate", "--encryption-provider-config", path}, tc.flags...)...); err != nil {
 				t.Fatalf("rotate: %v\n%s", err, out)
 			}
