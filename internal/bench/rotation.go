@@ -269,7 +269,7 @@ type rotationBed struct {
 	etcd   *testbed.EtcdCluster
 	fleet  *testbed.Fleet
 	load   *testbed.Workload
-	source *sourceSync
+	source *testbed.SourceFollower
 }
 
 func (b *rotationBed) stop() {
@@ -331,7 +331,7 @@ func rotateOnce(ctx context.Context, progress io.Writer, dir string, bins testbe
 
 	rctx, cancel := context.WithTimeout(ctx, rotationTimeout)
 	defer cancel()
-	b.source = startSourceSync(rctx, sourcePath, initial, syncer)
+	b.source = testbed.FollowSource(rctx, sourcePath, initial, syncer)
 	res := &rotationResult{side: side}
 	var done time.Time
 	var final []byte
@@ -341,22 +341,22 @@ func rotateOnce(ctx context.Context, progress io.Writer, dir string, bins testbe
 	case "upstream":
 		done, final, err = rotateUpstream(rctx, progress, b, sourcePath, key1, res)
 	}
-	b.source.stop()
+	b.source.Stop()
 	res.writes, res.reads = stopLoad()
 	if err != nil {
 		return nil, fmt.Errorf("%w\n%s", err, b.fleet.LogTails(2000))
 	}
-	rounds := b.source.rounds()
+	rounds := b.source.Rounds()
 	if len(rounds) == 0 {
 		return nil, errors.New("the source file was never edited")
 	}
 	res.edits = len(rounds)
 	first := rounds[0]
-	lastFile, err := first.round.Wait(ctx)
+	lastFile, err := first.Round.Wait(ctx)
 	if err != nil {
 		return nil, err
 	}
-	res.total, res.afterLastFile = done.Sub(first.detected), done.Sub(lastFile)
+	res.total, res.afterLastFile = done.Sub(first.Detected), done.Sub(lastFile)
 
 	// The end state, checked independently of the procedure that claimed it.
 	keys, err := testbed.AESGCMKeyNames(final)
@@ -651,70 +651,6 @@ func parseConfigHashes(body []byte) []string {
 		}
 	}
 	return out
-}
-
-// sourceSync is the operator's single copy of the config (a Secret, a file in Git)
-// and the kubelets that copy it to every apiserver's node: it polls the source file
-// and applies each new content through the syncer, one round after the other.
-type sourceSync struct {
-	cancel context.CancelFunc
-	done   chan struct{}
-	mu     sync.Mutex
-	list   []sourceRound
-}
-
-type sourceRound struct {
-	// detected is when the source file was seen changed (within 20 ms).
-	detected time.Time
-	round    *testbed.SyncRound
-}
-
-func startSourceSync(ctx context.Context, path string, initial []byte, syncer *testbed.FileSyncer) *sourceSync {
-	ctx, cancel := context.WithCancel(ctx)
-	s := &sourceSync{cancel: cancel, done: make(chan struct{})}
-	go func() {
-		defer close(s.done)
-		last := initial
-		var prev *testbed.SyncRound
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(20 * time.Millisecond):
-			}
-			data, err := os.ReadFile(path)
-			if err != nil || len(data) == 0 || bytes.Equal(data, last) {
-				continue // a missing or empty file is a write in progress
-			}
-			detected := time.Now()
-			if prev != nil {
-				// A kubelet applies the latest content; the rounds stay one after the
-				// other so "last file update" is well defined.
-				select {
-				case <-ctx.Done():
-					return
-				case <-prev.Done():
-				}
-			}
-			last = data
-			prev = syncer.Apply(ctx, data)
-			s.mu.Lock()
-			s.list = append(s.list, sourceRound{detected: detected, round: prev})
-			s.mu.Unlock()
-		}
-	}()
-	return s
-}
-
-func (s *sourceSync) stop() {
-	s.cancel()
-	<-s.done
-}
-
-func (s *sourceSync) rounds() []sourceRound {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return slices.Clone(s.list)
 }
 
 // tailBuffer keeps the last lines of a command's output for an error.

@@ -2,16 +2,11 @@ package bench
 
 import (
 	"bytes"
-	"context"
-	"os"
-	"path/filepath"
 	"reflect"
 	"slices"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/rekey-io/rekey/internal/testbed"
 )
 
 // The id label ends in hash=" too: only the hash label counts, wherever it stands.
@@ -166,60 +161,4 @@ func TestMergeKeepsOtherScenarios(t *testing.T) {
 	if ri := twice.ScenarioRuns[rotationScenario]; ri.Command != again.Command {
 		t.Fatalf("rotation's run after the second merge: %+v", ri)
 	}
-}
-
-// The source file's changes reach every node's file, one round per change.
-func TestSourceSyncAppliesEachEdit(t *testing.T) {
-	dir := t.TempDir()
-	files := []string{filepath.Join(dir, "a", "enc.yaml"), filepath.Join(dir, "b", "enc.yaml")}
-	for _, f := range files {
-		if err := testbed.InitSyncedFile(f, []byte("v0")); err != nil {
-			t.Fatal(err)
-		}
-	}
-	syncer, err := testbed.NewFileSyncer(testbed.SyncerConfig{Files: files, MaxDelay: 30 * time.Millisecond, Seed: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	source := filepath.Join(dir, "source.yaml")
-	if err := os.WriteFile(source, []byte("v0"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	s := startSourceSync(ctx, source, []byte("v0"), syncer)
-	defer s.stop()
-	for _, v := range []string{"v1", "v2"} {
-		if err := testbed.WriteFileAtomic(source, []byte(v)); err != nil {
-			t.Fatal(err)
-		}
-		for {
-			if r := s.rounds(); len(r) > 0 && r[len(r)-1].round != nil {
-				select {
-				case <-r[len(r)-1].round.Done():
-				case <-ctx.Done():
-					t.Fatal(ctx.Err())
-				}
-				if all(files, v) {
-					break
-				}
-			}
-			if ctx.Err() != nil {
-				t.Fatalf("%s never reached every file", v)
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	}
-	if n := len(s.rounds()); n != 2 {
-		t.Fatalf("%d rounds for 2 edits", n)
-	}
-}
-
-func all(files []string, want string) bool {
-	for _, f := range files {
-		if b, err := os.ReadFile(f); err != nil || string(b) != want {
-			return false
-		}
-	}
-	return true
 }

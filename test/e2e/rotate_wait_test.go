@@ -6,7 +6,6 @@ package e2e
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"io"
 	"os"
@@ -14,42 +13,11 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/rekey-io/rekey/internal/testbed"
 )
-
-// followSource copies source to every shim's file through the syncer whenever it
-// changes, one round at a time (a kubelet never installs an older version after a
-// newer one). It stops with ctx.
-func followSource(ctx context.Context, t *testing.T, syncer *testbed.FileSyncer, source string) *sync.WaitGroup {
-	var wg sync.WaitGroup
-	last, err := os.ReadFile(source)
-	if err != nil {
-		t.Fatal(err)
-	}
-	wg.Go(func() {
-		for ctx.Err() == nil {
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(100 * time.Millisecond):
-			}
-			cur, err := os.ReadFile(source)
-			if err != nil || bytes.Equal(cur, last) {
-				continue
-			}
-			last = cur
-			t.Logf("source file changed (%s): syncing it to the shims", testbed.ConfigHash(cur))
-			if _, err := syncer.Apply(ctx, cur).Wait(ctx); err != nil && ctx.Err() == nil {
-				t.Errorf("syncing the source file: %v", err)
-			}
-		}
-	})
-	return &wg
-}
 
 // fileSecrets returns every secret in an encryption config file.
 func fileSecrets(t *testing.T, path string) []string {
@@ -104,11 +72,12 @@ func TestRotateWait(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
 	source := filepath.Join(t.TempDir(), "encryption.yaml")
-	if err := os.WriteFile(source, testbed.SecretsConfig(testbed.AESGCM(b.key1)).Render(), 0o600); err != nil {
+	initial := testbed.SecretsConfig(testbed.AESGCM(b.key1)).Render()
+	if err := os.WriteFile(source, initial, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	syncing := followSource(ctx, t, b.syncer, source)
-	defer syncing.Wait()
+	follow := testbed.FollowSource(ctx, source, initial, b.syncer)
+	defer follow.Stop()
 	defer cancel()
 	l := b.startLoad()
 	args := []string{"rotate", "--encryption-provider-config", source, "--wait",
@@ -176,7 +145,12 @@ func TestRotateWait(t *testing.T) {
 	if err := testbed.AllStoredUnder(ctx, b.cli, b.secretsKey, "k8s:enc:aesgcm:v1:"+mid[0]+":"); err != nil {
 		t.Fatal(err)
 	}
+	for _, r := range follow.Rounds() {
+		if _, err := r.Round.Wait(ctx); err != nil {
+			t.Errorf("syncing the source file: %v", err)
+		}
+	}
 	cancel()
-	syncing.Wait()
+	follow.Stop()
 	b.finish(l)
 }
