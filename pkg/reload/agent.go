@@ -570,7 +570,7 @@ func (a *Agent) healthGateTimeout(cfg *config.Config) time.Duration {
 }
 
 // kmsTimeoutSum adds the call timeouts of every kms provider entry, as upstream sizes
-// its close grace period (a v1 entry would count twice; rekey refuses v1).
+// its close grace period. Every entry is v2: config validation refuses v1.
 func kmsTimeoutSum(cfg *config.Config) time.Duration {
 	var sum time.Duration
 	for _, rc := range cfg.Encryption.Resources {
@@ -578,11 +578,7 @@ func kmsTimeoutSum(cfg *config.Config) time.Duration {
 			if p.KMS == nil {
 				continue
 			}
-			t := config.KMSTimeout(p.KMS)
-			if p.KMS.APIVersion == "v1" {
-				t *= 2
-			}
-			sum += t
+			sum += config.KMSTimeout(p.KMS)
 		}
 	}
 	return sum
