@@ -33,6 +33,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 
+	"github.com/rekey-io/rekey/internal/errtext"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/healthz"
 	"github.com/rekey-io/rekey/pkg/transformers"
@@ -486,7 +487,9 @@ func (a *Agent) fail(ctx context.Context, hash string, err error) error {
 	a.metrics.record(statusFailure, now, "")
 	a.stateMu.Lock()
 	a.state.failed++
-	a.state.lastErr, a.state.lastErrAt, a.state.lastErrHash = err.Error(), now, hash
+	// The status document is published in the member record: bounded, so a huge
+	// broken file cannot make the record too large for etcd. The log keeps it whole.
+	a.state.lastErr, a.state.lastErrAt, a.state.lastErrHash = errtext.Bounded(err, errtext.MaxPublished), now, hash
 	a.stateMu.Unlock()
 	a.log.Error(err, "Refused encryption provider configuration; the previous one keeps serving",
 		"path", a.opts.Path, "hash", hash, "activeHash", a.cur.Load().cfg.Hash)

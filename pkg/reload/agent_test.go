@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -20,6 +21,7 @@ import (
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	"k8s.io/component-base/metrics"
 
+	"github.com/rekey-io/rekey/internal/errtext"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
@@ -715,5 +717,28 @@ func TestSetGuardAndApplied(t *testing.T) {
 	}
 	if got := f.agent.ActiveConfig().Hash; len(applied) != 1 || applied[0] != got {
 		t.Fatalf("applied = %v, want [%s]", applied, got)
+	}
+}
+
+// A huge broken file is refused with an error the status document (and so the member
+// record published from it) carries bounded: a few whole errors and a count of the rest.
+func TestRefusedHugeFileGivesABoundedStatusError(t *testing.T) {
+	f := newFixture(t, secretsConfig("aesgcm:k1"))
+	var b strings.Builder
+	b.WriteString("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n")
+	for i := 0; b.Len() < 80_000; i++ {
+		fmt.Fprintf(&b, "  - resources: [r%d]\n    providers:\n      - aesgcm:\n          keys:\n            - {name: k%d, secret: bad}\n", i, i)
+	}
+	writeRename(t, f.path, b.String())
+	err := f.agent.Reload(context.Background())
+	if err == nil {
+		t.Fatal("Reload accepted the broken file")
+	}
+	st := f.agent.Status()
+	if len(err.Error()) < 20*errtext.MaxPublished {
+		t.Fatalf("the refusal is only %d bytes long: the test shows nothing", len(err.Error()))
+	}
+	if n := len(st.LastError); n > errtext.MaxPublished+32 || !strings.Contains(st.LastError, "more errors)") {
+		t.Fatalf("status error is %d bytes (%q…)", n, st.LastError[:min(n, 80)])
 	}
 }

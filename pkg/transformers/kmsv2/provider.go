@@ -29,6 +29,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 
+	"github.com/rekey-io/rekey/internal/errtext"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/transformers"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
@@ -361,7 +362,7 @@ func (p *Provider) Status() transformers.KMSStatus {
 	v := p.view.Load()
 	st := transformers.KMSStatus{Name: p.name, Endpoint: p.endpoint, Healthy: v.Healthy, LastStatus: v.LastStatus}
 	if v.Err != nil {
-		st.LastError = v.Err.Error()
+		st.LastError = errtext.Bounded(v.Err, errtext.MaxPublished) // a plugin's error text is published
 	}
 	if v.Write != nil {
 		st.KeyIDHash = state.KeyIDHash(v.Write.KeyID)
