@@ -1,8 +1,10 @@
-// Package rotation decides the stages of `rekey rotate --wait`: a pure state machine in
+// Package rotation is what `rekey rotate` decides, without I/O: the two edits of the
+// encryption configuration (Add puts a new write key first, Remove takes out the keys it
+// replaced; see edit.go) and the stages of `rekey rotate --wait`, a state machine in
 // etcd raft's shape (no I/O, no goroutines, time comes in through Tick). The driver in
-// cmd/rekey reads the encryption configuration file and the cluster's coordination keys,
-// feeds them as events, asks Ready what to do, does it (write the first edit; run the
-// guard and write the second edit) and reports back.
+// cmd/rekey reads the file and the cluster's coordination keys, feeds them as events,
+// asks Ready what to do, does it (write the first edit; run the guard and write the
+// second edit) and reports back.
 //
 // A rotation runs through four stages after its first edit (the new key first in the
 // file, the old one right behind it):
@@ -36,6 +38,7 @@ import (
 	"time"
 
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // Key names one provider entry: provider and key name (KMS: provider name and key id
@@ -445,8 +448,8 @@ func (m *Machine) removeNames() []string {
 	for _, r := range m.targetRulesInFile() {
 		for _, k := range r.Entries[1:] {
 			n := k.Key
-			if k.Provider == "identity" {
-				n = "identity"
+			if k.Provider == transformers.ProviderIdentity {
+				n = transformers.ProviderIdentity
 			}
 			if !slices.Contains(out, n) {
 				out = append(out, n)
