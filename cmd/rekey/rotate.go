@@ -69,33 +69,7 @@ continues it (no second new key). See docs/rotation.md.`,
 				r.Random = rand.Reader
 				return c.rotateWait(cmd, r, w)
 			}
-			var e *rotation.Edit
-			var summary string
-			if removeOld != "" {
-				if e, err = c.removeKeys(cmd.Context(), f, []string{removeOld}, r.Resources); err != nil {
-					return err
-				}
-				summary = e.Summary
-			} else {
-				r.Now, r.Random = time.Now(), rand.Reader
-				if e, err = c.addKey(cmd, f, r); err != nil {
-					return err
-				}
-				summary = fmt.Sprintf("%s until `rekey rotate --remove-old NAME` (NAME: %s)", e.Summary, strings.Join(e.OldKeys, ", "))
-			}
-			if output == "-" {
-				_, err := cmd.OutOrStdout().Write(e.Data)
-				fmt.Fprintln(cmd.ErrOrStderr(), summary)
-				return err
-			}
-			if output != "" {
-				return fmt.Errorf("-o %q: only - (print the new configuration) is supported; without -o the file is replaced", output)
-			}
-			if err := atomicfile.WriteFile(c.configPath, e.Data, 0o600); err != nil {
-				return fmt.Errorf("%w; the file is left as it was (or print the new configuration with -o - and install it yourself)", err)
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "%s: %s (%s)\n", c.configPath, summary, e.Config.Hash)
-			return nil
+			return c.rotateStep(cmd, f, r, removeOld, output)
 		},
 	}
 	c.addFlags(cmd.Flags())
@@ -108,6 +82,39 @@ continues it (no second new key). See docs/rotation.md.`,
 	w.addFlags(fs)
 	fs.StringVar(&removeOld, "remove-old", "", "Remove this read key (a local key name, a KMS provider name, or identity) from every rule that writes with another key (narrowed by --resources), after the guard allows it. Needs --etcd-servers.")
 	return cmd
+}
+
+// rotateStep makes one edit of f, the first (a new write key) or with removeOld the
+// second, and replaces the file with it, or prints it with -o -.
+func (c *common) rotateStep(cmd *cobra.Command, f *rotation.File, r rotation.Request, removeOld, output string) error {
+	var e *rotation.Edit
+	var err error
+	var summary string
+	if removeOld != "" {
+		if e, err = c.removeKeys(cmd.Context(), f, []string{removeOld}, r.Resources); err != nil {
+			return err
+		}
+		summary = e.Summary
+	} else {
+		r.Now, r.Random = time.Now(), rand.Reader
+		if e, err = c.addKey(cmd, f, r); err != nil {
+			return err
+		}
+		summary = fmt.Sprintf("%s until `rekey rotate --remove-old NAME` (NAME: %s)", e.Summary, strings.Join(e.OldKeys, ", "))
+	}
+	if output == "-" {
+		_, err := cmd.OutOrStdout().Write(e.Data)
+		fmt.Fprintln(cmd.ErrOrStderr(), summary)
+		return err
+	}
+	if output != "" {
+		return fmt.Errorf("-o %q: only - (print the new configuration) is supported; without -o the file is replaced", output)
+	}
+	if err := atomicfile.WriteFile(c.configPath, e.Data, 0o600); err != nil {
+		return fmt.Errorf("%w; the file is left as it was (or print the new configuration with -o - and install it yourself)", err)
+	}
+	fmt.Fprintf(cmd.OutOrStdout(), "%s: %s (%s)\n", c.configPath, summary, e.Config.Hash)
+	return nil
 }
 
 // readConfigFile reads --encryption-provider-config for an edit; invalid says what a

@@ -87,31 +87,10 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation.Request, w waitOption
 			return nil
 		case rotation.ActionFail:
 			return fmt.Errorf("rotate --wait: %s", rd.Err)
-		case rotation.ActionWriteFirstEdit:
-			r.Now = time.Now()
-			e, err := c.editFile(fr.Hash, func(f *rotation.File) (*rotation.Edit, error) { return c.addKey(cmd, f, r) })
-			if errors.Is(err, errFileChanged) {
-				out.notef("%s changed since it was read; reading it again before the first edit", c.configPath)
-				continue
+		case rotation.ActionWriteFirstEdit, rotation.ActionRemoveOld:
+			if err := c.waitEdit(cmd, m, rd, fr.Hash, r, out); err != nil {
+				return err
 			}
-			if err != nil {
-				return fmt.Errorf("rotate --wait: writing the first edit: %w", err)
-			}
-			out.linef("wrote %s: %s (%s)", c.configPath, e.Summary, e.Config.Hash)
-			m.Step(rotation.FirstEditWritten{})
-			continue
-		case rotation.ActionRemoveOld:
-			e, err := c.editFile(fr.Hash, func(f *rotation.File) (*rotation.Edit, error) { return c.removeKeys(ctx, f, rd.Remove, r.Resources) })
-			if errors.Is(err, errFileChanged) {
-				out.notef("%s changed since it was read; reading it again before the second edit", c.configPath)
-				continue
-			}
-			if err != nil {
-				m.Step(rotation.RemoveRefused{Reason: oneLine(err.Error())})
-				continue
-			}
-			out.linef("wrote %s: %s (%s)", c.configPath, e.Summary, e.Config.Hash)
-			m.Step(rotation.RemoveWritten{})
 			continue
 		}
 		select {
@@ -120,6 +99,40 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation.Request, w waitOption
 		case <-ticker.C:
 		}
 	}
+}
+
+// waitEdit makes the edit rd asks for on the file read with readHash and reports the
+// result to m: the first edit (a new write key), or the second (rd.Remove out, once the
+// guard allows it; a refusal is the machine's to retry).
+func (c *common) waitEdit(cmd *cobra.Command, m *rotation.Machine, rd rotation.Ready, readHash string, r rotation.Request, out *waitOutput) error {
+	which, edit := "first", func(f *rotation.File) (*rotation.Edit, error) {
+		r.Now = time.Now()
+		return c.addKey(cmd, f, r)
+	}
+	if rd.Action == rotation.ActionRemoveOld {
+		which, edit = "second", func(f *rotation.File) (*rotation.Edit, error) {
+			return c.removeKeys(cmd.Context(), f, rd.Remove, r.Resources)
+		}
+	}
+	e, err := c.editFile(readHash, edit)
+	switch {
+	case errors.Is(err, errFileChanged):
+		out.notef("%s changed since it was read; reading it again before the %s edit", c.configPath, which)
+		m.Step(rotation.EditSkipped{})
+		return nil
+	case err != nil && rd.Action == rotation.ActionRemoveOld:
+		m.Step(rotation.RemoveRefused{Reason: oneLine(err.Error())})
+		return nil
+	case err != nil:
+		return fmt.Errorf("rotate --wait: writing the first edit: %w", err)
+	}
+	out.linef("wrote %s: %s (%s)", c.configPath, e.Summary, e.Config.Hash)
+	if rd.Action == rotation.ActionRemoveOld {
+		m.Step(rotation.RemoveWritten{})
+	} else {
+		m.Step(rotation.FirstEditWritten{})
+	}
+	return nil
 }
 
 // errFileChanged: the file is not the one the decision to edit it was taken on (another

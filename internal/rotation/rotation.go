@@ -140,6 +140,11 @@ type RemoveWritten struct{}
 // RemoveRefused reports that the guard refused the second edit (Reason says why).
 type RemoveRefused struct{ Reason string }
 
+// EditSkipped reports that the edit handed out was not made because the file changed
+// since it was read (another rotate, a person, a pipeline wrote it): the machine waits
+// for the file as it is now and decides again, so two edits never stack unseen.
+type EditSkipped struct{}
+
 // Tick moves the clock.
 type Tick struct{ Now time.Time }
 
@@ -148,6 +153,7 @@ func (ClusterObserved) event()  {}
 func (FirstEditWritten) event() {}
 func (RemoveWritten) event()    {}
 func (RemoveRefused) event()    {}
+func (EditSkipped) event()      {}
 func (Tick) event()             {}
 
 // Config configures a Machine.
@@ -243,6 +249,15 @@ func (m *Machine) Step(ev Event) {
 				m.linef("the guard refused the second edit; asking again every %s: %s", m.cfg.GuardRetry, e.Reason)
 			}
 			m.refused = e.Reason
+		}
+	case EditSkipped:
+		if m.inflight {
+			m.inflight, m.file = false, nil
+			if m.stage == StageEdit {
+				// The first edit was decided on a file that is gone: decide from the
+				// new one (it may hold someone else's rotation).
+				m.stage = StageStart
+			}
 		}
 	case Tick:
 		if e.Now.After(m.now) {

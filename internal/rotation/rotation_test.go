@@ -26,7 +26,7 @@ var epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 //	                                     entry (a * not on the first entry: the first is held)
 //	migration                            input: none | record <res> <key> verified|error=<text> |
 //	                                     running <res> <key> <done>/<total> | plan <res> <state>
-//	first-edit-written / remove-written / remove-refused reason=<text>
+//	first-edit-written / remove-written / remove-refused reason=<text> / edit-skipped
 //	tick <duration>
 //
 // Keys are "aesgcm/k1", "kms/vault@h1" (key id hash h1) or "identity".
@@ -141,6 +141,8 @@ func TestTranscripts(t *testing.T) {
 				var reason string
 				d.ScanArgs(t, "reason", &reason)
 				m.Step(RemoveRefused{Reason: reason})
+			case "edit-skipped":
+				m.Step(EditSkipped{})
 			case "tick":
 				if len(d.CmdArgs) != 1 {
 					d.Fatalf(t, "tick: want one duration")
