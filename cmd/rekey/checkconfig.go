@@ -4,12 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/spf13/cobra"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
-	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/migrate"
@@ -34,9 +34,6 @@ reaches another plugin or keyring fails the check. Run it before you install a n
 applies the same guard to every reload.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := c.validate(); err != nil {
-				return err
-			}
 			if next == "" {
 				return errors.New("--new is required: the configuration you intend to install")
 			}
@@ -45,16 +42,12 @@ applies the same guard to every reload.`,
 				return err
 			}
 			ctx := cmd.Context()
-			cli, err := c.client(ctx)
+			s, err := c.open(ctx, preamble{config: true})
 			if err != nil {
 				return err
 			}
-			defer cli.Close()
-			cur, err := c.load(ctx, c.configPath, false)
-			if err != nil {
-				return err
-			}
-			defer cur.set.Close()
+			defer s.Close()
+			cur, cli := s.cur, s.etcd
 			// Scan what either configuration names: a rule only the new one has still
 			// changes how its resource's stored objects are read.
 			inv, res, err := c.inventory(ctx, cli, cur, false, cur.cfg, nextCfg)
@@ -63,7 +56,7 @@ applies the same guard to every reload.`,
 			}
 			store := &migrate.InventoryStore{}
 			store.Set(inv)
-			guard := migrate.NewGuard(store, func() bool { return override }, nil, klog.Background())
+			guard := migrate.NewGuard(store, func() bool { return override }, nil, s.log)
 			if vs := migrate.CheckChange(inv, cur.cfg, nextCfg); len(vs) > 0 && override {
 				fmt.Fprintf(cmd.OutOrStdout(), "WARNING: --%s is set; these objects become unreadable with %s:\n", migrate.OverrideFlag, next)
 				for _, v := range vs {
@@ -112,11 +105,9 @@ func (c *common) checkKMSDecrypt(ctx context.Context, cmd *cobra.Command, cli *c
 }
 
 func hasKMSv2(cfg *config.Config) bool {
-	for _, rc := range cfg.Encryption.Resources {
-		for _, p := range rc.Providers {
-			if p.KMS != nil && p.KMS.APIVersion == "v2" {
-				return true
-			}
+	for _, e := range transformers.Describe(cfg) {
+		if slices.ContainsFunc(e.Items, func(k transformers.ConfigKey) bool { return k.Provider == transformers.ProviderKMSv2 }) {
+			return true
 		}
 	}
 	return false

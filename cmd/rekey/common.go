@@ -8,14 +8,12 @@ import (
 	"time"
 
 	"github.com/spf13/pflag"
-	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/apiserver/pkg/apis/apiserver"
 	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/layer"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
@@ -23,25 +21,23 @@ import (
 
 // common are the flags every command shares; names are kube-apiserver's.
 type common struct {
-	etcdServers []string
-	etcdPrefix  string
-	etcdCA      string
-	etcdCert    string
-	etcdKey     string
-	configPath  string
-	resources   []string
-	pageSize    int64
-	kmsWait     time.Duration
-	timeout     time.Duration
+	// etcd is how to reach etcd, configured as the encryption layer's own clients are.
+	etcd       layer.Etcd
+	etcdPrefix string
+	configPath string
+	resources  []string
+	pageSize   int64
+	kmsWait    time.Duration
+	timeout    time.Duration
 }
 
 // addEtcdFlags adds how to reach etcd: the flags every command has, with
 // kube-apiserver's names, so an apiserver's etcd flags can be copied as they are.
 func (c *common) addEtcdFlags(fs *pflag.FlagSet) {
-	fs.StringSliceVar(&c.etcdServers, "etcd-servers", nil, "etcd servers to connect to (scheme://ip:port), comma separated. Required.")
-	fs.StringVar(&c.etcdCA, "etcd-cafile", "", "SSL Certificate Authority file used to secure etcd communication.")
-	fs.StringVar(&c.etcdCert, "etcd-certfile", "", "SSL certification file used to secure etcd communication.")
-	fs.StringVar(&c.etcdKey, "etcd-keyfile", "", "SSL key file used to secure etcd communication.")
+	fs.StringSliceVar(&c.etcd.Servers, "etcd-servers", nil, "etcd servers to connect to (scheme://ip:port), comma separated. Required.")
+	fs.StringVar(&c.etcd.CAFile, "etcd-cafile", "", "SSL Certificate Authority file used to secure etcd communication.")
+	fs.StringVar(&c.etcd.CertFile, "etcd-certfile", "", "SSL certification file used to secure etcd communication.")
+	fs.StringVar(&c.etcd.KeyFile, "etcd-keyfile", "", "SSL key file used to secure etcd communication.")
 	fs.DurationVar(&c.timeout, "etcd-dial-timeout", 10*time.Second, "How long to wait for etcd to answer.")
 }
 
@@ -54,9 +50,10 @@ func (c *common) addFlags(fs *pflag.FlagSet) {
 	fs.DurationVar(&c.kmsWait, "kms-wait", 15*time.Second, "How long to wait for KMS v2 plugins to report their current key id.")
 }
 
+// validate checks the flags every command that reads stored data needs.
 func (c *common) validate() error {
-	if len(c.etcdServers) == 0 {
-		return errors.New("--etcd-servers is required")
+	if err := c.validateEtcd(); err != nil {
+		return err
 	}
 	if c.configPath == "" {
 		return errors.New("--encryption-provider-config is required: the keys that read the stored data are in it")
@@ -64,36 +61,93 @@ func (c *common) validate() error {
 	return nil
 }
 
+func (c *common) validateEtcd() error {
+	if len(c.etcd.Servers) == 0 {
+		return errors.New("--etcd-servers is required")
+	}
+	return nil
+}
+
+// client is the one etcd client of the commands: the layer's client configuration
+// (TLS from the --etcd-* files) with room for large pages, checked to answer.
 func (c *common) client(ctx context.Context) (*clientv3.Client, error) {
-	cfg := clientv3.Config{
-		Endpoints:   c.etcdServers,
-		DialTimeout: c.timeout,
-		Logger:      zap.NewNop(),
-		// A page stops at about migrate.DefaultPageBytes (and is asked again smaller if
-		// an answer is still too large), so 64 MiB leaves room for pages of the largest
-		// values etcd accepts. Set in Config: the client's own per-call default
-		// (2 GiB) would override a dial option.
-		MaxCallRecvMsgSize: 64 << 20,
+	cfg, err := c.etcd.ClientConfig(c.timeout)
+	if err != nil {
+		return nil, err
 	}
-	if c.etcdCert != "" || c.etcdKey != "" || c.etcdCA != "" {
-		tlsInfo := transport.TLSInfo{CertFile: c.etcdCert, KeyFile: c.etcdKey, TrustedCAFile: c.etcdCA}
-		tc, err := tlsInfo.ClientConfig()
-		if err != nil {
-			return nil, fmt.Errorf("etcd TLS files: %w", err)
-		}
-		cfg.TLS = tc
-	}
+	// A page stops at about migrate.DefaultPageBytes (and is asked again smaller if an
+	// answer is still too large), so 64 MiB leaves room for pages of the largest values
+	// etcd accepts. Set in Config: the client's own per-call default (2 GiB) would
+	// override a dial option.
+	cfg.MaxCallRecvMsgSize = 64 << 20
 	cli, err := clientv3.New(cfg)
 	if err != nil {
-		return nil, fmt.Errorf("connecting to etcd %v: %w", c.etcdServers, err)
+		return nil, fmt.Errorf("connecting to etcd %v: %w", c.etcd.Servers, err)
 	}
 	sctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
-	if _, err := cli.Status(sctx, c.etcdServers[0]); err != nil {
+	if _, err := cli.Status(sctx, c.etcd.Servers[0]); err != nil {
 		_ = cli.Close()
-		return nil, fmt.Errorf("etcd %s does not answer (%v); check --etcd-servers and the TLS flags", c.etcdServers[0], err)
+		return nil, fmt.Errorf("etcd %s does not answer (%v); check --etcd-servers and the TLS flags", c.etcd.Servers[0], err)
 	}
 	return cli, nil
+}
+
+// session is what a command works with once the preamble shared by every command ran:
+// flags checked, etcd reached, and for the commands that read stored data the
+// configuration read, checked and built.
+type session struct {
+	log  klog.Logger
+	etcd *clientv3.Client
+	// cur is --encryption-provider-config (or the configuration the caller passed)
+	// with its transformers; nil for a command that reads no stored data.
+	cur *loaded
+}
+
+// preamble says what a command needs from open.
+type preamble struct {
+	// config: read and check --encryption-provider-config and build its transformers.
+	config bool
+	// cfg: build this configuration, already read and checked by the caller, instead.
+	cfg *config.Config
+	// requireKMS: a KMS plugin that is not ready is an error (the command writes).
+	requireKMS bool
+}
+
+// open runs the preamble; the caller closes the session.
+func (c *common) open(ctx context.Context, p preamble) (*session, error) {
+	check := c.validateEtcd
+	if p.config {
+		check = c.validate
+	}
+	if err := check(); err != nil {
+		return nil, err
+	}
+	s := &session{log: klog.Background()}
+	cli, err := c.client(ctx)
+	if err != nil {
+		return nil, err
+	}
+	s.etcd = cli
+	switch {
+	case p.cfg != nil:
+		s.cur, err = c.build(ctx, p.cfg, p.requireKMS)
+	case p.config:
+		s.cur, err = c.load(ctx, c.configPath, p.requireKMS)
+	}
+	if err != nil {
+		_ = cli.Close()
+		return nil, err
+	}
+	return s, nil
+}
+
+// Close releases the session's transformers and etcd client.
+func (s *session) Close() {
+	if s.cur != nil {
+		s.cur.set.Close()
+	}
+	_ = s.etcd.Close()
 }
 
 // loaded is a configuration with its built transformers.
@@ -154,8 +208,12 @@ func (c *common) resourceList(cfgs ...*config.Config) ([]migrate.Resource, error
 	names := c.resources
 	if len(names) == 0 {
 		seen := map[string]bool{}
-		for _, rc := range allRules(cfgs) {
-			for _, r := range rc.Resources {
+		var entries []transformers.Entry[transformers.ConfigKey]
+		for _, cfg := range cfgs {
+			entries = append(entries, transformers.Describe(cfg)...)
+		}
+		for _, e := range entries {
+			for _, r := range e.Resources {
 				gr := schema.ParseGroupResource(r)
 				if strings.Contains(r, "*") || seen[gr.String()] {
 					continue
@@ -177,12 +235,4 @@ func (c *common) resourceList(cfgs ...*config.Config) ([]migrate.Resource, error
 		out = append(out, r)
 	}
 	return out, nil
-}
-
-func allRules(cfgs []*config.Config) []apiserver.ResourceConfiguration {
-	var out []apiserver.ResourceConfiguration
-	for _, cfg := range cfgs {
-		out = append(out, cfg.Encryption.Resources...)
-	}
-	return out
 }

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"text/tabwriter"
@@ -13,7 +12,7 @@ import (
 
 func newInventoryCommand() *cobra.Command {
 	var c common
-	var output string
+	var output outputFormat
 	var decrypt bool
 	cmd := &cobra.Command{
 		Use:   "inventory",
@@ -26,44 +25,23 @@ rekey migrate rewrites those. --decrypt-check also decrypts every value to find 
 ones that cannot be read.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := c.validate(); err != nil {
-				return err
-			}
-			if output != "table" && output != "json" {
-				return fmt.Errorf("-o %q: use table or json", output)
-			}
 			ctx := cmd.Context()
-			cli, err := c.client(ctx)
+			s, err := c.open(ctx, preamble{config: true})
 			if err != nil {
 				return err
 			}
-			defer cli.Close()
-			l, err := c.load(ctx, c.configPath, false)
+			defer s.Close()
+			inv, _, err := c.inventory(ctx, s.etcd, s.cur, decrypt, s.cur.cfg)
 			if err != nil {
 				return err
 			}
-			defer l.set.Close()
-			inv, _, err := c.inventory(ctx, cli, l, decrypt, l.cfg)
-			if err != nil {
-				return err
-			}
-			if output == "json" {
-				return writeJSON(cmd.OutOrStdout(), inv)
-			}
-			writeTable(cmd.OutOrStdout(), inv)
-			return nil
+			return output.write(cmd.OutOrStdout(), inv, func(w io.Writer) { writeTable(w, inv) })
 		},
 	}
 	c.addFlags(cmd.Flags())
-	cmd.Flags().StringVarP(&output, "output", "o", "table", "Output format: table or json.")
+	addOutputFlag(cmd.Flags(), &output)
 	cmd.Flags().BoolVar(&decrypt, "decrypt-check", false, "Also decrypt every value (KMS v2: calls the plugin for each DEK not cached) to count unreadable objects exactly.")
 	return cmd
-}
-
-func writeJSON(w io.Writer, v any) error {
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(v)
 }
 
 func writeTable(w io.Writer, inv *migrate.Inventory) {

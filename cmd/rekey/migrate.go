@@ -3,22 +3,18 @@ package main
 import (
 	"errors"
 	"fmt"
-	"io"
-	"os"
-	"strings"
-	"sync"
 	"time"
 
 	"github.com/spf13/cobra"
-	"golang.org/x/term"
 
+	"github.com/rekey-io/rekey/internal/progress"
 	"github.com/rekey-io/rekey/pkg/migrate"
 )
 
 func newMigrateCommand() *cobra.Command {
 	var c common
 	var o migrate.Options
-	var progress string
+	mode := progress.NewFlag(progress.Auto, progress.Bar, progress.Plain, progress.None)
 	cmd := &cobra.Command{
 		Use:   "migrate",
 		Short: "Re-encrypt every stale object with the current write key, then verify",
@@ -35,31 +31,23 @@ you start (see docs/migration.md). With --checkpoint, a stopped run can be conti
 --resume.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := c.validate(); err != nil {
-				return err
-			}
 			if o.Resume && o.CheckpointPath == "" {
 				return errors.New("--resume needs --checkpoint: the file the stopped run wrote")
 			}
 			ctx := cmd.Context()
-			cli, err := c.client(ctx)
+			s, err := c.open(ctx, preamble{config: true, requireKMS: true})
 			if err != nil {
 				return err
 			}
-			defer cli.Close()
-			l, err := c.load(ctx, c.configPath, true)
-			if err != nil {
+			defer s.Close()
+			if o.Resources, err = c.resourceList(s.cur.cfg); err != nil {
 				return err
 			}
-			defer l.set.Close()
-			if o.Resources, err = c.resourceList(l.cfg); err != nil {
-				return err
-			}
-			o.Client, o.Source, o.PageSize, o.ConfigHash = cli, migrate.FromSet(l.set), c.pageSize, l.cfg.Hash
-			p := newProgressPrinter(cmd.ErrOrStderr(), progress)
-			o.Progress = p.update
+			o.Client, o.Source, o.PageSize, o.ConfigHash = s.etcd, migrate.FromSet(s.cur.set), c.pageSize, s.cur.cfg.Hash
+			p := progress.New(cmd.ErrOrStderr(), mode.Mode())
+			o.Progress = func(pr migrate.Progress) { showMigration(p, pr) }
 			res, err := migrate.Migrate(ctx, o)
-			p.finish()
+			p.Done()
 			if res != nil {
 				fmt.Fprintf(cmd.OutOrStdout(), "scanned %d, rewritten %d, already current %d, conflicts %d, deleted meanwhile %d, unreadable %d in %s (%d passes)\n",
 					res.Scanned, res.Rewritten, res.Current, res.Conflicts, res.Gone, res.Unreadable, res.Duration.Round(time.Millisecond), res.Passes)
@@ -81,61 +69,24 @@ you start (see docs/migration.md). With --checkpoint, a stopped run can be conti
 	fs.IntVar(&o.BatchSize, "batch-size", migrate.DefaultBatchSize, "Rewrites per etcd transaction (etcd allows 128 operations by default).")
 	fs.IntVar(&o.Workers, "workers", 0, "Parallel re-encryption workers (default 2 × CPUs).")
 	fs.IntVar(&o.MaxPasses, "max-passes", migrate.DefaultMaxPasses, "Migrate-and-verify rounds before giving up on objects that keep turning stale.")
-	fs.StringVar(&progress, "progress", "auto", "Progress display: auto (a bar on a terminal, periodic lines otherwise), bar, lines or none.")
+	fs.Var(mode, "progress", "Progress display: auto (a bar on a terminal, periodic lines otherwise), bar, plain (periodic lines; also spelled lines) or none.")
 	return cmd
 }
 
-// progressPrinter draws a progress bar on a terminal, or a line every few seconds.
-type progressPrinter struct {
-	w       io.Writer
-	mode    string
-	mu      sync.Mutex
-	last    time.Time
-	drawn   bool
-	lastLen int
-}
+// migrationLineEvery is how often a plain progress line is printed while a resource is
+// being migrated; a new resource, a verify pass and the first page always print one.
+const migrationLineEvery = 5 * time.Second
 
-func newProgressPrinter(w io.Writer, mode string) *progressPrinter {
-	if mode == "auto" {
-		mode = "lines"
-		if f, ok := w.(*os.File); ok && term.IsTerminal(int(f.Fd())) {
-			mode = "bar"
+// showMigration shows one progress report: the bar's status line on a terminal, a line
+// every few seconds otherwise.
+func showMigration(p *progress.Writer, pr migrate.Progress) {
+	switch p.Mode() {
+	case progress.Bar:
+		p.Status(renderBar(pr, 30), pr.Done == pr.Total || pr.Phase != "migrate")
+	case progress.Plain:
+		if p.SinceLine() >= migrationLineEvery || pr.Phase != "migrate" || pr.Done == 0 {
+			p.Line(renderBar(pr, 0))
 		}
-	}
-	return &progressPrinter{w: w, mode: mode}
-}
-
-func (p *progressPrinter) update(pr migrate.Progress) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	now := time.Now()
-	switch p.mode {
-	case "bar":
-		if now.Sub(p.last) < 100*time.Millisecond && pr.Done != pr.Total && pr.Phase == "migrate" {
-			return
-		}
-		p.last = now
-		line := renderBar(pr, 30)
-		pad := ""
-		if n := p.lastLen - len(line); n > 0 {
-			pad = strings.Repeat(" ", n)
-		}
-		fmt.Fprintf(p.w, "\r%s%s", line, pad)
-		p.lastLen, p.drawn = len(line), true
-	case "lines":
-		if now.Sub(p.last) < 5*time.Second && pr.Phase == "migrate" && pr.Done != 0 {
-			return
-		}
-		p.last = now
-		fmt.Fprintln(p.w, renderBar(pr, 0))
-	}
-}
-
-func (p *progressPrinter) finish() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.drawn {
-		fmt.Fprintln(p.w)
 	}
 }
 
@@ -154,8 +105,7 @@ func renderBar(pr migrate.Progress, width int) string {
 	}
 	bar := ""
 	if width > 0 {
-		n := int(frac * float64(width))
-		bar = "[" + strings.Repeat("=", n) + strings.Repeat(" ", width-n) + "] "
+		bar = progress.Fill(frac, width) + " "
 	}
 	return fmt.Sprintf("pass %d %-12s %s%6d/%-6d %3.0f%%  %5.0f obj/s  rewritten %d  conflicts %d  unreadable %d",
 		pr.Pass, pr.Resource, bar, pr.Done, pr.Total, frac*100, rate, pr.Rewritten, pr.Conflicts, pr.Unreadable)

@@ -1,26 +1,24 @@
 package main
 
 import (
+	"context"
 	"crypto/rand"
 	"errors"
 	"fmt"
-	"io"
-	"os"
-	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
-	apiserverv1 "k8s.io/apiserver/pkg/apis/apiserver/v1"
 
+	"github.com/rekey-io/rekey/internal/atomicfile"
+	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/migrate"
 )
 
 func newRotateCommand() *cobra.Command {
 	var c common
-	var r rotation
+	var r rotation.Request
 	var output string
 	var removeOld string
 	var w waitOptions
@@ -59,134 +57,119 @@ continues it (no second new key). See docs/rotation.md.`,
 			if c.configPath == "" {
 				return errors.New("--encryption-provider-config is required: rotate edits that file")
 			}
-			data, _, err := config.ReadFile(c.configPath)
+			f, err := c.readConfigFile("the current configuration is not valid, so rotate leaves it alone")
 			if err != nil {
 				return err
 			}
-			cur, err := config.Parse(data, c.configPath, config.Options{Reload: true})
-			if err != nil {
-				return fmt.Errorf("the current configuration is not valid, so rotate leaves it alone: %w", err)
-			}
-			ext, err := decodeExternal(data)
-			if err != nil {
-				return err
-			}
-			r.resources = c.resources
+			r.Resources = c.resources
 			if w.wait {
 				if output != "" || removeOld != "" {
 					return errors.New("--wait runs the whole rotation (both edits) on the file; it does not combine with -o or --remove-old")
 				}
-				r.now, r.random = time.Now(), rand.Reader
+				r.Random = rand.Reader
 				return c.rotateWait(cmd, r, w)
 			}
-			var next []byte
-			var summary string
-			if removeOld != "" {
-				next, summary, err = c.removeKeys(cmd, cur, ext, []string{removeOld}, r.resources)
-				if err != nil {
-					return err
-				}
-			} else {
-				r.now, r.random = time.Now(), rand.Reader
-				if next, summary, err = c.addKey(cmd, ext, r); err != nil {
-					return err
-				}
-			}
-			if output == "-" {
-				_, err := cmd.OutOrStdout().Write(next)
-				fmt.Fprintln(cmd.ErrOrStderr(), summary)
-				return err
-			}
-			if output != "" {
-				return fmt.Errorf("-o %q: only - (print the new configuration) is supported; without -o the file is replaced", output)
-			}
-			if err := replaceFile(c.configPath, next); err != nil {
-				return err
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "%s: %s (%s)\n", c.configPath, summary, config.Hash(next))
-			return nil
+			return c.rotateStep(cmd, f, r, removeOld, output)
 		},
 	}
 	c.addFlags(cmd.Flags())
 	fs := cmd.Flags()
-	fs.StringVar(&r.provider, "provider", "", "Type of the new write key: aesgcm, secretbox, aescbc (deprecated) or kms. Default: the type each rule writes with now.")
-	fs.StringVar(&r.kmsName, "kms-name", "", "Name of the new KMS v2 provider (--provider kms).")
-	fs.StringVar(&r.kmsEndpoint, "kms-endpoint", "", "Socket of the new KMS v2 plugin, unix:///path (--provider kms).")
-	fs.DurationVar(&r.kmsTimeout, "kms-timeout", 0, "Timeout of the new KMS v2 provider (--provider kms); default: the apiserver's (3s).")
+	fs.StringVar(&r.Provider, "provider", "", "Type of the new write key: aesgcm, secretbox, aescbc (deprecated) or kms. Default: the type each rule writes with now.")
+	fs.StringVar(&r.KMSName, "kms-name", "", "Name of the new KMS v2 provider (--provider kms).")
+	fs.StringVar(&r.KMSEndpoint, "kms-endpoint", "", "Socket of the new KMS v2 plugin, unix:///path (--provider kms).")
+	fs.DurationVar(&r.KMSTimeout, "kms-timeout", 0, "Timeout of the new KMS v2 provider (--provider kms); default: the apiserver's (3s).")
 	fs.StringVarP(&output, "output", "o", "", "- prints the new configuration to stdout and leaves the file alone.")
 	w.addFlags(fs)
 	fs.StringVar(&removeOld, "remove-old", "", "Remove this read key (a local key name, a KMS provider name, or identity) from every rule that writes with another key (narrowed by --resources), after the guard allows it. Needs --etcd-servers.")
 	return cmd
 }
 
-// addKey returns the file's next content with a new write key first (step 1), validated
-// as the apiserver would, and a summary line; warnings go to stderr.
-func (c *common) addKey(cmd *cobra.Command, ext *apiserverv1.EncryptionConfiguration, r rotation) ([]byte, string, error) {
-	res, err := rotateAdd(ext, r)
-	if err != nil {
-		return nil, "", err
+// rotateStep makes one edit of f, the first (a new write key) or with removeOld the
+// second, and replaces the file with it, or prints it with -o -.
+func (c *common) rotateStep(cmd *cobra.Command, f *rotation.File, r rotation.Request, removeOld, output string) error {
+	var e *rotation.Edit
+	var err error
+	var summary string
+	if removeOld != "" {
+		if e, err = c.removeKeys(cmd.Context(), f, []string{removeOld}, r.Resources); err != nil {
+			return err
+		}
+		summary = e.Summary
+	} else {
+		r.Now, r.Random = time.Now(), rand.Reader
+		if e, err = c.addKey(cmd, f, r); err != nil {
+			return err
+		}
+		summary = fmt.Sprintf("%s until `rekey rotate --remove-old NAME` (NAME: %s)", e.Summary, strings.Join(e.OldKeys, ", "))
 	}
-	for _, w := range res.warnings {
-		fmt.Fprintln(cmd.ErrOrStderr(), w)
+	if output == "-" {
+		_, err := cmd.OutOrStdout().Write(e.Data)
+		fmt.Fprintln(cmd.ErrOrStderr(), summary)
+		return err
 	}
-	next, err := encodeExternal(res.cfg)
-	if err != nil {
-		return nil, "", err
+	if output != "" {
+		return fmt.Errorf("-o %q: only - (print the new configuration) is supported; without -o the file is replaced", output)
 	}
-	if _, err := config.Parse(next, c.configPath+" (rotated)", config.Options{Reload: true}); err != nil {
-		return nil, "", fmt.Errorf("the rotated configuration would not be valid (file left alone): %w", err)
+	if err := atomicfile.WriteFile(c.configPath, e.Data, 0o600); err != nil {
+		return fmt.Errorf("%w; the file is left as it was (or print the new configuration with -o - and install it yourself)", err)
 	}
-	return next, fmt.Sprintf("new write key %q first in %s; the previous write key stays for reads", res.newKey, ruleNames(res.cfg, res.rules)) +
-		fmt.Sprintf(" until `rekey rotate --remove-old NAME` (NAME: %s)", strings.Join(res.oldKeys, ", ")), nil
+	fmt.Fprintf(cmd.OutOrStdout(), "%s: %s (%s)\n", c.configPath, summary, e.Config.Hash)
+	return nil
 }
 
-// removeKeys returns the file's next content without the read keys names (step 2), once
-// the guard allowed it: a fresh inventory taken with the current configuration cur, and
-// migrate.CheckChange from cur to the result.
-func (c *common) removeKeys(cmd *cobra.Command, cur *config.Config, ext *apiserverv1.EncryptionConfiguration, names, resources []string) ([]byte, string, error) {
-	var parts []string
-	for _, name := range names {
-		dropped, rules, err := rotateDrop(ext, name, resources)
-		if err != nil {
-			return nil, "", err
-		}
-		parts = append(parts, fmt.Sprintf("removed the read key %q from %s", name, ruleNames(dropped, rules)))
-		ext = dropped
-	}
-	next, err := encodeExternal(ext)
+// readConfigFile reads --encryption-provider-config for an edit; invalid says what a
+// file that is not valid means for the caller.
+func (c *common) readConfigFile(invalid string) (*rotation.File, error) {
+	data, _, err := config.ReadFile(c.configPath)
 	if err != nil {
-		return nil, "", err
+		return nil, err
 	}
-	nextCfg, err := config.Parse(next, c.configPath+" (without the old key)", config.Options{Reload: true})
+	f, err := rotation.ParseFile(data, c.configPath)
 	if err != nil {
-		return nil, "", fmt.Errorf("removing the old key would give an invalid configuration (file left alone): %w", err)
+		return nil, fmt.Errorf("%s: %w", invalid, err)
 	}
-	if err := c.guardRemoval(cmd, cur, nextCfg); err != nil {
-		return nil, "", err
+	return f, nil
+}
+
+// addKey is the first edit of f: a new write key first; warnings go to stderr.
+func (c *common) addKey(cmd *cobra.Command, f *rotation.File, r rotation.Request) (*rotation.Edit, error) {
+	e, err := rotation.Add(f, r)
+	if err != nil {
+		return nil, err
 	}
-	return next, strings.Join(parts, "; "), nil
+	for _, w := range e.Warnings {
+		fmt.Fprintln(cmd.ErrOrStderr(), w)
+	}
+	return e, nil
+}
+
+// removeKeys is the second edit of f: without the read keys names, once the guard
+// allowed it.
+func (c *common) removeKeys(ctx context.Context, f *rotation.File, names, resources []string) (*rotation.Edit, error) {
+	e, err := rotation.Remove(f, names, resources)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.guardRemoval(ctx, f.Config, e.Config); err != nil {
+		return nil, err
+	}
+	return e, nil
 }
 
 // guardRemoval takes a fresh inventory with cur and refuses next when it would leave a
 // stored object unreadable (migrate.CheckChange, the reload guard's rule).
-func (c *common) guardRemoval(cmd *cobra.Command, cur, next *config.Config) error {
-	if len(c.etcdServers) == 0 {
+func (c *common) guardRemoval(ctx context.Context, cur, next *config.Config) error {
+	if len(c.etcd.Servers) == 0 {
 		return errors.New("--remove-old needs --etcd-servers: the guard counts the objects that still use the old key before it goes")
 	}
-	ctx := cmd.Context()
-	cli, err := c.client(ctx)
-	if err != nil {
-		return err
-	}
-	defer cli.Close()
 	// The transformers of cur itself: the content the caller read and decided on, not
 	// the file read a second time.
-	l, err := c.build(ctx, cur, false)
+	s, err := c.open(ctx, preamble{cfg: cur})
 	if err != nil {
 		return err
 	}
-	defer l.set.Close()
-	inv, _, err := c.inventory(ctx, cli, l, false, cur, next)
+	defer s.Close()
+	inv, _, err := c.inventory(ctx, s.etcd, s.cur, false, cur, next)
 	if err != nil {
 		return err
 	}
@@ -196,59 +179,6 @@ func (c *common) guardRemoval(cmd *cobra.Command, cur, next *config.Config) erro
 			fmt.Fprintf(&b, "\n  - %s", v)
 		}
 		return fmt.Errorf("the old key still encrypts stored data; run `rekey migrate` (or wait for the cluster's migrator) and try again:%s", b.String())
-	}
-	return nil
-}
-
-// replaceFile writes data over path atomically: a temporary file in the same directory
-// (so the rename does not cross file systems) with path's mode and owner, fsynced, renamed
-// over path, and the directory fsynced so the rename survives a crash. A symlink is
-// followed and its target replaced, so the link stays.
-func replaceFile(path string, data []byte) error {
-	target, err := filepath.EvalSymlinks(path)
-	if err != nil {
-		return fmt.Errorf("resolving %q: %w", path, err)
-	}
-	fi, err := os.Stat(target)
-	if err != nil {
-		return fmt.Errorf("reading %q's mode: %w", target, err)
-	}
-	dir := filepath.Dir(target)
-	tmp, err := os.CreateTemp(dir, "."+filepath.Base(target)+".rekey-*")
-	if err != nil {
-		return fmt.Errorf("creating a temporary file next to %q (the directory must be writable; or use -o - and install the output yourself): %w", target, err)
-	}
-	done := false
-	defer func() {
-		if !done {
-			_ = tmp.Close()
-			_ = os.Remove(tmp.Name())
-		}
-	}()
-	if err := tmp.Chmod(fi.Mode().Perm()); err != nil {
-		return fmt.Errorf("setting the mode of %q: %w", tmp.Name(), err)
-	}
-	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-		if err := tmp.Chown(int(st.Uid), int(st.Gid)); err != nil {
-			return fmt.Errorf("keeping %q's owner %d:%d (run rotate as that user or root, or use -o -): %w", target, st.Uid, st.Gid, err)
-		}
-	}
-	if _, err := io.Copy(tmp, strings.NewReader(string(data))); err != nil {
-		return fmt.Errorf("writing %q: %w", tmp.Name(), err)
-	}
-	if err := tmp.Sync(); err != nil {
-		return fmt.Errorf("syncing %q: %w", tmp.Name(), err)
-	}
-	if err := tmp.Close(); err != nil {
-		return fmt.Errorf("closing %q: %w", tmp.Name(), err)
-	}
-	if err := os.Rename(tmp.Name(), target); err != nil {
-		return fmt.Errorf("replacing %q: %w", target, err)
-	}
-	done = true
-	if d, err := os.Open(dir); err == nil {
-		_ = d.Sync()
-		_ = d.Close()
 	}
 	return nil
 }

@@ -3,7 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -15,7 +14,6 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	apiserverv1 "k8s.io/apiserver/pkg/apis/apiserver/v1"
 	"k8s.io/apiserver/pkg/storage/value"
 
 	"github.com/rekey-io/rekey/internal/etcdtest"
@@ -24,189 +22,6 @@ import (
 	"github.com/rekey-io/rekey/pkg/transformers"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
-
-var updateGolden = flag.Bool("update", false, "rewrite the golden files in testdata/rotate")
-
-var rotateNow = time.Date(2026, 11, 23, 20, 30, 0, 0, time.UTC)
-
-// fixedRandom is a deterministic key source so the golden files hold a known secret.
-func fixedRandom() *bytes.Reader { return bytes.NewReader(bytes.Repeat([]byte{0xA5}, 64)) }
-
-func readExternal(t *testing.T, name string) *apiserverv1.EncryptionConfiguration {
-	t.Helper()
-	data, err := os.ReadFile(filepath.Join("testdata", "rotate", name))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := config.Parse(data, name, config.Options{Reload: true}); err != nil {
-		t.Fatalf("input %s is not valid: %v", name, err)
-	}
-	cfg, err := decodeExternal(data)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return cfg
-}
-
-// checkGolden compares cfg's YAML with testdata/rotate/name and validates it as the
-// apiserver would.
-func checkGolden(t *testing.T, cfg *apiserverv1.EncryptionConfiguration, name string) {
-	t.Helper()
-	got, err := encodeExternal(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := config.Parse(got, name, config.Options{Reload: true}); err != nil {
-		t.Fatalf("%s: result is not a valid configuration: %v\n%s", name, err, got)
-	}
-	path := filepath.Join("testdata", "rotate", name)
-	if *updateGolden {
-		if err := os.WriteFile(path, got, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (run go test -run TestRotateGolden -update to create it)", err)
-	}
-	if !bytes.Equal(got, want) {
-		t.Errorf("%s differs:\n--- got\n%s--- want\n%s", name, got, want)
-	}
-}
-
-// TestRotateGolden covers every switch rotate makes in one command: the added write key
-// (first step) and the removal of the key it replaced (second step).
-func TestRotateGolden(t *testing.T) {
-	for _, tc := range []struct {
-		name, in string
-		r        rotation
-		newKey   string
-		oldKey   string
-		warn     bool
-	}{
-		{name: "aesgcm-same", in: "aesgcm.in.yaml", newKey: "key-20261123T203000Z", oldKey: "key1"},
-		{name: "aesgcm-to-secretbox", in: "aesgcm.in.yaml", r: rotation{provider: providerSecretbox}, newKey: "key-20261123T203000Z", oldKey: "key1"},
-		{name: "aescbc-same", in: "aescbc-two-keys.in.yaml", newKey: "key-20261123T203000Z", warn: true, oldKey: "key2"},
-		{name: "aescbc-to-aesgcm", in: "aescbc-two-keys.in.yaml", r: rotation{provider: providerAESGCM}, newKey: "key-20261123T203000Z", oldKey: "key2"},
-		{name: "identity-to-aesgcm", in: "identity.in.yaml", r: rotation{provider: providerAESGCM}, newKey: "key-20261123T203000Z", oldKey: "identity"},
-		{name: "aesgcm-to-kms", in: "aesgcm.in.yaml", r: rotation{provider: providerKMS, kmsName: "vault-b", kmsEndpoint: "unix:///var/run/kms-b.sock"}, newKey: "vault-b", oldKey: "key1"},
-		{name: "aescbc-to-kms", in: "aescbc-two-keys.in.yaml", r: rotation{provider: providerKMS, kmsName: "vault-b", kmsEndpoint: "unix:///var/run/kms-b.sock"}, newKey: "vault-b", oldKey: "key2"},
-		{name: "identity-to-kms", in: "identity.in.yaml", r: rotation{provider: providerKMS, kmsName: "vault-b", kmsEndpoint: "unix:///var/run/kms-b.sock"}, newKey: "vault-b", oldKey: "identity"},
-		{name: "kms-to-kms", in: "kms.in.yaml", r: rotation{provider: providerKMS, kmsName: "vault-b", kmsEndpoint: "unix:///var/run/kms-b.sock", kmsTimeout: 5 * time.Second}, newKey: "vault-b", oldKey: "vault-a"},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			in := readExternal(t, tc.in)
-			before, _ := encodeExternal(in)
-			tc.r.now, tc.r.random = rotateNow, fixedRandom()
-			res, err := rotateAdd(in, tc.r)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if after, _ := encodeExternal(in); !bytes.Equal(before, after) {
-				t.Fatal("rotateAdd changed its input")
-			}
-			if res.newKey != tc.newKey {
-				t.Errorf("new key = %q, want %q", res.newKey, tc.newKey)
-			}
-			if got := len(res.warnings) > 0; got != tc.warn {
-				t.Errorf("warnings = %q, want a warning: %v", res.warnings, tc.warn)
-			}
-			checkGolden(t, res.cfg, tc.name+".add.yaml")
-
-			if len(res.oldKeys) != 1 || res.oldKeys[0] != tc.oldKey {
-				t.Errorf("old keys = %q, want [%s]", res.oldKeys, tc.oldKey)
-			}
-			// The new write key is never removed as "old".
-			if _, _, err := rotateDrop(res.cfg, res.newKey, nil); err == nil {
-				t.Error("removing the write key itself was accepted")
-			}
-			dropped, rules, err := rotateDrop(res.cfg, tc.oldKey, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if len(rules) != len(res.rules) {
-				t.Errorf("dropped from rules %v, rotated %v", rules, res.rules)
-			}
-			checkGolden(t, dropped, tc.name+".drop.yaml")
-			// A re-run of the second step finds nothing left to remove.
-			if _, _, err := rotateDrop(dropped, tc.oldKey, nil); err == nil || !strings.Contains(err.Error(), "nothing to remove") {
-				t.Errorf("second removal: err = %v, want nothing to remove", err)
-			}
-		})
-	}
-}
-
-func TestRotateRefuses(t *testing.T) {
-	twoRules := readExternal(t, "aesgcm.in.yaml")
-	twoRules.Resources[1].Providers = twoRules.Resources[0].Providers
-	twoIdentity := readExternal(t, "aesgcm.in.yaml")
-	twoIdentity.Resources[0].Providers = twoIdentity.Resources[1].Providers
-	for _, tc := range []struct {
-		name string
-		cfg  *apiserverv1.EncryptionConfiguration
-		r    rotation
-		want string
-	}{
-		{"identity without --provider", readExternal(t, "identity.in.yaml"), rotation{}, "pass --provider aesgcm"},
-		{"kms over two rules", twoRules, rotation{provider: providerKMS, kmsName: "b", kmsEndpoint: "unix:///b.sock"}, "choose one with --resources"},
-		{"kms over two identity rules", twoIdentity, rotation{provider: providerKMS, kmsName: "b", kmsEndpoint: "unix:///b.sock"}, "choose one with --resources"},
-		{"kms name taken", readExternal(t, "kms.in.yaml"), rotation{provider: providerKMS, kmsName: "vault-a", kmsEndpoint: "unix:///b.sock"}, "already a KMS provider"},
-		{"kms without name", readExternal(t, "kms.in.yaml"), rotation{provider: providerKMS, kmsEndpoint: "unix:///b.sock"}, "needs --kms-name"},
-		{"kms tcp endpoint", readExternal(t, "kms.in.yaml"), rotation{provider: providerKMS, kmsName: "b", kmsEndpoint: "tcp://10.0.0.1:80"}, "unix socket"},
-		{"kms name with colon", readExternal(t, "kms.in.yaml"), rotation{provider: providerKMS, kmsName: "a:b", kmsEndpoint: "unix:///b.sock"}, "contains ':'"},
-		{"unknown type", readExternal(t, "aesgcm.in.yaml"), rotation{provider: "rot13"}, "not one rotate writes with"},
-		{"resources naming no rule", readExternal(t, "aesgcm.in.yaml"), rotation{resources: []string{"pods"}}, "no rule naming pods"},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			tc.r.now, tc.r.random = rotateNow, fixedRandom()
-			_, err := rotateAdd(tc.cfg, tc.r)
-			if err == nil || !strings.Contains(err.Error(), tc.want) {
-				t.Fatalf("err = %v, want %q", err, tc.want)
-			}
-		})
-	}
-}
-
-func TestRotateResourcesLimit(t *testing.T) {
-	cfg := readExternal(t, "aesgcm.in.yaml")
-	cfg.Resources[1].Providers = cfg.Resources[0].Providers
-	res, err := rotateAdd(cfg, rotation{resources: []string{"events"}, now: rotateNow, random: fixedRandom()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(res.rules) != 1 || res.rules[0] != 1 {
-		t.Fatalf("rotated rules %v, want only [1] (events)", res.rules)
-	}
-}
-
-func TestNewKeyName(t *testing.T) {
-	// An existing name that is a start of the generated one: no suffix helps.
-	if n, err := newKeyName(rotateNow, []string{"key-2026"}); err == nil {
-		t.Errorf("newKeyName with key-2026 present = %q, want an error", n)
-	}
-	base := "key-20261123T203000Z"
-	for _, tc := range []struct {
-		existing []string
-		want     string
-	}{
-		{nil, base},
-		{[]string{"key1"}, base},
-		{[]string{base}, "key-20261123T203001Z"},
-		// A name that the next candidate is a prefix of is skipped too.
-		{[]string{base, "key-20261123T203001Zx"}, "key-20261123T203002Z"},
-	} {
-		got, err := newKeyName(rotateNow, tc.existing)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got != tc.want {
-			t.Errorf("newKeyName(%q) = %q, want %q", tc.existing, got, tc.want)
-		}
-		if strings.Contains(got, ":") {
-			t.Errorf("name %q contains ':'", got)
-		}
-	}
-}
 
 // TestRotateCommand runs the whole command: the file is replaced with its mode kept,
 // -o - leaves it alone, and --remove-old is refused while stored objects still use the
@@ -412,36 +227,5 @@ func TestRotateProviderSwitches(t *testing.T) {
 				t.Fatalf("inventory --decrypt-check with the final file: %v\n%s", err, out)
 			}
 		})
-	}
-}
-
-// The second step stays inside the rules --resources names: removing identity after a
-// rotation of secrets must not touch a configmaps rule that still reads plaintext.
-func TestRotateDropKeepsToTheNamedResources(t *testing.T) {
-	key := func(name string) apiserverv1.Key { return apiserverv1.Key{Name: name, Secret: "c2VjcmV0"} }
-	aesgcm := func(names ...string) apiserverv1.ProviderConfiguration {
-		var ks []apiserverv1.Key
-		for _, n := range names {
-			ks = append(ks, key(n))
-		}
-		return apiserverv1.ProviderConfiguration{AESGCM: &apiserverv1.AESConfiguration{Keys: ks}}
-	}
-	identity := apiserverv1.ProviderConfiguration{Identity: &apiserverv1.IdentityConfiguration{}}
-	cfg := &apiserverv1.EncryptionConfiguration{Resources: []apiserverv1.ResourceConfiguration{
-		{Resources: []string{"secrets"}, Providers: []apiserverv1.ProviderConfiguration{aesgcm("k2", "k1"), identity}},
-		{Resources: []string{"configmaps"}, Providers: []apiserverv1.ProviderConfiguration{aesgcm("c1"), identity}},
-	}}
-	dropped, rules, err := rotateDrop(cfg, "identity", []string{"secrets"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(rules) != 1 || rules[0] != 0 || len(dropped.Resources[0].Providers) != 1 || len(dropped.Resources[1].Providers) != 2 {
-		t.Fatalf("rotateDrop(identity, --resources secrets) changed rules %v: %+v", rules, dropped.Resources)
-	}
-	if _, _, err := rotateDrop(cfg, "c1", []string{"secrets"}); err == nil || !strings.Contains(err.Error(), "no rule naming secrets") {
-		t.Fatalf("rotateDrop(c1, --resources secrets) = %v, want nothing to remove in secrets", err)
-	}
-	if dropped, rules, err := rotateDrop(cfg, "identity", nil); err != nil || len(rules) != 2 || len(dropped.Resources[1].Providers) != 1 {
-		t.Fatalf("rotateDrop(identity) without --resources: rules %v, err %v; want both rules", rules, err)
 	}
 }

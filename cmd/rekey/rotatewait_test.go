@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
 	"encoding/json"
 	"errors"
 	"os"
@@ -16,6 +17,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/rekey-io/rekey/internal/etcdtest"
+	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/config"
 )
@@ -61,16 +63,15 @@ func (f *fakeApiservers) run(ctx context.Context) {
 			if hash != lastHash {
 				lastHash, changed = hash, time.Now()
 			}
-			ext, err := decodeExternal(data)
+			cfg, err := config.Parse(data, f.path, config.Options{Reload: true})
 			if err != nil {
 				f.t.Errorf("fake apiservers: %v", err)
 				return
 			}
 			cur := MemberStateFile{hash: hash}
-			for _, rc := range ext.Resources {
-				for _, res := range rc.Resources {
-					e := ruleEntries(rc)
-					cur.rules = append(cur.rules, cluster.ResourceState{Resource: res, Write: e[0], Read: e})
+			for _, rule := range rotation.Rules(cfg) {
+				for _, res := range rule.Resources {
+					cur.rules = append(cur.rules, cluster.ResourceState{Resource: res, Write: rule.Entries[0], Read: rule.Entries})
 				}
 			}
 			running["a"] = cur
@@ -258,10 +259,16 @@ func TestRotateWaitEditsOnlyTheFileItRead(t *testing.T) {
 	}
 	c := &common{configPath: path}
 	cmd := &cobra.Command{}
-	if _, _, err := c.writeFirstEdit(cmd, rotation{now: time.Now()}, readHash); !errors.Is(err, errFileChanged) {
+	first := func(f *rotation.File) (*rotation.Edit, error) {
+		return c.addKey(cmd, f, rotation.Request{Now: time.Now(), Random: rand.Reader})
+	}
+	if _, err := c.editFile(readHash, first); !errors.Is(err, errFileChanged) {
 		t.Fatalf("first edit of a file changed since it was read: %v, want errFileChanged", err)
 	}
-	if _, _, err := c.writeSecondEdit(cmd, []string{"key1"}, nil, readHash); !errors.Is(err, errFileChanged) {
+	second := func(f *rotation.File) (*rotation.Edit, error) {
+		return c.removeKeys(t.Context(), f, []string{"key1"}, nil)
+	}
+	if _, err := c.editFile(readHash, second); !errors.Is(err, errFileChanged) {
 		t.Fatalf("second edit of a file changed since it was read: %v, want errFileChanged", err)
 	}
 	if got, _ := os.ReadFile(path); string(got) != theirs {

@@ -18,7 +18,8 @@ var errNotConverged = errors.New("the apiservers have not converged")
 
 func newStatusCommand() *cobra.Command {
 	var c common
-	var output, prefix string
+	var output outputFormat
+	var prefix string
 	var alarm time.Duration
 	cmd := &cobra.Command{
 		Use:   "status",
@@ -33,33 +34,23 @@ prefixed by "alarm:" when members have disagreed for longer than --disagreement-
 The exit code is 0 only when the cluster has converged.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if len(c.etcdServers) == 0 {
-				return errors.New("--etcd-servers is required")
-			}
-			if output != "table" && output != "json" {
-				return fmt.Errorf("-o %q: use table or json", output)
-			}
 			ctx := cmd.Context()
-			cli, err := c.client(ctx)
+			s, err := c.open(ctx, preamble{})
 			if err != nil {
 				return err
 			}
-			defer cli.Close()
-			snap, err := cluster.ReadSnapshot(ctx, cli, prefix)
+			defer s.Close()
+			snap, err := cluster.ReadSnapshot(ctx, s.etcd, prefix)
 			if err != nil {
 				return err
 			}
 			now := time.Now()
 			v := cluster.Evaluate(snap.Members, snap.Migration, now, alarm)
-			if output == "json" {
-				err = writeJSON(cmd.OutOrStdout(), struct {
-					*cluster.Snapshot
-					Verdict cluster.Verdict `json:"verdict"`
-				}{snap, v})
-			} else {
-				writeStatusTable(cmd.OutOrStdout(), snap, v, now)
-			}
-			if err != nil {
+			doc := struct {
+				*cluster.Snapshot
+				Verdict cluster.Verdict `json:"verdict"`
+			}{snap, v}
+			if err := output.write(cmd.OutOrStdout(), doc, func(w io.Writer) { writeStatusTable(w, snap, v, now) }); err != nil {
 				return err
 			}
 			if !v.Converged {
@@ -72,7 +63,7 @@ The exit code is 0 only when the cluster has converged.`,
 	c.addEtcdFlags(fs)
 	fs.StringVar(&prefix, "coordination-prefix", cluster.DefaultPrefix, "The apiservers' --coordination-prefix.")
 	fs.DurationVar(&alarm, "disagreement-alarm", cluster.DefaultDisagreementAlarm, "Report an alarm when a member has seen the others disagree for longer than this.")
-	fs.StringVarP(&output, "output", "o", "table", "Output format: table or json.")
+	addOutputFlag(fs, &output)
 	return cmd
 }
 

@@ -1,8 +1,10 @@
-// Package rotation decides the stages of `rekey rotate --wait`: a pure state machine in
+// Package rotation is what `rekey rotate` decides, without I/O: the two edits of the
+// encryption configuration (Add puts a new write key first, Remove takes out the keys it
+// replaced; see edit.go) and the stages of `rekey rotate --wait`, a state machine in
 // etcd raft's shape (no I/O, no goroutines, time comes in through Tick). The driver in
-// cmd/rekey reads the encryption configuration file and the cluster's coordination keys,
-// feeds them as events, asks Ready what to do, does it (write the first edit; run the
-// guard and write the second edit) and reports back.
+// cmd/rekey reads the file and the cluster's coordination keys, feeds them as events,
+// asks Ready what to do, does it (write the first edit; run the guard and write the
+// second edit) and reports back.
 //
 // A rotation runs through four stages after its first edit (the new key first in the
 // file, the old one right behind it):
@@ -36,6 +38,7 @@ import (
 	"time"
 
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // Key names one provider entry: provider and key name (KMS: provider name and key id
@@ -137,6 +140,11 @@ type RemoveWritten struct{}
 // RemoveRefused reports that the guard refused the second edit (Reason says why).
 type RemoveRefused struct{ Reason string }
 
+// EditSkipped reports that the edit handed out was not made because the file changed
+// since it was read (another rotate, a person, a pipeline wrote it): the machine waits
+// for the file as it is now and decides again, so two edits never stack unseen.
+type EditSkipped struct{}
+
 // Tick moves the clock.
 type Tick struct{ Now time.Time }
 
@@ -145,6 +153,7 @@ func (ClusterObserved) event()  {}
 func (FirstEditWritten) event() {}
 func (RemoveWritten) event()    {}
 func (RemoveRefused) event()    {}
+func (EditSkipped) event()      {}
 func (Tick) event()             {}
 
 // Config configures a Machine.
@@ -240,6 +249,15 @@ func (m *Machine) Step(ev Event) {
 				m.linef("the guard refused the second edit; asking again every %s: %s", m.cfg.GuardRetry, e.Reason)
 			}
 			m.refused = e.Reason
+		}
+	case EditSkipped:
+		if m.inflight {
+			m.inflight, m.file = false, nil
+			if m.stage == StageEdit {
+				// The first edit was decided on a file that is gone: decide from the
+				// new one (it may hold someone else's rotation).
+				m.stage = StageStart
+			}
 		}
 	case Tick:
 		if e.Now.After(m.now) {
@@ -445,8 +463,8 @@ func (m *Machine) removeNames() []string {
 	for _, r := range m.targetRulesInFile() {
 		for _, k := range r.Entries[1:] {
 			n := k.Key
-			if k.Provider == "identity" {
-				n = "identity"
+			if k.Provider == transformers.ProviderIdentity {
+				n = transformers.ProviderIdentity
 			}
 			if !slices.Contains(out, n) {
 				out = append(out, n)

@@ -2,6 +2,7 @@ package rotation
 
 import (
 	"fmt"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -15,7 +16,7 @@ import (
 
 var epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 
-// TestTranscripts steps the machine through testdata/*.txt. Every command prints Ready.
+// TestTranscripts steps the machine through testdata/stages/*.txt. Every command prints Ready.
 //
 //	start [timeout=<d>] [reset]          a new machine that sees the cluster as it is
 //	                                     (reset: no members, no migration state)
@@ -25,12 +26,12 @@ var epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 //	                                     entry (a * not on the first entry: the first is held)
 //	migration                            input: none | record <res> <key> verified|error=<text> |
 //	                                     running <res> <key> <done>/<total> | plan <res> <state>
-//	first-edit-written / remove-written / remove-refused reason=<text>
+//	first-edit-written / remove-written / remove-refused reason=<text> / edit-skipped
 //	tick <duration>
 //
 // Keys are "aesgcm/k1", "kms/vault@h1" (key id hash h1) or "identity".
 func TestTranscripts(t *testing.T) {
-	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
+	datadriven.Walk(t, filepath.Join("testdata", "stages"), func(t *testing.T, path string) {
 		var m *Machine
 		now := epoch
 		members := map[string]cluster.MemberState{}
@@ -140,6 +141,8 @@ func TestTranscripts(t *testing.T) {
 				var reason string
 				d.ScanArgs(t, "reason", &reason)
 				m.Step(RemoveRefused{Reason: reason})
+			case "edit-skipped":
+				m.Step(EditSkipped{})
 			case "tick":
 				if len(d.CmdArgs) != 1 {
 					d.Fatalf(t, "tick: want one duration")
