@@ -58,18 +58,7 @@ func runKubeAPIServer(s Settings) ([]Row, error) {
 	}
 	defer plugin.Stop(5 * time.Second)
 	configPath := filepath.Join(dir, "encryption.yaml")
-	if err := os.WriteFile(configPath, []byte(fmt.Sprintf(`apiVersion: apiserver.config.k8s.io/v1
-kind: EncryptionConfiguration
-resources:
-  - resources: [secrets]
-    providers:
-      - kms:
-          apiVersion: v2
-          name: bench
-          endpoint: %s
-          timeout: 3s
-      - identity: {}
-`, plugin.Endpoint)), 0o600); err != nil {
+	if err := os.WriteFile(configPath, []byte(kmsThenIdentityConfig(plugin.Endpoint)), 0o600); err != nil {
 		return nil, err
 	}
 	start := func(layer, name string) (*testbed.Shim, error) {
@@ -274,17 +263,6 @@ func measureKubeAPIServers(ctx context.Context, s Settings, servers map[string]*
 		rss.Figures = append(rss.Figures, fig(l, "MiB", single(float64(b)/(1<<20)), false))
 	}
 	return append(rows, readyRow, rss), nil
-}
-
-// roundRatios is a[i]/b[i] for each round measured on both sides.
-func roundRatios(a, b []float64) []float64 {
-	var out []float64
-	for i := range min(len(a), len(b)) {
-		if b[i] > 0 {
-			out = append(out, a[i]/b[i])
-		}
-	}
-	return out
 }
 
 func kubeAPIServerPlot(x string) []Plot {
