@@ -13,4 +13,6 @@
 //     returning rows and depending only on helpers; scenarios.go lists them;
 //   - rendering: report.go (the run's record, JSON and markdown) and chart.go (SVG and
 //     PNG charts), which read rows and never measure.
+//
+// layout_test.go holds every file to these layers.
 package bench

@@ -83,13 +83,10 @@ func runE2E(s Settings) ([]Row, error) {
 			}
 		}
 	}
-	fig := func(layer, unit string, st Stats, higher bool) Figure {
-		return Figure{Impl: layer, Unit: unit, Stats: st, HigherIsBetter: higher, Allocs: -1, Bytes: -1, Retained: -1}
-	}
 	var rows []Row
 	tp := Row{Scenario: "e2e (shim on embedded etcd, Secrets with KMS v2)", Case: fmt.Sprintf("create+get pairs/s, %d client-go workers, %v rounds", workers, round)}
 	for _, l := range layers {
-		tp.Figures = append(tp.Figures, fig(l, "pairs/s", summarize(res[l].pairsPerSec), true))
+		tp.Figures = append(tp.Figures, wholeRunFigure(l, "pairs/s", summarize(res[l].pairsPerSec), true))
 	}
 	tp.Plots = e2ePlot("create+get\npairs/s")
 	tp.Checks = []Check{evaluate(tp, Target{Desc: "at least equal to upstream", Against: 1, MinSpeedup: 1})}
@@ -110,7 +107,7 @@ func runE2E(s Settings) ([]Row, error) {
 		row := Row{Scenario: tp.Scenario, Case: q.name, Plots: e2ePlot(strings.Replace(q.name, " latency ", " latency\n", 1))}
 		for _, l := range layers {
 			v := percentile(q.pick(res[l]), q.p)
-			row.Figures = append(row.Figures, fig(l, "ms", Stats{Median: v, Min: v, Max: v}, false))
+			row.Figures = append(row.Figures, wholeRunFigure(l, "ms", single(v), false))
 		}
 		rows = append(rows, row)
 	}
@@ -118,13 +115,13 @@ func runE2E(s Settings) ([]Row, error) {
 	rss := Row{Scenario: tp.Scenario, Case: "RSS after the load (shim + embedded etcd)", Plots: e2ePlot("RSS after\nthe load")}
 	for _, l := range layers {
 		ms := float64(shims[l].Ready.Microseconds()) / 1000
-		ready.Figures = append(ready.Figures, fig(l, "ms", Stats{Median: ms, Min: ms, Max: ms}, false))
+		ready.Figures = append(ready.Figures, wholeRunFigure(l, "ms", single(ms), false))
 		b, err := testbed.RSS(shims[l].PID())
 		if err != nil {
 			return nil, err
 		}
 		mib := float64(b) / (1 << 20)
-		rss.Figures = append(rss.Figures, fig(l, "MiB", Stats{Median: mib, Min: mib, Max: mib}, false))
+		rss.Figures = append(rss.Figures, wholeRunFigure(l, "MiB", single(mib), false))
 	}
 	ready.Checks = []Check{{Desc: "< 2 s", Met: ready.Figures[0].Stats.Median < 2000, Got: fmt.Sprintf("%.0f ms", ready.Figures[0].Stats.Median)}}
 	return append(rows, ready, rss), nil

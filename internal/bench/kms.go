@@ -289,8 +289,8 @@ func kmsColdStorm(s Settings, env *kmsEnv) ([]Row, error) {
 	row := Row{Scenario: "kms v2 cold DEK cache", Case: fmt.Sprintf("read %d objects under %d DEKs, fresh reader", len(objs), writers),
 		Plots: []Plot{headlinePlot(fmt.Sprintf("cold cache:\n%d reads", len(objs)))},
 		Figures: []Figure{
-			{Impl: "rekey", Unit: "ms", Stats: summarize(ours), Allocs: -1, Bytes: -1, Retained: -1},
-			{Impl: "upstream", Unit: "ms", Stats: summarize(theirs), Allocs: -1, Bytes: -1, Retained: -1},
+			wholeRunFigure("rekey", "ms", summarize(ours), false),
+			wholeRunFigure("upstream", "ms", summarize(theirs), false),
 		}}
 	row.Checks = []Check{evaluate(row, Target{Desc: noSlower, Against: 1, MinSpeedup: noiseFloor})}
 	if s.Progress != nil {
@@ -333,7 +333,7 @@ func kmsRetained(s Settings, pair *LocalPair) (Row, error) {
 			return row, err
 		}
 		b = max(b, 0) // the heap can shrink by a GC's worth of noise
-		row.Figures = append(row.Figures, Figure{Impl: im.name, Unit: "B", Stats: Stats{Median: b, Min: b, Max: b}, Allocs: -1, Bytes: -1, Retained: b})
+		row.Figures = append(row.Figures, Figure{Impl: im.name, Unit: "B", Stats: single(b), Allocs: -1, Bytes: -1, Retained: b})
 	}
 	ok := row.Figures[0].Stats.Median <= float64(n)/1_000_000*(1<<20) // ≤ 1 MB per million writes
 	row.Checks = []Check{{Desc: "≤1 MB per 1,000,000 writes", Met: ok, Got: fmt.Sprintf("%.0f B", row.Figures[0].Stats.Median)}}

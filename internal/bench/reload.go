@@ -128,9 +128,9 @@ func runReload(s Settings) ([]Row, error) {
 	}
 	row := func(name, x string, ours []float64, limit float64) Row {
 		r := Row{Scenario: "reload", Case: name, Plots: []Plot{headlinePlot(x)}, Figures: []Figure{
-			{Impl: "rekey", Unit: "ms", Stats: summarize(ours), Allocs: -1, Bytes: -1, Retained: -1},
+			wholeRunFigure("rekey", "ms", summarize(ours), false),
 		}}
-		up := Figure{Impl: "upstream (1 min poll)", Unit: "ms", Allocs: -1, Bytes: -1, Retained: -1}
+		up := wholeRunFigure("upstream (1 min poll)", "ms", Stats{}, false)
 		if len(upstream) > 0 {
 			up.Stats = summarize(upstream)
 		} else {

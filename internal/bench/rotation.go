@@ -173,7 +173,7 @@ func rotationRows(res map[string]*rotationResult, objects int) []Row {
 		scenario = strings.Replace(scenario, "10,000", groupThousands(int64(objects)), 1)
 	}
 	fig := func(side, unit string, v float64) Figure {
-		f := Figure{Impl: side, Unit: unit, Stats: Stats{Median: v, Min: v, Max: v}, Allocs: -1, Bytes: -1, Retained: -1}
+		f := wholeRunFigure(side, unit, single(v), false)
 		if res[side] == nil {
 			f.Note = "not run"
 		}

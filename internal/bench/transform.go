@@ -140,7 +140,7 @@ func TransformRetained(n int) ([]Row, error) {
 			if b < 0 {
 				b = 0
 			}
-			row.Figures = append(row.Figures, Figure{Impl: im.name, Unit: "B", Stats: Stats{Median: b, Min: b, Max: b}, Allocs: -1, Bytes: -1, Retained: b})
+			row.Figures = append(row.Figures, Figure{Impl: im.name, Unit: "B", Stats: single(b), Allocs: -1, Bytes: -1, Retained: b})
 		}
 		pair.Close()
 		rows = append(rows, row)
