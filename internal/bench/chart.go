@@ -25,22 +25,6 @@ import (
 	"gonum.org/v1/plot/vg/vgsvg"
 )
 
-// Plot places one row's ratio on one chart: the bar for Series in the group X of the
-// chart Chart shows how many times better rekey (the row's first figure) is than the
-// figure at index Against.
-type Plot struct {
-	// Chart names the chart and its file (lower case, digits and dashes).
-	Chart string `json:"chart"`
-	// Title is the chart's title; the first non-empty one of a chart wins.
-	Title string `json:"title,omitempty"`
-	// X is the group label on the x axis ("\n" breaks lines).
-	X string `json:"x"`
-	// Series is the legend entry; bars of one series share a colour.
-	Series string `json:"series"`
-	// Against is the index of the baseline figure (1: the first baseline).
-	Against int `json:"against"`
-}
-
 // plots lists where the row is drawn: its Plots, and for a row that only sets the
 // older Chart and X fields, one series per baseline.
 func (r Row) plots() []Plot {
@@ -388,18 +372,6 @@ func ratioLabel(v float64) string {
 	default:
 		return strings.TrimRight(strings.TrimRight(fmt.Sprintf("%.2f", v), "0"), ".") + "×"
 	}
-}
-
-func groupThousands(n int64) string {
-	s := fmt.Sprint(n)
-	var b strings.Builder
-	for i, ch := range s {
-		if i > 0 && (len(s)-i)%3 == 0 {
-			b.WriteByte(',')
-		}
-		b.WriteRune(ch)
-	}
-	return b.String()
 }
 
 // ratioBars draws the 1× line with its name, then every bar from 1× to its value with

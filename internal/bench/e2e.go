@@ -5,13 +5,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
-	"sync"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/rekey-io/rekey/internal/testbed"
@@ -41,18 +37,7 @@ func runE2E(s Settings) ([]Row, error) {
 	}
 	defer plugin.Stop(5 * time.Second)
 	configPath := filepath.Join(dir, "encryption.yaml")
-	if err := os.WriteFile(configPath, []byte(fmt.Sprintf(`apiVersion: apiserver.config.k8s.io/v1
-kind: EncryptionConfiguration
-resources:
-  - resources: [secrets]
-    providers:
-      - kms:
-          apiVersion: v2
-          name: bench
-          endpoint: %s
-          timeout: 3s
-      - identity: {}
-`, plugin.Endpoint)), 0o600); err != nil {
+	if err := os.WriteFile(configPath, []byte(kmsThenIdentityConfig(plugin.Endpoint)), 0o600); err != nil {
 		return nil, err
 	}
 	layers := []string{"rekey", "upstream"}
@@ -98,13 +83,10 @@ resources:
 			}
 		}
 	}
-	fig := func(layer, unit string, st Stats, higher bool) Figure {
-		return Figure{Impl: layer, Unit: unit, Stats: st, HigherIsBetter: higher, Allocs: -1, Bytes: -1, Retained: -1}
-	}
 	var rows []Row
 	tp := Row{Scenario: "e2e (shim on embedded etcd, Secrets with KMS v2)", Case: fmt.Sprintf("create+get pairs/s, %d client-go workers, %v rounds", workers, round)}
 	for _, l := range layers {
-		tp.Figures = append(tp.Figures, fig(l, "pairs/s", summarize(res[l].pairsPerSec), true))
+		tp.Figures = append(tp.Figures, wholeRunFigure(l, "pairs/s", summarize(res[l].pairsPerSec), true))
 	}
 	tp.Plots = e2ePlot("create+get\npairs/s")
 	tp.Checks = []Check{evaluate(tp, Target{Desc: "at least equal to upstream", Against: 1, MinSpeedup: 1})}
@@ -125,7 +107,7 @@ resources:
 		row := Row{Scenario: tp.Scenario, Case: q.name, Plots: e2ePlot(strings.Replace(q.name, " latency ", " latency\n", 1))}
 		for _, l := range layers {
 			v := percentile(q.pick(res[l]), q.p)
-			row.Figures = append(row.Figures, fig(l, "ms", Stats{Median: v, Min: v, Max: v}, false))
+			row.Figures = append(row.Figures, wholeRunFigure(l, "ms", single(v), false))
 		}
 		rows = append(rows, row)
 	}
@@ -133,69 +115,16 @@ resources:
 	rss := Row{Scenario: tp.Scenario, Case: "RSS after the load (shim + embedded etcd)", Plots: e2ePlot("RSS after\nthe load")}
 	for _, l := range layers {
 		ms := float64(shims[l].Ready.Microseconds()) / 1000
-		ready.Figures = append(ready.Figures, fig(l, "ms", Stats{Median: ms, Min: ms, Max: ms}, false))
+		ready.Figures = append(ready.Figures, wholeRunFigure(l, "ms", single(ms), false))
 		b, err := testbed.RSS(shims[l].PID())
 		if err != nil {
 			return nil, err
 		}
 		mib := float64(b) / (1 << 20)
-		rss.Figures = append(rss.Figures, fig(l, "MiB", Stats{Median: mib, Min: mib, Max: mib}, false))
+		rss.Figures = append(rss.Figures, wholeRunFigure(l, "MiB", single(mib), false))
 	}
 	ready.Checks = []Check{{Desc: "< 2 s", Met: ready.Figures[0].Stats.Median < 2000, Got: fmt.Sprintf("%.0f ms", ready.Figures[0].Stats.Median)}}
 	return append(rows, ready, rss), nil
-}
-
-type loadStats struct {
-	pairs, failed int64
-	create, get   []float64
-}
-
-// loadShim runs workers goroutines that create a 256-byte Secret and read it back, for d.
-func loadShim(ctx context.Context, c *kubernetes.Clientset, ns string, workers int, d time.Duration) loadStats {
-	ctx, cancel := context.WithTimeout(ctx, d)
-	defer cancel()
-	payload := make([]byte, 256)
-	for i := range payload {
-		payload[i] = byte('a' + i%26)
-	}
-	var mu sync.Mutex
-	var total loadStats
-	var wg sync.WaitGroup
-	for w := 0; w < workers; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			var st loadStats
-			secrets := c.CoreV1().Secrets(ns)
-			for i := 0; ctx.Err() == nil; i++ {
-				name := "s-" + strconv.Itoa(w) + "-" + strconv.Itoa(i)
-				t0 := time.Now()
-				_, err := secrets.Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: name}, Data: map[string][]byte{"payload": payload}}, metav1.CreateOptions{})
-				t1 := time.Now()
-				if err == nil {
-					_, err = secrets.Get(ctx, name, metav1.GetOptions{})
-				}
-				t2 := time.Now()
-				switch {
-				case ctx.Err() != nil:
-				case err != nil:
-					st.failed++
-				default:
-					st.pairs++
-					st.create = append(st.create, float64(t1.Sub(t0).Microseconds())/1000)
-					st.get = append(st.get, float64(t2.Sub(t1).Microseconds())/1000)
-				}
-			}
-			mu.Lock()
-			total.pairs += st.pairs
-			total.failed += st.failed
-			total.create = append(total.create, st.create...)
-			total.get = append(total.get, st.get...)
-			mu.Unlock()
-		}()
-	}
-	wg.Wait()
-	return total
 }
 
 func e2ePlot(x string) []Plot {

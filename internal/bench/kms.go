@@ -5,8 +5,6 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"time"
 
 	"k8s.io/apiserver/pkg/storage/value"
@@ -14,45 +12,10 @@ import (
 	"k8s.io/component-base/metrics"
 	kmsservice "k8s.io/kms/pkg/service"
 
-	"github.com/rekey-io/rekey/internal/kmsplugin"
 	"github.com/rekey-io/rekey/pkg/transformers"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
 )
-
-// kmsEnv is an in-process local KMS v2 plugin on a unix socket.
-type kmsEnv struct {
-	dir      string
-	endpoint string
-	server   *kmsplugin.Server
-}
-
-func startKMS() (*kmsEnv, error) {
-	dir, err := os.MkdirTemp("", "rkb")
-	if err != nil {
-		return nil, err
-	}
-	keys := filepath.Join(dir, "keys.yaml")
-	if err := os.WriteFile(keys, []byte("keys:\n- name: bench-key-1\n  secret: "+randomKey(32)+"\n"), 0o600); err != nil {
-		return nil, err
-	}
-	endpoint := "unix://" + filepath.Join(dir, "kms.sock")
-	s, err := kmsplugin.Start(kmsplugin.Options{ListenAddr: endpoint, KeysFile: keys})
-	if err != nil {
-		os.RemoveAll(dir)
-		return nil, err
-	}
-	return &kmsEnv{dir: dir, endpoint: endpoint, server: s}, nil
-}
-
-func (e *kmsEnv) close() {
-	e.server.Stop()
-	os.RemoveAll(e.dir)
-}
-
-func (e *kmsEnv) yaml(name string) string {
-	return fmt.Sprintf("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n      - kms:\n          apiVersion: v2\n          name: %s\n          endpoint: %s\n          timeout: 3s\n", name, e.endpoint)
-}
 
 // kmsPair builds a KMS v2 config both ways and waits until rekey can write (upstream's
 // loader primes its DEK before returning).
@@ -326,8 +289,8 @@ func kmsColdStorm(s Settings, env *kmsEnv) ([]Row, error) {
 	row := Row{Scenario: "kms v2 cold DEK cache", Case: fmt.Sprintf("read %d objects under %d DEKs, fresh reader", len(objs), writers),
 		Plots: []Plot{headlinePlot(fmt.Sprintf("cold cache:\n%d reads", len(objs)))},
 		Figures: []Figure{
-			{Impl: "rekey", Unit: "ms", Stats: summarize(ours), Allocs: -1, Bytes: -1, Retained: -1},
-			{Impl: "upstream", Unit: "ms", Stats: summarize(theirs), Allocs: -1, Bytes: -1, Retained: -1},
+			wholeRunFigure("rekey", "ms", summarize(ours), false),
+			wholeRunFigure("upstream", "ms", summarize(theirs), false),
 		}}
 	row.Checks = []Check{evaluate(row, Target{Desc: noSlower, Against: 1, MinSpeedup: noiseFloor})}
 	if s.Progress != nil {
@@ -370,7 +333,7 @@ func kmsRetained(s Settings, pair *LocalPair) (Row, error) {
 			return row, err
 		}
 		b = max(b, 0) // the heap can shrink by a GC's worth of noise
-		row.Figures = append(row.Figures, Figure{Impl: im.name, Unit: "B", Stats: Stats{Median: b, Min: b, Max: b}, Allocs: -1, Bytes: -1, Retained: b})
+		row.Figures = append(row.Figures, Figure{Impl: im.name, Unit: "B", Stats: single(b), Allocs: -1, Bytes: -1, Retained: b})
 	}
 	ok := row.Figures[0].Stats.Median <= float64(n)/1_000_000*(1<<20) // ≤ 1 MB per million writes
 	row.Checks = []Check{{Desc: "≤1 MB per 1,000,000 writes", Met: ok, Got: fmt.Sprintf("%.0f B", row.Figures[0].Stats.Median)}}
@@ -393,10 +356,4 @@ func kmsPlots(op string, size int, mode string) []Plot {
 
 func grpcPlot(x string) []Plot {
 	return []Plot{{Chart: "kms-v2-grpc", Title: "KMS v2 gRPC round trips to the same plugin: rekey's client vs upstream's", X: x, Series: "unix socket", Against: 1}}
-}
-
-// headlinePlot puts a row on the README's chart: KMS v2 and reload latency against
-// upstream.
-func headlinePlot(x string) Plot {
-	return Plot{Chart: "headline", Title: "rekey vs upstream k8s.io/apiserver: KMS v2 and config reload latency", X: x, Series: "rekey", Against: 1}
 }

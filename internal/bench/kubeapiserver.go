@@ -58,18 +58,7 @@ func runKubeAPIServer(s Settings) ([]Row, error) {
 	}
 	defer plugin.Stop(5 * time.Second)
 	configPath := filepath.Join(dir, "encryption.yaml")
-	if err := os.WriteFile(configPath, []byte(fmt.Sprintf(`apiVersion: apiserver.config.k8s.io/v1
-kind: EncryptionConfiguration
-resources:
-  - resources: [secrets]
-    providers:
-      - kms:
-          apiVersion: v2
-          name: bench
-          endpoint: %s
-          timeout: 3s
-      - identity: {}
-`, plugin.Endpoint)), 0o600); err != nil {
+	if err := os.WriteFile(configPath, []byte(kmsThenIdentityConfig(plugin.Endpoint)), 0o600); err != nil {
 		return nil, err
 	}
 	start := func(layer, name string) (*testbed.Shim, error) {
@@ -208,15 +197,11 @@ func measureKubeAPIServers(ctx context.Context, s Settings, servers map[string]*
 		}
 	}
 	ratios := roundRatios(pairs["rekey"], pairs["upstream"])
-	fig := func(l, unit string, st Stats, higher bool) Figure {
-		return Figure{Impl: l, Unit: unit, Stats: st, HigherIsBetter: higher, Allocs: -1, Bytes: -1, Retained: -1}
-	}
-	single := func(v float64) Stats { return Stats{Median: v, Min: v, Max: v} }
 	scenario := "kube-apiserver (bin/kube-apiserver on an etcd process, Secrets with KMS v2)"
 	tp := Row{Scenario: scenario, Case: fmt.Sprintf("create+get pairs/s, %d client-go workers, %d alternating rounds of %v", workers, rounds, round),
 		Plots: kubeAPIServerPlot("create+get\npairs/s")}
 	for _, l := range layers {
-		tp.Figures = append(tp.Figures, fig(l, "pairs/s", summarize(pairs[l]), true))
+		tp.Figures = append(tp.Figures, wholeRunFigure(l, "pairs/s", summarize(pairs[l]), true))
 	}
 	rs := summarize(ratios)
 	tp.Checks = []Check{
@@ -231,7 +216,7 @@ func measureKubeAPIServers(ctx context.Context, s Settings, servers map[string]*
 	tg := Row{Scenario: scenario, Case: fmt.Sprintf("create+get pairs/s, both layers loaded at once (%d workers each), %d rounds of %v", workers, rounds, round),
 		Plots: kubeAPIServerPlot("create+get pairs/s,\nloaded at once")}
 	for _, l := range layers {
-		tg.Figures = append(tg.Figures, fig(l, "pairs/s", summarize(together[l]), true))
+		tg.Figures = append(tg.Figures, wholeRunFigure(l, "pairs/s", summarize(together[l]), true))
 	}
 	tr := roundRatios(together["rekey"], together["upstream"])
 	ts := summarize(tr)
@@ -255,7 +240,7 @@ func measureKubeAPIServers(ctx context.Context, s Settings, servers map[string]*
 			row.Plots = kubeAPIServerPlot(strings.NewReplacer(" latency ", " latency\n", ", ", ",\n").Replace(q.name))
 		}
 		for _, l := range layers {
-			row.Figures = append(row.Figures, fig(l, "ms", single(percentile(q.of[l], q.p)), false))
+			row.Figures = append(row.Figures, wholeRunFigure(l, "ms", single(percentile(q.of[l], q.p)), false))
 		}
 		if q.p == 99 {
 			row.Checks = []Check{evaluate(row, Target{Desc: "no worse than upstream", Against: 1, MinSpeedup: 1})}
@@ -266,25 +251,14 @@ func measureKubeAPIServers(ctx context.Context, s Settings, servers map[string]*
 		Plots: kubeAPIServerPlot("start →\n/readyz")}
 	rss := Row{Scenario: scenario, Case: "RSS after the load (kube-apiserver alone)", Plots: kubeAPIServerPlot("RSS after\nthe load")}
 	for _, l := range layers {
-		readyRow.Figures = append(readyRow.Figures, fig(l, "ms", summarize(ready[l]), false))
+		readyRow.Figures = append(readyRow.Figures, wholeRunFigure(l, "ms", summarize(ready[l]), false))
 		b, err := testbed.RSS(servers[l].PID())
 		if err != nil {
 			return nil, err
 		}
-		rss.Figures = append(rss.Figures, fig(l, "MiB", single(float64(b)/(1<<20)), false))
+		rss.Figures = append(rss.Figures, wholeRunFigure(l, "MiB", single(float64(b)/(1<<20)), false))
 	}
 	return append(rows, readyRow, rss), nil
-}
-
-// roundRatios is a[i]/b[i] for each round measured on both sides.
-func roundRatios(a, b []float64) []float64 {
-	var out []float64
-	for i := range min(len(a), len(b)) {
-		if b[i] > 0 {
-			out = append(out, a[i]/b[i])
-		}
-	}
-	return out
 }
 
 func kubeAPIServerPlot(x string) []Plot {

@@ -1,12 +1,8 @@
-// Package bench is the side-by-side benchmark harness behind `rekey-bench` and
-// `make bench`: every scenario measures rekey and a baseline (upstream k8s.io/apiserver,
-// or raw AES-GCM) in the same process and run, alternating, and reports medians, spread
-// and ratios against the targets the issues set. A missed target is printed as missed.
 package bench
 
 import (
+	"fmt"
 	"runtime"
-	"sort"
 	"sync"
 	"time"
 )
@@ -111,23 +107,90 @@ func runBatch(op Op, n int, parallel bool) (time.Duration, error) {
 	return time.Since(start), firstErr
 }
 
-// Stats summarises samples of one figure.
-type Stats struct {
-	Median float64 `json:"median"`
-	Min    float64 `json:"min"`
-	Max    float64 `json:"max"`
+// Impl is one implementation of an operation.
+type Impl struct {
+	Name string
+	Op   Op
+	// Reset, when set, runs (untimed) before every sample: implementations that retain
+	// memory per operation get a fresh instance, so their heap does not tax the others'
+	// garbage collection in the shared process.
+	Reset func() error
 }
 
-func summarize(xs []float64) Stats {
-	if len(xs) == 0 {
-		return Stats{}
+// OpCase is one row measured by timing operations.
+type OpCase struct {
+	Scenario, Case, Chart, X string
+	// Plots places the row on charts (see Row.Plots).
+	Plots    []Plot
+	Impls    []Impl
+	Parallel bool
+	Targets  []Target
+}
+
+// RunOpCases measures every case, alternating implementations within each round and
+// rotating which one goes first, so drift on a noisy machine hits all of them alike.
+func RunOpCases(s Settings, cases []OpCase) ([]Row, error) {
+	var rows []Row
+	for ci, c := range cases {
+		samples := make([][]Sample, len(c.Impls))
+		for r := 0; r < s.Rounds; r++ {
+			for k := range c.Impls {
+				i := (k + r) % len(c.Impls)
+				if reset := c.Impls[i].Reset; reset != nil {
+					if err := reset(); err != nil {
+						return nil, fmt.Errorf("%s %s (%s): reset: %w", c.Scenario, c.Case, c.Impls[i].Name, err)
+					}
+				}
+				smp, err := measure(c.Impls[i].Op, Budget{SampleTime: s.SampleTime, Parallel: c.Parallel})
+				if err != nil {
+					return nil, fmt.Errorf("%s %s (%s): %w", c.Scenario, c.Case, c.Impls[i].Name, err)
+				}
+				samples[i] = append(samples[i], smp)
+			}
+		}
+		row := Row{Scenario: c.Scenario, Case: c.Case, Chart: c.Chart, X: c.X, Plots: c.Plots}
+		for i, im := range c.Impls {
+			var ns, allocs, bytes []float64
+			for _, smp := range samples[i] {
+				ns = append(ns, smp.NsPerOp)
+				allocs = append(allocs, smp.AllocsPerOp)
+				bytes = append(bytes, smp.BytesPerOp)
+			}
+			row.Figures = append(row.Figures, Figure{
+				Impl: im.Name, Unit: "ns/op", Stats: summarize(ns),
+				Allocs: summarize(allocs).Median, Bytes: summarize(bytes).Median, Retained: -1,
+			})
+		}
+		for _, t := range c.Targets {
+			row.Checks = append(row.Checks, evaluate(row, t))
+		}
+		rows = append(rows, row)
+		if s.Progress != nil {
+			fmt.Fprintf(s.Progress, "[%d/%d] %s %s: %s", ci+1, len(cases), c.Scenario, c.Case, fmtStat(row.Figures[0]))
+			for i := 1; i < len(row.Figures); i++ {
+				fmt.Fprintf(s.Progress, "  ×%.2f vs %s", row.Speedup(i), row.Figures[i].Impl)
+			}
+			fmt.Fprintln(s.Progress)
+		}
 	}
-	s := append([]float64(nil), xs...)
-	sort.Float64s(s)
-	mid := len(s) / 2
-	med := s[mid]
-	if len(s)%2 == 0 {
-		med = (s[mid-1] + s[mid]) / 2
+	return rows, nil
+}
+
+// RetainedHeap runs op n times and returns how much the live heap grew, after a GC,
+// while keep (the object under test) is still reachable.
+func RetainedHeap(n int, op Op, keep any) (float64, error) {
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	for i := 0; i < n; i++ {
+		if err := op(); err != nil {
+			return 0, err
+		}
 	}
-	return Stats{Median: med, Min: s[0], Max: s[len(s)-1]}
+	runtime.GC()
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	runtime.KeepAlive(keep)
+	return float64(int64(after.HeapAlloc) - int64(before.HeapAlloc)), nil
 }

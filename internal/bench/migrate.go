@@ -182,7 +182,7 @@ func runMigrate(s Settings) ([]Row, error) {
 		invTimes = append(invTimes, d.Seconds())
 	}
 	fig := func(unit string, xs []float64, higher bool) Figure {
-		return Figure{Impl: "rekey", Unit: unit, Stats: summarize(xs), HigherIsBetter: higher, Allocs: -1, Bytes: -1, Retained: -1}
+		return wholeRunFigure("rekey", unit, summarize(xs), higher)
 	}
 	sc := "storage migration (etcd process)"
 	rows := []Row{

@@ -4,11 +4,9 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"math"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
-	"sort"
 	"time"
 
 	"k8s.io/apiserver/pkg/server/options/encryptionconfig"
@@ -50,16 +48,6 @@ func waitForPrefix(t value.Transformer, prefix string, start time.Time, limit ti
 
 func aesgcmConfig(keyName string) string {
 	return fmt.Sprintf("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys:\n            - {name: %s, secret: %s}\n", keyName, randomKey(32))
-}
-
-func percentile(xs []float64, p float64) float64 {
-	if len(xs) == 0 {
-		return math.NaN()
-	}
-	s := append([]float64(nil), xs...)
-	sort.Float64s(s)
-	i := int(math.Ceil(p/100*float64(len(s)))) - 1
-	return s[max(0, min(i, len(s)-1))]
 }
 
 // runReload measures the time from the rename of a new config to the first write that
@@ -140,9 +128,9 @@ func runReload(s Settings) ([]Row, error) {
 	}
 	row := func(name, x string, ours []float64, limit float64) Row {
 		r := Row{Scenario: "reload", Case: name, Plots: []Plot{headlinePlot(x)}, Figures: []Figure{
-			{Impl: "rekey", Unit: "ms", Stats: summarize(ours), Allocs: -1, Bytes: -1, Retained: -1},
+			wholeRunFigure("rekey", "ms", summarize(ours), false),
 		}}
-		up := Figure{Impl: "upstream (1 min poll)", Unit: "ms", Allocs: -1, Bytes: -1, Retained: -1}
+		up := wholeRunFigure("upstream (1 min poll)", "ms", Stats{}, false)
 		if len(upstream) > 0 {
 			up.Stats = summarize(upstream)
 		} else {

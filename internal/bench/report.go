@@ -12,55 +12,6 @@ import (
 	"time"
 )
 
-// Figure is one implementation's result in one row.
-type Figure struct {
-	Impl  string `json:"impl"`
-	Unit  string `json:"unit"` // "ns/op", "ms", "ops/s", ...
-	Stats Stats  `json:"stats"`
-	// HigherIsBetter is true for throughputs.
-	HigherIsBetter bool `json:"higherIsBetter,omitempty"`
-	// Allocs and Bytes are per-op medians; negative when not measured.
-	Allocs float64 `json:"allocsPerOp"`
-	Bytes  float64 `json:"bytesPerOp"`
-	// Retained is heap bytes still live after the run, when measured (else negative).
-	Retained float64 `json:"retainedBytes"`
-	// Note replaces the figure in the table (e.g. "not run in short mode").
-	Note string `json:"note,omitempty"`
-}
-
-// Check is one target verdict.
-type Check struct {
-	Desc string `json:"desc"`
-	Met  bool   `json:"met"`
-	Got  string `json:"got"`
-}
-
-// Row is one case of a scenario: the first figure is rekey's.
-type Row struct {
-	Scenario string `json:"scenario"`
-	Case     string `json:"case"`
-	// Chart groups rows into one chart with one series per baseline; X is the row's
-	// label on it. Plots says more precisely where the row is drawn; a row may use
-	// either or both.
-	Chart   string   `json:"chart,omitempty"`
-	X       string   `json:"x,omitempty"`
-	Plots   []Plot   `json:"plots,omitempty"`
-	Figures []Figure `json:"figures"`
-	Checks  []Check  `json:"checks,omitempty"`
-}
-
-// Speedup of the first figure over figure i (>1 means rekey is better).
-func (r Row) Speedup(i int) float64 {
-	ours, base := r.Figures[0], r.Figures[i]
-	if ours.Stats.Median == 0 || base.Stats.Median == 0 {
-		return math.NaN()
-	}
-	if ours.HigherIsBetter {
-		return ours.Stats.Median / base.Stats.Median
-	}
-	return base.Stats.Median / ours.Stats.Median
-}
-
 // Report collects rows and renders them. Its JSON form (WriteJSON, ReadReport) keeps a
 // run so the markdown and the charts can be drawn again without measuring again.
 type Report struct {
@@ -190,48 +141,6 @@ func (r *Report) Missed() int {
 		}
 	}
 	return n
-}
-
-func fmtStat(f Figure) string {
-	if f.Note != "" {
-		return f.Note
-	}
-	unit := f.Unit
-	v := f.Stats
-	scale := func(x float64) string {
-		switch {
-		case unit == "ns/op" && x >= 1e6:
-			return fmt.Sprintf("%.2f ms", x/1e6)
-		case unit == "ns/op" && x >= 1e3:
-			return fmt.Sprintf("%.2f µs", x/1e3)
-		case unit == "ns/op":
-			return fmt.Sprintf("%.0f ns", x)
-		case x >= 100 || x <= -100:
-			return fmt.Sprintf("%.0f %s", x, unit)
-		case x >= 10 || x <= -10:
-			return fmt.Sprintf("%.1f %s", x, unit)
-		default:
-			return fmt.Sprintf("%.3g %s", x, unit)
-		}
-	}
-	if v.Min == v.Max {
-		return scale(v.Median)
-	}
-	return fmt.Sprintf("%s (%s–%s)", scale(v.Median), strings.TrimSuffix(scale(v.Min), " "+unitSuffix(unit, v.Min)), scale(v.Max))
-}
-
-func unitSuffix(unit string, x float64) string {
-	if unit != "ns/op" {
-		return unit
-	}
-	switch {
-	case x >= 1e6:
-		return "ms"
-	case x >= 1e3:
-		return "µs"
-	default:
-		return "ns"
-	}
 }
 
 // WriteMarkdown renders every scenario as a table.

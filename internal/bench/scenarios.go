@@ -28,36 +28,6 @@ func Scenarios() []Scenario {
 	}
 }
 
-func runTransform(s Settings) ([]Row, error) {
-	cases, closers, err := TransformCases(s)
-	defer func() {
-		for _, c := range closers {
-			c()
-		}
-	}()
-	if err != nil {
-		return nil, err
-	}
-	agentCases, agentClosers, err := AgentCases(s)
-	closers = append(closers, agentClosers...)
-	if err != nil {
-		return nil, err
-	}
-	rows, err := RunOpCases(s, append(cases, agentCases...))
-	if err != nil {
-		return nil, err
-	}
-	n := 100_000
-	if s.Short {
-		n = 20_000
-	}
-	retained, err := TransformRetained(n)
-	if err != nil {
-		return nil, err
-	}
-	return append(rows, retained...), nil
-}
-
 // Select returns the named scenarios, or an error naming the unknown one.
 func Select(names []string) ([]Scenario, error) {
 	all := Scenarios()

@@ -2,121 +2,48 @@ package bench
 
 import (
 	"context"
-	"crypto/aes"
-	"crypto/cipher"
-	"crypto/rand"
-	"encoding/base64"
 	"fmt"
 	"os"
 	"path/filepath"
 
-	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/server/options/encryptionconfig"
 	"k8s.io/apiserver/pkg/storage/value"
 	"k8s.io/klog/v2"
 
-	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/reload"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
-var secretsGR = schema.GroupResource{Resource: "secrets"}
-
-// LocalPair is one configuration built by upstream's LoadEncryptionConfig and by rekey.
-type LocalPair struct {
-	Upstream value.Transformer
-	Rekey    value.Transformer
-	close    func()
-}
-
-// Close releases both.
-func (p *LocalPair) Close() { p.close() }
-
-// BuildPair writes yaml to a temp file and builds it both ways for resource "secrets".
-func BuildPair(yaml string, opts transformers.Options) (*LocalPair, error) {
-	dir, err := os.MkdirTemp("", "rekey-bench")
+// runTransform measures every local provider, then the reload path, then the heap each
+// implementation retains.
+func runTransform(s Settings) ([]Row, error) {
+	cases, closers, err := TransformCases(s)
+	defer func() {
+		for _, c := range closers {
+			c()
+		}
+	}()
 	if err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(dir)
-	path := filepath.Join(dir, "config.yaml")
-	if err := os.WriteFile(path, []byte(yaml), 0o600); err != nil {
+	agentCases, agentClosers, err := AgentCases(s)
+	closers = append(closers, agentClosers...)
+	if err != nil {
 		return nil, err
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	up, err := encryptionconfig.LoadEncryptionConfig(ctx, path, false, "bench")
+	rows, err := RunOpCases(s, append(cases, agentCases...))
 	if err != nil {
-		cancel()
-		return nil, fmt.Errorf("upstream: %w", err)
-	}
-	cfg, err := config.Load(path, config.Options{})
-	if err != nil {
-		cancel()
 		return nil, err
 	}
-	set, err := transformers.Build(ctx, cfg, opts)
+	n := 100_000
+	if s.Short {
+		n = 20_000
+	}
+	retained, err := TransformRetained(n)
 	if err != nil {
-		cancel()
 		return nil, err
 	}
-	return &LocalPair{
-		Upstream: encryptionconfig.StaticTransformers(up.Transformers).TransformerForResource(secretsGR),
-		Rekey:    set.TransformerFor(secretsGR),
-		close:    func() { set.Close(); cancel() },
-	}, nil
-}
-
-func randomKey(n int) string {
-	k := make([]byte, n)
-	_, _ = rand.Read(k)
-	return base64.StdEncoding.EncodeToString(k)
-}
-
-// LocalProviderYAML is a one-provider config for resource secrets.
-func LocalProviderYAML(provider string) string {
-	var p string
-	switch provider {
-	case "identity":
-		p = "      - identity: {}\n"
-	default:
-		p = fmt.Sprintf("      - %s:\n          keys:\n            - {name: key1, secret: %s}\n", provider, randomKey(32))
-	}
-	return "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n" + p
-}
-
-func sizeLabel(n int) string {
-	switch {
-	case n >= 1<<20:
-		return fmt.Sprintf("%d MiB", n>>20)
-	case n >= 1<<10:
-		return fmt.Sprintf("%d KiB", n>>10)
-	default:
-		return fmt.Sprintf("%d B", n)
-	}
-}
-
-// RawGCM is the floor: AES-256-GCM seal/open with one output allocation and a random nonce.
-type RawGCM struct{ aead cipher.AEAD }
-
-// NewRawGCM makes a raw AES-256-GCM floor.
-func NewRawGCM() *RawGCM {
-	k := make([]byte, 32)
-	_, _ = rand.Read(k)
-	b, _ := aes.NewCipher(k)
-	g, _ := cipher.NewGCM(b)
-	return &RawGCM{aead: g}
-}
-
-// Seal allocates nonce ‖ ciphertext ‖ tag once.
-func (r *RawGCM) Seal(pt, aad []byte) []byte {
-	out := make([]byte, 12, 12+len(pt)+16)
-	_, _ = rand.Read(out)
-	return r.aead.Seal(out, out[:12], pt, aad)
-}
-
-// Open allocates the plaintext once.
-func (r *RawGCM) Open(ct, aad []byte) ([]byte, error) {
-	return r.aead.Open(make([]byte, 0, len(ct)-28), ct[:12], ct[12:], aad)
+	return append(rows, retained...), nil
 }
 
 // TransformCases builds the transform scenario: every local provider × size ×
@@ -213,7 +140,7 @@ func TransformRetained(n int) ([]Row, error) {
 			if b < 0 {
 				b = 0
 			}
-			row.Figures = append(row.Figures, Figure{Impl: im.name, Unit: "B", Stats: Stats{Median: b, Min: b, Max: b}, Allocs: -1, Bytes: -1, Retained: b})
+			row.Figures = append(row.Figures, Figure{Impl: im.name, Unit: "B", Stats: single(b), Allocs: -1, Bytes: -1, Retained: b})
 		}
 		pair.Close()
 		rows = append(rows, row)
@@ -295,10 +222,4 @@ func transformPlots(provider, op string, size int, mode string) []Plot {
 		out = append(out, cipherFloorPlot(x, "aesgcm"))
 	}
 	return out
-}
-
-// cipherFloorPlot compares rekey with one AES-256-GCM seal or open plus its output
-// allocation: a bar near 1× means rekey adds almost nothing to the cipher.
-func cipherFloorPlot(x, series string) Plot {
-	return Plot{Chart: "cipher-floor", Title: "How close rekey gets to raw AES-256-GCM (serial)", X: x, Series: series, Against: 2}
 }
