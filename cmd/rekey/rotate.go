@@ -15,7 +15,7 @@ import (
 	apiserverv1 "k8s.io/apiserver/pkg/apis/apiserver/v1"
 
 	"github.com/rekey-io/rekey/pkg/config"
-	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/guard"
 )
 
 func newRotateCommand() *cobra.Command {
@@ -142,7 +142,7 @@ func (c *common) addKey(cmd *cobra.Command, ext *apiserverv1.EncryptionConfigura
 
 // removeKeys returns the file's next content without the read keys names (step 2), once
 // the guard allowed it: a fresh inventory taken with the current configuration cur, and
-// migrate.CheckChange from cur to the result.
+// guard.CheckChange from cur to the result.
 func (c *common) removeKeys(cmd *cobra.Command, cur *config.Config, ext *apiserverv1.EncryptionConfiguration, names, resources []string) ([]byte, string, error) {
 	var parts []string
 	for _, name := range names {
@@ -168,7 +168,7 @@ func (c *common) removeKeys(cmd *cobra.Command, cur *config.Config, ext *apiserv
 }
 
 // guardRemoval takes a fresh inventory with cur and refuses next when it would leave a
-// stored object unreadable (migrate.CheckChange, the reload guard's rule).
+// stored object unreadable (guard.CheckChange, the reload guard's rule).
 func (c *common) guardRemoval(cmd *cobra.Command, cur, next *config.Config) error {
 	if len(c.etcdServers) == 0 {
 		return errors.New("--remove-old needs --etcd-servers: the guard counts the objects that still use the old key before it goes")
@@ -190,7 +190,7 @@ func (c *common) guardRemoval(cmd *cobra.Command, cur, next *config.Config) erro
 	if err != nil {
 		return err
 	}
-	if vs := migrate.CheckChange(inv, cur, next); len(vs) > 0 {
+	if vs := guard.CheckChange(inv, cur, next); len(vs) > 0 {
 		var b strings.Builder
 		for _, v := range vs {
 			fmt.Fprintf(&b, "\n  - %s", v)
