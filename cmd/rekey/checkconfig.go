@@ -12,6 +12,7 @@ import (
 	"k8s.io/apiserver/pkg/storage/value"
 
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
@@ -56,15 +57,15 @@ applies the same guard to every reload.`,
 			}
 			store := &migrate.InventoryStore{}
 			store.Set(inv)
-			guard := migrate.NewGuard(store, func() bool { return override }, nil, s.log)
-			if vs := migrate.CheckChange(inv, cur.cfg, nextCfg); len(vs) > 0 && override {
-				fmt.Fprintf(cmd.OutOrStdout(), "WARNING: --%s is set; these objects become unreadable with %s:\n", migrate.OverrideFlag, next)
+			keysInUse := guard.New(store, func() bool { return override }, nil, s.log)
+			if vs := guard.CheckChange(inv, cur.cfg, nextCfg); len(vs) > 0 && override {
+				fmt.Fprintf(cmd.OutOrStdout(), "WARNING: --%s is set; these objects become unreadable with %s:\n", guard.OverrideFlag, next)
 				for _, v := range vs {
 					fmt.Fprintf(cmd.OutOrStdout(), "  - %s\n", v)
 				}
 				return nil
 			}
-			if err := guard(cur.cfg, nextCfg); err != nil {
+			if err := keysInUse(cur.cfg, nextCfg); err != nil {
 				return err
 			}
 			if err := c.checkKMSDecrypt(ctx, cmd, cli, inv, next, nextCfg, override); err != nil {
@@ -76,12 +77,12 @@ applies the same guard to every reload.`,
 	}
 	c.addFlags(cmd.Flags())
 	cmd.Flags().StringVar(&next, "new", "", "The configuration to check. Required.")
-	cmd.Flags().BoolVar(&override, migrate.OverrideFlag, false, "Report violations but succeed anyway (disaster recovery).")
+	cmd.Flags().BoolVar(&override, guard.OverrideFlag, false, "Report violations but succeed anyway (disaster recovery).")
 	return cmd
 }
 
 // checkKMSDecrypt builds next when it has KMS v2 providers and decrypts one stored object
-// per KMS key id of inv with it (migrate.CheckDecrypt). A plugin that does not answer
+// per KMS key id of inv with it (guard.CheckDecrypt). A plugin that does not answer
 // fails the check too: nothing is proven then.
 func (c *common) checkKMSDecrypt(ctx context.Context, cmd *cobra.Command, cli *clientv3.Client, inv *migrate.Inventory, next string, nextCfg *config.Config, override bool) error {
 	if !hasKMSv2(nextCfg) {
@@ -92,15 +93,15 @@ func (c *common) checkKMSDecrypt(ctx context.Context, cmd *cobra.Command, cli *c
 		return err
 	}
 	defer l.set.Close()
-	fs, err := migrate.CheckDecrypt(ctx, inv, cli, nextCfg, setTransformers{l.set})
+	fs, err := guard.CheckDecrypt(ctx, inv, cli, nextCfg, setTransformers{l.set})
 	if err != nil || len(fs) == 0 {
 		return err
 	}
-	derr := &migrate.DecryptGuardError{Next: fmt.Sprintf("%q (%s)", nextCfg.Source, nextCfg.Hash), Failures: fs}
+	derr := &guard.RefusedError{Check: guard.Decrypt, Next: guard.ConfigName(nextCfg), Failures: fs}
 	if !override {
 		return derr
 	}
-	fmt.Fprintf(cmd.OutOrStdout(), "WARNING: --%s is set; %s\n", migrate.OverrideFlag, derr)
+	fmt.Fprintf(cmd.OutOrStdout(), "WARNING: --%s is set; %s\n", guard.OverrideFlag, derr)
 	return nil
 }
 

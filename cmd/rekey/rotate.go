@@ -13,7 +13,7 @@ import (
 	"github.com/rekey-io/rekey/internal/atomicfile"
 	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/config"
-	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/guard"
 )
 
 func newRotateCommand() *cobra.Command {
@@ -157,7 +157,7 @@ func (c *common) removeKeys(ctx context.Context, f *rotation.File, names, resour
 }
 
 // guardRemoval takes a fresh inventory with cur and refuses next when it would leave a
-// stored object unreadable (migrate.CheckChange, the reload guard's rule).
+// stored object unreadable (guard.CheckChange, the reload guard's rule).
 func (c *common) guardRemoval(ctx context.Context, cur, next *config.Config) error {
 	if len(c.etcd.Servers) == 0 {
 		return errors.New("--remove-old needs --etcd-servers: the guard counts the objects that still use the old key before it goes")
@@ -173,7 +173,7 @@ func (c *common) guardRemoval(ctx context.Context, cur, next *config.Config) err
 	if err != nil {
 		return err
 	}
-	if vs := migrate.CheckChange(inv, cur, next); len(vs) > 0 {
+	if vs := guard.CheckChange(inv, cur, next); len(vs) > 0 {
 		var b strings.Builder
 		for _, v := range vs {
 			fmt.Fprintf(&b, "\n  - %s", v)

@@ -8,7 +8,7 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/rekey-io/rekey/pkg/config/configtest"
+	"github.com/rekey-io/rekey/internal/configtest"
 )
 
 // TestCheckConfigNeverEchoesSecrets runs `rekey check-config` on the secret-echo table:

@@ -5,7 +5,7 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/rekey-io/rekey/pkg/config/configtest"
+	"github.com/rekey-io/rekey/internal/configtest"
 )
 
 // TestKeysFileErrorsNeverEchoSecrets: a malformed keys file is refused, at start and

@@ -14,7 +14,7 @@
 //  2. migrate — the elected migration leader has a verified record for every rotated
 //     resource whose target is the key every member writes with;
 //  3. remove  — the keys behind the new write key leave the file (the second edit),
-//     once the guard (a fresh inventory and migrate.CheckChange) allows it;
+//     once the guard (a fresh inventory and guard.CheckChange) allows it;
 //  4. ack     — every live apiserver runs the file as it is now (its published
 //     configuration hash equals the file's).
 //

@@ -22,7 +22,7 @@ import (
 	"github.com/rekey-io/rekey/internal/kmsplugin"
 	"github.com/rekey-io/rekey/internal/shim"
 	"github.com/rekey-io/rekey/internal/testbed"
-	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/guard"
 )
 
 // startShim runs a shim on dir's embedded etcd. It returns its client and a stop
@@ -122,11 +122,11 @@ func TestRestartRefusesConfigDroppingKeyInUse(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cli.Close()
-	resp, err := cli.Get(ctx, migrate.AppliedStatePrefix, clientv3.WithPrefix())
+	resp, err := cli.Get(ctx, guard.AppliedStatePrefix, clientv3.WithPrefix())
 	if err != nil || len(resp.Kvs) != 1 {
 		t.Fatalf("applied state keys: %v, %v", resp, err)
 	}
-	var before migrate.AppliedState
+	var before guard.AppliedState
 	if err := json.Unmarshal(resp.Kvs[0].Value, &before); err != nil {
 		t.Fatal(err)
 	}
@@ -137,7 +137,7 @@ func TestRestartRefusesConfigDroppingKeyInUse(t *testing.T) {
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		resp, err := cli.Get(ctx, string(resp.Kvs[0].Key))
-		var now migrate.AppliedState
+		var now guard.AppliedState
 		if err == nil && len(resp.Kvs) == 1 && json.Unmarshal(resp.Kvs[0].Value, &now) == nil && now.ConfigHash != before.ConfigHash {
 			if n := len(now.Rules[0].Keys); n != 2 {
 				t.Fatalf("applied state after the reload has %d keys, want 2", n)

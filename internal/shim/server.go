@@ -114,7 +114,7 @@ type Options struct {
 	// configuration cannot read what the last applied one could.
 	AllowDroppingKeysInUse bool
 	// EncryptionStateID names this apiserver's applied-encryption state in etcd
-	// (migrate.AppliedStatePrefix + id); default: the apiserver identity, which
+	// (guard.AppliedStatePrefix + id); default: the apiserver identity, which
 	// k8s.io/apiserver derives from the host name and so survives restarts.
 	EncryptionStateID string
 	// EncryptionStateFile keeps the applied-encryption state in this file instead of

@@ -21,7 +21,7 @@ import (
 	"github.com/rekey-io/rekey/internal/shim"
 	"github.com/rekey-io/rekey/internal/testbed"
 	"github.com/rekey-io/rekey/pkg/cluster"
-	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/guard"
 )
 
 // tlsShimOptions are the options of a clustered shim on srv, an etcd that requires a
@@ -92,9 +92,9 @@ func TestClusterOverTLSEtcd(t *testing.T) {
 	if err != nil || len(member.Kvs) != 1 || member.Kvs[0].Lease == 0 {
 		t.Fatalf("member key %s over TLS: %v %+v", cluster.MemberKey(cluster.DefaultPrefix, "shim-tls-1"), err, member)
 	}
-	applied, err := cli.Get(t.Context(), migrate.AppliedStatePrefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
+	applied, err := cli.Get(t.Context(), guard.AppliedStatePrefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
 	if err != nil || applied.Count == 0 {
-		t.Fatalf("no applied state under %s: the start-up check did not reach TLS etcd (%v)", migrate.AppliedStatePrefix, err)
+		t.Fatalf("no applied state under %s: the start-up check did not reach TLS etcd (%v)", guard.AppliedStatePrefix, err)
 	}
 }
 

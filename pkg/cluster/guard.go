@@ -2,32 +2,14 @@ package cluster
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"slices"
-	"strings"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
 
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/guard"
 )
-
-// ErrRefused matches every refusal of the cluster guard with errors.Is.
-var ErrRefused = errors.New("configuration change refused by the cluster guard")
-
-// GuardError lists why a configuration may not drop keys yet.
-type GuardError struct {
-	Next    string
-	Reasons []string
-}
-
-func (e *GuardError) Error() string {
-	return fmt.Sprintf("refusing encryption configuration %s: it drops keys the cluster still needs:\n  - %s\nKeep these keys as read keys until every apiserver writes with their successor and the cluster's storage migration to it is verified (`rekey status` shows both); the current configuration keeps serving.",
-		e.Next, strings.Join(e.Reasons, "\n  - "))
-}
-
-// Is makes errors.Is(err, ErrRefused) true.
-func (e *GuardError) Is(target error) bool { return target == ErrRefused }
 
 // Guard is a reload.Options.Guard: it refuses a configuration that drops a key (a
 // chain entry current has and next has not, for a resource) while
@@ -35,7 +17,7 @@ func (e *GuardError) Is(target error) bool { return target == ErrRefused }
 //   - the cluster's migration of that resource is running, or its latest record is not
 //     verified, or was verified for the dropped key itself.
 //
-// Stored objects counted under the key by the local inventory are pkg/migrate's guard's
+// Stored objects counted under the key by the local inventory are pkg/guard's
 // business; compose the two.
 func (n *Node) Guard(current, next *config.Config) error {
 	if current == nil || next == nil {
@@ -91,7 +73,7 @@ func (n *Node) Guard(current, next *config.Config) error {
 		return nil
 	}
 	n.opts.Metrics.guardRefused()
-	return &GuardError{Next: fmt.Sprintf("%q (%s)", next.Source, next.Hash), Reasons: reasons}
+	return &guard.RefusedError{Check: guard.Cluster, Next: guard.ConfigName(next), Reasons: reasons}
 }
 
 func readMigrationState(n *Node) (MigrationState, error) {

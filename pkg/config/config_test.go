@@ -7,8 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/rekey-io/rekey/internal/configtest"
 	"github.com/rekey-io/rekey/pkg/config"
-	"github.com/rekey-io/rekey/pkg/config/configtest"
 )
 
 func TestHashMatchesUpstreamVector(t *testing.T) {

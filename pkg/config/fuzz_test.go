@@ -6,8 +6,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/rekey-io/rekey/internal/configtest"
 	"github.com/rekey-io/rekey/pkg/config"
-	"github.com/rekey-io/rekey/pkg/config/configtest"
 )
 
 // FuzzParse: any input either parses into a validated config or returns an error that

@@ -29,6 +29,7 @@ import (
 
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/reload"
 	"github.com/rekey-io/rekey/pkg/transformers"
@@ -135,7 +136,7 @@ type Layer struct {
 	mu sync.Mutex
 	// state persists what the applied configuration can read (CheckStart sets it);
 	// stateClient is its etcd client, also used by the decrypt guard.
-	state       migrate.AppliedStateStore
+	state       guard.AppliedStateStore
 	stateClient *clientv3.Client
 	ctrl        *migrate.Controller
 	migrator    *cluster.Migrator
@@ -190,8 +191,8 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 		APIServerID: o.APIServerID,
 		KMSv1Error:  o.KMSv1Error,
 		Logger:      o.Logger,
-		Guard:       migrate.NewGuard(l.store, func() bool { return allow }, m, o.Logger),
-		SetGuard: migrate.NewDecryptGuard(migrate.DecryptGuardOptions{
+		Guard:       guard.New(l.store, func() bool { return allow }, m, o.Logger),
+		SetGuard: guard.NewDecrypt(guard.DecryptOptions{
 			Inventory: l.store,
 			Client:    l.etcdClient,
 			Override:  func() bool { return allow },
@@ -283,7 +284,7 @@ func (l *Layer) kmsFactory() transformers.KMSFactory {
 }
 
 // CheckStart compares the configuration on disk with the state the last applied one
-// left in etcd (key migrate.AppliedStatePrefix + stateID, stateID being stable across
+// left in etcd (key guard.AppliedStatePrefix + stateID, stateID being stable across
 // restarts of the same apiserver) or in EncryptionStateFile, before the server serves:
 // a configuration refused on reload, or edited while the apiserver was down, must not
 // be applied silently by a restart.
@@ -295,9 +296,9 @@ func (l *Layer) CheckStart(ctx context.Context, stateID string) error {
 	if err != nil {
 		return fmt.Errorf("encryption start-up check: %w", err)
 	}
-	var state migrate.AppliedStateStore = migrate.EtcdAppliedState{Client: cli, Key: migrate.AppliedStatePrefix + stateID}
+	var state guard.AppliedStateStore = guard.EtcdAppliedState{Client: cli, Key: guard.AppliedStatePrefix + stateID}
 	if l.opts.EncryptionStateFile != "" {
-		state = migrate.FileAppliedState{Path: l.opts.EncryptionStateFile}
+		state = guard.FileAppliedState{Path: l.opts.EncryptionStateFile}
 	}
 	l.mu.Lock()
 	l.state, l.stateClient = state, cli
@@ -305,7 +306,7 @@ func (l *Layer) CheckStart(ctx context.Context, stateID string) error {
 	ctx, cancel := context.WithTimeout(ctx, StartCheckTimeout)
 	defer cancel()
 	agent := l.agent
-	err = migrate.CheckStartup(ctx, migrate.StartupOptions{
+	err = guard.CheckStartup(ctx, guard.StartupOptions{
 		State:        state,
 		Config:       agent.ActiveConfig(),
 		Client:       cli,
@@ -356,7 +357,7 @@ func (l *Layer) saveApplied(cfg *config.Config) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), DefaultEtcdDialTimeout)
 	defer cancel()
-	if err := state.Save(ctx, migrate.NewAppliedState(cfg, l.store.Latest(), time.Now())); err != nil {
+	if err := state.Save(ctx, guard.NewAppliedState(cfg, l.store.Latest(), time.Now())); err != nil {
 		l.log.Error(err, "Could not record the applied encryption configuration; the next start compares with the previous one", "hash", cfg.Hash)
 	}
 }

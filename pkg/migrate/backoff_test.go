@@ -121,7 +121,7 @@ func TestControllerPluginOutageIsTransient(t *testing.T) {
 	const seeds = 60
 	var writers []*transformers.Set
 	for i := 0; i < seeds; i++ {
-		writers = append(writers, buildReady(t, kmsRule+kms.providerYAML("plug"), kms.factory))
+		writers = append(writers, buildReady(t, kmsRule+kms.ProviderYAML("plug"), kms.Factory))
 	}
 	const n = 300
 	var keys []string
@@ -141,12 +141,12 @@ func TestControllerPluginOutageIsTransient(t *testing.T) {
 			ops = ops[:0]
 		}
 	}
-	s0 := buildReady(t, kmsRule+kms.providerYAML("plug"), kms.factory)
-	s1 := buildReady(t, kmsRule+providerYAML("aesgcm:key1")+kms.providerYAML("plug"), kms.factory)
+	s0 := buildReady(t, kmsRule+kms.ProviderYAML("plug"), kms.Factory)
+	s1 := buildReady(t, kmsRule+providerYAML("aesgcm:key1")+kms.ProviderYAML("plug"), kms.Factory)
 
 	sw := &swappable{}
 	sw.cur.Store(s0)
-	fault := &faultAfter{rt: sw, n: 30, trigger: func() { kms.server.SetFaults(kmsplugin.Faults{FailDecrypt: true}) }}
+	fault := &faultAfter{rt: sw, n: 30, trigger: func() { kms.Server.SetFaults(kmsplugin.Faults{FailDecrypt: true}) }}
 	src := FromRules(fault, func() []transformers.RuleInfo { return sw.cur.Load().Rules() })
 	fc := clocktesting.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
 	c := NewController(ControllerOptions{Client: cli, Source: src, Resources: testResources()[:1], AutoMigrate: true, Clock: fc, Logger: testLogger(t)})
@@ -174,7 +174,7 @@ func TestControllerPluginOutageIsTransient(t *testing.T) {
 		t.Fatal("retried before the backoff passed")
 	}
 
-	kms.server.SetFaults(kmsplugin.Faults{})
+	kms.Server.SetFaults(kmsplugin.Faults{})
 	fc.Step(DefaultRetryBackoff)
 	if !c.check(ctx) {
 		t.Fatal("no retry after the backoff")

@@ -106,13 +106,13 @@ func BenchmarkMigrateKMSv2(b *testing.B) {
 	const n = 10000
 	cli := benchEtcd(b)
 	kms := startKMS(b, "kek-0")
-	set := buildReady(b, configYAML("secrets")+kms.providerYAML("plug"), kms.factory)
+	set := buildReady(b, configYAML("secrets")+kms.ProviderYAML("plug"), kms.Factory)
 	writeObjects(b, cli, set, secrets, n)
 	gen := 0
 	benchMigrate(b, cli, n, func(int) *transformers.Set {
 		gen++
 		old := set.KMSProviders()[0].Status().KeyIDHash
-		kms.setKeys(b, fmt.Sprintf("kek-%d", gen), fmt.Sprintf("kek-%d", gen-1))
+		kms.SetKeys(b, fmt.Sprintf("kek-%d", gen), fmt.Sprintf("kek-%d", gen-1))
 		for set.KMSProviders()[0].Status().KeyIDHash == old {
 			time.Sleep(20 * time.Millisecond)
 		}

@@ -6,8 +6,9 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
-	"path/filepath"
 	"time"
+
+	"github.com/rekey-io/rekey/internal/atomicfile"
 )
 
 // checkpointEvery bounds how often the checkpoint file is rewritten.
@@ -56,32 +57,16 @@ func ReadCheckpoint(path string) (*Checkpoint, error) {
 	return &c, nil
 }
 
-// writeCheckpoint replaces the file at path atomically (temporary file, fsync, rename),
-// so a crash leaves either the old or the new checkpoint, never a torn one.
+// writeCheckpoint replaces the file at path atomically and durably
+// (atomicfile.WriteFile), so a crash leaves either the old or the new checkpoint, never
+// a torn one, and never brings back an older one after a save returned.
 func writeCheckpoint(path string, c *Checkpoint) error {
 	c.Version = checkpointVersion
 	data, err := json.MarshalIndent(c, "", "  ")
 	if err != nil {
 		return err
 	}
-	dir := filepath.Dir(path)
-	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
-	if err != nil {
-		return fmt.Errorf("writing migration checkpoint in %q: %w", dir, err)
-	}
-	tmp := f.Name()
-	_, err = f.Write(data)
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		_ = os.Remove(tmp)
+	if err := atomicfile.WriteFile(path, data, 0o600); err != nil {
 		return fmt.Errorf("writing migration checkpoint %q: %w", path, err)
 	}
 	return nil

@@ -123,7 +123,7 @@ func NewController(opts ControllerOptions) *Controller {
 	return &Controller{opts: opts, log: opts.Logger.WithName("storage-migration-controller"), m: m, status: ControllerStatus{AutoMigrate: opts.AutoMigrate}}
 }
 
-// Inventory is the store the controller's inventories land in; pass it to NewGuard.
+// Inventory is the store the controller's inventories land in; pass it to guard.New.
 func (c *Controller) Inventory() *InventoryStore { return c.opts.Inventory }
 
 // Status returns a snapshot for the status document.

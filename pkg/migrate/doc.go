@@ -1,7 +1,8 @@
 // Package migrate keeps stored data on the current keys: it takes inventories of which
 // provider and key encrypt every stored object, re-encrypts stale objects in etcd with
-// compare-and-swap, and guards configuration changes so that a key still in use is never
-// dropped.
+// compare-and-swap, and checkpoints its progress. Refusing a configuration that drops a
+// key still in use is pkg/guard's job; its checks count stored objects with this
+// package's inventories.
 //
 // # Inventory
 //
@@ -35,11 +36,11 @@
 //
 // A Controller watches each resource's write key (prefix and KMS key id hash) through
 // the reload agent and migrates a resource when its write key changes; its inventories
-// feed the guard that the agent runs before every reload:
+// feed pkg/guard's check, which the agent runs before every reload:
 //
 //	store := &migrate.InventoryStore{}
 //	m, _ := migrate.NewMetrics(registry)
-//	agentOpts.Guard = migrate.NewGuard(store, func() bool { return overrideFlag }, m, logger)
+//	agentOpts.Guard = guard.New(store, func() bool { return overrideFlag }, m, logger)
 //	agent, _ := reload.NewAgent(ctx, agentOpts)
 //	ctrl := migrate.NewController(migrate.ControllerOptions{
 //		Client: etcdClient, Source: migrate.FromRules(agent, agent.Rules), Resources: resources,
@@ -53,27 +54,4 @@
 // one InventoryStore. A migration of some resources merges its verifying re-scan into
 // the store's latest inventory. internal/shim wires it this way, with the controller's
 // Status under "storage" in the agent's status document (reload.Options.StatusExtras).
-//
-// # Guard
-//
-// CheckChange / NewGuard refuse a configuration that cannot read a (resource, provider,
-// key) the latest inventory counts objects under, that drops the current write key in
-// one step, or that drops a key of a resource no up-to-date inventory covers. The
-// refusal names the resource, key and object count; OverrideFlag lets it through for
-// disaster recovery. They judge every resource whose lookup chain may change: the
-// rules of both configurations (wildcards as pseudo-resources) and the inventory's.
-//
-// NewDecryptGuard (reload.Options.SetGuard) proves, on the built Set, that a KMS v2
-// provider that kept its name still decrypts one stored DEK per key id.
-//
-// The guards compare configurations in memory; CheckStartup closes the way around them
-// through a restart. An AppliedState (key fingerprints, never keys) of every applied
-// configuration is kept in etcd (EtcdAppliedState, AppliedStatePrefix + apiserver id)
-// or a file, and before serving the configuration on disk is checked against it:
-//
-//	state := migrate.EtcdAppliedState{Client: etcdClient, Key: migrate.AppliedStatePrefix + apiserverID}
-//	err := migrate.CheckStartup(ctx, migrate.StartupOptions{State: state, Config: agent.ActiveConfig(),
-//		Client: etcdClient, Source: migrate.FromRules(agent, agent.Rules), Resources: resources,
-//		Transformers: agent, Override: overrideFlag, Inventory: store})
-//	agentOpts.Applied = func(cfg *config.Config) { _ = state.Save(ctx, migrate.NewAppliedState(cfg, store.Latest(), time.Now())) }
 package migrate

@@ -22,14 +22,16 @@ func staleSample(inv *Inventory) string {
 	for _, r := range inv.Resources {
 		for _, b := range r.Buckets {
 			if b.Stale && b.Objects > 0 {
-				parts = append(parts, fmt.Sprintf("%s: %d under %s", r.Resource, b.Objects, describeBucket(b.Bucket)))
+				parts = append(parts, fmt.Sprintf("%s: %d under %s", r.Resource, b.Objects, b.Describe()))
 			}
 		}
 	}
 	return strings.Join(parts, "; ")
 }
 
-func describeBucket(b Bucket) string {
+// Describe names the bucket for an operator: the provider and the key name or KMS key
+// id hash, never key material. pkg/guard's refusals name buckets with it too.
+func (b Bucket) Describe() string {
 	if b.Other {
 		return fmt.Sprintf("%s values under further keys or key ids (an inventory lists at most %d distinct buckets per resource)", b.Provider, MaxBucketsPerResource)
 	}

@@ -149,7 +149,10 @@ func (m *Metrics) migrationDone(err error, now float64) {
 	m.lastSuccess.Set(now)
 }
 
-func (m *Metrics) guardRefused() {
+// RecordGuardRefusal counts a configuration refused by pkg/guard's key-in-use guard
+// (rekey_storage_guard_refusals_total): its guards take these metrics, so the counter
+// stays registered with the storage metrics it always belonged to.
+func (m *Metrics) RecordGuardRefusal() {
 	if m == nil {
 		return
 	}

@@ -6,12 +6,12 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/rekey-io/rekey/pkg/config/configtest"
+	"github.com/rekey-io/rekey/internal/configtest"
 )
 
 // TestSecretEchoNeverReachesStatus: a refused reload records its error in the status
 // document, and a refused start returns it; neither may quote a secret of the file
-// (the secret-echo table of pkg/config/configtest).
+// (the secret-echo table of internal/configtest).
 func TestSecretEchoNeverReachesStatus(t *testing.T) {
 	f := newFixture(t, secretsConfig("aesgcm:k1"))
 	for _, tc := range configtest.SecretEcho() {

@@ -1,4 +1,4 @@
-package migrate
+package guard
 
 import (
 	"context"
@@ -13,23 +13,10 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/apiserver/pkg/storage/value"
 
-	"github.com/rekey-io/rekey/internal/kmsplugin"
+	"github.com/rekey-io/rekey/internal/enctest"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/migrate"
 )
-
-// startPluginWithKeys starts another in-process plugin on its own socket serving
-// keysFile.
-func startPluginWithKeys(t *testing.T, keysFile string) *kmsEnv {
-	t.Helper()
-	e := &kmsEnv{keysFile: keysFile, socket: filepath.Join(t.TempDir(), "kms.sock")}
-	srv, err := kmsplugin.Start(kmsplugin.Options{ListenAddr: "unix://" + e.socket, KeysFile: keysFile})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Stop)
-	e.server = srv
-	return e
-}
 
 // A KMS v2 provider that keeps its name but points at a plugin with another keyring
 // passes CheckChange (the keyring cannot be seen in the configuration); the decrypt
@@ -39,14 +26,14 @@ func startPluginWithKeys(t *testing.T, keysFile string) *kmsEnv {
 func TestDecryptGuardKMSKeyring(t *testing.T) {
 	ctx := context.Background()
 	cli := startEtcd(t)
-	a := startKMS(t, "kek1")
-	cfgYAML := func(e *kmsEnv) string {
-		return "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n" + e.providerYAML("plug")
+	a := enctest.StartKMS(t, "kek1")
+	cfgYAML := func(e *enctest.KMS) string {
+		return "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n" + e.ProviderYAML("plug")
 	}
-	cfgA := mustConfig(t, cfgYAML(a))
-	setA := buildReady(t, cfgYAML(a), a.factory)
+	cfgA := enctest.MustConfig(t, cfgYAML(a))
+	setA := enctest.BuildReady(t, cfgYAML(a), a.Factory)
 	writeObjects(t, cli, setA, secrets, 5)
-	inv, err := TakeInventory(ctx, InventoryOptions{Client: cli, Source: FromSet(setA), Resources: testResources()})
+	inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{Client: cli, Source: migrate.FromSet(setA), Resources: testResources()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +42,7 @@ func TestDecryptGuardKMSKeyring(t *testing.T) {
 		t.Fatalf("inventory buckets = %+v, want one KMS bucket with a sample key", ri)
 	}
 	keyIDHash := ri.Buckets[0].KeyIDHash
-	store := &InventoryStore{}
+	store := &migrate.InventoryStore{}
 	store.Set(inv)
 
 	// Another keyring: the same key id name with another secret.
@@ -65,14 +52,14 @@ func TestDecryptGuardKMSKeyring(t *testing.T) {
 	if err := os.WriteFile(otherKeys, []byte("keys:\n  - {name: kek1, secret: "+base64.StdEncoding.EncodeToString(secret)+"}\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	b := startPluginWithKeys(t, otherKeys)
-	cfgB := mustConfig(t, cfgYAML(b))
+	b := enctest.StartPlugin(t, otherKeys)
+	cfgB := enctest.MustConfig(t, cfgYAML(b))
 	if vs := CheckChange(inv, cfgA, cfgB); len(vs) != 0 {
 		t.Fatalf("CheckChange = %q; the configuration guard cannot see keyrings", vs)
 	}
-	setB := buildReady(t, cfgYAML(b), a.factory)
+	setB := enctest.BuildReady(t, cfgYAML(b), a.Factory)
 	override := false
-	guard := NewDecryptGuard(DecryptGuardOptions{Inventory: store, Client: func() *clientv3.Client { return cli }, Override: func() bool { return override }, Logger: testLogger(t)})
+	guard := NewDecrypt(DecryptOptions{Inventory: store, Client: func() *clientv3.Client { return cli }, Override: func() bool { return override }, Logger: testLogger(t)})
 	err = guard(ctx, cfgA, cfgB, setB)
 	if !errors.Is(err, ErrRefused) {
 		t.Fatalf("other keyring: guard = %v, want a refusal", err)
@@ -92,17 +79,17 @@ func TestDecryptGuardKMSKeyring(t *testing.T) {
 	override = false
 
 	// The same keyring at a new socket decrypts.
-	c := startPluginWithKeys(t, a.keysFile)
-	cfgC := mustConfig(t, cfgYAML(c))
-	if err := guard(ctx, cfgA, cfgC, buildReady(t, cfgYAML(c), a.factory)); err != nil {
+	c := enctest.StartPlugin(t, a.KeysFile)
+	cfgC := enctest.MustConfig(t, cfgYAML(c))
+	if err := guard(ctx, cfgA, cfgC, enctest.BuildReady(t, cfgYAML(c), a.Factory)); err != nil {
 		t.Fatalf("same keyring, new socket: %v", err)
 	}
 
 	// A plugin that stops answering after the health gate is unavailable, not wrong.
-	d := startPluginWithKeys(t, a.keysFile)
-	cfgD := mustConfig(t, cfgYAML(d))
-	setD := buildReady(t, cfgYAML(d), a.factory)
-	d.server.Stop()
+	d := enctest.StartPlugin(t, a.KeysFile)
+	cfgD := enctest.MustConfig(t, cfgYAML(d))
+	setD := enctest.BuildReady(t, cfgYAML(d), a.Factory)
+	d.Server.Stop()
 	fs, err := CheckDecrypt(ctx, inv, cli, cfgD, setTransformers{setD})
 	if err != nil {
 		t.Fatal(err)
@@ -115,7 +102,7 @@ func TestDecryptGuardKMSKeyring(t *testing.T) {
 	// refused, the same keyring starts, and an unavailable plugin does not block a start.
 	state := FileAppliedState{Path: filepath.Join(t.TempDir(), "applied.json")}
 	startWith := func(cfg *config.Config, tr value.ResourceTransformers) error {
-		return CheckStartup(ctx, StartupOptions{State: state, Config: cfg, Client: cli, Source: FromSet(setA), Resources: testResources(), Transformers: tr, Logger: testLogger(t)})
+		return CheckStartup(ctx, StartupOptions{State: state, Config: cfg, Client: cli, Source: migrate.FromSet(setA), Resources: testResources(), Transformers: tr, Logger: testLogger(t)})
 	}
 	if err := startWith(cfgA, setTransformers{setA}); err != nil {
 		t.Fatalf("start with A: %v", err)

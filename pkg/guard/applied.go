@@ -1,4 +1,4 @@
-package migrate
+package guard
 
 import (
 	"context"
@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"sort"
 	"time"
 
@@ -17,7 +16,9 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 
+	"github.com/rekey-io/rekey/internal/atomicfile"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -81,7 +82,7 @@ type AppliedKey struct {
 
 // NewAppliedState describes cfg. inv, when not nil, supplies the KMS v2 key id hashes
 // seen in storage.
-func NewAppliedState(cfg *config.Config, inv *Inventory, now time.Time) *AppliedState {
+func NewAppliedState(cfg *config.Config, inv *migrate.Inventory, now time.Time) *AppliedState {
 	s := &AppliedState{Version: AppliedStateVersion, AppliedAt: now.UTC(), Rules: appliedRules(cfg)}
 	if cfg != nil {
 		s.ConfigHash, s.Source = cfg.Hash, cfg.Source
@@ -92,7 +93,7 @@ func NewAppliedState(cfg *config.Config, inv *Inventory, now time.Time) *Applied
 	seen := map[string]map[string]bool{}
 	for _, ri := range inv.Resources {
 		for _, b := range ri.Buckets {
-			if b.Provider == ProviderKMSv2 && b.KeyIDHash != "" && b.Objects > 0 {
+			if b.Provider == transformers.ProviderKMSv2 && b.KeyIDHash != "" && b.Objects > 0 {
 				if seen[b.Prefix] == nil {
 					seen[b.Prefix] = map[string]bool{}
 				}
@@ -177,7 +178,7 @@ func trimHashPrefix(s string) string {
 // applied could: the guard's rules (CheckChange) with applied in the place of the
 // current configuration. inv must be nil or taken just now, with nothing written since
 // (at start, before serving): its counts are then exact for every resource it covers.
-func CheckApplied(inv *Inventory, applied *AppliedState, next *config.Config) []Violation {
+func CheckApplied(inv *migrate.Inventory, applied *AppliedState, next *config.Config) []Violation {
 	return checkChains(inv, applied.chains(), newChains(next), true)
 }
 
@@ -196,7 +197,7 @@ func (s *AppliedState) prefixes() []string {
 
 // withPrefixes is a Source that also knows extra stored prefixes.
 type withPrefixes struct {
-	Source
+	migrate.Source
 	extra []string
 }
 
@@ -252,7 +253,9 @@ func (e EtcdAppliedState) String() string { return "etcd key " + e.Key }
 
 // FileAppliedState keeps the state in a local file, for library users without a
 // coordination store. The file must be on storage that survives restarts of the
-// apiserver; it is replaced atomically (write to a temporary file, then rename).
+// apiserver; it is replaced atomically and durably (atomicfile.WriteFile: a crash
+// leaves the old state or the new one, and never undoes a save the start-up check
+// already relies on), keeping the file's mode and owner.
 type FileAppliedState struct{ Path string }
 
 // Load reads the state.
@@ -267,29 +270,13 @@ func (f FileAppliedState) Load(context.Context) (*AppliedState, error) {
 	return decodeAppliedState(b, "file "+f.Path)
 }
 
-// Save writes the state.
+// Save writes the state; a new file is readable by its owner only.
 func (f FileAppliedState) Save(_ context.Context, s *AppliedState) error {
 	b, err := json.MarshalIndent(s, "", "  ")
 	if err != nil {
 		return err
 	}
-	tmp, err := os.CreateTemp(filepath.Dir(f.Path), "."+filepath.Base(f.Path)+".tmp")
-	if err != nil {
-		return fmt.Errorf("saving the applied encryption state: %w", err)
-	}
-	defer os.Remove(tmp.Name())
-	if _, err := tmp.Write(b); err != nil {
-		tmp.Close()
-		return fmt.Errorf("saving the applied encryption state: %w", err)
-	}
-	if err := tmp.Sync(); err != nil {
-		tmp.Close()
-		return fmt.Errorf("saving the applied encryption state: %w", err)
-	}
-	if err := tmp.Close(); err != nil {
-		return fmt.Errorf("saving the applied encryption state: %w", err)
-	}
-	if err := os.Rename(tmp.Name(), f.Path); err != nil {
+	if err := atomicfile.WriteFile(f.Path, b, 0o600); err != nil {
 		return fmt.Errorf("saving the applied encryption state: %w", err)
 	}
 	return nil
@@ -317,8 +304,8 @@ type StartupOptions struct {
 	// Client, Source and Resources, when all set, take an inventory (prefixes only, no
 	// decryption) to count the objects under each dropped key.
 	Client    *clientv3.Client
-	Source    Source
-	Resources []Resource
+	Source    migrate.Source
+	Resources []migrate.Resource
 	// Transformers, when given with a client, serve the configuration (the reload agent,
 	// or FromSet's transformers of a built Set): one stored object per
 	// KMS v2 key id of the start-up inventory is decrypted with it (CheckDecrypt), so
@@ -329,20 +316,21 @@ type StartupOptions struct {
 	// Override lets the start go on despite violations (logged).
 	Override bool
 	// Inventory, when set, receives the start-up inventory.
-	Inventory *InventoryStore
+	Inventory *migrate.InventoryStore
 	Clock     clock.PassiveClock
-	Metrics   *Metrics
+	Metrics   *migrate.Metrics
 	Logger    klog.Logger
 }
 
 // CheckStartup checks, before an apiserver serves, that the configuration on disk can
 // read everything the last applied configuration could (CheckApplied, with a fresh
 // inventory when a client is given), and then records the configuration as applied.
-// A refusal is a *GuardError naming resource, key and count; nothing is saved then, so
+// A refusal is a *RefusedError (Check Startup, or Decrypt) naming resource, key and
+// count; nothing is saved then, so
 // every restart refuses until the keys are restored or Override is set.
 func CheckStartup(ctx context.Context, o StartupOptions) error {
 	if o.State == nil || o.Config == nil {
-		return errors.New("migrate: the start-up check needs a state store and the configuration")
+		return errors.New("guard: the start-up check needs a state store and the configuration")
 	}
 	if o.Clock == nil {
 		o.Clock = clock.RealClock{}
@@ -354,7 +342,7 @@ func CheckStartup(ctx context.Context, o StartupOptions) error {
 	if err != nil {
 		return err
 	}
-	var inv *Inventory
+	var inv *migrate.Inventory
 	if o.Client != nil && o.Source != nil && len(o.Resources) > 0 {
 		src := o.Source
 		if prev != nil {
@@ -363,7 +351,7 @@ func CheckStartup(ctx context.Context, o StartupOptions) error {
 			// the state's prefix (a guess stops at the first ':' of a key name).
 			src = withPrefixes{Source: src, extra: prev.prefixes()}
 		}
-		inv, err = TakeInventory(ctx, InventoryOptions{Client: o.Client, Source: src, Resources: o.Resources, ConfigHash: o.Config.Hash, Clock: o.Clock, Metrics: o.Metrics})
+		inv, err = migrate.TakeInventory(ctx, migrate.InventoryOptions{Client: o.Client, Source: src, Resources: o.Resources, ConfigHash: o.Config.Hash, Clock: o.Clock, Metrics: o.Metrics})
 		if err != nil {
 			// Without counts every dropped key is still reported (unknown count).
 			o.Logger.Error(err, "Start-up inventory failed; checking the encryption configuration without object counts")
@@ -374,13 +362,14 @@ func CheckStartup(ctx context.Context, o StartupOptions) error {
 	}
 	if prev != nil {
 		if vs := CheckApplied(inv, prev, o.Config); len(vs) > 0 {
-			gerr := &GuardError{
-				Next:       fmt.Sprintf("%q (%s)", o.Config.Source, o.Config.Hash),
+			gerr := &RefusedError{
+				Check:      Startup,
+				Next:       ConfigName(o.Config),
 				Violations: vs,
 				Applied:    fmt.Sprintf("%s (%s), applied at %s, as recorded in %s", prev.Source, prev.ConfigHash, prev.AppliedAt.Format(time.RFC3339), o.State),
 			}
 			if !o.Override {
-				o.Metrics.guardRefused()
+				o.Metrics.RecordGuardRefusal()
 				return gerr
 			}
 			o.Logger.Info("Starting with an encryption configuration that drops keys still in use, because the override is set", "config", o.Config.Source, "hash", o.Config.Hash, "violations", len(vs), "detail", gerr.Error())
@@ -400,9 +389,9 @@ func CheckStartup(ctx context.Context, o StartupOptions) error {
 			refused = append(refused, f)
 		}
 		if len(refused) > 0 {
-			derr := &DecryptGuardError{Next: fmt.Sprintf("%q (%s)", o.Config.Source, o.Config.Hash), Failures: refused}
+			derr := &RefusedError{Check: Decrypt, Next: ConfigName(o.Config), Failures: refused}
 			if !o.Override {
-				o.Metrics.guardRefused()
+				o.Metrics.RecordGuardRefusal()
 				return derr
 			}
 			o.Logger.Info("Starting with a kms plugin that cannot decrypt stored data, because the override is set", "config", o.Config.Source, "hash", o.Config.Hash, "detail", derr.Error())

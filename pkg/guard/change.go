@@ -1,27 +1,21 @@
-package migrate
+package guard
 
 import (
-	"errors"
 	"fmt"
 	"sort"
-	"strings"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
-
-// OverrideFlag is the flag of the apiserver shim and the rekey CLI that lets a change
-// through the guard anyway (disaster recovery: the data under the dropped key is
-// already lost or deliberately abandoned).
-const OverrideFlag = "unsafe-allow-dropping-keys-in-use"
 
 // Violation is one set of stored objects a configuration change would leave unreadable.
 type Violation struct {
 	Resource string
-	Bucket   Bucket
+	Bucket   migrate.Bucket
 	// Objects is the count from the inventory; -1 when it is not known.
 	Objects int64
 	// Reason says why the objects are (or may be) there.
@@ -29,7 +23,7 @@ type Violation struct {
 }
 
 func (v Violation) String() string {
-	what := describeBucket(v.Bucket)
+	what := v.Bucket.Describe()
 	if v.Bucket.Prefix != "" {
 		what += fmt.Sprintf(" (prefix %q)", v.Bucket.Prefix)
 	}
@@ -39,48 +33,13 @@ func (v Violation) String() string {
 	return fmt.Sprintf("%s: %s %s", v.Resource, what, v.Reason)
 }
 
-// GuardError is returned when a change is refused. It lists every violation.
-type GuardError struct {
-	Next       string // the refused configuration: source and hash
-	Violations []Violation
-	// Applied, set by the start-up check, describes the last applied configuration the
-	// refused one was compared with.
-	Applied string
-}
-
-func (e *GuardError) Error() string {
-	var b strings.Builder
-	if e.Applied != "" {
-		fmt.Fprintf(&b, "refusing to start with encryption configuration %s: it cannot read data that the last applied configuration %s could read:", e.Next, e.Applied)
-		for _, v := range e.Violations {
-			b.WriteString("\n  - ")
-			b.WriteString(v.String())
-		}
-		b.WriteString("\nRestore these keys in the configuration (as read keys, not first in their list), start, and let the migration rewrite the data before dropping them. To start anyway (the data under them becomes unreadable), pass --" + OverrideFlag + ".")
-		return b.String()
-	}
-	fmt.Fprintf(&b, "refusing encryption configuration %s: it cannot read data that is still stored:", e.Next)
-	for _, v := range e.Violations {
-		b.WriteString("\n  - ")
-		b.WriteString(v.String())
-	}
-	b.WriteString("\nKeep these keys as read keys (not first in their list) until `rekey migrate` has rewritten the data and `rekey inventory` shows no object under them; the current configuration keeps serving. To drop them anyway (the data under them becomes unreadable), pass --" + OverrideFlag + ".")
-	return b.String()
-}
-
-// ErrRefused matches every *GuardError with errors.Is.
-var ErrRefused = errors.New("configuration change refused by the key-in-use guard")
-
-// Is makes errors.Is(err, ErrRefused) true.
-func (e *GuardError) Is(target error) bool { return target == ErrRefused }
-
 // CheckChange lists what replacing current with next would make unreadable:
 //
 //   - every (resource, provider, key) bucket of inv with objects > 0 that current can
 //     read and next cannot (a local key also counts as dropped when next has a key of
 //     the same name with a different secret; a KMS v2 provider counts as kept while
 //     next has a KMS v2 provider of the same name, since the plugin's own keyring
-//     cannot be seen from here — NewDecryptGuard proves it with a stored DEK);
+//     cannot be seen from here — NewDecrypt proves it with a stored DEK);
 //   - for every resource whose lookup chain may change, its write key under current,
 //     when next cannot read it: values may have been written with it since any
 //     inventory;
@@ -96,14 +55,14 @@ func (e *GuardError) Is(target error) bool { return target == ErrRefused }
 // inventory can list.
 //
 // inv may be nil (no inventory yet): then every dropped key is reported.
-func CheckChange(inv *Inventory, current, next *config.Config) []Violation {
+func CheckChange(inv *migrate.Inventory, current, next *config.Config) []Violation {
 	return checkChains(inv, newChains(current), newChains(next), false)
 }
 
 // checkChains is CheckChange on the read capabilities of two configurations. fresh
 // says inv was taken just now with nothing written since (at start, before serving): its
 // counts then describe every resource it covers, whatever write key it was taken under.
-func checkChains(inv *Inventory, cur, nxt chains, fresh bool) []Violation {
+func checkChains(inv *migrate.Inventory, cur, nxt chains, fresh bool) []Violation {
 	var out []Violation
 	covered := map[schema.GroupResource]bool{}
 	seen := map[string]bool{}
@@ -173,16 +132,15 @@ func checkChains(inv *Inventory, cur, nxt chains, fresh bool) []Violation {
 	return out
 }
 
-func bucketOf(prefix string) Bucket {
+func bucketOf(prefix string) migrate.Bucket {
 	p, k := transformers.SplitPrefix(prefix)
-	return Bucket{Provider: p, Key: k, Prefix: prefix, KnownKey: true}
+	return migrate.Bucket{Provider: p, Key: k, Prefix: prefix, KnownKey: true}
 }
 
-// NewGuard returns a reload guard (reload.Options.Guard) backed by the latest
-// inventory in store. A change that CheckChange objects to is refused with a
-// *GuardError, unless override returns true (then it is logged and allowed). m may be
-// nil.
-func NewGuard(store *InventoryStore, override func() bool, m *Metrics, logger klog.Logger) func(current, next *config.Config) error {
+// New returns a reload guard (reload.Options.Guard) backed by the latest inventory in
+// store. A change that CheckChange objects to is refused with a *RefusedError (Check
+// Change), unless override returns true (then it is logged and allowed). m may be nil.
+func New(store *migrate.InventoryStore, override func() bool, m *migrate.Metrics, logger klog.Logger) func(current, next *config.Config) error {
 	if logger.GetSink() == nil {
 		logger = klog.Background()
 	}
@@ -191,12 +149,12 @@ func NewGuard(store *InventoryStore, override func() bool, m *Metrics, logger kl
 		if len(vs) == 0 {
 			return nil
 		}
-		gerr := &GuardError{Next: fmt.Sprintf("%q (%s)", next.Source, next.Hash), Violations: vs}
+		gerr := &RefusedError{Check: Change, Next: ConfigName(next), Violations: vs}
 		if override != nil && override() {
 			logger.Info("Allowing a configuration change that drops keys still in use, because the override is set", "config", next.Source, "hash", next.Hash, "violations", len(vs), "detail", gerr.Error())
 			return nil
 		}
-		m.guardRefused()
+		m.RecordGuardRefusal()
 		return gerr
 	}
 }

@@ -1,4 +1,4 @@
-package migrate
+package guard
 
 import (
 	"context"
@@ -15,6 +15,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -51,48 +52,27 @@ func (f DecryptFailure) String() string {
 	return fmt.Sprintf("%s: %d objects are stored under kms provider %q key id %s, and the new plugin for it cannot decrypt them (%s)", f.Resource, f.Objects, f.Provider, f.KeyIDHash, f.reason())
 }
 
-// DecryptGuardError refuses a configuration whose KMS v2 plugin (same provider name,
-// other endpoint or keyring) cannot decrypt stored data. errors.Is(err, ErrRefused).
-type DecryptGuardError struct {
-	Next     string
-	Failures []DecryptFailure
-}
-
-func (e *DecryptGuardError) Error() string {
-	var b strings.Builder
-	fmt.Fprintf(&b, "refusing encryption configuration %s: a kms provider that keeps its name does not decrypt the data stored under it:", e.Next)
-	for _, f := range e.Failures {
-		b.WriteString("\n  - ")
-		b.WriteString(f.String())
-	}
-	b.WriteString("\nPoint the provider at a plugin whose keyring holds these key ids (or start the plugin if it is unavailable), or give the new plugin a new provider name and keep the old one as a read provider until `rekey migrate` has rewritten the data; the current configuration keeps serving. To apply it anyway (the data becomes unreadable), pass --" + OverrideFlag + ".")
-	return b.String()
-}
-
-// Is makes errors.Is(err, ErrRefused) true.
-func (e *DecryptGuardError) Is(target error) bool { return target == ErrRefused }
-
-// DecryptGuardOptions configure NewDecryptGuard.
-type DecryptGuardOptions struct {
+// DecryptOptions configure NewDecrypt.
+type DecryptOptions struct {
 	// Inventory supplies the KMS v2 buckets and their sample keys.
-	Inventory *InventoryStore
+	Inventory *migrate.InventoryStore
 	// Client returns the etcd client to read samples with; nil (or a nil client) skips
 	// the check.
 	Client func() *clientv3.Client
 	// Override lets a failing change through (logged).
 	Override func() bool
-	Metrics  *Metrics
+	Metrics  *migrate.Metrics
 	Logger   klog.Logger
 }
 
-// NewDecryptGuard returns a reload guard for a built, health-gated, not yet serving
+// NewDecrypt returns a reload guard for a built, health-gated, not yet serving
 // Set (reload.Options.SetGuard). CheckChange counts a KMS v2 provider as kept while
 // the next configuration has one of the same name, since a plugin's keyring cannot be
 // seen in the configuration; this guard closes that gap: for every (provider, key id)
 // bucket the latest inventory knows under a provider the next configuration keeps, it
 // reads the bucket's sample object from etcd and decrypts it with the new Set. One
 // plugin call per key id, bounded by the inventory's buckets.
-func NewDecryptGuard(o DecryptGuardOptions) func(ctx context.Context, current, next *config.Config, set *transformers.Set) error {
+func NewDecrypt(o DecryptOptions) func(ctx context.Context, current, next *config.Config, set *transformers.Set) error {
 	if o.Logger.GetSink() == nil {
 		o.Logger = klog.Background()
 	}
@@ -111,12 +91,12 @@ func NewDecryptGuard(o DecryptGuardOptions) func(ctx context.Context, current, n
 		if len(fs) == 0 {
 			return nil
 		}
-		derr := &DecryptGuardError{Next: fmt.Sprintf("%q (%s)", next.Source, next.Hash), Failures: fs}
+		derr := &RefusedError{Check: Decrypt, Next: ConfigName(next), Failures: fs}
 		if o.Override != nil && o.Override() {
 			o.Logger.Info("Allowing a configuration whose kms plugin cannot decrypt stored data, because the override is set", "config", next.Source, "hash", next.Hash, "failures", len(fs), "detail", derr.Error())
 			return nil
 		}
-		o.Metrics.guardRefused()
+		o.Metrics.RecordGuardRefusal()
 		return derr
 	}
 }
@@ -124,7 +104,7 @@ func NewDecryptGuard(o DecryptGuardOptions) func(ctx context.Context, current, n
 // CheckDecrypt decrypts, with tr (serving next), one sample object per KMS v2
 // (provider, key id) bucket of inv whose provider next still has for the resource, and
 // lists the buckets it failed on. An error means etcd could not be read.
-func CheckDecrypt(ctx context.Context, inv *Inventory, cli *clientv3.Client, next *config.Config, tr value.ResourceTransformers) ([]DecryptFailure, error) {
+func CheckDecrypt(ctx context.Context, inv *migrate.Inventory, cli *clientv3.Client, next *config.Config, tr value.ResourceTransformers) ([]DecryptFailure, error) {
 	if inv == nil {
 		return nil, nil
 	}
@@ -145,7 +125,7 @@ func CheckDecrypt(ctx context.Context, inv *Inventory, cli *clientv3.Client, nex
 		gr := schema.ParseGroupResource(ri.Resource)
 		nc := nxt.lookup(gr)
 		for _, c := range ri.Buckets {
-			if c.Provider != ProviderKMSv2 || c.KeyIDHash == "" || c.Objects == 0 || !nc.canRead(c.Prefix) {
+			if c.Provider != transformers.ProviderKMSv2 || c.KeyIDHash == "" || c.Objects == 0 || !nc.canRead(c.Prefix) {
 				continue // not KMS v2, or dropped: CheckChange reports a dropped provider
 			}
 			id := bucketID{c.Prefix, c.KeyIDHash}
@@ -199,4 +179,11 @@ func pluginUnavailable(err error) bool {
 		}
 	}
 	return false
+}
+
+// setTransformers serves a built Set as value.ResourceTransformers.
+type setTransformers struct{ s *transformers.Set }
+
+func (t setTransformers) TransformerForResource(gr schema.GroupResource) value.Transformer {
+	return t.s.TransformerFor(gr)
 }

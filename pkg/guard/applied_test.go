@@ -1,4 +1,4 @@
-package migrate
+package guard
 
 import (
 	"context"
@@ -8,8 +8,11 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/rekey-io/rekey/internal/enctest"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/migrate"
 )
 
 // The start-up check compares the configuration on disk with the persisted state of
@@ -30,7 +33,7 @@ func TestCheckStartupAgainstAppliedState(t *testing.T) {
 			start := func(cfg *config.Config, withInventory, override bool) error {
 				o := StartupOptions{State: state, Config: cfg, Override: override, Logger: testLogger(t)}
 				if withInventory {
-					o.Client, o.Source, o.Resources = cli, FromSet(mustSet(t, cfg)), testResources()
+					o.Client, o.Source, o.Resources = cli, migrate.FromSet(enctest.MustSet(t, cfg)), testResources()
 				}
 				return CheckStartup(ctx, o)
 			}
@@ -44,8 +47,8 @@ func TestCheckStartupAgainstAppliedState(t *testing.T) {
 			}
 			checkNoKeyMaterial(t, state, cfgA)
 
-			cfgB := mustConfig(t, configYAML("secrets", "aesgcm:key2"))
-			otherSecret := mustConfig(t, configYAML("secrets", "aesgcm:key1=other"))
+			cfgB := enctest.MustConfig(t, enctest.ConfigYAML("secrets", "aesgcm:key2"))
+			otherSecret := enctest.MustConfig(t, enctest.ConfigYAML("secrets", "aesgcm:key1=other"))
 			for _, tc := range []struct {
 				name          string
 				cfg           *config.Config
@@ -65,7 +68,7 @@ func TestCheckStartupAgainstAppliedState(t *testing.T) {
 				t.Fatalf("a refused start saved its configuration (%s)", s.ConfigHash)
 			}
 			// A configuration that keeps key1 as a read key starts, and becomes the state.
-			cfgMid := mustConfig(t, configYAML("secrets", "aesgcm:key2,key1"))
+			cfgMid := enctest.MustConfig(t, enctest.ConfigYAML("secrets", "aesgcm:key2,key1"))
 			if err := start(cfgMid, true, false); err != nil {
 				t.Fatalf("key1 kept as a read key: %v", err)
 			}
@@ -109,7 +112,7 @@ func TestAppliedStateDamaged(t *testing.T) {
 	if err := os.WriteFile(path, []byte("{not json"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	err := CheckStartup(context.Background(), StartupOptions{State: FileAppliedState{Path: path}, Config: mustConfig(t, configYAML("secrets", "identity"))})
+	err := CheckStartup(context.Background(), StartupOptions{State: FileAppliedState{Path: path}, Config: enctest.MustConfig(t, enctest.ConfigYAML("secrets", "identity"))})
 	if err == nil || !strings.Contains(err.Error(), "not valid JSON") {
 		t.Fatalf("err = %v", err)
 	}
@@ -124,13 +127,50 @@ func TestCheckStartupKeyNameWithColon(t *testing.T) {
 	cfgA, setA := setFor(t, "secrets", "aesgcm:k:1")
 	writeObjects(t, cli, setA, secrets, 3)
 	start := func(cfg *config.Config) error {
-		return CheckStartup(ctx, StartupOptions{State: state, Config: cfg, Client: cli, Source: FromSet(mustSet(t, cfg)), Resources: testResources(), Logger: testLogger(t)})
+		return CheckStartup(ctx, StartupOptions{State: state, Config: cfg, Client: cli, Source: migrate.FromSet(enctest.MustSet(t, cfg)), Resources: testResources(), Logger: testLogger(t)})
 	}
 	if err := start(cfgA); err != nil {
 		t.Fatal(err)
 	}
-	err := start(mustConfig(t, configYAML("secrets", "aesgcm:k2")))
+	err := start(enctest.MustConfig(t, enctest.ConfigYAML("secrets", "aesgcm:k2")))
 	if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), `secrets: 3 objects are stored under aesgcm key "k:1"`) {
 		t.Fatalf("start = %v, want the 3 objects under k:1 named", err)
+	}
+}
+
+// The applied-state file is replaced without changing its mode: an operator who made
+// it group-readable (or tighter) keeps that across saves, and a new file is private.
+func TestFileAppliedStateSaveKeepsMode(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	state := FileAppliedState{Path: filepath.Join(dir, "applied.json")}
+	cfg := enctest.MustConfig(t, enctest.ConfigYAML("secrets", "aesgcm:key1"))
+	if err := state.Save(ctx, NewAppliedState(cfg, nil, time.Now())); err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Stat(state.Path); err != nil {
+		t.Fatal(err)
+	} else if got := fi.Mode().Perm(); got != 0o600 {
+		t.Fatalf("new state file mode = %o, want 600", got)
+	}
+	if err := os.Chmod(state.Path, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	next := enctest.MustConfig(t, enctest.ConfigYAML("secrets", "aesgcm:key2,key1"))
+	if err := state.Save(ctx, NewAppliedState(next, nil, time.Now())); err != nil {
+		t.Fatal(err)
+	}
+	fi, err := os.Stat(state.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := fi.Mode().Perm(); got != 0o640 {
+		t.Errorf("mode after a save = %o, want the operator's 640", got)
+	}
+	if s, err := state.Load(ctx); err != nil || s.ConfigHash != next.Hash {
+		t.Fatalf("loaded %+v, %v; want the saved state of %s", s, err, next.Hash)
+	}
+	if entries, _ := os.ReadDir(dir); len(entries) != 1 {
+		t.Errorf("the save left files behind: %v", entries)
 	}
 }
