@@ -15,9 +15,14 @@ import (
 // TestFenceTranscripts steps the write fence through the stories in testdata/fence*.txt.
 //
 //	member id=<id> [gone]   input: the member's rules ("secrets: *aesgcm/k1,aesgcm/k2")
+//	                        and KMS plugins (parseMember)
 //	members-loaded          the first (empty) member list arrived
 //	config                  input: this apiserver's new configuration (a reload)
 //	refence                 ask again with the current rules (promotion)
+//	may-write-keyid provider=<name> hash=<hash>
+//	                        the key-id fence's answer for this apiserver's provider
+//	keyid-holds             input: this apiserver's state (parseMember); the key ids
+//	                        it holds back and whom they wait for
 //	tick <duration>         advance the clock
 func TestFenceTranscripts(t *testing.T) {
 	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
@@ -43,7 +48,7 @@ func TestFenceTranscripts(t *testing.T) {
 				if d.HasArg("gone") {
 					delete(members, id)
 				} else {
-					members[id] = memberFrom(id, parseRules(t, d.Input))
+					members[id] = parseMember(t, id, d.Input, now)
 				}
 				sync()
 				return "ok"
@@ -57,6 +62,16 @@ func TestFenceTranscripts(t *testing.T) {
 			case "refence":
 				current = applyWriters(current, f.Writers(current, current))
 				return renderFence(f, current, now)
+			case "may-write-keyid":
+				var provider, hash string
+				d.ScanArgs(t, "provider", &provider)
+				d.ScanArgs(t, "hash", &hash)
+				if f.MayWriteKeyID(provider, hash) {
+					return "open"
+				}
+				return "closed"
+			case "keyid-holds":
+				return renderHolds(f.KeyIDHolds(parseMember(t, "self", d.Input, now)), now)
 			case "tick":
 				now = now.Add(durationArg(t, d))
 				f.Step(Tick{Now: now})
@@ -84,6 +99,17 @@ func renderFence(f *Fence, rules []transformers.RuleInfo, now time.Time) string 
 			}
 		}
 		b.WriteString("\n")
+	}
+	return b.String()
+}
+
+func renderHolds(holds []Hold, now time.Time) string {
+	if len(holds) == 0 {
+		return "no key id held"
+	}
+	var b strings.Builder
+	for _, h := range holds {
+		fmt.Fprintf(&b, "%s: writes %s; holds %s for %s, waiting for %s\n", h.Resource, h.Writing, h.Held, ago(now, h.Since), strings.Join(h.WaitingFor, ","))
 	}
 	return b.String()
 }

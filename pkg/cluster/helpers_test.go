@@ -9,6 +9,7 @@ import (
 
 	"github.com/cockroachdb/datadriven"
 
+	"github.com/rekey-io/rekey/pkg/reload"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -48,13 +49,59 @@ func parseRules(t *testing.T, input string) []transformers.RuleInfo {
 	return out
 }
 
-// memberFrom renders rules as a member state.
-func memberFrom(id string, rules []transformers.RuleInfo) MemberState {
-	m := MemberState{APIServerID: id}
-	for _, r := range rules {
-		m.Resources = append(m.Resources, ResourceState{Resource: r.Resource, Write: r.ReadKeys[r.WriteIndex], Read: r.ReadKeys})
+// parseMember reads a member's state as its agent would publish it (StateFromStatus):
+// rule lines as parseRules reads them, and lines
+//
+//	plugin <name>: writes=<hash> [reports=<hash>] [holds=<hash>]
+//
+// for its KMS v2 providers (reports defaults to writes). A rule whose writer is not its
+// first entry holds that entry back since now; a rule written by a plugin that holds a
+// key id holds that key id back since now.
+func parseMember(t *testing.T, id, input string, now time.Time) MemberState {
+	t.Helper()
+	var ruleLines []string
+	plugins := map[string]transformers.KMSStatus{}
+	var st reload.Status
+	for _, line := range strings.Split(strings.TrimSpace(input), "\n") {
+		rest, ok := strings.CutPrefix(strings.TrimSpace(line), "plugin ")
+		if !ok {
+			ruleLines = append(ruleLines, line)
+			continue
+		}
+		name, fields, _ := strings.Cut(rest, ":")
+		k := transformers.KMSStatus{Name: strings.TrimSpace(name), Healthy: true}
+		for _, f := range strings.Fields(fields) {
+			key, val, _ := strings.Cut(f, "=")
+			switch key {
+			case "writes":
+				k.KeyIDHash = val
+			case "reports":
+				k.ReportedKeyIDHash = val
+			case "holds":
+				k.HeldKeyIDHash, k.HeldSince = val, now
+			default:
+				t.Fatalf("plugin line %q: unknown field %q", line, key)
+			}
+		}
+		if k.ReportedKeyIDHash == "" {
+			k.ReportedKeyIDHash = k.KeyIDHash
+		}
+		plugins[k.Name] = k
+		st.KMSProviders = append(st.KMSProviders, k)
 	}
-	return m
+	st.Resources = parseRules(t, strings.Join(ruleLines, "\n"))
+	held := map[string]time.Time{}
+	for i, r := range st.Resources {
+		if r.WriteIndex > 0 {
+			held[r.Resource] = now
+		}
+		if w := r.ReadKeys[r.WriteIndex]; w.Provider == transformers.ProviderKMSv2 {
+			if k, ok := plugins[w.Key]; ok {
+				st.Resources[i].KMS = &k
+			}
+		}
+	}
+	return StateFromStatus(id, "", st, held, now)
 }
 
 // applyWriters returns rules with the writers chosen.

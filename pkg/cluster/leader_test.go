@@ -14,7 +14,9 @@ import (
 //	leading / not-leading
 //	member id=<id> [gone]          input: the member's rules, as in the fence transcripts
 //	inventory resource=<r>         input: "<key>: <objects>" lines, taken now
-//	next                           what the leader starts now
+//	ready                          what the leader would start now (Ready; nothing changes)
+//	started                        the driver started what ready said (MigrationStarted)
+//	next                           ready, then started
 //	finished resource=<r> [error=<text>]
 //	tick <duration>
 //	plans                          every resource's plan
@@ -26,6 +28,7 @@ func TestLeaderTranscripts(t *testing.T) {
 		now := epoch
 		l := NewLeader([]string{"secrets", "configmaps"}, now)
 		members := map[string]MemberState{}
+		var ready Migration // what the latest ready or next said
 		datadriven.RunTest(t, path, func(t *testing.T, d *datadriven.TestData) string {
 			switch d.Cmd {
 			case "leading", "not-leading":
@@ -37,7 +40,7 @@ func TestLeaderTranscripts(t *testing.T) {
 				if d.HasArg("gone") {
 					delete(members, id)
 				} else {
-					members[id] = memberFrom(id, parseRules(t, d.Input))
+					members[id] = parseMember(t, id, d.Input, now)
 				}
 				var list []MemberState
 				for _, m := range members {
@@ -59,12 +62,19 @@ func TestLeaderTranscripts(t *testing.T) {
 				}
 				l.Step(ev)
 				return "ok"
-			case "next":
-				m, ok := l.Next()
+			case "ready", "next":
+				m, ok := l.Ready()
 				if !ok {
 					return "nothing\n" + renderPlans(l)
 				}
+				if d.Cmd == "next" {
+					l.Step(MigrationStarted{Migration: m})
+				}
+				ready = m
 				return fmt.Sprintf("migrate %s to %s", m.Resource, m.Target)
+			case "started":
+				l.Step(MigrationStarted{Migration: ready})
+				return renderPlans(l)
 			case "finished":
 				var res, errText string
 				d.ScanArgs(t, "resource", &res)
