@@ -21,8 +21,8 @@ import (
 //	refence                 ask again with the current rules (promotion)
 //	may-write-keyid provider=<name> hash=<hash>
 //	                        the key-id fence's answer for this apiserver's provider
-//	keyid-holds             input: this apiserver's state (parseMember); the key ids
-//	                        it holds back and whom they wait for
+//	keyid-holds             the key ids this apiserver holds back and whom they wait
+//	                        for; input (kept until the next): its state (parseMember)
 //	tick <duration>         advance the clock
 func TestFenceTranscripts(t *testing.T) {
 	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
@@ -33,13 +33,8 @@ func TestFenceTranscripts(t *testing.T) {
 		f := NewFence("self", now)
 		members := map[string]MemberState{}
 		var current []transformers.RuleInfo
-		sync := func() {
-			var list []MemberState
-			for _, m := range members {
-				list = append(list, m)
-			}
-			f.Step(MembersChanged{Members: list})
-		}
+		var self MemberState // this apiserver's state, for keyid-holds
+		sync := func() { f.Step(MembersChanged{Members: sortedMembers(members)}) }
 		datadriven.RunTest(t, path, func(t *testing.T, d *datadriven.TestData) string {
 			switch d.Cmd {
 			case "member":
@@ -71,7 +66,10 @@ func TestFenceTranscripts(t *testing.T) {
 				}
 				return "closed"
 			case "keyid-holds":
-				return renderHolds(f.KeyIDHolds(parseMember(t, "self", d.Input, now)), now)
+				if d.Input != "" {
+					self = parseMember(t, "self", d.Input, now)
+				}
+				return renderHolds(f.KeyIDHolds(self), now)
 			case "tick":
 				now = now.Add(durationArg(t, d))
 				f.Step(Tick{Now: now})
@@ -109,7 +107,11 @@ func renderHolds(holds []Hold, now time.Time) string {
 	}
 	var b strings.Builder
 	for _, h := range holds {
-		fmt.Fprintf(&b, "%s: writes %s; holds %s for %s, waiting for %s\n", h.Resource, h.Writing, h.Held, ago(now, h.Since), strings.Join(h.WaitingFor, ","))
+		waiting := strings.Join(h.WaitingFor, ",")
+		if waiting == "" {
+			waiting = "nobody (the provider writes it at its next fence check)"
+		}
+		fmt.Fprintf(&b, "%s: writes %s; holds %s for %s, waiting for %s\n", h.Resource, h.Writing, h.Held, ago(now, h.Since), waiting)
 	}
 	return b.String()
 }

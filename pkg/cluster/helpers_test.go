@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"testing"
@@ -102,6 +103,11 @@ func parseMember(t *testing.T, id, input string, now time.Time) MemberState {
 		}
 	}
 	return StateFromStatus(id, "", st, held, now)
+}
+
+// sortedMembers lists members by id, as a View does.
+func sortedMembers(members map[string]MemberState) []MemberState {
+	return slices.SortedFunc(maps.Values(members), func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) })
 }
 
 // applyWriters returns rules with the writers chosen.

@@ -42,11 +42,7 @@ func TestLeaderTranscripts(t *testing.T) {
 				} else {
 					members[id] = parseMember(t, id, d.Input, now)
 				}
-				var list []MemberState
-				for _, m := range members {
-					list = append(list, m)
-				}
-				l.Step(MembersChanged{Members: list})
+				l.Step(MembersChanged{Members: sortedMembers(members)})
 				return "ok"
 			case "inventory":
 				var res string
