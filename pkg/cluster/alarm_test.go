@@ -2,7 +2,6 @@ package cluster
 
 import (
 	"fmt"
-	"strings"
 	"testing"
 	"time"
 
@@ -16,24 +15,15 @@ import (
 //	                        change (this apiserver is one of them)
 //	tick <duration>         advance the clock
 func TestAlarmTranscripts(t *testing.T) {
-	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
-		if !strings.HasPrefix(pathBase(path), "alarm") {
-			return
-		}
+	runTranscripts(t, "alarm", func(t *testing.T) func(*testing.T, *datadriven.TestData) string {
 		now := epoch
 		a := newDisagreementAlarm(2*time.Minute, now)
-		members := map[string]MemberState{}
-		datadriven.RunTest(t, path, func(t *testing.T, d *datadriven.TestData) string {
+		members := liveMembers{}
+		return func(t *testing.T, d *datadriven.TestData) string {
 			switch d.Cmd {
 			case "member":
-				var id string
-				d.ScanArgs(t, "id", &id)
-				if d.HasArg("gone") {
-					delete(members, id)
-				} else {
-					members[id] = parseMember(t, id, d.Input, now)
-				}
-				a.Step(MembersChanged{Members: sortedMembers(members)})
+				members.step(t, d, now)
+				a.Step(MembersChanged{Members: members.list()})
 			case "tick":
 				now = now.Add(durationArg(t, d))
 				a.Step(Tick{Now: now})
@@ -47,6 +37,6 @@ func TestAlarmTranscripts(t *testing.T) {
 				return fmt.Sprintf("ALARM: disagree for %s: %s", ago(now, a.Since()), a.Detail())
 			}
 			return fmt.Sprintf("disagree for %s: %s", ago(now, a.Since()), a.Detail())
-		})
+		}
 	})
 }

@@ -25,10 +25,7 @@ import (
 // publishes, and the rule the cluster guard reads from the configuration are the same
 // entries in the same order; and DescribeRules lists exactly the rules Set.Rules does.
 func TestEveryConsumerSeesTheSameChain(t *testing.T) {
-	configs := map[string]string{"lookup": compatconfigs.Lookup}
-	for _, o := range compatconfigs.Orders {
-		configs["secrets:"+strings.Join(o, ",")] = compatconfigs.ConfigFor("secrets", o...)
-	}
+	configs := compatconfigs.Matrix()
 	configs["apps-and-all"] = compatconfigs.ConfigFor("'*.apps', configmaps", "aesgcm", "identity") +
 		"  - resources: ['*.*']\n    providers:\n" + compatconfigs.ProviderYAML["secretbox"]
 	configs["core-wildcard"] = compatconfigs.ConfigFor("'*.'", "aescbc-rev", "identity")

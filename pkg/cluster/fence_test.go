@@ -25,26 +25,17 @@ import (
 //	                        for; input (kept until the next): its state (parseMember)
 //	tick <duration>         advance the clock
 func TestFenceTranscripts(t *testing.T) {
-	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
-		if !strings.HasPrefix(pathBase(path), "fence") {
-			return
-		}
+	runTranscripts(t, "fence", func(t *testing.T) func(*testing.T, *datadriven.TestData) string {
 		now := epoch
 		f := NewFence("self", now)
-		members := map[string]MemberState{}
+		members := liveMembers{}
 		var current []transformers.RuleInfo
 		var self MemberState // this apiserver's state, for keyid-holds
-		sync := func() { f.Step(MembersChanged{Members: sortedMembers(members)}) }
-		datadriven.RunTest(t, path, func(t *testing.T, d *datadriven.TestData) string {
+		sync := func() { f.Step(MembersChanged{Members: members.list()}) }
+		return func(t *testing.T, d *datadriven.TestData) string {
 			switch d.Cmd {
 			case "member":
-				var id string
-				d.ScanArgs(t, "id", &id)
-				if d.HasArg("gone") {
-					delete(members, id)
-				} else {
-					members[id] = parseMember(t, id, d.Input, now)
-				}
+				members.step(t, d, now)
 				sync()
 				return "ok"
 			case "members-loaded":
@@ -77,7 +68,7 @@ func TestFenceTranscripts(t *testing.T) {
 			}
 			d.Fatalf(t, "unknown command %q", d.Cmd)
 			return ""
-		})
+		}
 	})
 }
 
@@ -115,5 +106,3 @@ func renderHolds(holds []Hold, now time.Time) string {
 	}
 	return b.String()
 }
-
-func pathBase(p string) string { return p[strings.LastIndex(p, "/")+1:] }

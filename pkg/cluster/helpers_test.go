@@ -3,6 +3,7 @@ package cluster
 import (
 	"fmt"
 	"maps"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -105,9 +106,36 @@ func parseMember(t *testing.T, id, input string, now time.Time) MemberState {
 	return StateFromStatus(id, "", st, held, now)
 }
 
-// sortedMembers lists members by id, as a View does.
-func sortedMembers(members map[string]MemberState) []MemberState {
-	return slices.SortedFunc(maps.Values(members), func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) })
+// runTranscripts runs every testdata/<prefix>*.txt, each with the command handler
+// newRun returns (a fresh machine per file).
+func runTranscripts(t *testing.T, prefix string, newRun func(t *testing.T) func(*testing.T, *datadriven.TestData) string) {
+	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
+		if strings.HasPrefix(filepath.Base(path), prefix) {
+			datadriven.RunTest(t, path, newRun(t))
+		}
+	})
+}
+
+// liveMembers is a transcript's live member set.
+type liveMembers map[string]MemberState
+
+// step applies `member id=<id> [gone]`: the input is the member's state (parseMember),
+// gone drops it. It returns the id.
+func (ms liveMembers) step(t *testing.T, d *datadriven.TestData, now time.Time) string {
+	t.Helper()
+	var id string
+	d.ScanArgs(t, "id", &id)
+	if d.HasArg("gone") {
+		delete(ms, id)
+	} else {
+		ms[id] = parseMember(t, id, d.Input, now)
+	}
+	return id
+}
+
+// list returns the members sorted by id, as a View does.
+func (ms liveMembers) list() []MemberState {
+	return slices.SortedFunc(maps.Values(ms), func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) })
 }
 
 // applyWriters returns rules with the writers chosen.

@@ -21,28 +21,19 @@ import (
 //	tick <duration>
 //	plans                          every resource's plan
 func TestLeaderTranscripts(t *testing.T) {
-	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
-		if !strings.HasPrefix(pathBase(path), "leader") {
-			return
-		}
+	runTranscripts(t, "leader", func(t *testing.T) func(*testing.T, *datadriven.TestData) string {
 		now := epoch
 		l := NewLeader([]string{"secrets", "configmaps"}, now)
-		members := map[string]MemberState{}
+		members := liveMembers{}
 		var ready Migration // what the latest ready or next said
-		datadriven.RunTest(t, path, func(t *testing.T, d *datadriven.TestData) string {
+		return func(t *testing.T, d *datadriven.TestData) string {
 			switch d.Cmd {
 			case "leading", "not-leading":
 				l.Step(Leadership{Leading: d.Cmd == "leading"})
 				return renderPlans(l)
 			case "member":
-				var id string
-				d.ScanArgs(t, "id", &id)
-				if d.HasArg("gone") {
-					delete(members, id)
-				} else {
-					members[id] = parseMember(t, id, d.Input, now)
-				}
-				l.Step(MembersChanged{Members: sortedMembers(members)})
+				members.step(t, d, now)
+				l.Step(MembersChanged{Members: members.list()})
 				return "ok"
 			case "inventory":
 				var res string
@@ -90,7 +81,7 @@ func TestLeaderTranscripts(t *testing.T) {
 			}
 			d.Fatalf(t, "unknown command %q", d.Cmd)
 			return ""
-		})
+		}
 	})
 }
 

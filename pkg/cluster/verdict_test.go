@@ -23,24 +23,15 @@ import (
 //	evaluate          the verdict
 //	tick <duration>   advance the clock
 func TestVerdictTranscripts(t *testing.T) {
-	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
-		if !strings.HasPrefix(pathBase(path), "verdict") {
-			return
-		}
+	runTranscripts(t, "verdict", func(t *testing.T) func(*testing.T, *datadriven.TestData) string {
 		now := epoch
-		members := map[string]MemberState{}
+		members := liveMembers{}
 		var mig *MigrationState
-		datadriven.RunTest(t, path, func(t *testing.T, d *datadriven.TestData) string {
+		return func(t *testing.T, d *datadriven.TestData) string {
 			switch d.Cmd {
 			case "member":
-				var id string
-				d.ScanArgs(t, "id", &id)
-				if d.HasArg("gone") {
-					delete(members, id)
-					return "ok"
-				}
-				m := parseMember(t, id, d.Input, now)
-				if d.HasArg("disagreeing") {
+				id := members.step(t, d, now)
+				if m, ok := members[id]; ok && d.HasArg("disagreeing") {
 					var v string
 					d.ScanArgs(t, "disagreeing", &v)
 					ago, err := time.ParseDuration(v)
@@ -48,21 +39,21 @@ func TestVerdictTranscripts(t *testing.T) {
 						d.Fatalf(t, "disagreeing=%s: %v", v, err)
 					}
 					m.DisagreeingSince = now.Add(-ago)
+					members[id] = m
 				}
-				members[id] = m
 				return "ok"
 			case "migration":
 				mig = parseMigration(t, d)
 				return "ok"
 			case "evaluate":
-				return renderVerdict(Evaluate(sortedMembers(members), mig, now, 2*time.Minute))
+				return renderVerdict(Evaluate(members.list(), mig, now, 2*time.Minute))
 			case "tick":
 				now = now.Add(durationArg(t, d))
 				return fmt.Sprintf("t=%s", now.Sub(epoch))
 			}
 			d.Fatalf(t, "unknown command %q", d.Cmd)
 			return ""
-		})
+		}
 	})
 }
 
