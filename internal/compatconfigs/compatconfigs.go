@@ -74,3 +74,18 @@ var Lookup = header +
 	"  - resources: ['*.apps']\n    providers:\n" + ProviderYAML["secretbox"] +
 	"  - resources: [secrets]\n    providers:\n" + ProviderYAML["aescbc"] + // appended to secrets' list
 	"  - resources: ['*.*']\n    providers:\n" + ProviderYAML["aescbc-rev"]
+
+// Matrix names every configuration a reader of configurations that does not build them
+// is tested over: Lookup, and each of Orders serving an exact resource (secrets), a
+// group wildcard next to an exact resource (configmaps, `*.apps`) and everything
+// (`*.*`).
+func Matrix() map[string]string {
+	configs := map[string]string{"lookup": Lookup}
+	for _, o := range Orders {
+		name := strings.Join(o, ",")
+		configs["secrets:"+name] = ConfigFor("secrets", o...)
+		configs["group:"+name] = ConfigFor("configmaps, '*.apps'", o...)
+		configs["any:"+name] = ConfigFor("'*.*'", o...)
+	}
+	return configs
+}

@@ -10,14 +10,18 @@
 //   - The Fence (a pure state machine) tells the reload.Agent which chain entry writes:
 //     a new write key is held back, the previous one writing, until every live member
 //     can read it, and then promoted without a new file.
-//   - Node.MayWriteKeyID is the same fence for KMS v2 key ids (kmsv2.FactoryOptions):
-//     a provider whose plugin reports a new key id keeps writing under the old one
-//     until every other live member's plugin reports the new one.
-//   - The Leader (a pure state machine) and its driver Migrator run storage migration
-//     on the apiserver elected at <prefix>/migration/leader, with the checkpoint in etcd.
+//   - The same Fence answers for KMS v2 key ids (Node.MayWriteKeyID, for
+//     kmsv2.FactoryOptions): a provider whose plugin reports a new key id keeps writing
+//     under the old one until every other live member's plugin reports the new one.
+//   - A disagreement alarm, fed the Fence's events, is raised when the members have
+//     disagreed about a write key for longer than Options.DisagreementAlarm; Evaluate
+//     sums the cluster up for `rekey status`.
+//   - The Leader (a pure state machine: Ready says what to migrate, MigrationStarted
+//     acknowledges it) and its driver Migrator run storage migration on the apiserver
+//     elected at <prefix>/migration/leader, with the checkpoint in etcd.
 //   - ReadyzCheck fails on a straggler; Guard refuses dropping keys still needed.
 //
-// pkg/reload does not import this package; a Node plugs into its hooks:
+// pkg/reload does not import this package; a Node plugs into its hooks (ExampleNode):
 //
 //	node, err := cluster.New(cluster.Options{Client: etcd, ID: "host-a:6443", ResourcePrefix: "/registry"})
 //	if err != nil { ... }

@@ -3,6 +3,7 @@ package cluster
 import (
 	"maps"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/rekey-io/rekey/pkg/transformers"
@@ -178,6 +179,72 @@ func (f *Fence) cannotRead(resource string, k Key) []string {
 		}
 	}
 	slices.Sort(out)
+	return out
+}
+
+// The key-id fence. A KMS write key is a provider entry and the key id its plugin
+// writes under. A provider whose plugin reports a new key id keeps writing under the
+// old one until every other live member with a provider of that name reports, in its
+// member state, that its plugin can decrypt the new one (MemberState.CanDecryptKeyID).
+// Members without that provider are the entry fence's business: they cannot read the
+// provider at all. These functions are the only statement of that rule; the fence, the
+// status verdict and the migration leader ask them.
+
+// keyIDUnknown reports a KMS entry whose plugin has not reported a key id yet: it names
+// no key the members could agree on.
+func keyIDUnknown(k Key) bool { return k.Provider == transformers.ProviderKMSv2 && k.KeyIDHash == "" }
+
+// heldKeyID returns the key id r's KMS provider holds back while the same entry writes
+// under an older one (ok false when r holds no key id).
+func heldKeyID(r ResourceState) (held Key, ok bool) {
+	if r.Held == nil || r.Held.Provider != transformers.ProviderKMSv2 || r.Held.KeyIDHash == "" || !r.Held.SameEntry(r.Write) {
+		return Key{}, false
+	}
+	return *r.Held, true
+}
+
+// keyIDWaitingFor lists, in the order of members, the members other than self whose
+// plugin of KMS provider name is not known to decrypt keyIDHash.
+func keyIDWaitingFor(members []MemberState, self, name, keyIDHash string) []string {
+	waiting := []string{}
+	for _, m := range members {
+		if m.APIServerID == self {
+			continue
+		}
+		if can, ok := m.CanDecryptKeyID(name, keyIDHash); ok && !can {
+			waiting = append(waiting, m.APIServerID)
+		}
+	}
+	return waiting
+}
+
+// MayWriteKeyID is the key-id fence's answer for this apiserver's KMS provider name: it
+// may write under keyIDHash once no other live member's plugin is waiting for it.
+// Before the first member list it stays closed.
+func (f *Fence) MayWriteKeyID(name, keyIDHash string) bool {
+	return f.synced && len(keyIDWaitingFor(f.others(), f.self, name, keyIDHash)) == 0
+}
+
+// KeyIDHolds describes the key ids self (this apiserver's state) holds back as Holds:
+// Held is the held key id, Writing the same entry under the key id it writes with, and
+// WaitingFor names the other live members whose plugin does not report Held yet.
+func (f *Fence) KeyIDHolds(self MemberState) []Hold {
+	var holds []Hold
+	for _, r := range self.Resources {
+		held, ok := heldKeyID(r)
+		if !ok {
+			continue
+		}
+		holds = append(holds, Hold{Resource: r.Resource, Held: held, Writing: r.Write, Since: r.HeldSince,
+			WaitingFor: keyIDWaitingFor(f.others(), f.self, held.Key, held.KeyIDHash)})
+	}
+	return holds
+}
+
+// others lists the live members other than this apiserver, sorted by id.
+func (f *Fence) others() []MemberState {
+	out := slices.Collect(maps.Values(f.members))
+	slices.SortFunc(out, func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) })
 	return out
 }
 

@@ -15,36 +15,27 @@ import (
 // TestFenceTranscripts steps the write fence through the stories in testdata/fence*.txt.
 //
 //	member id=<id> [gone]   input: the member's rules ("secrets: *aesgcm/k1,aesgcm/k2")
+//	                        and KMS plugins (parseMember)
 //	members-loaded          the first (empty) member list arrived
 //	config                  input: this apiserver's new configuration (a reload)
 //	refence                 ask again with the current rules (promotion)
+//	may-write-keyid provider=<name> hash=<hash>
+//	                        the key-id fence's answer for this apiserver's provider
+//	keyid-holds             the key ids this apiserver holds back and whom they wait
+//	                        for; input (kept until the next): its state (parseMember)
 //	tick <duration>         advance the clock
 func TestFenceTranscripts(t *testing.T) {
-	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
-		if !strings.HasPrefix(pathBase(path), "fence") {
-			return
-		}
+	runTranscripts(t, "fence", func(t *testing.T) func(*testing.T, *datadriven.TestData) string {
 		now := epoch
 		f := NewFence("self", now)
-		members := map[string]MemberState{}
+		members := liveMembers{}
 		var current []transformers.RuleInfo
-		sync := func() {
-			var list []MemberState
-			for _, m := range members {
-				list = append(list, m)
-			}
-			f.Step(MembersChanged{Members: list})
-		}
-		datadriven.RunTest(t, path, func(t *testing.T, d *datadriven.TestData) string {
+		var self MemberState // this apiserver's state, for keyid-holds
+		sync := func() { f.Step(MembersChanged{Members: members.list()}) }
+		return func(t *testing.T, d *datadriven.TestData) string {
 			switch d.Cmd {
 			case "member":
-				var id string
-				d.ScanArgs(t, "id", &id)
-				if d.HasArg("gone") {
-					delete(members, id)
-				} else {
-					members[id] = memberFrom(id, parseRules(t, d.Input))
-				}
+				members.step(t, d, now)
 				sync()
 				return "ok"
 			case "members-loaded":
@@ -57,6 +48,19 @@ func TestFenceTranscripts(t *testing.T) {
 			case "refence":
 				current = applyWriters(current, f.Writers(current, current))
 				return renderFence(f, current, now)
+			case "may-write-keyid":
+				var provider, hash string
+				d.ScanArgs(t, "provider", &provider)
+				d.ScanArgs(t, "hash", &hash)
+				if f.MayWriteKeyID(provider, hash) {
+					return "open"
+				}
+				return "closed"
+			case "keyid-holds":
+				if d.Input != "" {
+					self = parseMember(t, "self", d.Input, now)
+				}
+				return renderHolds(f.KeyIDHolds(self), now)
 			case "tick":
 				now = now.Add(durationArg(t, d))
 				f.Step(Tick{Now: now})
@@ -64,7 +68,7 @@ func TestFenceTranscripts(t *testing.T) {
 			}
 			d.Fatalf(t, "unknown command %q", d.Cmd)
 			return ""
-		})
+		}
 	})
 }
 
@@ -88,4 +92,17 @@ func renderFence(f *Fence, rules []transformers.RuleInfo, now time.Time) string 
 	return b.String()
 }
 
-func pathBase(p string) string { return p[strings.LastIndex(p, "/")+1:] }
+func renderHolds(holds []Hold, now time.Time) string {
+	if len(holds) == 0 {
+		return "no key id held"
+	}
+	var b strings.Builder
+	for _, h := range holds {
+		waiting := strings.Join(h.WaitingFor, ",")
+		if waiting == "" {
+			waiting = "nobody (the provider writes it at its next fence check)"
+		}
+		fmt.Fprintf(&b, "%s: writes %s; holds %s for %s, waiting for %s\n", h.Resource, h.Writing, h.Held, ago(now, h.Since), waiting)
+	}
+	return b.String()
+}

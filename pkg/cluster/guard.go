@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"slices"
 
-	"k8s.io/apimachinery/pkg/runtime/schema"
-
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/guard"
 )
@@ -23,9 +21,7 @@ func (n *Node) Guard(current, next *config.Config) error {
 	if current == nil || next == nil {
 		return nil
 	}
-	cur, nxt := chainsOf(current), chainsOf(next)
-	nextState := MemberState{APIServerID: n.opts.ID}
-	nextState.Resources = append(nextState.Resources, nxt...)
+	nextState := configState(n.opts.ID, next)
 	members := n.view.Members()
 	n.mu.Lock()
 	agent, mig := n.agent, n.migrator
@@ -42,7 +38,7 @@ func (n *Node) Guard(current, next *config.Config) error {
 		state = &st
 	}
 	var reasons []string
-	for _, r := range cur {
+	for _, r := range configState(n.opts.ID, current).Resources {
 		for _, k := range r.Read {
 			if nextState.CanRead(r.Resource, k) {
 				continue
@@ -79,49 +75,4 @@ func (n *Node) Guard(current, next *config.Config) error {
 func readMigrationState(n *Node) (MigrationState, error) {
 	m := &Migrator{opts: MigratorOptions{Client: n.opts.Client, Prefix: n.opts.Prefix}}
 	return m.readState(context.Background())
-}
-
-// chainsOf lists, per resource rule of cfg in file order, its chain entries, without
-// building anything (a rule named in several entries gets their providers appended,
-// as upstream does).
-func chainsOf(cfg *config.Config) []ResourceState {
-	var out []ResourceState
-	index := map[string]int{}
-	for _, rc := range cfg.Encryption.Resources {
-		var keys []Key
-		for _, p := range rc.Providers {
-			switch {
-			case p.Identity != nil:
-				keys = append(keys, Key{Provider: "identity"})
-			case p.AESGCM != nil:
-				for _, k := range p.AESGCM.Keys {
-					keys = append(keys, Key{Provider: "aesgcm", Key: k.Name})
-				}
-			case p.AESCBC != nil:
-				for _, k := range p.AESCBC.Keys {
-					keys = append(keys, Key{Provider: "aescbc", Key: k.Name})
-				}
-			case p.Secretbox != nil:
-				for _, k := range p.Secretbox.Keys {
-					keys = append(keys, Key{Provider: "secretbox", Key: k.Name})
-				}
-			case p.KMS != nil:
-				keys = append(keys, Key{Provider: "kms", Key: p.KMS.Name})
-			}
-		}
-		for _, r := range rc.Resources {
-			name := config.GroupResourceString(schema.ParseGroupResource(r))
-			if i, ok := index[name]; ok {
-				out[i].Read = append(out[i].Read, keys...)
-				continue
-			}
-			index[name] = len(out)
-			rs := ResourceState{Resource: name, Read: slices.Clone(keys)}
-			if len(keys) > 0 {
-				rs.Write = keys[0]
-			}
-			out = append(out, rs)
-		}
-	}
-	return out
 }

@@ -2,6 +2,8 @@ package cluster
 
 import (
 	"fmt"
+	"maps"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -9,6 +11,7 @@ import (
 
 	"github.com/cockroachdb/datadriven"
 
+	"github.com/rekey-io/rekey/pkg/reload"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -48,13 +51,91 @@ func parseRules(t *testing.T, input string) []transformers.RuleInfo {
 	return out
 }
 
-// memberFrom renders rules as a member state.
-func memberFrom(id string, rules []transformers.RuleInfo) MemberState {
-	m := MemberState{APIServerID: id}
-	for _, r := range rules {
-		m.Resources = append(m.Resources, ResourceState{Resource: r.Resource, Write: r.ReadKeys[r.WriteIndex], Read: r.ReadKeys})
+// parseMember reads a member's state as its agent would publish it (StateFromStatus):
+// rule lines as parseRules reads them, and lines
+//
+//	plugin <name>: writes=<hash> [reports=<hash>] [holds=<hash>]
+//
+// for its KMS v2 providers (reports defaults to writes). A rule whose writer is not its
+// first entry holds that entry back since now; a rule written by a plugin that holds a
+// key id holds that key id back since now.
+func parseMember(t *testing.T, id, input string, now time.Time) MemberState {
+	t.Helper()
+	var ruleLines []string
+	plugins := map[string]transformers.KMSStatus{}
+	var st reload.Status
+	for _, line := range strings.Split(strings.TrimSpace(input), "\n") {
+		rest, ok := strings.CutPrefix(strings.TrimSpace(line), "plugin ")
+		if !ok {
+			ruleLines = append(ruleLines, line)
+			continue
+		}
+		name, fields, _ := strings.Cut(rest, ":")
+		k := transformers.KMSStatus{Name: strings.TrimSpace(name), Healthy: true}
+		for _, f := range strings.Fields(fields) {
+			key, val, _ := strings.Cut(f, "=")
+			switch key {
+			case "writes":
+				k.KeyIDHash = val
+			case "reports":
+				k.ReportedKeyIDHash = val
+			case "holds":
+				k.HeldKeyIDHash, k.HeldSince = val, now
+			default:
+				t.Fatalf("plugin line %q: unknown field %q", line, key)
+			}
+		}
+		if k.ReportedKeyIDHash == "" {
+			k.ReportedKeyIDHash = k.KeyIDHash
+		}
+		plugins[k.Name] = k
+		st.KMSProviders = append(st.KMSProviders, k)
 	}
-	return m
+	st.Resources = parseRules(t, strings.Join(ruleLines, "\n"))
+	held := map[string]time.Time{}
+	for i, r := range st.Resources {
+		if r.WriteIndex > 0 {
+			held[r.Resource] = now
+		}
+		if w := r.ReadKeys[r.WriteIndex]; w.Provider == transformers.ProviderKMSv2 {
+			if k, ok := plugins[w.Key]; ok {
+				st.Resources[i].KMS = &k
+			}
+		}
+	}
+	return StateFromStatus(id, "", st, held, now)
+}
+
+// runTranscripts runs every testdata/<prefix>*.txt, each with the command handler
+// newRun returns (a fresh machine per file).
+func runTranscripts(t *testing.T, prefix string, newRun func(t *testing.T) func(*testing.T, *datadriven.TestData) string) {
+	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
+		if strings.HasPrefix(filepath.Base(path), prefix) {
+			datadriven.RunTest(t, path, newRun(t))
+		}
+	})
+}
+
+// liveMembers is a transcript's live member set.
+type liveMembers map[string]MemberState
+
+// step applies `member id=<id> [gone]`: the input is the member's state (parseMember),
+// gone drops it. It returns the id.
+func (ms liveMembers) step(t *testing.T, d *datadriven.TestData, now time.Time) string {
+	t.Helper()
+	var id string
+	d.ScanArgs(t, "id", &id)
+	if d.HasArg("gone") {
+		delete(ms, id)
+	} else {
+		ms[id] = parseMember(t, id, d.Input, now)
+	}
+	return id
+}
+
+// list returns the members sorted by id, as a View does.
+func (ms liveMembers) list() []MemberState {
+	return slices.SortedFunc(maps.Values(ms), func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) })
 }
 
 // applyWriters returns rules with the writers chosen.

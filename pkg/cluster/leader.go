@@ -9,8 +9,10 @@ import (
 
 // Leader decides what the elected migration leader migrates, a pure state machine in
 // etcd raft's shape (no I/O, no goroutines, time through Step). The driver (Migrator)
-// feeds it leadership, the live members, inventories and migration results, asks Next
-// for the migration to start, runs it, and reports back with MigrationFinished.
+// feeds it leadership, the live members, inventories and migration results; like
+// raft's Ready and Advance, Ready says which migration to start (and changes nothing),
+// the driver starts it and acknowledges with MigrationStarted, and reports its end
+// with MigrationFinished. Next does Ready and MigrationStarted at once.
 //
 // Rules:
 //   - only one migration runs at a time, and only while leading;
@@ -78,7 +80,11 @@ type KeyCount struct {
 	Objects int64
 }
 
-// MigrationFinished reports the end of the migration Next started; Err is empty when
+// MigrationStarted acknowledges that the driver started the migration Ready returned:
+// from now on it runs, and nothing else starts until it finishes.
+type MigrationStarted struct{ Migration Migration }
+
+// MigrationFinished reports the end of the migration that started; Err is empty when
 // the verifying re-scan found every object on the target.
 type MigrationFinished struct {
 	Resource string
@@ -89,6 +95,7 @@ type MigrationFinished struct {
 }
 
 func (Leadership) leaderEvent()        {}
+func (MigrationStarted) leaderEvent()  {}
 func (RecordsLoaded) leaderEvent()     {}
 func (InventoryTaken) leaderEvent()    {}
 func (MigrationFinished) leaderEvent() {}
@@ -128,6 +135,14 @@ func (l *Leader) Step(ev LeaderEvent) {
 		for _, m := range e.Members {
 			l.members[m.APIServerID] = m
 		}
+	case MigrationStarted:
+		// The driver reports what it did: the migration runs, even if the leader
+		// would no longer choose it. Only a second one at once is refused (a driver
+		// that starts two would break the one-at-a-time rule anyway).
+		if l.running == nil {
+			m := e.Migration
+			l.running = &m
+		}
 	case MigrationFinished:
 		if l.running == nil || l.running.Resource != e.Resource {
 			return
@@ -150,19 +165,30 @@ func (l *Leader) Step(ev LeaderEvent) {
 	}
 }
 
-// Next returns the migration to start now, if any, and marks it running.
-func (l *Leader) Next() (Migration, bool) {
+// Ready returns the migration to start now, if any: only while leading and nothing
+// runs, the first resource (in the order NewLeader was given) whose plan is
+// PlanMigrate. It changes nothing; asking again gives the same answer until an event
+// changes the inputs. The driver that starts it steps MigrationStarted.
+func (l *Leader) Ready() (Migration, bool) {
 	if !l.leading || l.running != nil {
 		return Migration{}, false
 	}
 	for _, r := range l.resources {
 		if p := l.plan(r); p.State == PlanMigrate {
-			m := Migration{Resource: r, Target: p.Target, StartedAt: l.now}
-			l.running = &m
-			return m, true
+			return Migration{Resource: r, Target: p.Target, StartedAt: l.now}, true
 		}
 	}
 	return Migration{}, false
+}
+
+// Next is Ready followed by Step(MigrationStarted), for a driver that starts what
+// Ready says at once.
+func (l *Leader) Next() (Migration, bool) {
+	m, ok := l.Ready()
+	if ok {
+		l.Step(MigrationStarted{Migration: m})
+	}
+	return m, ok
 }
 
 // Running is the migration in progress, if any.
@@ -274,7 +300,7 @@ func CommonWriteKey(members map[string]MemberState, resource string) (Key, bool,
 		rule, _ := members[id].Rule(resource)
 		w := rule.Write
 		parts = append(parts, id+"="+w.String())
-		if w.Provider == "kms" && w.KeyIDHash == "" {
+		if keyIDUnknown(w) {
 			agree = false
 		}
 		if i == 0 {

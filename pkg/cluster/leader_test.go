@@ -14,36 +14,26 @@ import (
 //	leading / not-leading
 //	member id=<id> [gone]          input: the member's rules, as in the fence transcripts
 //	inventory resource=<r>         input: "<key>: <objects>" lines, taken now
-//	next                           what the leader starts now
+//	ready                          what the leader would start now (Ready; nothing changes)
+//	started                        the driver started what ready said (MigrationStarted)
+//	next                           ready, then started
 //	finished resource=<r> [error=<text>]
 //	tick <duration>
 //	plans                          every resource's plan
 func TestLeaderTranscripts(t *testing.T) {
-	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
-		if !strings.HasPrefix(pathBase(path), "leader") {
-			return
-		}
+	runTranscripts(t, "leader", func(t *testing.T) func(*testing.T, *datadriven.TestData) string {
 		now := epoch
 		l := NewLeader([]string{"secrets", "configmaps"}, now)
-		members := map[string]MemberState{}
-		datadriven.RunTest(t, path, func(t *testing.T, d *datadriven.TestData) string {
+		members := liveMembers{}
+		var ready Migration // what the latest ready or next said
+		return func(t *testing.T, d *datadriven.TestData) string {
 			switch d.Cmd {
 			case "leading", "not-leading":
 				l.Step(Leadership{Leading: d.Cmd == "leading"})
 				return renderPlans(l)
 			case "member":
-				var id string
-				d.ScanArgs(t, "id", &id)
-				if d.HasArg("gone") {
-					delete(members, id)
-				} else {
-					members[id] = memberFrom(id, parseRules(t, d.Input))
-				}
-				var list []MemberState
-				for _, m := range members {
-					list = append(list, m)
-				}
-				l.Step(MembersChanged{Members: list})
+				members.step(t, d, now)
+				l.Step(MembersChanged{Members: members.list()})
 				return "ok"
 			case "inventory":
 				var res string
@@ -59,12 +49,19 @@ func TestLeaderTranscripts(t *testing.T) {
 				}
 				l.Step(ev)
 				return "ok"
-			case "next":
-				m, ok := l.Next()
+			case "ready", "next":
+				m, ok := l.Ready()
 				if !ok {
 					return "nothing\n" + renderPlans(l)
 				}
+				if d.Cmd == "next" {
+					l.Step(MigrationStarted{Migration: m})
+				}
+				ready = m
 				return fmt.Sprintf("migrate %s to %s", m.Resource, m.Target)
+			case "started":
+				l.Step(MigrationStarted{Migration: ready})
+				return renderPlans(l)
 			case "finished":
 				var res, errText string
 				d.ScanArgs(t, "resource", &res)
@@ -84,7 +81,7 @@ func TestLeaderTranscripts(t *testing.T) {
 			}
 			d.Fatalf(t, "unknown command %q", d.Cmd)
 			return ""
-		})
+		}
 	})
 }
 

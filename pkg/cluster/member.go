@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"slices"
-	"strings"
 	"time"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -109,10 +108,7 @@ func ParseMemberState(data []byte) (MemberState, error) {
 func StateFromStatus(id, version string, st reload.Status, held map[string]time.Time, now time.Time) MemberState {
 	m := MemberState{APIServerID: id, Version: version, ConfigHash: st.ActiveConfigHash, PublishedAt: now}
 	for _, r := range st.Resources {
-		rs := ResourceState{Resource: r.Resource, Read: slices.Clone(r.ReadKeys)}
-		if r.WriteIndex >= 0 && r.WriteIndex < len(r.ReadKeys) {
-			rs.Write = r.ReadKeys[r.WriteIndex]
-		}
+		rs := resourceState(r)
 		if r.WriteIndex > 0 && len(r.ReadKeys) > 0 {
 			k := r.ReadKeys[0]
 			rs.Held, rs.HeldSince = &k, held[r.Resource]
@@ -133,6 +129,25 @@ func StateFromStatus(id, version string, st reload.Status, held map[string]time.
 	return m
 }
 
+// resourceState is rule as a member publishes it, without holds.
+func resourceState(rule transformers.RuleInfo) ResourceState {
+	rs := ResourceState{Resource: rule.Resource, Read: slices.Clone(rule.ReadKeys)}
+	if rule.WriteIndex >= 0 && rule.WriteIndex < len(rule.ReadKeys) {
+		rs.Write = rule.ReadKeys[rule.WriteIndex]
+	}
+	return rs
+}
+
+// configState is the member state a Set built from cfg would publish before any write
+// fence or KMS plugin had a say: each rule writes with its first entry.
+func configState(id string, cfg *config.Config) MemberState {
+	m := MemberState{APIServerID: id}
+	for _, r := range transformers.DescribeRules(cfg) {
+		m.Resources = append(m.Resources, resourceState(r))
+	}
+	return m
+}
+
 // sameContent compares two states ignoring PublishedAt.
 func sameContent(a, b MemberState) bool {
 	a.PublishedAt, b.PublishedAt = time.Time{}, time.Time{}
@@ -141,35 +156,23 @@ func sameContent(a, b MemberState) bool {
 	return string(x) == string(y)
 }
 
-// identity is the chain entry of plaintext, which a resource without a rule reads.
-var identity = Key{Provider: "identity"}
-
-// Rule returns the member's rule that serves resource (as a rule names it): the same
-// rule name, else for a concrete resource the `*.<group>` rule, else `*.*`. A member
-// with none of them stores resource as plaintext: ok is false and the rule reads and
-// writes identity only.
+// Rule returns the member's rule that serves resource (as a rule names it), found the
+// way a Set finds it (transformers.Lookup: the same rule, else for a concrete resource
+// the `*.<group>` rule, else `*.*`). A member with none of them stores resource as
+// plaintext: ok is false and the rule reads and writes identity only.
 func (s MemberState) Rule(resource string) (rule ResourceState, ok bool) {
-	find := func(name string) (ResourceState, bool) {
-		for _, r := range s.Resources {
-			if r.Resource == name {
-				return r, true
-			}
-		}
-		return ResourceState{}, false
-	}
-	if r, ok := find(resource); ok {
-		return r, true
-	}
-	if !strings.HasPrefix(resource, "*.") {
-		gr := schema.ParseGroupResource(resource)
-		if r, ok := find(config.GroupResourceString(schema.GroupResource{Group: gr.Group, Resource: "*"})); ok {
-			return r, true
+	rules := make(map[schema.GroupResource]ResourceState, len(s.Resources))
+	for _, r := range s.Resources {
+		gr := schema.ParseGroupResource(r.Resource)
+		if _, dup := rules[gr]; !dup {
+			rules[gr] = r
 		}
 	}
-	if r, ok := find("*.*"); ok {
+	if r, ok := transformers.Lookup(rules, schema.ParseGroupResource(resource)); ok {
 		return r, true
 	}
-	return ResourceState{Resource: resource, Write: identity, Read: []Key{identity}}, false
+	plaintext := Key{Provider: transformers.ProviderIdentity}
+	return ResourceState{Resource: resource, Write: plaintext, Read: []Key{plaintext}}, false
 }
 
 // CanRead reports whether the member's rule for resource has the entry k (for KMS:

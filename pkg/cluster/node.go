@@ -72,15 +72,14 @@ type Node struct {
 	view *View
 	pub  *Publisher
 
-	mu               sync.Mutex
-	fence            *Fence
-	agent            Agent
-	migrator         *Migrator
-	published        MemberState
-	lastPublish      time.Time
-	publishErr       string
-	disagreeingSince time.Time
-	alarmed          bool
+	mu          sync.Mutex
+	fence       *Fence
+	alarm       *disagreementAlarm
+	agent       Agent
+	migrator    *Migrator
+	published   MemberState
+	lastPublish time.Time
+	publishErr  string
 
 	notify chan struct{}
 	cancel context.CancelFunc
@@ -129,6 +128,7 @@ func New(opts Options) (*Node, error) {
 		view:   NewView(opts.Client, opts.Prefix, log),
 		pub:    NewPublisher(opts.Client, MemberKey(opts.Prefix, opts.ID), opts.LeaseTTL, log),
 		fence:  NewFence(opts.ID, opts.Clock.Now()),
+		alarm:  newDisagreementAlarm(opts.DisagreementAlarm, opts.Clock.Now()),
 		notify: make(chan struct{}, 1),
 	}, nil
 }
@@ -205,26 +205,15 @@ func (n *Node) Notify() {
 // NotifyKeyID is kmsv2.FactoryOptions.OnKeyIDChange.
 func (n *Node) NotifyKeyID(string, string) { n.Notify() }
 
-// MayWriteKeyID is kmsv2.FactoryOptions.MayWriteKeyID, the write fence for KMS key ids:
-// this apiserver's KMS provider may start writing under keyIDHash once every other live
-// member with a provider of that name reports, in its member state, that its plugin
-// can decrypt that key id (reported by its plugin's Status, or written under). A
-// member whose plugin has not answered yet, or reports another key id, keeps it
-// closed. Members without that provider are the entry fence's business (they cannot
-// read the provider at all). It never blocks: it reads the watched member list.
+// MayWriteKeyID is kmsv2.FactoryOptions.MayWriteKeyID, the write fence for KMS key ids
+// (Fence.MayWriteKeyID): this apiserver's KMS provider may start writing under
+// keyIDHash once every other live member with a provider of that name reports, in its
+// member state, that its plugin can decrypt that key id. It never waits on etcd: it
+// asks the fence, which the watch of the members feeds.
 func (n *Node) MayWriteKeyID(provider, keyIDHash string) bool {
-	if !n.view.Loaded() {
-		return false
-	}
-	for _, m := range n.view.Members() {
-		if m.APIServerID == n.opts.ID {
-			continue
-		}
-		if can, ok := m.CanDecryptKeyID(provider, keyIDHash); ok && !can {
-			return false
-		}
-	}
-	return true
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.fence.MayWriteKeyID(provider, keyIDHash)
 }
 
 // Attach gives the node its agent; publishing starts.
@@ -300,7 +289,7 @@ func (n *Node) tick(ctx context.Context) {
 // state is this member's state now.
 func (n *Node) state(now time.Time) MemberState {
 	n.mu.Lock()
-	agent, held, since := n.agent, n.fence.HeldSince(), n.disagreeingSince
+	agent, held, since := n.agent, n.fence.HeldSince(), n.alarm.Since()
 	n.mu.Unlock()
 	st := StateFromStatus(n.opts.ID, n.opts.Version, agent.OwnStatus(), held, now)
 	st.DisagreeingSince = since
@@ -337,34 +326,29 @@ func (n *Node) publish(ctx context.Context, force bool) {
 	n.publishErr, n.published, n.lastPublish = "", st, now
 }
 
-// evaluate updates the disagreement clock, the alarm and the metrics.
+// evaluate feeds the disagreement alarm and updates the metrics.
 func (n *Node) evaluate() {
 	now := n.opts.Clock.Now()
 	members := n.view.Members()
 	n.mu.Lock()
 	attached := n.agent != nil
 	n.mu.Unlock()
-	var kmsHeld []Hold
+	var self MemberState
 	if attached {
 		// This apiserver's own state as it is now, not as last published.
-		self := n.state(now)
+		self = n.state(now)
 		members = append(slices.DeleteFunc(members, func(m MemberState) bool { return m.APIServerID == n.opts.ID }), self)
-		kmsHeld = kmsHolds(self, nil)
 	}
-	v := Evaluate(members, nil, now, n.opts.DisagreementAlarm)
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if v.Disagreement == "" {
-		n.disagreeingSince, n.alarmed = time.Time{}, false
-	} else if n.disagreeingSince.IsZero() {
-		n.disagreeingSince = now
-	}
-	alarm := !n.disagreeingSince.IsZero() && now.Sub(n.disagreeingSince) > n.opts.DisagreementAlarm
-	if alarm && !n.alarmed {
+	wasRaised := n.alarm.Raised()
+	n.alarm.Step(Tick{Now: now})
+	n.alarm.Step(MembersChanged{Members: members})
+	alarm := n.alarm.Raised()
+	if alarm && !wasRaised {
 		n.log.Error(nil, "ALARM: the apiservers have disagreed about a write key for too long",
-			"since", n.disagreeingSince, "threshold", n.opts.DisagreementAlarm, "detail", v.Disagreement)
+			"since", n.alarm.Since(), "threshold", n.opts.DisagreementAlarm, "detail", n.alarm.Detail())
 	}
-	n.alarmed = alarm
 	if m := n.opts.Metrics; m != nil {
 		m.members.Set(float64(len(members)))
 		var st *MigrationState
@@ -384,7 +368,7 @@ func (n *Node) evaluate() {
 		for _, h := range n.fence.Holds() {
 			m.fenceHeld.WithLabelValues(h.Resource).Set(now.Sub(h.Since).Seconds())
 		}
-		for _, h := range kmsHeld {
+		for _, h := range n.fence.KeyIDHolds(self) {
 			m.fenceHeld.WithLabelValues(h.Resource).Set(now.Sub(h.Since).Seconds())
 		}
 	}
@@ -408,32 +392,13 @@ func (n *Node) Close() {
 // its providers hold back (Held.KeyIDHash set, the same entry as Writing).
 func (n *Node) Holds() []Hold {
 	n.mu.Lock()
-	holds, attached := slices.Clone(n.fence.Holds()), n.agent != nil
+	attached := n.agent != nil
 	n.mu.Unlock()
+	var self MemberState
 	if attached {
-		holds = append(holds, kmsHolds(n.state(time.Time{}), n.view.Members())...)
+		self = n.state(time.Time{})
 	}
-	return holds
-}
-
-// kmsHolds describes self's held KMS key ids as Holds: WaitingFor names the other
-// members whose plugin does not report the key id yet.
-func kmsHolds(self MemberState, members []MemberState) []Hold {
-	var holds []Hold
-	for _, r := range self.Resources {
-		if r.Held == nil || r.Held.Provider != "kms" || r.Held.KeyIDHash == "" || !r.Held.SameEntry(r.Write) {
-			continue
-		}
-		h := Hold{Resource: r.Resource, Held: *r.Held, Writing: r.Write, Since: r.HeldSince, WaitingFor: []string{}}
-		for _, m := range members {
-			if m.APIServerID == self.APIServerID {
-				continue
-			}
-			if can, ok := m.CanDecryptKeyID(r.Held.Key, r.Held.KeyIDHash); ok && !can {
-				h.WaitingFor = append(h.WaitingFor, m.APIServerID)
-			}
-		}
-		holds = append(holds, h)
-	}
-	return holds
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return append(slices.Clone(n.fence.Holds()), n.fence.KeyIDHolds(self)...)
 }

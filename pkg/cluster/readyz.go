@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"k8s.io/apiserver/pkg/server/healthz"
+
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // ReadyzCheckName is the /readyz check of a Node: /readyz/rekey-cluster.
@@ -69,7 +71,7 @@ func (n *Node) MissingKeys() []string {
 			for _, ri := range inv.Resources {
 				for _, c := range ri.Buckets {
 					k := Key{Provider: c.Provider, Key: c.Key}
-					if c.Objects == 0 || c.Provider == "unknown" || own.CanRead(ri.Resource, k) {
+					if c.Objects == 0 || c.Provider == transformers.ProviderUnknown || own.CanRead(ri.Resource, k) {
 						continue
 					}
 					// Only a key another live member reads is one the cluster uses: data

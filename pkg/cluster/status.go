@@ -31,8 +31,8 @@ func (n *Node) Status() Status {
 	st := Status{APIServerID: n.opts.ID, Prefix: n.opts.Prefix, Members: n.view.Members(), Holds: n.Holds()}
 	n.mu.Lock()
 	agent, mig := n.agent, n.migrator
-	st.DisagreeingSince, st.PublishError = n.disagreeingSince, n.publishErr
-	alarmed := n.alarmed
+	st.DisagreeingSince, st.PublishError = n.alarm.Since(), n.publishErr
+	alarmed := n.alarm.Raised()
 	n.mu.Unlock()
 	if agent != nil {
 		st.MissingKeys = n.MissingKeys()

@@ -50,16 +50,13 @@ func Evaluate(members []MemberState, mig *MigrationState, now time.Time, alarmAf
 				continue
 			}
 			var waiting []string
-			for _, o := range members {
-				if r.Held.Provider == "kms" && r.Held.KeyIDHash != "" && r.Held.SameEntry(r.Write) {
-					// A held key id: waiting for the members whose plugin has not reported it.
-					if can, ok := o.CanDecryptKeyID(r.Held.Key, r.Held.KeyIDHash); ok && !can {
+			if held, ok := heldKeyID(r); ok {
+				waiting = keyIDWaitingFor(members, m.APIServerID, held.Key, held.KeyIDHash)
+			} else {
+				for _, o := range members {
+					if !o.CanRead(r.Resource, *r.Held) {
 						waiting = append(waiting, o.APIServerID)
 					}
-					continue
-				}
-				if !o.CanRead(r.Resource, *r.Held) {
-					waiting = append(waiting, o.APIServerID)
 				}
 			}
 			p := fmt.Sprintf("promoting %s for %s on %s, waiting for %s", r.Held, r.Resource, m.APIServerID, strings.Join(waiting, ","))

@@ -177,3 +177,30 @@ func KeyFingerprint(providerPrefix string, secret []byte) [32]byte {
 	h.Sum(fp[:0])
 	return fp
 }
+
+// DescribeRules lists the resource rules of a configuration that config.Load or
+// config.Parse validated the way a Set built from it reports them in Set.Rules — the
+// same rules, named and ordered alike, with the same chains — without building any
+// provider or holding a secret. What only a running Set knows is missing: KMS key id
+// hashes and status, and a write fence's choice of writer (WriteIndex is 0).
+func DescribeRules(cfg *config.Config) []RuleInfo {
+	byGR, order := ByResource(Describe(cfg))
+	out := make([]RuleInfo, 0, len(order))
+	for _, gr := range order {
+		out = append(out, describeRule(config.GroupResourceString(gr), byGR[gr]))
+	}
+	return out
+}
+
+// describeRule is the RuleInfo of one resource rule whose chain is keys.
+func describeRule(resource string, keys []ConfigKey) RuleInfo {
+	info := RuleInfo{Resource: resource}
+	for _, k := range keys {
+		info.ReadPrefixes = append(info.ReadPrefixes, k.Prefix)
+		info.ReadKeys = append(info.ReadKeys, KeyInfo{Provider: k.Provider, Key: k.Name})
+	}
+	if len(keys) > 0 {
+		info.WriteProvider, info.WriteKey, info.WritePrefix = keys[0].Provider, keys[0].Name, keys[0].Prefix
+	}
+	return info
+}
