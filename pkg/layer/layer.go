@@ -179,12 +179,12 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 	if err := o.Validate(); err != nil {
 		return nil, err
 	}
+	if len(o.Etcd.Servers) == 0 {
+		return nil, errors.New("the encryption layer needs the storage backend's etcd servers (--etcd-servers) to keep its state and inventories")
+	}
 	m, err := migrate.NewMetrics(o.Registry)
 	if err != nil {
 		return nil, fmt.Errorf("registering storage migration metrics: %w", err)
-	}
-	if len(o.Etcd.Servers) == 0 {
-		return nil, errors.New("the encryption layer needs the storage backend's etcd servers (--etcd-servers) to keep its state and inventories")
 	}
 	cli, err := o.Etcd.NewClient()
 	if err != nil {
