@@ -15,7 +15,6 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
-	"time"
 
 	"github.com/spf13/cobra"
 	utilruntime "k8s.io/apimachinery/pkg/util/runtime"
@@ -28,12 +27,8 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/internal/shim"
-	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/layer"
 )
-
-// defaultKMSStatusInterval is shorter than kube-apiserver's minute so that a plugin's
-// new key id reaches the write fence and the migrator quickly.
-const defaultKMSStatusInterval = 15 * time.Second
 
 func main() {
 	os.Exit(cli.Run(newCommand()))
@@ -49,18 +44,11 @@ type flags struct {
 func newCommand() *cobra.Command {
 	f := &flags{
 		opts: shim.Options{
-			AutomaticReload:  true,
-			StorageMigration: true,
-			EncryptionLayer:  shim.LayerRekey,
-
-			ClusterCoordination:      true,
-			CoordinationPrefix:       cluster.DefaultPrefix,
-			ClusterLeaseTTL:          cluster.DefaultLeaseTTL,
-			ClusterDisagreementAlarm: cluster.DefaultDisagreementAlarm,
-			KMSTimings:               shim.KMSTimings{StatusInterval: defaultKMSStatusInterval},
-			EtcdPrefix:               shim.DefaultEtcdPrefix,
-			SecurePort:               6443,
-			DataDir:                  "rekey-data",
+			AutomaticReload: true,
+			Rekey:           layer.NewFlags(layer.ShimDefaults()),
+			EtcdPrefix:      shim.DefaultEtcdPrefix,
+			SecurePort:      6443,
+			DataDir:         "rekey-data",
 		},
 		bindAddress: "127.0.0.1",
 		logging:     logsapi.NewLoggingConfiguration(),
@@ -105,58 +93,15 @@ shim whose file cannot read a key the others use fails /readyz. See "cluster" in
 		"The file containing the EncryptionConfiguration for storing secrets (and other resources) in etcd. Empty stores plaintext.")
 	enc.BoolVar(&f.opts.AutomaticReload, "encryption-provider-config-automatic-reload", f.opts.AutomaticReload,
 		"Apply edits of --encryption-provider-config without a restart. Unlike kube-apiserver, on by default.")
-	enc.StringVar(&f.opts.EncryptionLayer, "encryption-layer", f.opts.EncryptionLayer,
-		"Which implementation encrypts: rekey (the agent) or upstream (k8s.io/apiserver's encryptionconfig, for side-by-side benchmarks).")
-
-	enc.DurationVar(&f.opts.KMSTimings.StatusInterval, "kms-status-interval", f.opts.KMSTimings.StatusInterval,
-		"How often a healthy KMS v2 plugin is asked for its Status (kube-apiserver: 1m). A plugin's new key id is seen within one interval; "+
-			"with --cluster-coordination it is then published to the other apiservers at once.")
-	enc.DurationVar(&f.opts.KMSTimings.RetryInterval, "kms-retry-interval", 0, "KMS v2 Status period while unhealthy (default 10s). For tests.")
-	enc.DurationVar(&f.opts.KMSTimings.WriteTTL, "kms-write-ttl", 0, "How long KMS v2 writes continue after the last healthy Status (default 3m). For tests.")
-	for _, name := range []string{"kms-retry-interval", "kms-write-ttl"} {
-		utilruntime.Must(enc.MarkHidden(name))
-	}
-
-	storage := fss.FlagSet("storage migration")
-	storage.BoolVar(&f.opts.StorageMigration, "storage-migration", f.opts.StorageMigration,
-		"When the write key of secrets or configmaps changes (a reload, or a new KMS v2 key id), re-encrypt their stored objects in etcd with it "+
-			"(compare-and-swap; a concurrent update always wins). False only takes inventories of which keys encrypt stored data.")
-	storage.Float64Var(&f.opts.StorageMigrationRate, "storage-migration-rate", 0, "Maximum objects re-encrypted per second by --storage-migration; 0 is unlimited.")
-	storage.BoolVar(&f.opts.AllowDroppingKeysInUse, "unsafe-allow-dropping-keys-in-use", false,
-		"Apply a reload even when it removes a provider or key that the latest inventory says still encrypts stored objects "+
-			"(refused otherwise, naming resource, key and object count), or start with a configuration that cannot read what the last applied one could. "+
-			"Disaster recovery only: the data under that key becomes unreadable.")
-	storage.StringVar(&f.opts.EncryptionStateFile, "encryption-state-file", "",
-		"Keep the record of what the last applied encryption configuration could read (key fingerprints, never keys) in this file instead of "+
-			"etcd key /rekey/applied/<apiserver-id>. It must survive restarts: at start the configuration on disk is checked against it.")
-	storage.StringVar(&f.opts.EncryptionStateID, "encryption-state-id", "",
-		"The <apiserver-id> of the applied-state key /rekey/applied/<apiserver-id> in etcd. Default: the apiserver identity (derived from the host name). "+
-			"Set it when several apiservers share one host and one etcd; it must stay the same across restarts.")
-	storage.DurationVar(&f.opts.StorageCheckInterval, "storage-migration-check-interval", 0, "How often write keys are compared (default 5s). For tests.")
-	storage.DurationVar(&f.opts.StorageInventoryInterval, "storage-inventory-interval", 0, "How often a fresh inventory is taken without a key change (default 10m). For tests.")
-	for _, name := range []string{"storage-migration-check-interval", "storage-inventory-interval"} {
-		utilruntime.Must(storage.MarkHidden(name))
-	}
-
-	coord := fss.FlagSet("cluster coordination")
-	coord.StringVar(&f.opts.APIServerID, "apiserver-id", "",
-		"This apiserver's name among the apiservers sharing --etcd-servers (default <hostname>:<secure-port>; with --secure-port 0, <hostname>-<random>).")
-	coord.BoolVar(&f.opts.ClusterCoordination, "cluster-coordination", f.opts.ClusterCoordination,
-		"Coordinate with the other apiservers through etcd: publish this apiserver's keys under a lease, never start writing with a key "+
-			"another live apiserver cannot read (hold it, promote it once all can), migrate stored data on one elected apiserver, and fail "+
-			"/readyz while this configuration cannot read a key the cluster uses. False: act alone.")
-	coord.StringVar(&f.opts.CoordinationPrefix, "coordination-prefix", f.opts.CoordinationPrefix,
-		"etcd key prefix of the coordination keys (members, migration leader, checkpoint); must be outside --etcd-prefix.")
-	coord.DurationVar(&f.opts.ClusterLeaseTTL, "cluster-lease-ttl", f.opts.ClusterLeaseTTL,
-		"Lease of this apiserver's member key and election session: a dead apiserver stops counting this long after it died (whole seconds, at least 2s).")
-	coord.DurationVar(&f.opts.ClusterDisagreementAlarm, "cluster-disagreement-alarm", f.opts.ClusterDisagreementAlarm,
-		"Raise an alarm (metric rekey_cluster_disagreement_alarm, status condition, log line) when the apiservers disagree about a write key for longer than this.")
+	// Every other flag of the encryption layer is pkg/layer's, declared there once for
+	// this shim and dist/kube-apiserver alike.
+	f.opts.Rekey.AddFlags(fss.FlagSet("rekey"))
 
 	etcd := fss.FlagSet("etcd")
 	etcd.StringSliceVar(&f.opts.EtcdServers, "etcd-servers", f.opts.EtcdServers,
 		"etcd servers to connect to (scheme://ip:port), comma separated. Empty runs an embedded etcd in --data-dir.")
 	etcd.StringVar(&f.opts.EtcdCAFile, "etcd-cafile", "",
-		"SSL Certificate Authority file used to secure etcd communication. Used by the storage backend and by every etcd client of the rekey layer "+
+		"SSL Certificate Authority file used to secure etcd communication. Used by the storage backend and by the rekey layer's etcd client "+
 			"(cluster coordination, storage migration, the applied-state check).")
 	etcd.StringVar(&f.opts.EtcdCertFile, "etcd-certfile", "", "SSL certification file used to secure etcd communication (client certificate; with --etcd-keyfile).")
 	etcd.StringVar(&f.opts.EtcdKeyFile, "etcd-keyfile", "", "SSL key file used to secure etcd communication (with --etcd-certfile).")

@@ -4,7 +4,7 @@
 // --encryption-provider-config-automatic-reload are served by the agent, for every
 // resource including custom resources and aggregated APIs. rekey's own flags (storage
 // migration, cluster coordination, the layer switch) are listed under "Rekey flags" in
-// --help; pkg/layer wires them exactly as in the apiserver shim.
+// --help; pkg/layer declares them (and the shim's) and wires them, so the two agree.
 //
 // The copied part of upstream's command code is in upstream.go; the wiring of the agent
 // in rekey.go. See docs/kube-apiserver.md.

@@ -5,7 +5,15 @@ import (
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/spf13/pflag"
+	"k8s.io/component-base/cli/globalflag"
+	"k8s.io/component-base/logs"
 	"k8s.io/component-base/metrics"
+	"k8s.io/component-base/version/verflag"
+	"k8s.io/kubernetes/cmd/kube-apiserver/app/options"
+
+	rekeylayer "github.com/rekey-io/rekey/pkg/layer"
+	"github.com/rekey-io/rekey/pkg/layer/layertest"
 )
 
 // Upstream's encryption families come from the legacy registry only when rekey does
@@ -49,30 +57,58 @@ func TestMergedGathererEachNameOnce(t *testing.T) {
 	}
 }
 
-func TestRekeyOptionsValidate(t *testing.T) {
-	for _, tc := range []struct {
-		name   string
-		change func(*rekeyOptions)
-		want   string
-	}{
-		{"defaults", func(*rekeyOptions) {}, ""},
-		{"unknown layer", func(o *rekeyOptions) { o.Layer = "other" }, `--encryption-layer="other"`},
-		{"migration on upstream's layer", func(o *rekeyOptions) { o.Layer, o.StorageMigration = layerUpstream, true }, "--storage-migration needs --encryption-layer=rekey"},
-		{"negative rate", func(o *rekeyOptions) { o.StorageMigrationRate = -1 }, "--storage-migration-rate"},
-		{"wildcard resource", func(o *rekeyOptions) { o.StorageResources = []string{"*.example.com"} }, "wildcards cannot be scanned"},
-		{"apiserver id with a slash", func(o *rekeyOptions) { o.APIServerID = "node/a" }, "--apiserver-id"},
-		{"no coordination, any id", func(o *rekeyOptions) { o.ClusterCoordination, o.APIServerID = false, "node/a" }, ""},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			o := newRekeyOptions()
-			tc.change(o)
-			errs := o.validate()
-			switch {
-			case tc.want == "" && len(errs) > 0:
-				t.Fatalf("unexpected errors: %v", errs)
-			case tc.want != "" && (len(errs) != 1 || !strings.Contains(errs[0].Error(), tc.want)):
-				t.Fatalf("errors %v, want one containing %q", errs, tc.want)
-			}
-		})
+// The flags this binary adds to upstream's kube-apiserver are pkg/layer's, declared with
+// layer.KubeAPIServerDefaults: same names, types, defaults, help and hidden-ness, none
+// more, none fewer. The apiserver shim's are pkg/layer's with layer.ShimDefaults
+// (cmd/apiserver-shim's TestRekeyFlagsAreTheLayers holds the shim to that), and the two
+// binaries differ only where layer.Defaults says. A flag added to one binary alone
+// fails here or in the shim's test.
+func TestRekeyFlagsAreTheLayers(t *testing.T) {
+	// newAPIServerCommand sets up the process's signal handler, which panics the second
+	// time: no other test of this package may call it.
+	cmd := newAPIServerCommand()
+	upstream := upstreamFlags()
+	added := pflag.NewFlagSet("added", pflag.ContinueOnError)
+	cmd.Flags().VisitAll(func(f *pflag.Flag) {
+		if upstream.Lookup(f.Name) == nil {
+			added.AddFlag(f)
+		}
+	})
+	if !added.HasFlags() {
+		t.Fatal("no flag added to upstream's: the comparison would prove nothing")
 	}
+	for _, d := range layertest.Diff(added, layertest.Declared(rekeylayer.KubeAPIServerDefaults())) {
+		t.Errorf("kube-apiserver vs pkg/layer with KubeAPIServerDefaults: %s", d)
+	}
+
+	documented := map[string]string{
+		rekeylayer.FlagStorageMigration:          layertest.Default,
+		rekeylayer.FlagStorageMigrationResources: layertest.OnlyInGot,
+		rekeylayer.FlagAPIServerID:               layertest.Help,
+	}
+	seen := map[string]string{}
+	for _, d := range layertest.Diff(added, layertest.Declared(rekeylayer.ShimDefaults())) {
+		seen[d.Flag] = d.Aspect
+		if documented[d.Flag] != d.Aspect {
+			t.Errorf("kube-apiserver vs apiserver-shim, not a documented difference (layer.Defaults): %s", d)
+		}
+	}
+	for flag, aspect := range documented {
+		if seen[flag] != aspect {
+			t.Errorf("--%s: documented to differ between the binaries in its %s, but does not: update layer.Defaults and this list", flag, aspect)
+		}
+	}
+}
+
+// upstreamFlags are the flags of upstream's kube-apiserver command, assembled as
+// newAPIServerCommand assembles them without the lines marked rekey.
+func upstreamFlags() *pflag.FlagSet {
+	nfs := options.NewServerRunOptions().Flags()
+	verflag.AddFlags(nfs.FlagSet("global"))
+	globalflag.AddGlobalFlags(nfs.FlagSet("global"), "kube-apiserver", logs.SkipLoggingConfigurationFlags())
+	fs := pflag.NewFlagSet("upstream", pflag.ContinueOnError)
+	for _, f := range nfs.FlagSets {
+		fs.AddFlagSet(f)
+	}
+	return fs
 }

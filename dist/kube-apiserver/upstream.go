@@ -60,6 +60,8 @@ import (
 	"k8s.io/kubernetes/pkg/controlplane"
 	controlplaneapiserver "k8s.io/kubernetes/pkg/controlplane/apiserver"
 	generatedopenapi "k8s.io/kubernetes/pkg/generated/openapi"
+
+	rekeylayer "github.com/rekey-io/rekey/pkg/layer"
 )
 
 func init() {
@@ -70,7 +72,7 @@ func init() {
 // a --version line that says rekey is inside.
 func newAPIServerCommand() *cobra.Command {
 	s := options.NewServerRunOptions()
-	r := newRekeyOptions() // rekey
+	r := newRekeyFlags() // rekey
 	ctx := genericapiserver.SetupSignalContext()
 	featureGate := s.GenericServerRunOptions.ComponentGlobalsRegistry.FeatureGateFor(basecompatibility.DefaultKubeComponent)
 
@@ -114,7 +116,7 @@ This build stores data encrypted at rest through rekey (github.com/rekey-io/reke
 
 			// validate options
 			errs := completedOptions.Validate()
-			errs = append(errs, r.validate()...) // rekey
+			errs = append(errs, r.Validate()...) // rekey
 			if len(errs) != 0 {
 				return utilerrors.NewAggregate(errs)
 			}
@@ -137,7 +139,7 @@ This build stores data encrypted at rest through rekey (github.com/rekey-io/reke
 
 	fs := cmd.Flags()
 	namedFlagSets := s.Flags()
-	r.addFlags(namedFlagSets.FlagSet("rekey")) // rekey
+	r.AddFlags(namedFlagSets.FlagSet("rekey")) // rekey
 	s.Flagz = flagz.NamedFlagSetsReader{
 		FlagSets: namedFlagSets,
 	}
@@ -154,10 +156,10 @@ This build stores data encrypted at rest through rekey (github.com/rekey-io/reke
 }
 
 // run is upstream's Run with rekey's layer passed to newConfig and attached to the chain.
-func run(ctx context.Context, opts options.CompletedOptions, r *rekeyOptions) error {
+func run(ctx context.Context, opts options.CompletedOptions, r *rekeylayer.Flags) error {
 	// To help debugging, immediately log version
 	klog.Infof("Version: %+v", utilversion.Get())
-	klog.InfoS("Encryption at rest", "layer", r.Layer, "rekey", rekeyVersion) // rekey
+	klog.InfoS("Encryption at rest", "layer", r.EncryptionLayer, "rekey", rekeyVersion) // rekey
 
 	klog.InfoS("Golang settings", "GOGC", os.Getenv("GOGC"), "GOMAXPROCS", os.Getenv("GOMAXPROCS"), "GOTRACEBACK", os.Getenv("GOTRACEBACK"))
 

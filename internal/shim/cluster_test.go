@@ -20,6 +20,7 @@ import (
 	"github.com/rekey-io/rekey/internal/shim"
 	"github.com/rekey-io/rekey/internal/testbed"
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/layer"
 )
 
 // TestClusterCoordination runs a second shim with --cluster-coordination on the shared
@@ -38,9 +39,10 @@ func TestClusterCoordination(t *testing.T) {
 	done := make(chan error, 1)
 	go func() {
 		done <- shim.Run(ctx, shim.Options{
-			EncryptionConfig: path, AutomaticReload: true, StorageMigration: true,
+			EncryptionConfig: path, AutomaticReload: true,
+			Rekey: layer.Flags{StorageMigration: true,
+				ClusterCoordination: true, CoordinationPrefix: prefix, APIServerID: "shim-c1", ClusterLeaseTTL: 2 * time.Second},
 			EtcdServers: info.EtcdServers, EtcdPrefix: "/cluster-test-registry",
-			ClusterCoordination: true, CoordinationPrefix: prefix, APIServerID: "shim-c1", ClusterLeaseTTL: 2 * time.Second,
 			CertDir:         filepath.Join(dir, "certs"),
 			Tokens:          map[string]*user.DefaultInfo{token: {Name: "admin", Groups: []string{"system:masters"}}},
 			MetricsRegistry: metrics.NewKubeRegistry(),
@@ -146,7 +148,7 @@ func TestClusterCoordination(t *testing.T) {
 // resource prefix is refused before anything starts.
 func TestClusterCoordinationPrefixMustBeOutsideResources(t *testing.T) {
 	err := shim.Run(context.Background(), shim.Options{
-		EncryptionConfig: configPath, ClusterCoordination: true, CoordinationPrefix: "/registry/rekey",
+		EncryptionConfig: configPath, Rekey: layer.Flags{ClusterCoordination: true, CoordinationPrefix: "/registry/rekey"},
 		EtcdServers: info.EtcdServers, CertDir: t.TempDir(),
 		Tokens: map[string]*user.DefaultInfo{token: {Name: "admin"}},
 	})

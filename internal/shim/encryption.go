@@ -2,7 +2,6 @@ package shim
 
 import (
 	"context"
-	"fmt"
 	"net/http"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -26,15 +25,6 @@ const StorageStatusKey = layer.StorageStatusKey
 // (with --cluster-coordination).
 const ClusterStatusKey = layer.ClusterStatusKey
 
-// Encryption layers the shim can run with.
-const (
-	// LayerRekey is the agent: rekey's config loader, transformers and reload.
-	LayerRekey = "rekey"
-	// LayerUpstream is k8s.io/apiserver's own encryptionconfig package, wired exactly as
-	// kube-apiserver wires it; it exists for side-by-side benchmarks and interop tests.
-	LayerUpstream = "upstream"
-)
-
 // encryptionLayer puts a way of transforming stored values into a server config.
 type encryptionLayer interface {
 	// install runs before etcd.ApplyTo: it sets c.ResourceTransformers and health
@@ -42,7 +32,7 @@ type encryptionLayer interface {
 	install(c *genericapiserver.Config, etcd *genericoptions.EtcdOptions) error
 	// checkStart runs once etcd answers and before anything is served: it refuses a
 	// configuration that cannot read what the last applied one could.
-	checkStart(ctx context.Context, etcd layer.Etcd, stateID string) error
+	checkStart(ctx context.Context) error
 	// startStorage adds what keeps stored data on the current keys (inventory and
 	// migration) as a post-start hook; it stops with the server.
 	startStorage(c *genericapiserver.Config) error
@@ -52,54 +42,45 @@ type encryptionLayer interface {
 	close()
 }
 
-// newEncryptionLayer builds the layer. Coordination with other apiservers (o.clustered)
-// needs etcd up and etcd set; otherwise checkStart passes it.
-func newEncryptionLayer(ctx context.Context, o *Options, reg metrics.KubeRegistry, apiServerID string, etcd layer.Etcd) (encryptionLayer, error) {
-	switch o.EncryptionLayer {
-	case "", LayerRekey:
-		l, err := layer.New(ctx, rekeyLayerOptions(o, reg, apiServerID, etcd))
-		if err != nil {
-			return nil, err
-		}
-		return rekeyLayer{l}, nil
-	case LayerUpstream:
+// newEncryptionLayer builds the layer the flags chose; lo (rekeyLayerOptions, with
+// Etcd set) serves the rekey layer.
+func newEncryptionLayer(ctx context.Context, o *Options, lo layer.Options) (encryptionLayer, error) {
+	if !o.Rekey.Rekey() {
 		return &upstreamLayer{path: o.EncryptionConfig, reload: o.AutomaticReload}, nil
-	default:
-		return nil, fmt.Errorf("--encryption-layer=%q: must be %q or %q", o.EncryptionLayer, LayerRekey, LayerUpstream)
 	}
+	l, err := layer.New(ctx, lo)
+	if err != nil {
+		return nil, err
+	}
+	return rekeyLayer{l}, nil
 }
 
-// rekeyLayerOptions maps the shim's options onto pkg/layer, which dist/kube-apiserver
-// wires the same way.
-func rekeyLayerOptions(o *Options, reg metrics.KubeRegistry, apiServerID string, etcd layer.Etcd) layer.Options {
-	return layer.Options{
-		Path:                     o.EncryptionConfig,
-		AutomaticReload:          o.AutomaticReload,
-		ReloadPollInterval:       o.ReloadPollInterval,
-		KMS:                      o.KMS,
-		KMSStatusInterval:        o.KMSTimings.StatusInterval,
-		KMSRetryInterval:         o.KMSTimings.RetryInterval,
-		KMSWriteTTL:              o.KMSTimings.WriteTTL,
-		Etcd:                     etcd,
-		Resources:                storageResources(o.EtcdPrefix),
-		EtcdPrefix:               o.EtcdPrefix,
-		StorageMigration:         o.StorageMigration,
-		StorageMigrationRate:     o.StorageMigrationRate,
-		StorageCheckInterval:     o.StorageCheckInterval,
-		StorageInventoryInterval: o.StorageInventoryInterval,
-		AllowDroppingKeysInUse:   o.AllowDroppingKeysInUse,
-		EncryptionStateFile:      o.EncryptionStateFile,
-		// The agent's metrics carry k8s.io/apiserver's identity, the member key the
-		// shim's --apiserver-id.
-		APIServerID:              apiServerID,
-		MemberID:                 o.APIServerID,
-		Cluster:                  o.clustered(),
-		CoordinationPrefix:       o.CoordinationPrefix,
-		ClusterLeaseTTL:          o.ClusterLeaseTTL,
-		ClusterDisagreementAlarm: o.ClusterDisagreementAlarm,
-		Registry:                 reg,
-		Logger:                   o.Logger,
+// rekeyLayerOptions are pkg/layer's options for this shim: the shim's part, then its
+// flags through pkg/layer's one mapping (dist/kube-apiserver uses the same). They are
+// checked — with the configuration file — before etcd starts; Etcd is set once it runs.
+func rekeyLayerOptions(o *Options, reg metrics.KubeRegistry, apiServerID string) (layer.Options, error) {
+	lo := layer.Options{
+		Path:            o.EncryptionConfig,
+		AutomaticReload: o.AutomaticReload,
+		KMS:             o.KMS,
+		Resources:       storageResources(o.EtcdPrefix),
+		EtcdPrefix:      o.EtcdPrefix,
+		// k8s.io/apiserver's identity: the agent's metrics and the default state id. The
+		// member key is the shim's --apiserver-id, which complete defaulted.
+		APIServerID: apiServerID,
+		Registry:    reg,
+		Logger:      o.Logger,
 	}
+	if !o.Rekey.Rekey() || o.EncryptionConfig == "" {
+		return lo, nil
+	}
+	if err := o.Rekey.ApplyTo(&lo); err != nil {
+		return lo, err
+	}
+	if err := lo.Validate(); err != nil {
+		return lo, err
+	}
+	return lo, lo.CheckFile()
 }
 
 // upstreamLayer leaves c.ResourceTransformers nil and hands the file to EtcdOptions,
@@ -117,11 +98,11 @@ func (u *upstreamLayer) install(_ *genericapiserver.Config, etcd *genericoptions
 	return nil
 }
 
-func (u *upstreamLayer) checkStart(context.Context, layer.Etcd, string) error { return nil }
-func (u *upstreamLayer) startStorage(*genericapiserver.Config) error          { return nil }
-func (u *upstreamLayer) statusPath() string                                   { return "" }
-func (u *upstreamLayer) statusHandler() http.Handler                          { return nil }
-func (u *upstreamLayer) close()                                               {}
+func (u *upstreamLayer) checkStart(context.Context) error            { return nil }
+func (u *upstreamLayer) startStorage(*genericapiserver.Config) error { return nil }
+func (u *upstreamLayer) statusPath() string                          { return "" }
+func (u *upstreamLayer) statusHandler() http.Handler                 { return nil }
+func (u *upstreamLayer) close()                                      {}
 
 // rekeyLayer is pkg/layer: the agent, the start-up check, the storage migration
 // controller and, with --cluster-coordination, the cluster node.
@@ -130,10 +111,7 @@ type rekeyLayer struct{ l *layer.Layer }
 func (r rekeyLayer) install(c *genericapiserver.Config, _ *genericoptions.EtcdOptions) error {
 	return r.l.Install(c)
 }
-func (r rekeyLayer) checkStart(ctx context.Context, etcd layer.Etcd, stateID string) error {
-	r.l.SetEtcd(etcd) // an embedded etcd starts after the layer
-	return r.l.CheckStart(ctx, stateID)
-}
+func (r rekeyLayer) checkStart(ctx context.Context) error          { return r.l.CheckStart(ctx) }
 func (r rekeyLayer) startStorage(c *genericapiserver.Config) error { return r.l.AddStorageHook(c) }
 func (r rekeyLayer) statusPath() string                            { return r.l.StatusPath() }
 func (r rekeyLayer) statusHandler() http.Handler                   { return r.l.StatusHandler() }

@@ -23,6 +23,7 @@ import (
 	"github.com/rekey-io/rekey/internal/shim"
 	"github.com/rekey-io/rekey/internal/testbed"
 	"github.com/rekey-io/rekey/pkg/guard"
+	"github.com/rekey-io/rekey/pkg/layer"
 )
 
 // startShim runs a shim on dir's embedded etcd. It returns its client and a stop
@@ -33,15 +34,15 @@ func startShim(t *testing.T, dir, cfgPath string, override bool, mutate ...func(
 	started := make(chan shim.Info, 1)
 	done := make(chan error, 1)
 	opts := shim.Options{
-		EncryptionConfig:       cfgPath,
-		AutomaticReload:        true,
-		AllowDroppingKeysInUse: override,
-		DataDir:                filepath.Join(dir, "etcd"),
-		EtcdUnsafeNoFsync:      true,
-		CertDir:                filepath.Join(dir, "certs"),
-		Tokens:                 map[string]*user.DefaultInfo{token: {Name: "admin", Groups: []string{"system:masters"}}},
-		MetricsRegistry:        metrics.NewKubeRegistry(),
-		Started:                func(i shim.Info) { started <- i },
+		EncryptionConfig:  cfgPath,
+		AutomaticReload:   true,
+		Rekey:             layer.Flags{AllowDroppingKeysInUse: override},
+		DataDir:           filepath.Join(dir, "etcd"),
+		EtcdUnsafeNoFsync: true,
+		CertDir:           filepath.Join(dir, "certs"),
+		Tokens:            map[string]*user.DefaultInfo{token: {Name: "admin", Groups: []string{"system:masters"}}},
+		MetricsRegistry:   metrics.NewKubeRegistry(),
+		Started:           func(i shim.Info) { started <- i },
 	}
 	for _, m := range mutate {
 		m(&opts)
@@ -192,9 +193,9 @@ func TestReloadRefusesKMSPluginWithOtherKeyring(t *testing.T) {
 		t.Fatal(err)
 	}
 	cs, info, stop, err := startShim(t, dir, cfgPath, false, func(o *shim.Options) {
-		o.StorageInventoryInterval = 200 * time.Millisecond
-		o.StorageCheckInterval = 100 * time.Millisecond
-		o.KMSTimings = shim.KMSTimings{StatusInterval: 200 * time.Millisecond, RetryInterval: 200 * time.Millisecond}
+		o.Rekey.StorageInventoryInterval = 200 * time.Millisecond
+		o.Rekey.StorageCheckInterval = 100 * time.Millisecond
+		o.Rekey.KMSStatusInterval, o.Rekey.KMSRetryInterval = 200*time.Millisecond, 200*time.Millisecond
 	})
 	if err != nil {
 		t.Fatal(err)

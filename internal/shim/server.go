@@ -55,16 +55,15 @@ type Options struct {
 	EncryptionConfig string
 	// AutomaticReload watches EncryptionConfig and applies edits without a restart.
 	AutomaticReload bool
-	// ReloadPollInterval is how often the file is re-read without file events
-	// (default 1 min; file events apply edits at once).
-	ReloadPollInterval time.Duration
-	// EncryptionLayer is LayerRekey (default) or LayerUpstream.
-	EncryptionLayer string
+	// Rekey are the encryption layer's own flags (pkg/layer), the same in
+	// dist/kube-apiserver: the layer switch (--encryption-layer), KMS v2 timings,
+	// storage migration, the applied state and cluster coordination. The zero value
+	// keeps every default and leaves coordination off; the command starts from
+	// layer.NewFlags(layer.ShimDefaults()). The upstream layer uses none but the switch.
+	Rekey layer.Flags
 	// KMS builds KMS v2 providers for the rekey layer; default kmsv2.NewFactory with
-	// KMSTimings.
+	// the KMS timings of Rekey.
 	KMS transformers.KMSFactory
-	// KMSTimings override the KMS v2 lifecycle defaults of the rekey layer (tests).
-	KMSTimings KMSTimings
 
 	// EtcdServers are etcd client URLs; empty starts an embedded etcd in DataDir.
 	EtcdServers []string
@@ -97,45 +96,6 @@ type Options struct {
 	// Tokens are used when TokenAuthFile is empty (in-process callers).
 	Tokens map[string]*user.DefaultInfo
 
-	// StorageMigration re-encrypts the stored Secrets and ConfigMaps when the write key
-	// of their rule changes (rekey layer; --storage-migration, on by default in the
-	// command). Off, the layer still takes inventories for the status document, the
-	// metrics and the key-in-use guard.
-	StorageMigration bool
-	// StorageMigrationRate bounds rewrites per second; 0 is unlimited.
-	StorageMigrationRate float64
-	// StorageCheckInterval is how often the write keys are compared (default 5 s);
-	// StorageInventoryInterval how often a fresh inventory is taken without a change
-	// (default 10 min).
-	StorageCheckInterval     time.Duration
-	StorageInventoryInterval time.Duration
-	// AllowDroppingKeysInUse lets a reload through the key-in-use guard anyway
-	// (--unsafe-allow-dropping-keys-in-use; disaster recovery only), and a start whose
-	// configuration cannot read what the last applied one could.
-	AllowDroppingKeysInUse bool
-	// EncryptionStateID names this apiserver's applied-encryption state in etcd
-	// (guard.AppliedStatePrefix + id); default: the apiserver identity, which
-	// k8s.io/apiserver derives from the host name and so survives restarts.
-	EncryptionStateID string
-	// EncryptionStateFile keeps the applied-encryption state in this file instead of
-	// etcd (--encryption-state-file); it must survive restarts.
-	EncryptionStateFile string
-
-	// APIServerID names this apiserver among the others sharing its etcd
-	// (--apiserver-id; default <hostname>:<secure-port>).
-	APIServerID string
-	// ClusterCoordination makes the rekey layer coordinate with the other apiservers
-	// through etcd (pkg/cluster): a write fence, one elected migrator, readiness of
-	// stragglers (--cluster-coordination; on in the command, off in the zero value).
-	ClusterCoordination bool
-	// CoordinationPrefix is where the coordination keys live (default /rekey); it must
-	// be outside EtcdPrefix.
-	CoordinationPrefix string
-	// ClusterLeaseTTL is the member lease (default 10 s); ClusterDisagreementAlarm how
-	// long the members may disagree about a write key before the alarm (default 2 min).
-	ClusterLeaseTTL          time.Duration
-	ClusterDisagreementAlarm time.Duration
-
 	// MetricsRegistry receives the encryption layer's metrics (default: a new one). It
 	// is served at /metrics together with the process-wide registry k8s.io/apiserver
 	// uses; keeping them apart lets upstream's own registrations of the same metric
@@ -145,17 +105,6 @@ type Options struct {
 	Logger klog.Logger
 	// Started is called once the server listens, before /readyz turns ready.
 	Started func(Info)
-}
-
-// KMSTimings shorten the KMS v2 provider lifecycle for tests; zero keeps a default.
-type KMSTimings struct {
-	// StatusInterval is the Status period while healthy (default 1 min).
-	StatusInterval time.Duration
-	// RetryInterval is the Status period while unhealthy (default 10 s).
-	RetryInterval time.Duration
-	// WriteTTL is how long writes continue after the last healthy Status: the grace
-	// window of a plugin outage (default 3 min).
-	WriteTTL time.Duration
 }
 
 // Info describes a started shim.
@@ -175,8 +124,11 @@ type Info struct {
 }
 
 func (o *Options) complete() error {
-	if o.EncryptionLayer == "" {
-		o.EncryptionLayer = LayerRekey
+	if o.Rekey.EncryptionLayer == "" {
+		o.Rekey.EncryptionLayer = layer.EncryptionLayerRekey
+	}
+	if err := errors.Join(o.Rekey.Validate()...); err != nil {
+		return err
 	}
 	if o.EtcdPrefix == "" {
 		o.EtcdPrefix = DefaultEtcdPrefix
@@ -208,29 +160,16 @@ func (o *Options) complete() error {
 	if o.SecurePort < 0 || o.SecurePort > 65535 {
 		return fmt.Errorf("--secure-port %d must be between 0 and 65535 (0 picks a free port)", o.SecurePort)
 	}
-	if o.EncryptionLayer == LayerUpstream && o.KMS != nil {
+	if !o.Rekey.Rekey() && o.KMS != nil {
 		o.KMS = nil // upstream builds its own KMS v2 clients
 	}
-	if o.CoordinationPrefix == "" {
-		o.CoordinationPrefix = cluster.DefaultPrefix
+	if o.Rekey.CoordinationPrefix == "" {
+		o.Rekey.CoordinationPrefix = cluster.DefaultPrefix
 	}
-	if o.APIServerID == "" {
-		o.APIServerID = defaultAPIServerID(o.SecurePort)
-	}
-	if o.clustered() {
-		if err := cluster.ValidatePrefix(o.CoordinationPrefix, o.EtcdPrefix); err != nil {
-			return err
-		}
-		if err := cluster.ValidateID(o.APIServerID); err != nil {
-			return err
-		}
+	if o.Rekey.APIServerID == "" {
+		o.Rekey.APIServerID = defaultAPIServerID(o.SecurePort)
 	}
 	return nil
-}
-
-// clustered reports whether the rekey layer coordinates with other apiservers.
-func (o *Options) clustered() bool {
-	return o.ClusterCoordination && o.EncryptionLayer == LayerRekey && o.EncryptionConfig != ""
 }
 
 // defaultAPIServerID is <hostname>:<port>; with a port picked at start (0) the port is
@@ -270,13 +209,9 @@ func Run(ctx context.Context, o Options) error {
 		return err
 	}
 	c := genericapiserver.NewConfig(sch.codecs)
-	var enc encryptionLayer
-	if !o.clustered() {
-		// Without coordination the file is checked before etcd starts.
-		if enc, err = newEncryptionLayer(ctx, &o, reg, c.APIServerID, layer.Etcd{}); err != nil {
-			return err
-		}
-		defer enc.close()
+	lo, err := rekeyLayerOptions(&o, reg, c.APIServerID)
+	if err != nil {
+		return err
 	}
 
 	etcd := layer.Etcd{Servers: o.EtcdServers, CAFile: o.EtcdCAFile, CertFile: o.EtcdCertFile, KeyFile: o.EtcdKeyFile}
@@ -292,19 +227,16 @@ func Run(ctx context.Context, o Options) error {
 	} else if err := checkEtcd(ctx, etcd, o.EtcdConnectTimeout); err != nil {
 		return err
 	}
-	if o.clustered() {
-		// The write fence must know the other apiservers before the first configuration
-		// is applied, so the layer starts after etcd.
-		if enc, err = newEncryptionLayer(ctx, &o, reg, c.APIServerID, etcd); err != nil {
-			return err
-		}
-		defer enc.close()
+	// The layer's one etcd client needs the address, and the write fence must know the
+	// other apiservers before the first configuration is applied: the layer starts
+	// after etcd (the file itself was checked before).
+	lo.Etcd = etcd
+	enc, err := newEncryptionLayer(ctx, &o, lo)
+	if err != nil {
+		return err
 	}
-	stateID := o.EncryptionStateID
-	if stateID == "" {
-		stateID = c.APIServerID
-	}
-	if err := enc.checkStart(ctx, etcd, stateID); err != nil {
+	defer enc.close()
+	if err := enc.checkStart(ctx); err != nil {
 		return err
 	}
 
@@ -413,7 +345,7 @@ func Run(ctx context.Context, o Options) error {
 		server.Handler.NonGoRestfulMux.Handle(p, h)
 	}
 	logger.Info("Serving", "url", info.URL, "etcd", etcd.Servers, "etcdTLS", etcd.HasTLS(), "prefix", o.EtcdPrefix,
-		"encryptionLayer", o.EncryptionLayer, "encryptionConfig", o.EncryptionConfig)
+		"encryptionLayer", o.Rekey.EncryptionLayer, "encryptionConfig", o.EncryptionConfig)
 	return server.PrepareRun().RunWithContext(ctx)
 }
 

@@ -26,6 +26,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/shim"
 	"github.com/rekey-io/rekey/internal/testbed"
+	"github.com/rekey-io/rekey/pkg/layer"
 )
 
 const token = "shim-test-token"
@@ -78,7 +79,7 @@ func runMain(m *testing.M) int {
 		done <- shim.Run(ctx, shim.Options{
 			EncryptionConfig:  configPath,
 			AutomaticReload:   true,
-			StorageMigration:  true,
+			Rekey:             layer.Flags{StorageMigration: true},
 			DataDir:           filepath.Join(dir, "etcd"),
 			EtcdUnsafeNoFsync: true,
 			CertDir:           filepath.Join(dir, "certs"),

@@ -22,6 +22,7 @@ import (
 	"github.com/rekey-io/rekey/internal/testbed"
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/guard"
+	"github.com/rekey-io/rekey/pkg/layer"
 )
 
 // tlsShimOptions are the options of a clustered shim on srv, an etcd that requires a
@@ -33,10 +34,10 @@ func tlsShimOptions(t *testing.T, srv *etcdtest.Server, id string) shim.Options 
 		t.Fatal(err)
 	}
 	return shim.Options{
-		EncryptionConfig: path, AutomaticReload: true, StorageMigration: true,
+		EncryptionConfig: path, AutomaticReload: true,
+		Rekey:       layer.Flags{StorageMigration: true, ClusterCoordination: true, APIServerID: id, ClusterLeaseTTL: 2 * time.Second},
 		EtcdServers: []string{srv.Endpoint}, EtcdConnectTimeout: 3 * time.Second,
 		EtcdCAFile: srv.TLS.CAFile, EtcdCertFile: srv.TLS.ClientCertFile, EtcdKeyFile: srv.TLS.ClientKeyFile,
-		ClusterCoordination: true, APIServerID: id, ClusterLeaseTTL: 2 * time.Second,
 		CertDir:         filepath.Join(dir, "certs"),
 		Tokens:          map[string]*user.DefaultInfo{token: {Name: "admin", Groups: []string{"system:masters"}}},
 		MetricsRegistry: metrics.NewKubeRegistry(),

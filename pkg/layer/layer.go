@@ -7,16 +7,24 @@
 //
 // The order of calls is the apiserver's start-up order:
 //
+//	f := layer.NewFlags(defaults); f.AddFlags(fs)  // and after parsing, f.Validate()
+//	opts := layer.Options{Path: ..., Etcd: ..., EtcdPrefix: ..., APIServerID: ...}
+//	err = f.ApplyTo(&opts)
 //	l, err := layer.New(ctx, opts)         // etcd must answer when opts.Cluster is set
-//	err = l.CheckStart(ctx, stateID)       // before anything is served
+//	err = l.CheckStart(ctx)                // before anything is served
 //	err = l.Install(genericConfig)         // c.ResourceTransformers, health checks, reload hook
 //	err = l.AddStorageHook(genericConfig)  // inventory and migration after start
-//	mux.Handle(reload.StatusPath, l.StatusHandler())
+//	mux.Handle(l.StatusPath(), l.StatusHandler())
 //	defer l.Close()
+//
+// The layer reaches etcd through one client, made by New from Options.Etcd: the
+// cluster node, the applied state, the decrypt guard, the inventory and the migration
+// share it. A binary that runs etcd itself starts it before New.
 package layer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"sync"
@@ -69,9 +77,8 @@ type Options struct {
 	// reload.Options.KMSv1Error; empty keeps the default).
 	KMSv1Error string
 
-	// Etcd is how the layer's own clients reach etcd: the storage backend's flags.
-	// Required by New with Cluster; otherwise it may be set later with SetEtcd (an
-	// embedded etcd that starts after the configuration was checked).
+	// Etcd is how the layer's etcd client reaches etcd: the storage backend's flags.
+	// Required by New when Path is set.
 	Etcd Etcd
 	// Resources are what the inventory, the migration and the start-up check scan.
 	Resources []migrate.Resource
@@ -88,6 +95,9 @@ type Options struct {
 	AllowDroppingKeysInUse bool
 	// EncryptionStateFile keeps the applied state in a file instead of etcd.
 	EncryptionStateFile string
+	// StateID names the applied state in etcd (key guard.AppliedStatePrefix +
+	// StateID); it must be stable across restarts of the same apiserver.
+	StateID string
 
 	// APIServerID is k8s.io/apiserver's identity of this apiserver (Config.APIServerID),
 	// the apiserver_id label of the agent's metrics.
@@ -107,7 +117,8 @@ type Options struct {
 	Logger   klog.Logger
 }
 
-// Validate checks what can be checked before etcd is reached.
+// Validate checks what can be checked before etcd is reached (and before an embedded
+// etcd's address is known).
 func (o *Options) Validate() error {
 	if !o.Cluster || o.Path == "" {
 		return nil
@@ -118,6 +129,17 @@ func (o *Options) Validate() error {
 	return cluster.ValidateID(o.MemberID)
 }
 
+// CheckFile reads and validates the configuration file as New will, without building
+// transformers or reaching etcd or a KMS plugin: a binary that starts etcd itself
+// reports a malformed file before that.
+func (o *Options) CheckFile() error {
+	if o.Path == "" {
+		return nil
+	}
+	_, err := config.Load(o.Path, config.Options{Reload: o.AutomaticReload, KMSv1Error: o.KMSv1Error})
+	return err
+}
+
 // Layer is the rekey encryption layer of one apiserver.
 type Layer struct {
 	opts    Options
@@ -126,28 +148,25 @@ type Layer struct {
 	metrics *migrate.Metrics
 	log     klog.Logger
 
-	// node coordinates with the other apiservers (nil without Cluster); nodeClient is
-	// its etcd client.
-	node       *cluster.Node
-	nodeClient *clientv3.Client
+	// client is the layer's one etcd client, closed last.
+	client *clientv3.Client
+	// node coordinates with the other apiservers (nil without Cluster).
+	node *cluster.Node
 
 	closeOnce sync.Once
 
 	mu sync.Mutex
-	// state persists what the applied configuration can read (CheckStart sets it);
-	// stateClient is its etcd client, also used by the decrypt guard.
-	state       guard.AppliedStateStore
-	stateClient *clientv3.Client
-	ctrl        *migrate.Controller
-	migrator    *cluster.Migrator
-	client      *clientv3.Client
-	cancel      context.CancelFunc
-	done        chan struct{}
+	// state persists what the applied configuration can read (CheckStart sets it).
+	state    guard.AppliedStateStore
+	ctrl     *migrate.Controller
+	migrator *cluster.Migrator
+	cancel   context.CancelFunc
+	done     chan struct{}
 }
 
-// New builds the layer and loads the configuration. With Cluster it first connects to
-// etcd and loads the member list, so that the write fence knows the other apiservers
-// before the agent applies its first configuration.
+// New makes the layer's etcd client, builds the layer and loads the configuration.
+// With Cluster it first loads the member list from etcd, so that the write fence knows
+// the other apiservers before the agent applies its first configuration.
 func New(ctx context.Context, o Options) (_ *Layer, err error) {
 	if o.Path == "" {
 		return &Layer{opts: o}, nil
@@ -161,21 +180,30 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 	if err := o.Validate(); err != nil {
 		return nil, err
 	}
+	if len(o.Etcd.Servers) == 0 {
+		return nil, errors.New("the encryption layer needs the storage backend's etcd servers (--etcd-servers) to keep its state and inventories")
+	}
 	m, err := migrate.NewMetrics(o.Registry)
 	if err != nil {
 		return nil, fmt.Errorf("registering storage migration metrics: %w", err)
 	}
-	l := &Layer{opts: o, store: &migrate.InventoryStore{}, metrics: m, log: o.Logger}
+	cli, err := o.Etcd.NewClient()
+	if err != nil {
+		return nil, fmt.Errorf("encryption layer: %w", err)
+	}
+	l := &Layer{opts: o, client: cli, store: &migrate.InventoryStore{}, metrics: m, log: o.Logger}
+	defer func() {
+		if err != nil {
+			if l.node != nil {
+				l.node.Close()
+			}
+			_ = cli.Close()
+		}
+	}()
 	if o.Cluster {
 		if err := l.startClusterNode(ctx); err != nil {
 			return nil, err
 		}
-		defer func() {
-			if err != nil {
-				l.node.Close()
-				_ = l.nodeClient.Close()
-			}
-		}()
 	}
 	allow := o.AllowDroppingKeysInUse
 	ropts := reload.Options{
@@ -237,17 +265,12 @@ func (l *Layer) Agent() *reload.Agent { return l.agent }
 
 func (l *Layer) startClusterNode(ctx context.Context) error {
 	o := l.opts
-	cli, err := o.Etcd.NewClient()
-	if err != nil {
-		return fmt.Errorf("cluster coordination: %w", err)
-	}
 	cm, err := cluster.NewMetrics(o.Registry)
 	if err != nil {
-		_ = cli.Close()
 		return fmt.Errorf("registering cluster metrics: %w", err)
 	}
 	node, err := cluster.New(cluster.Options{
-		Client: cli, ID: o.MemberID, Prefix: o.CoordinationPrefix, ResourcePrefix: o.EtcdPrefix,
+		Client: l.client, ID: o.MemberID, Prefix: o.CoordinationPrefix, ResourcePrefix: o.EtcdPrefix,
 		LeaseTTL: o.ClusterLeaseTTL, DisagreementAlarm: o.ClusterDisagreementAlarm,
 		Inventory: l.store, Metrics: cm, Logger: o.Logger,
 	})
@@ -255,12 +278,11 @@ func (l *Layer) startClusterNode(ctx context.Context) error {
 		err = node.Start(ctx)
 	}
 	if err != nil {
-		_ = cli.Close()
 		return err
 	}
 	o.Logger.Info("Coordinating with the other apiservers through etcd", "apiserverID", o.MemberID,
 		"prefix", o.CoordinationPrefix, "members", len(node.View().Members()))
-	l.node, l.nodeClient = node, cli
+	l.node = node
 	return nil
 }
 
@@ -284,32 +306,30 @@ func (l *Layer) kmsFactory() transformers.KMSFactory {
 }
 
 // CheckStart compares the configuration on disk with the state the last applied one
-// left in etcd (key guard.AppliedStatePrefix + stateID, stateID being stable across
-// restarts of the same apiserver) or in EncryptionStateFile, before the server serves:
-// a configuration refused on reload, or edited while the apiserver was down, must not
-// be applied silently by a restart.
-func (l *Layer) CheckStart(ctx context.Context, stateID string) error {
+// left in etcd (key guard.AppliedStatePrefix + Options.StateID) or in
+// EncryptionStateFile, before the server serves: a configuration refused on reload, or
+// edited while the apiserver was down, must not be applied silently by a restart.
+func (l *Layer) CheckStart(ctx context.Context) error {
 	if l.agent == nil {
 		return nil
 	}
-	cli, err := l.etcd().NewClient()
-	if err != nil {
-		return fmt.Errorf("encryption start-up check: %w", err)
+	if l.opts.StateID == "" && l.opts.EncryptionStateFile == "" {
+		return errors.New("encryption start-up check: no state id for the applied state in etcd (--encryption-state-id, or the apiserver's identity)")
 	}
-	var state guard.AppliedStateStore = guard.EtcdAppliedState{Client: cli, Key: guard.AppliedStatePrefix + stateID}
+	var state guard.AppliedStateStore = guard.EtcdAppliedState{Client: l.client, Key: guard.AppliedStatePrefix + l.opts.StateID}
 	if l.opts.EncryptionStateFile != "" {
 		state = guard.FileAppliedState{Path: l.opts.EncryptionStateFile}
 	}
 	l.mu.Lock()
-	l.state, l.stateClient = state, cli
+	l.state = state
 	l.mu.Unlock()
 	ctx, cancel := context.WithTimeout(ctx, StartCheckTimeout)
 	defer cancel()
 	agent := l.agent
-	err = guard.CheckStartup(ctx, guard.StartupOptions{
+	err := guard.CheckStartup(ctx, guard.StartupOptions{
 		State:        state,
 		Config:       agent.ActiveConfig(),
-		Client:       cli,
+		Client:       l.client,
 		Source:       migrate.FromRules(agent, agent.Rules),
 		Resources:    l.opts.Resources,
 		Transformers: agent,
@@ -325,26 +345,8 @@ func (l *Layer) CheckStart(ctx context.Context, stateID string) error {
 	return nil
 }
 
-// SetEtcd sets where the layer's clients connect when that was not known at New; call
-// it before CheckStart.
-func (l *Layer) SetEtcd(e Etcd) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.opts.Etcd = e
-}
-
-func (l *Layer) etcd() Etcd {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.opts.Etcd
-}
-
-// etcdClient is the client CheckStart made, or nil before it ran.
-func (l *Layer) etcdClient() *clientv3.Client {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.stateClient
-}
+// etcdClient is the layer's etcd client, for the decrypt guard.
+func (l *Layer) etcdClient() *clientv3.Client { return l.client }
 
 // saveApplied records cfg as applied after a reload swapped it in. A failure is logged:
 // the swap is done, and the next successful save or start records the state again.
@@ -386,11 +388,7 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 		return nil
 	}
 	return c.AddPostStartHook(StorageMigrationHookName, func(hc genericapiserver.PostStartHookContext) error {
-		cli, err := l.etcd().NewClient()
-		if err != nil {
-			return fmt.Errorf("storage migration: %w", err)
-		}
-		agent, o := l.agent, l.opts
+		cli, agent, o := l.client, l.agent, l.opts
 		ctrl := migrate.NewController(migrate.ControllerOptions{
 			Client:    cli,
 			Source:    migrate.FromRules(agent, agent.Rules),
@@ -421,7 +419,7 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 			l.node.SetMigrator(mig)
 		}
 		l.mu.Lock()
-		l.ctrl, l.migrator, l.client, l.cancel, l.done = ctrl, mig, cli, cancel, done
+		l.ctrl, l.migrator, l.cancel, l.done = ctrl, mig, cancel, done
 		l.mu.Unlock()
 		go func() {
 			defer close(done)
@@ -481,26 +479,25 @@ func (l *Layer) StatusHandler() http.Handler {
 }
 
 // Close stops the controllers, revokes the member lease and closes the agent and the
-// etcd clients. It may be called more than once.
+// etcd client. It may be called more than once.
 func (l *Layer) Close() { l.closeOnce.Do(l.close) }
 
 func (l *Layer) close() {
 	l.mu.Lock()
-	cancel, done, cli, stateCli, node, nodeCli := l.cancel, l.done, l.client, l.stateClient, l.node, l.nodeClient
+	cancel, done := l.cancel, l.done
 	l.mu.Unlock()
 	if cancel != nil {
 		cancel()
 		<-done
-		_ = cli.Close()
 	}
-	if node != nil {
-		node.Close() // revokes the member lease: the others stop counting this one
-		_ = nodeCli.Close()
+	if l.node != nil {
+		l.node.Close() // revokes the member lease: the others stop counting this one
 	}
 	if l.agent != nil {
 		l.agent.Close()
 	}
-	if stateCli != nil {
-		_ = stateCli.Close()
+	// Last: the node's lease revocation and a reload's saveApplied use it.
+	if l.client != nil {
+		_ = l.client.Close()
 	}
 }

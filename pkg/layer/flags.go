@@ -1,0 +1,264 @@
+package layer
+
+import (
+	"cmp"
+	"fmt"
+	"time"
+
+	"github.com/spf13/pflag"
+
+	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/migrate"
+)
+
+// Encryption layers a binary can run with (--encryption-layer).
+const (
+	// EncryptionLayerRekey is this package: rekey's agent, storage migration and
+	// cluster coordination.
+	EncryptionLayerRekey = "rekey"
+	// EncryptionLayerUpstream is k8s.io/apiserver's own encryptionconfig, wired as
+	// kube-apiserver wires it, kept for side-by-side comparisons; the binary then does
+	// not build this layer at all.
+	EncryptionLayerUpstream = "upstream"
+)
+
+// DefaultKMSStatusInterval is --kms-status-interval's default: shorter than
+// kube-apiserver's minute so that a plugin's new key id reaches the write fence and the
+// migrator quickly.
+const DefaultKMSStatusInterval = 15 * time.Second
+
+// Names of the flags whose default differs between the binaries (see Defaults).
+const (
+	FlagStorageMigration          = "storage-migration"
+	FlagStorageMigrationResources = "storage-migration-resources"
+	FlagAPIServerID               = "apiserver-id"
+)
+
+// Defaults are what may differ between the binaries that embed the layer; everything
+// else about the layer's flags (names, types, help, hidden-ness, other defaults) is the
+// same in all of them. Each binary's choice is a function below with its reason.
+type Defaults struct {
+	// StorageMigration is --storage-migration's default.
+	StorageMigration bool
+	// StorageResources is --storage-migration-resources' default. Nil: the binary
+	// stores a fixed set of resources, which it gives as Options.Resources, and does not
+	// offer the flag.
+	StorageResources []string
+	// APIServerIDDefault says in --apiserver-id's help what the binary calls itself
+	// without the flag (the binary computes it; see Options.APIServerID).
+	APIServerIDDefault string
+}
+
+// ShimDefaults are cmd/apiserver-shim's.
+func ShimDefaults() Defaults {
+	return Defaults{
+		// The shim exists to show and test rekey end to end: stored data follows the
+		// keys unless asked not to.
+		StorageMigration: true,
+		// The shim serves exactly Secrets and ConfigMaps; scanning anything else would
+		// count 0 objects at a prefix nothing is stored under, which proves nothing.
+		StorageResources: nil,
+		// Several shims commonly share one host (the testbed, the benchmarks): the port
+		// keeps their member keys apart without flags.
+		APIServerIDDefault: "<hostname>:<secure-port>; with --secure-port 0, <hostname>-<random>",
+	}
+}
+
+// KubeAPIServerDefaults are dist/kube-apiserver's.
+func KubeAPIServerDefaults() Defaults {
+	return Defaults{
+		// A drop-in kube-apiserver: rewriting stored data is opt-in, turned on once
+		// every apiserver runs with the same configuration (docs/kube-apiserver.md).
+		StorageMigration: false,
+		// What upstream encrypts in practice; other resources and custom resources are
+		// named by the operator, each at the key prefix the storage factory uses.
+		StorageResources: []string{"secrets", "configmaps"},
+		// kube-apiserver's own identity: the name of its Lease in kube-system, which
+		// operators already see.
+		APIServerIDDefault: "kube-apiserver's own identity, apiserver-<hash of the host name>, the name of its Lease in kube-system",
+	}
+}
+
+// Flags are the layer's command-line flags. Every binary that embeds the layer declares
+// them with AddFlags, checks them with Validate and turns them into Options with
+// ApplyTo, so the binaries cannot drift. Flags that are not the layer's
+// (--encryption-provider-config and its reload flag, --etcd-*, serving, authentication)
+// stay with the binary: kube-apiserver has its own, and the layer takes their values
+// as Options.
+//
+// The zero value is usable for in-process callers: zero durations keep the defaults of
+// pkg/reload, pkg/migrate, pkg/cluster and pkg/transformers/kmsv2, an empty
+// EncryptionLayer means rekey, and coordination is off.
+type Flags struct {
+	// EncryptionLayer is EncryptionLayerRekey or EncryptionLayerUpstream.
+	EncryptionLayer    string
+	ReloadPollInterval time.Duration
+
+	KMSStatusInterval time.Duration
+	KMSRetryInterval  time.Duration
+	KMSWriteTTL       time.Duration
+
+	StorageMigration         bool
+	StorageMigrationRate     float64
+	StorageResources         []string
+	StorageCheckInterval     time.Duration
+	StorageInventoryInterval time.Duration
+	AllowDroppingKeysInUse   bool
+	EncryptionStateFile      string
+	EncryptionStateID        string
+
+	APIServerID              string
+	ClusterCoordination      bool
+	CoordinationPrefix       string
+	ClusterLeaseTTL          time.Duration
+	ClusterDisagreementAlarm time.Duration
+
+	defaults Defaults
+}
+
+// NewFlags returns the flags with their defaults, d being the binary's.
+func NewFlags(d Defaults) Flags {
+	return Flags{
+		EncryptionLayer:          EncryptionLayerRekey,
+		KMSStatusInterval:        DefaultKMSStatusInterval,
+		StorageMigration:         d.StorageMigration,
+		StorageResources:         d.StorageResources,
+		ClusterCoordination:      true,
+		CoordinationPrefix:       cluster.DefaultPrefix,
+		ClusterLeaseTTL:          cluster.DefaultLeaseTTL,
+		ClusterDisagreementAlarm: cluster.DefaultDisagreementAlarm,
+		defaults:                 d,
+	}
+}
+
+// AddFlags declares every flag of the layer in fs, with the current values as defaults.
+func (f *Flags) AddFlags(fs *pflag.FlagSet) {
+	fs.StringVar(&f.EncryptionLayer, "encryption-layer", f.EncryptionLayer,
+		"Which code serves --encryption-provider-config: rekey (this layer) or upstream (k8s.io/apiserver's own encryptionconfig, "+
+			"for side-by-side comparisons; no storage migration, no coordination).")
+	fs.DurationVar(&f.ReloadPollInterval, "encryption-provider-config-poll-interval", f.ReloadPollInterval,
+		"With automatic reload, how often the file is re-read even without file events (default 1m).")
+
+	fs.DurationVar(&f.KMSStatusInterval, "kms-status-interval", f.KMSStatusInterval,
+		"How often a healthy KMS v2 plugin is asked for its Status (upstream kube-apiserver: 1m). A plugin's new key id is seen within one interval; "+
+			"with --cluster-coordination it is then published to the other apiservers at once.")
+	fs.DurationVar(&f.KMSRetryInterval, "kms-retry-interval", f.KMSRetryInterval, "KMS v2 Status period while unhealthy (default 10s). For tests.")
+	fs.DurationVar(&f.KMSWriteTTL, "kms-write-ttl", f.KMSWriteTTL, "How long KMS v2 writes continue after the last healthy Status (default 3m). For tests.")
+
+	fs.BoolVar(&f.StorageMigration, FlagStorageMigration, f.StorageMigration,
+		"When the write key of a scanned resource changes (a reload, or a new KMS v2 key id), re-encrypt its stored objects in etcd with it "+
+			"(compare-and-swap; a concurrent update always wins). False only takes inventories of which keys encrypt stored data; "+
+			"the key-in-use guards use them either way.")
+	fs.Float64Var(&f.StorageMigrationRate, "storage-migration-rate", f.StorageMigrationRate,
+		"Maximum objects re-encrypted per second by --storage-migration; 0 is unlimited.")
+	if f.defaults.StorageResources != nil {
+		fs.StringSliceVar(&f.StorageResources, FlagStorageMigrationResources, f.StorageResources,
+			"Resources the inventory, the migration and the start-up check scan: secrets, widgets.example.com, "+
+				"or deployments.apps=/registry/deployments/ for a built-in group stored elsewhere. Wildcards cannot be scanned.")
+	}
+	fs.DurationVar(&f.StorageCheckInterval, "storage-migration-check-interval", f.StorageCheckInterval,
+		"How often write keys are compared (default 5s). For tests.")
+	fs.DurationVar(&f.StorageInventoryInterval, "storage-inventory-interval", f.StorageInventoryInterval,
+		"How often a fresh inventory is taken without a key change (default 10m). For tests.")
+	fs.BoolVar(&f.AllowDroppingKeysInUse, "unsafe-allow-dropping-keys-in-use", f.AllowDroppingKeysInUse,
+		"Apply a reload even when it removes a provider or key that the latest inventory says still encrypts stored objects "+
+			"(refused otherwise, naming resource, key and object count), or start with a configuration that cannot read what the last applied one could. "+
+			"Disaster recovery only: the data under that key becomes unreadable.")
+	fs.StringVar(&f.EncryptionStateFile, "encryption-state-file", f.EncryptionStateFile,
+		"Keep the record of what the last applied encryption configuration could read (key fingerprints, never keys) in this file instead of "+
+			"etcd key /rekey/applied/<encryption-state-id>. It must survive restarts: at start the configuration on disk is checked against it.")
+	fs.StringVar(&f.EncryptionStateID, "encryption-state-id", f.EncryptionStateID,
+		"The id in the applied-state key /rekey/applied/<id>. Default: k8s.io/apiserver's identity of this apiserver (apiserver-<hash of the host name>). "+
+			"Set it when several apiservers share one host and one etcd; it must stay the same across restarts.")
+
+	fs.StringVar(&f.APIServerID, FlagAPIServerID, f.APIServerID,
+		"This apiserver's name among the apiservers sharing --etcd-servers (its member key under --coordination-prefix). "+
+			"Default: "+f.defaults.APIServerIDDefault+". Set it when several apiservers run on one host.")
+	fs.BoolVar(&f.ClusterCoordination, "cluster-coordination", f.ClusterCoordination,
+		"Coordinate with the other rekey apiservers through etcd: publish this apiserver's keys under a lease, never start writing with a key "+
+			"another live apiserver cannot read (hold it, promote it once all can), migrate stored data on one elected apiserver, and fail "+
+			"the rekey-cluster check of /readyz while this configuration cannot read a key the cluster uses. False: act alone.")
+	fs.StringVar(&f.CoordinationPrefix, "coordination-prefix", f.CoordinationPrefix,
+		"etcd key prefix of the coordination keys (members, migration leader, checkpoint); must be outside --etcd-prefix.")
+	fs.DurationVar(&f.ClusterLeaseTTL, "cluster-lease-ttl", f.ClusterLeaseTTL,
+		"Lease of this apiserver's member key and election session: a dead apiserver stops counting this long after it died (whole seconds, at least 2s).")
+	fs.DurationVar(&f.ClusterDisagreementAlarm, "cluster-disagreement-alarm", f.ClusterDisagreementAlarm,
+		"Raise an alarm (metric rekey_cluster_disagreement_alarm, status condition, log line) when the apiservers disagree about a write key for longer than this.")
+
+	// Test knobs are hidden from --help: upstream has no such setting, and they exist so
+	// that tests need not wait minutes.
+	for _, name := range []string{"kms-retry-interval", "kms-write-ttl", "storage-migration-check-interval", "storage-inventory-interval"} {
+		if err := fs.MarkHidden(name); err != nil {
+			panic(err) // declared just above
+		}
+	}
+}
+
+// Rekey reports whether this layer serves the configuration (not upstream's); the
+// zero value's empty EncryptionLayer means rekey.
+func (f *Flags) Rekey() bool {
+	return f.EncryptionLayer == "" || f.EncryptionLayer == EncryptionLayerRekey
+}
+
+// Validate checks the flags on their own; ApplyTo's Options.Validate checks them
+// against the binary's (--etcd-prefix, the default --apiserver-id).
+func (f *Flags) Validate() []error {
+	var errs []error
+	if f.EncryptionLayer != EncryptionLayerRekey && f.EncryptionLayer != EncryptionLayerUpstream {
+		errs = append(errs, fmt.Errorf("--encryption-layer=%q: must be %q or %q", f.EncryptionLayer, EncryptionLayerRekey, EncryptionLayerUpstream))
+	}
+	// Where migration is opt-in, asking for it with upstream's layer is a mistake to
+	// report; where it is on by default (the shim), upstream's layer simply runs
+	// without it.
+	if f.EncryptionLayer == EncryptionLayerUpstream && f.StorageMigration && !f.defaults.StorageMigration {
+		errs = append(errs, fmt.Errorf("--%s needs --encryption-layer=%s: upstream's layer has no storage migration", FlagStorageMigration, EncryptionLayerRekey))
+	}
+	if f.StorageMigrationRate < 0 {
+		errs = append(errs, fmt.Errorf("--storage-migration-rate=%v: must be 0 (unlimited) or positive", f.StorageMigrationRate))
+	}
+	if f.ClusterCoordination && f.Rekey() && f.APIServerID != "" {
+		if err := cluster.ValidateID(f.APIServerID); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, r := range f.StorageResources {
+		if _, err := migrate.ParseResource(migrate.DefaultEtcdPrefix, r); err != nil {
+			errs = append(errs, fmt.Errorf("--%s: %w", FlagStorageMigrationResources, err))
+		}
+	}
+	return errs
+}
+
+// ApplyTo sets the Options the flags decide. The binary sets its own part first —
+// Path, AutomaticReload, Etcd, EtcdPrefix, APIServerID, Registry, Logger, and Resources
+// when it offers no --storage-migration-resources — since the flags' defaults are
+// derived from it.
+func (f *Flags) ApplyTo(o *Options) error {
+	if f.defaults.StorageResources != nil {
+		o.Resources = nil
+		for _, s := range f.StorageResources {
+			r, err := migrate.ParseResource(o.EtcdPrefix, s)
+			if err != nil {
+				return fmt.Errorf("--%s: %w", FlagStorageMigrationResources, err)
+			}
+			o.Resources = append(o.Resources, r)
+		}
+	}
+	o.ReloadPollInterval = f.ReloadPollInterval
+	o.KMSStatusInterval = f.KMSStatusInterval
+	o.KMSRetryInterval = f.KMSRetryInterval
+	o.KMSWriteTTL = f.KMSWriteTTL
+	o.StorageMigration = f.StorageMigration
+	o.StorageMigrationRate = f.StorageMigrationRate
+	o.StorageCheckInterval = f.StorageCheckInterval
+	o.StorageInventoryInterval = f.StorageInventoryInterval
+	o.AllowDroppingKeysInUse = f.AllowDroppingKeysInUse
+	o.EncryptionStateFile = f.EncryptionStateFile
+	o.StateID = cmp.Or(f.EncryptionStateID, o.APIServerID)
+	o.MemberID = cmp.Or(f.APIServerID, o.APIServerID)
+	o.Cluster = f.ClusterCoordination
+	o.CoordinationPrefix = f.CoordinationPrefix
+	o.ClusterLeaseTTL = f.ClusterLeaseTTL
+	o.ClusterDisagreementAlarm = f.ClusterDisagreementAlarm
+	return nil
+}

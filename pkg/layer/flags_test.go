@@ -1,0 +1,90 @@
+package layer
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/spf13/pflag"
+
+	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/migrate"
+)
+
+func TestFlagsValidate(t *testing.T) {
+	kube, shim := KubeAPIServerDefaults(), ShimDefaults()
+	for _, tc := range []struct {
+		name     string
+		defaults Defaults
+		change   func(*Flags)
+		want     string
+	}{
+		{"kube-apiserver defaults", kube, func(*Flags) {}, ""},
+		{"shim defaults", shim, func(*Flags) {}, ""},
+		{"unknown layer", kube, func(f *Flags) { f.EncryptionLayer = "other" }, `--encryption-layer="other"`},
+		{"empty layer", kube, func(f *Flags) { f.EncryptionLayer = "" }, `--encryption-layer=""`},
+		{"migration asked for on upstream's layer", kube, func(f *Flags) { f.EncryptionLayer, f.StorageMigration = EncryptionLayerUpstream, true }, "--storage-migration needs --encryption-layer=rekey"},
+		// The shim's migration is on by default; upstream's layer runs without it.
+		{"default migration on upstream's layer", shim, func(f *Flags) { f.EncryptionLayer = EncryptionLayerUpstream }, ""},
+		{"negative rate", shim, func(f *Flags) { f.StorageMigrationRate = -1 }, "--storage-migration-rate"},
+		{"wildcard resource", kube, func(f *Flags) { f.StorageResources = []string{"*.example.com"} }, "wildcards cannot be scanned"},
+		{"apiserver id with a slash", kube, func(f *Flags) { f.APIServerID = "node/a" }, "--apiserver-id"},
+		{"no coordination, any id", kube, func(f *Flags) { f.ClusterCoordination, f.APIServerID = false, "node/a" }, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := NewFlags(tc.defaults)
+			tc.change(&f)
+			errs := f.Validate()
+			switch {
+			case tc.want == "" && len(errs) > 0:
+				t.Fatalf("unexpected errors: %v", errs)
+			case tc.want != "" && (len(errs) != 1 || !strings.Contains(errs[0].Error(), tc.want)):
+				t.Fatalf("errors %v, want one containing %q", errs, tc.want)
+			}
+		})
+	}
+}
+
+// ApplyTo fills what the flags decide and derives the defaults of --apiserver-id and
+// --encryption-state-id from the binary's identity; resources come from the flag where
+// the binary offers it, from the binary otherwise.
+func TestFlagsApplyTo(t *testing.T) {
+	base := func() Options {
+		return Options{Path: "enc.yaml", EtcdPrefix: "/kube", APIServerID: "apiserver-abc",
+			Resources: []migrate.Resource{{KeyPrefix: "/kube/fixed/"}}}
+	}
+
+	f := NewFlags(KubeAPIServerDefaults())
+	fs := pflag.NewFlagSet("t", pflag.ContinueOnError)
+	f.AddFlags(fs)
+	if err := fs.Parse([]string{"--storage-migration-resources=secrets,widgets.example.com", "--kms-write-ttl=1m", "--storage-migration"}); err != nil {
+		t.Fatal(err)
+	}
+	o := base()
+	if err := f.ApplyTo(&o); err != nil {
+		t.Fatal(err)
+	}
+	if o.StateID != "apiserver-abc" || o.MemberID != "apiserver-abc" {
+		t.Errorf("state id %q, member id %q: want the binary's identity by default", o.StateID, o.MemberID)
+	}
+	if len(o.Resources) != 2 || o.Resources[0].KeyPrefix != "/kube/secrets/" || o.Resources[1].KeyPrefix != "/kube/example.com/widgets/" {
+		t.Errorf("resources %+v: want the flag's, under --etcd-prefix", o.Resources)
+	}
+	if !o.StorageMigration || o.KMSWriteTTL != time.Minute || o.KMSStatusInterval != DefaultKMSStatusInterval ||
+		!o.Cluster || o.CoordinationPrefix != cluster.DefaultPrefix || o.ClusterLeaseTTL != cluster.DefaultLeaseTTL {
+		t.Errorf("options %+v do not carry the flags", o)
+	}
+
+	s := NewFlags(ShimDefaults())
+	s.APIServerID, s.EncryptionStateID = "host:6443", "state-1"
+	o = base()
+	if err := s.ApplyTo(&o); err != nil {
+		t.Fatal(err)
+	}
+	if o.StateID != "state-1" || o.MemberID != "host:6443" || o.APIServerID != "apiserver-abc" {
+		t.Errorf("state id %q, member id %q, apiserver id %q", o.StateID, o.MemberID, o.APIServerID)
+	}
+	if len(o.Resources) != 1 || o.Resources[0].KeyPrefix != "/kube/fixed/" {
+		t.Errorf("resources %+v: want the binary's own where it offers no flag", o.Resources)
+	}
+}
