@@ -66,14 +66,14 @@ func (e *elector) campaign(ctx context.Context, session *concurrency.Session, fo
 	err := el.Campaign(campaignCtx, e.id)
 	stop()
 	<-followed
-	if err != nil && ctx.Err() == nil {
+	if err == nil {
+		return el
+	}
+	if ctx.Err() == nil {
 		e.log.Error(err, "Campaign for migration leader failed; retrying")
 		wait(ctx, e.clock, electionRetry)
 	}
-	if err != nil {
-		return nil
-	}
-	return el
+	return nil
 }
 
 // lead runs onStarted with a context that ends with the session.
@@ -91,14 +91,12 @@ func (e *elector) lead(ctx context.Context, session *concurrency.Session, el *co
 	onStarted(termCtx, guard)
 }
 
-// wait waits d on clk or until ctx ends; it reports whether ctx is still live.
-func wait(ctx context.Context, clk clock.Clock, d time.Duration) bool {
+// wait waits d on clk or until ctx ends.
+func wait(ctx context.Context, clk clock.Clock, d time.Duration) {
 	t := clk.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-ctx.Done():
-		return false
 	case <-t.C():
-		return true
 	}
 }

@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/klog/v2/ktesting"
 	clocktesting "k8s.io/utils/clock/testing"
 
@@ -22,12 +21,7 @@ func TestStatePublisherWritesWhatIsDue(t *testing.T) {
 	srv := etcdtest.Start(t)
 	cli := srv.Client(t)
 	ctx := context.Background()
-	lk := LeaderKey(DefaultPrefix) + "/x"
-	put, err := cli.Put(ctx, lk, "a")
-	if err != nil {
-		t.Fatal(err)
-	}
-	guard := []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(lk), "=", put.Header.Revision)}
+	lk, guard := holdLeaderKey(t, cli)
 	p := &statePublisher{client: cli, key: MigrationStateKey(DefaultPrefix), guard: guard}
 	version := func() int64 {
 		t.Helper()

@@ -179,18 +179,25 @@ func countPrefix(t *testing.T, cli *clientv3.Client, prefix string) int {
 	return n
 }
 
+// holdLeaderKey puts a leader key, as a won election would, and returns it with the
+// guard that holds while it stays (deleting it stands for a lost leadership).
+func holdLeaderKey(t *testing.T, cli *clientv3.Client) (string, []clientv3.Cmp) {
+	t.Helper()
+	lk := LeaderKey(DefaultPrefix) + "/x"
+	put, err := cli.Put(context.Background(), lk, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return lk, []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(lk), "=", put.Header.Revision)}
+}
+
 // TestEtcdCheckpointsGuardedByLeadership: the checkpoint round-trips through etcd, and
 // a store whose guard no longer holds (a deposed leader) cannot overwrite it.
 func TestEtcdCheckpointsGuardedByLeadership(t *testing.T) {
 	srv := etcdtest.Start(t)
 	cli := srv.Client(t)
 	ctx := context.Background()
-	lk := LeaderKey(DefaultPrefix) + "/x"
-	put, err := cli.Put(ctx, lk, "a")
-	if err != nil {
-		t.Fatal(err)
-	}
-	guard := []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(lk), "=", put.Header.Revision)}
+	lk, guard := holdLeaderKey(t, cli)
 	store := &EtcdCheckpoints{Client: cli, Key: CheckpointKey(DefaultPrefix), Guard: guard}
 	if c, err := store.Load(); c != nil || err != nil {
 		t.Fatalf("empty store: %v %v", c, err)
