@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/rekey-io/rekey/internal/errtext"
 	"github.com/rekey-io/rekey/internal/progress"
 	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/cluster"
@@ -161,9 +162,10 @@ const (
 	waitingEvery        = 30 * time.Second
 )
 
-// linef prints one transition line.
+// linef prints one transition line. Lines and the status line carry what members
+// published in etcd (ids, errors, key names), so both are made printable here.
 func (o *waitOutput) linef(format string, args ...any) {
-	o.p.Line(time.Now().UTC().Format(time.RFC3339) + " rotate: " + fmt.Sprintf(format, args...))
+	o.p.Line(errtext.Printable(time.Now().UTC().Format(time.RFC3339) + " rotate: " + fmt.Sprintf(format, args...)))
 }
 
 // notef prints a transient problem (plain only; the bar shows the stage anyway).
@@ -181,7 +183,7 @@ func (o *waitOutput) update(rd rotation.Ready) {
 		return
 	}
 	if o.p.Mode() == progress.Bar {
-		o.p.Status(statusLine(rd, time.Since(o.start)), false)
+		o.p.Status(errtext.Printable(statusLine(rd, time.Since(o.start))), false)
 		return
 	}
 	since := o.p.SinceLine()
