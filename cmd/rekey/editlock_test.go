@@ -11,8 +11,6 @@ import (
 	"sync"
 	"testing"
 	"time"
-
-	"github.com/rekey-io/rekey/pkg/config"
 )
 
 // Rotates run at once on one file (two operators, a loop in a pipeline): each run either
@@ -37,14 +35,7 @@ func TestConcurrentRotates(t *testing.T) {
 		close(start)
 		wg.Wait()
 
-		cfg, err := config.Load(path, config.Options{Reload: true})
-		if err != nil {
-			t.Fatal(err)
-		}
-		var inFile []string
-		for _, k := range cfg.Encryption.Resources[0].Providers[0].AESGCM.Keys {
-			inFile = append(inFile, k.Name)
-		}
+		inFile := fileKeys(t, path)
 		var added []string
 		for i := range runs {
 			switch m := newKey.FindStringSubmatch(outs[i]); {
