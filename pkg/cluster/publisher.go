@@ -3,6 +3,7 @@ package cluster
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -26,6 +27,9 @@ type Publisher struct {
 	// lost is signalled when the session ends (lease expired or revoked): the next
 	// Publish opens a new one.
 	lost chan struct{}
+	// reduced is what the last record left out (MemberState.Reduced), logged when it
+	// changes.
+	reduced []string
 }
 
 // memberSession is a session and the end of the context it lives in.
@@ -44,10 +48,11 @@ func (p *Publisher) Lost() <-chan struct{} { return p.lost }
 
 // Publish writes st under the session's lease, opening a session first if needed.
 func (p *Publisher) Publish(ctx context.Context, st MemberState) error {
-	data, err := st.Marshal()
+	data, sent, err := encodeRecord(st, MaxMemberRecordBytes)
 	if err != nil {
 		return err
 	}
+	p.noteReduced(sent.Reduced, len(data))
 	s, err := p.ensureSession(ctx)
 	if err != nil {
 		return err
@@ -61,6 +66,20 @@ func (p *Publisher) Publish(ctx context.Context, st MemberState) error {
 		return fmt.Errorf("publishing member state at %s: %w", p.key, err)
 	}
 	return nil
+}
+
+// noteReduced logs when the published record starts or stops being reduced.
+func (p *Publisher) noteReduced(reduced []string, size int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if slices.Equal(reduced, p.reduced) {
+		return
+	}
+	p.reduced = reduced
+	if len(reduced) > 0 {
+		p.log.Info("Member record too large for etcd; publishing it without some error texts", "key", p.key,
+			"limit", MaxMemberRecordBytes, "bytes", size, "cut", reduced)
+	}
 }
 
 func (p *Publisher) ensureSession(ctx context.Context) (*memberSession, error) {
