@@ -33,6 +33,8 @@ type Fence struct {
 	synced  bool
 	members map[string]MemberState // live members other than self
 	holds   map[string]Hold        // by resource
+	// gate, when set, must also agree before a key is promoted (SetPromotionGate).
+	gate PromotionGate
 }
 
 // Hold is a configured write key held back.
@@ -68,6 +70,10 @@ func (Tick) fenceEvent()           {}
 func NewFence(self string, now time.Time) *Fence {
 	return &Fence{self: self, now: now, members: map[string]MemberState{}, holds: map[string]Hold{}}
 }
+
+// SetPromotionGate makes every promotion also need g's agreement (Node: the handshake
+// with members dropping keys). Without one the fence promotes on its view alone.
+func (f *Fence) SetPromotionGate(g PromotionGate) { f.gate = g }
 
 // Step feeds one event.
 func (f *Fence) Step(ev FenceEvent) {
@@ -107,6 +113,16 @@ func (f *Fence) Writers(current, next []transformers.RuleInfo) map[string]int {
 			continue
 		}
 		waiting := f.cannotRead(n.Resource, want)
+		if len(waiting) == 0 && f.gate != nil {
+			// Everyone reads want, but the handshake with a member dropping it has not
+			// been done yet. Hold only when there is something else to write with: with
+			// nothing else, want writes either way.
+			if ok, why := f.gate.MayPromote(n.Resource, want); !ok {
+				if idx, _ := f.fallback(n, current); idx != 0 {
+					waiting = []string{why}
+				}
+			}
+		}
 		if len(waiting) == 0 {
 			continue
 		}
