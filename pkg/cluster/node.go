@@ -243,8 +243,11 @@ func (n *Node) SetMigrator(m *Migrator) {
 func (n *Node) run(ctx context.Context) {
 	ticker := n.opts.Clock.NewTicker(tickInterval)
 	defer ticker.Stop()
+	// Taken before the loop and again before each read of the members, never at the
+	// top of an iteration: a change while the loop publishes would close a channel
+	// nobody holds any more, and the fence would miss it until the next change.
+	changed := n.view.Changed()
 	for {
-		changed := n.view.Changed()
 		select {
 		case <-ctx.Done():
 			return
@@ -256,6 +259,7 @@ func (n *Node) run(ctx context.Context) {
 			n.mu.Unlock()
 			n.publish(ctx, true)
 		case <-changed:
+			changed = n.view.Changed()
 			n.membersChanged(ctx)
 		case <-ticker.C():
 			n.tick(ctx)
