@@ -75,8 +75,8 @@ type FactoryOptions struct {
 	// returns true, i.e. every other live apiserver's plugin reports that key id. It
 	// is asked after every Status that reports a held key id and every
 	// FenceRecheckInterval while one is held; it runs on the provider's loop and must
-	// not block. The first DEK seed is not fenced (nothing could be written without
-	// one). OnKeyIDChange is also called when the plugin reports a new key id, so the
+	// not block. The first DEK seed has no older one to keep writing with: it is only
+	// held for a bounded time (FirstSeedHold). OnKeyIDChange is also called when the plugin reports a new key id, so the
 	// other apiservers learn it at once.
 	MayWriteKeyID func(provider, keyIDHash string) bool
 	// FenceRecheckInterval is how often a held key id is checked again (default 500 ms).
