@@ -34,6 +34,8 @@ type Fence struct {
 	members map[string]MemberState // live members other than self
 	unknown []UnknownMember        // records that are not members: they hold promotions
 	holds   map[string]Hold        // by resource
+	// gate, when set, must also agree before a key is promoted (SetPromotionGate).
+	gate PromotionGate
 }
 
 // Hold is a configured write key held back.
@@ -74,6 +76,10 @@ func NewFence(self string, now time.Time) *Fence {
 	return &Fence{self: self, now: now, members: map[string]MemberState{}, holds: map[string]Hold{}}
 }
 
+// SetPromotionGate makes every promotion also need g's agreement (Node: the handshake
+// with members dropping keys). Without one the fence promotes on its view alone.
+func (f *Fence) SetPromotionGate(g PromotionGate) { f.gate = g }
+
 // Step feeds one event.
 func (f *Fence) Step(ev FenceEvent) {
 	switch e := ev.(type) {
@@ -113,6 +119,16 @@ func (f *Fence) Writers(current, next []transformers.RuleInfo) map[string]int {
 			continue
 		}
 		waiting := append(f.cannotRead(n.Resource, want), f.unknownWaiting()...)
+		if len(waiting) == 0 && f.gate != nil {
+			// Everyone reads want, but the handshake with a member dropping it has not
+			// been done yet. Hold only when there is something else to write with: with
+			// nothing else, want writes either way.
+			if ok, why := f.gate.MayPromote(n.Resource, want); !ok {
+				if idx, _ := f.fallback(n, current); idx != 0 {
+					waiting = []string{why}
+				}
+			}
+		}
 		if len(waiting) == 0 {
 			continue
 		}

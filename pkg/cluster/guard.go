@@ -3,7 +3,11 @@ package cluster
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/guard"
@@ -11,9 +15,19 @@ import (
 
 // Guard is a reload.Options.Guard: it refuses a configuration that drops a key (a
 // chain entry current has and next has not, for a resource) while
-//   - any live member writes that resource with it (this apiserver included), or
+//   - any live member writes that resource with it (this apiserver included),
+//   - any other live member has it configured as its write key, held back or not, or
 //   - the cluster's migration of that resource is running, or its latest record is not
 //     verified, or was verified for the dropped key itself.
+//
+// A drop that passes the checks against the watched members is first announced: this
+// apiserver publishes its record with the dropped keys removed (withoutKeys), reads
+// every member record again with a linearizable read, and checks again; only then does
+// the reload go on to swap. The announcement stays published until the reload
+// concludes (swapped, or failed after the guard), and after a refusal because another
+// member holds a dropped key back, until the next attempt: that member's fence never
+// promotes onto a key this file drops, and when every file drops it, every guard lets
+// it go.
 //
 // Stored objects counted under the key by the local inventory are pkg/guard's
 // business; compose the two.
@@ -21,50 +35,37 @@ func (n *Node) Guard(current, next *config.Config) error {
 	if current == nil || next == nil {
 		return nil
 	}
-	nextState := configState(n.opts.ID, next)
-	members := n.view.Members()
-	n.mu.Lock()
-	agent, mig := n.agent, n.migrator
-	n.mu.Unlock()
-	if agent != nil {
-		self := StateFromStatus(n.opts.ID, "", agent.OwnStatus(), nil, n.opts.Clock.Now())
-		members = append(slices.DeleteFunc(members, func(m MemberState) bool { return m.APIServerID == n.opts.ID }), self)
+	cur, nxt := configState(n.opts.ID, current), configState(n.opts.ID, next)
+	check := checkDrops(n.opts.ID, cur, nxt, n.membersWithSelf(n.view.Members()))
+	reasons := append(check.InUse, n.migrationReasons(check.Drops)...)
+	if len(reasons) > 0 || len(check.Drops) == 0 {
+		n.setDropPlan(nil)
+		return n.refuse(next, append(reasons, check.Configured...))
 	}
-	var state *MigrationState
-	if mig != nil {
-		st, _ := mig.State()
-		state = &st
-	} else if st, err := readMigrationState(n); err == nil {
-		state = &st
+	// Announce, then look again at a revision after the announcement.
+	n.setDropPlan(&dropPlan{configHash: next.Hash, drops: check.Drops, at: n.opts.Clock.Now()})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*etcdTimeout)
+	defer cancel()
+	if err := n.publishNow(ctx, true); err != nil {
+		n.setDropPlan(nil)
+		return n.refuse(next, []string{fmt.Sprintf("cannot announce the keys it drops to the other apiservers (%v); retrying", err)})
 	}
-	var reasons []string
-	for _, r := range configState(n.opts.ID, current).Resources {
-		for _, k := range r.Read {
-			if nextState.CanRead(r.Resource, k) {
-				continue
-			}
-			for _, m := range members {
-				if rule, _ := m.Rule(r.Resource); rule.Write.SameEntry(k) {
-					reasons = append(reasons, fmt.Sprintf("%s: %s is the write key of apiserver %s", r.Resource, k, m.APIServerID))
-				}
-			}
-			if state == nil {
-				continue
-			}
-			if state.Running != nil && state.Running.Resource == r.Resource {
-				reasons = append(reasons, fmt.Sprintf("%s: dropping %s while the migration to %s runs", r.Resource, k, state.Running.Target))
-				continue
-			}
-			if rec, ok := state.Records[r.Resource]; ok {
-				switch {
-				case !rec.Verified:
-					reasons = append(reasons, fmt.Sprintf("%s: dropping %s while the migration to its successor %s is not verified (%s)", r.Resource, k, rec.Target, rec.Error))
-				case rec.Target.SameEntry(k):
-					reasons = append(reasons, fmt.Sprintf("%s: %s is the key the last verified migration wrote everything with", r.Resource, k))
-				}
-			}
-		}
+	read, err := readMembers(ctx, n.opts.Client, n.opts.Prefix, n.ownClusterID())
+	if err != nil {
+		n.setDropPlan(nil)
+		n.Notify()
+		return n.refuse(next, []string{fmt.Sprintf("cannot read the other apiservers' state after announcing the keys it drops (%v); retrying", err)})
 	}
+	check = checkDrops(n.opts.ID, cur, nxt, n.membersWithSelf(read.Members))
+	if len(check.InUse) > 0 {
+		n.setDropPlan(nil)
+		n.Notify()
+	}
+	return n.refuse(next, check.Reasons())
+}
+
+// refuse returns the cluster guard's refusal for reasons (nil when there are none).
+func (n *Node) refuse(next *config.Config, reasons []string) error {
 	if len(reasons) == 0 {
 		return nil
 	}
@@ -72,7 +73,106 @@ func (n *Node) Guard(current, next *config.Config) error {
 	return &guard.RefusedError{Check: guard.Cluster, Next: guard.ConfigName(next), Reasons: reasons}
 }
 
+// membersWithSelf replaces this apiserver's record in members with its state as it
+// serves now.
+func (n *Node) membersWithSelf(members []MemberState) []MemberState {
+	n.mu.Lock()
+	agent := n.agent
+	n.mu.Unlock()
+	if agent == nil {
+		return members
+	}
+	self := StateFromStatus(n.opts.ID, "", agent.OwnStatus(), nil, n.opts.Clock.Now())
+	return append(slices.DeleteFunc(slices.Clone(members), func(m MemberState) bool { return m.APIServerID == n.opts.ID }), self)
+}
+
+// migrationReasons says why the cluster's migration still needs a dropped key.
+func (n *Node) migrationReasons(drops map[string][]Key) []string {
+	if len(drops) == 0 {
+		return nil
+	}
+	n.mu.Lock()
+	mig := n.migrator
+	n.mu.Unlock()
+	var state MigrationState
+	if mig != nil {
+		state, _ = mig.State()
+	} else if st, err := readMigrationState(n); err == nil {
+		state = st
+	} else {
+		return nil
+	}
+	var reasons []string
+	for _, res := range slices.Sorted(maps.Keys(drops)) {
+		for _, k := range drops[res] {
+			if state.Running != nil && state.Running.Resource == res {
+				reasons = append(reasons, fmt.Sprintf("%s: dropping %s while the migration to %s runs", res, k, state.Running.Target))
+				continue
+			}
+			if rec, ok := state.Records[res]; ok {
+				switch {
+				case !rec.Verified:
+					reasons = append(reasons, fmt.Sprintf("%s: dropping %s while the migration to its successor %s is not verified (%s)", res, k, rec.Target, rec.Error))
+				case rec.Target.SameEntry(k):
+					reasons = append(reasons, fmt.Sprintf("%s: %s is the key the last verified migration wrote everything with", res, k))
+				}
+			}
+		}
+	}
+	return reasons
+}
+
 func readMigrationState(n *Node) (MigrationState, error) {
 	m := &Migrator{opts: MigratorOptions{Client: n.opts.Client, Prefix: n.opts.Prefix}}
 	return m.readState(context.Background())
+}
+
+// dropPlan is a drop this apiserver announced: the configuration that drops them and
+// when the guard let it through (or refused it because another member holds one back).
+type dropPlan struct {
+	configHash string
+	drops      map[string][]Key
+	at         time.Time
+}
+
+// setDropPlan replaces the announced drop (nil: none).
+func (n *Node) setDropPlan(p *dropPlan) {
+	n.mu.Lock()
+	n.dropping = p
+	n.mu.Unlock()
+}
+
+// announced applies the announced drop to st, this apiserver's state from its agent's
+// status st, and forgets it once the reload concluded: the configuration that drops the
+// keys serves (its own rules no longer have them), or a later attempt was made.
+func (n *Node) announced(st MemberState, active string, lastAttempt, lastError time.Time) MemberState {
+	n.mu.Lock()
+	p := n.dropping
+	if p != nil && (active == p.configHash || lastAttempt.After(p.at) && !lastError.After(lastAttempt)) {
+		n.dropping, p = nil, nil
+	}
+	n.mu.Unlock()
+	if p == nil {
+		return st
+	}
+	return withoutKeys(st, p.drops)
+}
+
+// readMembers reads every member record under prefix with one linearizable Get (etcd's
+// default). Keys that do not hold the member state of the apiserver they name are left
+// out, as the View leaves them out.
+func readMembers(ctx context.Context, cli *clientv3.Client, prefix, clusterID string) (MembersRead, error) {
+	resp, err := cli.Get(ctx, MembersPrefix(prefix), clientv3.WithPrefix())
+	if err != nil {
+		return MembersRead{}, fmt.Errorf("reading the members under %s: %w", MembersPrefix(prefix), err)
+	}
+	var r MembersRead
+	for _, kv := range resp.Kvs {
+		// The same sorting as the View's: a leftover or another cluster's record is no
+		// member whose keys a drop or a promotion must wait for.
+		if m, unknown := classifyRecord(prefix, clusterID, kv); unknown == nil {
+			r.Members = append(r.Members, m)
+		}
+	}
+	return r, nil
 }

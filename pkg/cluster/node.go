@@ -74,6 +74,8 @@ type Node struct {
 
 	mu          sync.Mutex
 	fence       *Fence
+	handshake   *Handshake
+	dropping    *dropPlan // the drop announced by Guard, nil when none
 	alarm       *disagreementAlarm
 	agent       Agent
 	migrator    *Migrator
@@ -86,6 +88,9 @@ type Node struct {
 	// member that cannot publish for longer than its lease has vanished from the
 	// others' views and fails its own readiness.
 	publishFailingSince time.Time
+	// publishMu makes computing a state and putting it one step, so an older state
+	// can never overwrite a drop announced in between.
+	publishMu sync.Mutex
 
 	notify chan struct{}
 	cancel context.CancelFunc
@@ -128,14 +133,17 @@ func New(opts Options) (*Node, error) {
 		opts.Logger = klog.Background()
 	}
 	log := opts.Logger.WithName("cluster").WithValues("apiserverID", opts.ID)
+	fence, handshake := NewFence(opts.ID, opts.Clock.Now()), NewHandshake(opts.ID)
+	fence.SetPromotionGate(handshake)
 	return &Node{
-		opts:   opts,
-		log:    log,
-		view:   NewView(opts.Client, opts.Prefix, log),
-		pub:    NewPublisher(opts.Client, MemberKey(opts.Prefix, opts.ID), opts.LeaseTTL, log),
-		fence:  NewFence(opts.ID, opts.Clock.Now()),
-		alarm:  newDisagreementAlarm(opts.DisagreementAlarm, opts.Clock.Now()),
-		notify: make(chan struct{}, 1),
+		opts:      opts,
+		log:       log,
+		view:      NewView(opts.Client, opts.Prefix, log),
+		pub:       NewPublisher(opts.Client, MemberKey(opts.Prefix, opts.ID), opts.LeaseTTL, log),
+		fence:     fence,
+		handshake: handshake,
+		alarm:     newDisagreementAlarm(opts.DisagreementAlarm, opts.Clock.Now()),
+		notify:    make(chan struct{}, 1),
 	}, nil
 }
 
@@ -200,6 +208,7 @@ func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]int 
 	for _, h := range n.fence.Holds() {
 		before[h.Resource] = h
 	}
+	n.handshake.BeginDecision()
 	w := n.fence.Writers(current, next)
 	for _, h := range n.fence.Holds() {
 		if b, ok := before[h.Resource]; ok && b.Held == h.Held && b.Writing == h.Writing && b.Unsafe == h.Unsafe {
@@ -254,17 +263,24 @@ func (n *Node) SetMigrator(m *Migrator) {
 func (n *Node) run(ctx context.Context) {
 	ticker := n.opts.Clock.NewTicker(tickInterval)
 	defer ticker.Stop()
+	// Taken before the loop and again before each read of the members, never at the
+	// top of an iteration: a change while the loop publishes would close a channel
+	// nobody holds any more, and the fence would miss it until the next change.
+	changed := n.view.Changed()
 	for {
-		changed := n.view.Changed()
 		select {
 		case <-ctx.Done():
 			return
 		case <-n.notify:
 			n.publish(ctx, false)
 		case <-n.pub.Lost():
+			n.mu.Lock()
+			n.handshake.RecordLost()
+			n.mu.Unlock()
 			n.publish(ctx, true)
 		case <-changed:
-			n.membersChanged()
+			changed = n.view.Changed()
+			n.membersChanged(ctx)
 		case <-ticker.C():
 			n.tick(ctx)
 		}
@@ -272,7 +288,7 @@ func (n *Node) run(ctx context.Context) {
 }
 
 // membersChanged feeds the fence and lets the agent promote (or hold) write keys.
-func (n *Node) membersChanged() {
+func (n *Node) membersChanged(ctx context.Context) {
 	n.mu.Lock()
 	n.fence.Step(n.viewEvent())
 	agent := n.agent
@@ -281,8 +297,35 @@ func (n *Node) membersChanged() {
 		if err := agent.Refence(); err != nil {
 			n.log.Error(err, "Could not apply the write fence's decision")
 		}
+		n.confirmPromotions(ctx)
 	}
 	n.evaluate()
+}
+
+// confirmPromotions does the promotion side of the handshake with members dropping
+// keys (Handshake): when the fence holds a key back only for want of it, it reads every
+// member record — after this apiserver's record showing the key held, which publish
+// put before — and lets the fence decide again.
+func (n *Node) confirmPromotions(ctx context.Context) {
+	n.mu.Lock()
+	pending, agent := n.handshake.Pending(), n.agent
+	n.mu.Unlock()
+	if !pending || agent == nil {
+		return
+	}
+	rctx, cancel := context.WithTimeout(ctx, etcdTimeout)
+	read, err := readMembers(rctx, n.opts.Client, n.opts.Prefix, n.ownClusterID())
+	cancel()
+	if err != nil {
+		n.log.Error(err, "Cannot read the members to confirm a promotion; the key stays held until the next change")
+		return
+	}
+	n.mu.Lock()
+	n.handshake.Read(read)
+	n.mu.Unlock()
+	if err := agent.Refence(); err != nil {
+		n.log.Error(err, "Could not apply the write fence's decision")
+	}
 }
 
 func (n *Node) tick(ctx context.Context) {
@@ -311,17 +354,28 @@ func (n *Node) state(now time.Time) MemberState {
 	n.mu.Lock()
 	agent, held, since, clusterID := n.agent, n.fence.HeldSince(), n.alarm.Since(), n.clusterID
 	n.mu.Unlock()
-	st := StateFromStatus(n.opts.ID, n.opts.Version, agent.OwnStatus(), held, now)
+	status := agent.OwnStatus()
+	st := StateFromStatus(n.opts.ID, n.opts.Version, status, held, now)
 	st.DisagreeingSince, st.ClusterID = since, clusterID
-	return st
+	return n.announced(st, status.ActiveConfigHash, status.LastAttemptAt, status.LastErrorAt)
 }
 
 func (n *Node) publish(ctx context.Context, force bool) {
+	if err := n.publishNow(ctx, force); err == nil {
+		n.confirmPromotions(ctx)
+	}
+}
+
+// publishNow puts this member's state (unless it is unchanged and force is false) and
+// returns when etcd has it.
+func (n *Node) publishNow(ctx context.Context, force bool) error {
+	n.publishMu.Lock()
+	defer n.publishMu.Unlock()
 	n.mu.Lock()
 	agent := n.agent
 	n.mu.Unlock()
 	if agent == nil {
-		return
+		return nil
 	}
 	now := n.opts.Clock.Now()
 	st := n.state(now)
@@ -329,7 +383,7 @@ func (n *Node) publish(ctx context.Context, force bool) {
 	same := sameContent(st, n.published) && n.publishErr == ""
 	n.mu.Unlock()
 	if same && !force {
-		return
+		return nil
 	}
 	pctx, cancel := context.WithTimeout(ctx, etcdTimeout)
 	defer cancel()
@@ -344,9 +398,11 @@ func (n *Node) publish(ctx context.Context, force bool) {
 		if n.publishFailingSince.IsZero() {
 			n.publishFailingSince = now
 		}
-		return
+		return err
 	}
 	n.publishErr, n.published, n.lastPublish, n.publishFailingSince = "", st, now, time.Time{}
+	n.handshake.Published(st)
+	return nil
 }
 
 // evaluate feeds the disagreement alarm and updates the metrics.
@@ -430,4 +486,11 @@ func (n *Node) Holds() []Hold {
 // this cluster and the unknown records apart.
 func (n *Node) viewEvent() MembersChanged {
 	return MembersChanged{Members: n.view.Members(), Unknown: n.view.Unknown()}
+}
+
+// ownClusterID is the cluster identity Start read or created.
+func (n *Node) ownClusterID() string {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.clusterID
 }

@@ -190,6 +190,13 @@ func TestFencePromotesWhenTheOtherMemberCatchesUp(t *testing.T) {
 	a := startMember(t, cli, "a", secretsConfig("k1"))
 	b := startMember(t, cli, "b", secretsConfig("k1"))
 	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
+	// The fence learns the members on the node's loop, a moment after the view.
+	eventually(t, "a's fence sees b", func() bool {
+		a.node.mu.Lock()
+		defer a.node.mu.Unlock()
+		_, ok := a.node.fence.members["b"]
+		return ok
+	})
 
 	writeFile(t, a.path, secretsConfig("k2", "k1"))
 	if err := a.agent.Reload(context.Background()); err != nil {
@@ -215,9 +222,9 @@ func TestFencePromotesWhenTheOtherMemberCatchesUp(t *testing.T) {
 	if err := b.agent.Reload(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	if p := b.writePrefix(t); p != "k8s:enc:aesgcm:v1:k2:" {
-		t.Fatalf("b writes %q; a can read k2, so b need not hold it", p)
-	}
+	// a can read k2, so b holds it only for the handshake: one publish of k2 as held
+	// and one read of the members after it.
+	eventually(t, "b promotes k2 after the handshake", func() bool { return b.writePrefix(t) == "k8s:enc:aesgcm:v1:k2:" })
 	eventually(t, "a promotes k2 on its own", func() bool { return a.writePrefix(t) == "k8s:enc:aesgcm:v1:k2:" })
 	eventually(t, "the cluster converges", func() bool { return a.node.Status().Verdict.Converged })
 }
@@ -230,9 +237,9 @@ func TestStragglerIsNotReadyAndGuardRefusesDrop(t *testing.T) {
 	srv := etcdtest.Start(t)
 	cli := srv.Client(t)
 	a := startMember(t, cli, "a", secretsConfig("k2", "k1"))
-	if p := a.writePrefix(t); p != "k8s:enc:aesgcm:v1:k2:" {
-		t.Fatalf("a alone writes %q, want k2", p)
-	}
+	// Alone, a writes k2 once its record shows k2 and a read after it finds nobody
+	// who cannot read it.
+	eventually(t, "a alone writes k2", func() bool { return a.writePrefix(t) == "k8s:enc:aesgcm:v1:k2:" })
 	reg := metrics.NewKubeRegistry()
 	bm, err := NewMetrics(reg)
 	if err != nil {
@@ -260,9 +267,7 @@ func TestStragglerIsNotReadyAndGuardRefusesDrop(t *testing.T) {
 	if err := b.node.ReadyzCheck().Check(nil); err != nil {
 		t.Fatalf("b is not ready after its file caught up: %v", err)
 	}
-	if p := b.writePrefix(t); p != "k8s:enc:aesgcm:v1:k2:" {
-		t.Fatalf("b writes %q, want k2", p)
-	}
+	eventually(t, "b writes k2", func() bool { return b.writePrefix(t) == "k8s:enc:aesgcm:v1:k2:" })
 
 	// b drops k2 (which a writes with): refused; the old configuration keeps serving.
 	if n := guardRefusals(t, reg); n != 0 {

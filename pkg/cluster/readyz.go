@@ -41,6 +41,9 @@ func (n *Node) ReadyzCheck() healthz.HealthChecker {
 		if n.opts.Inventory != nil && n.opts.Inventory.Latest() == nil {
 			return fmt.Errorf("no inventory of the stored objects yet, so it is not known whether this apiserver's encryption configuration can read them; waiting for the first one")
 		}
+		if held := firstSeedHolds(agent.OwnStatus().KMSProviders); len(held) > 0 {
+			return fmt.Errorf("KMS v2 providers hold writes under their first key id until every apiserver's plugin reports it: %s", strings.Join(held, "; "))
+		}
 		if missing := n.MissingKeys(); len(missing) > 0 {
 			return fmt.Errorf("this apiserver's encryption configuration cannot read keys the cluster uses: %s; add them to its configuration (as read keys)", strings.Join(missing, "; "))
 		}
@@ -98,4 +101,16 @@ func readBy(members []MemberState, resource string, k Key) string {
 		}
 	}
 	return ""
+}
+
+// firstSeedHolds names the KMS providers holding writes under their first DEK seed
+// (kmsv2.FactoryOptions.FirstSeedHold): the apiserver is not ready while one does.
+func firstSeedHolds(kms []transformers.KMSStatus) []string {
+	var held []string
+	for _, k := range kms {
+		if !k.FirstSeedHeldUntil.IsZero() {
+			held = append(held, fmt.Sprintf("%s (key id hash %s, at the latest until %s)", k.Name, k.KeyIDHash, k.FirstSeedHeldUntil.UTC().Format(time.RFC3339)))
+		}
+	}
+	return held
 }

@@ -29,6 +29,11 @@ const (
 // migrator quickly.
 const DefaultKMSStatusInterval = 15 * time.Second
 
+// DefaultKMSFirstSeedHold is --kms-first-seed-hold's default: two Status intervals, so a
+// plugin on another node that rotated its key with this one's is seen and published,
+// while a plugin that lags for longer does not keep this apiserver from writing.
+const DefaultKMSFirstSeedHold = 2 * DefaultKMSStatusInterval
+
 // Names of the flags whose default differs between the binaries (see Defaults).
 const (
 	FlagStorageMigration          = "storage-migration"
@@ -99,6 +104,7 @@ type Flags struct {
 	KMSStatusInterval time.Duration
 	KMSRetryInterval  time.Duration
 	KMSWriteTTL       time.Duration
+	KMSFirstSeedHold  time.Duration
 
 	StorageMigration         bool
 	StorageMigrationRate     float64
@@ -123,6 +129,7 @@ func NewFlags(d Defaults) Flags {
 	return Flags{
 		EncryptionLayer:          EncryptionLayerRekey,
 		KMSStatusInterval:        DefaultKMSStatusInterval,
+		KMSFirstSeedHold:         DefaultKMSFirstSeedHold,
 		StorageMigration:         d.StorageMigration,
 		StorageResources:         d.StorageResources,
 		ClusterCoordination:      true,
@@ -143,6 +150,10 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 	fs.DurationVar(&f.KMSStatusInterval, "kms-status-interval", f.KMSStatusInterval,
 		"How often a healthy KMS v2 plugin is asked for its Status (upstream kube-apiserver: 1m). A plugin's new key id is seen within one interval; "+
 			"with --cluster-coordination it is then published to the other apiservers at once.")
+	fs.DurationVar(&f.KMSFirstSeedHold, "kms-first-seed-hold", f.KMSFirstSeedHold,
+		"With --cluster-coordination, how long a KMS v2 provider that just started (or was built by a reload) holds writes under its first key id "+
+			"until every other apiserver's plugin reports that key id; it is not ready meanwhile. At the bound it writes under it anyway "+
+			"(error log, rekey_kms_first_seed_hold_expired_total). 0: no hold.")
 	fs.DurationVar(&f.KMSRetryInterval, "kms-retry-interval", f.KMSRetryInterval, "KMS v2 Status period while unhealthy (default 10s). For tests.")
 	fs.DurationVar(&f.KMSWriteTTL, "kms-write-ttl", f.KMSWriteTTL, "How long KMS v2 writes continue after the last healthy Status (default 3m). For tests.")
 
@@ -216,6 +227,9 @@ func (f *Flags) Validate() []error {
 	if f.EncryptionLayer == EncryptionLayerUpstream && f.StorageMigration && !f.defaults.StorageMigration {
 		errs = append(errs, fmt.Errorf("--%s needs --encryption-layer=%s: upstream's layer has no storage migration", FlagStorageMigration, EncryptionLayerRekey))
 	}
+	if f.KMSFirstSeedHold < 0 {
+		errs = append(errs, fmt.Errorf("--kms-first-seed-hold=%s: must be 0 (no hold) or positive", f.KMSFirstSeedHold))
+	}
 	if f.StorageMigrationRate < 0 {
 		errs = append(errs, fmt.Errorf("--storage-migration-rate=%v: must be 0 (unlimited) or positive", f.StorageMigrationRate))
 	}
@@ -251,6 +265,7 @@ func (f *Flags) ApplyTo(o *Options) error {
 	o.KMSStatusInterval = f.KMSStatusInterval
 	o.KMSRetryInterval = f.KMSRetryInterval
 	o.KMSWriteTTL = f.KMSWriteTTL
+	o.KMSFirstSeedHold = f.KMSFirstSeedHold
 	o.StorageMigration = f.StorageMigration
 	o.StorageMigrationRate = f.StorageMigrationRate
 	o.StorageCheckInterval = f.StorageCheckInterval

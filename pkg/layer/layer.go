@@ -74,6 +74,8 @@ type Options struct {
 	KMSStatusInterval time.Duration
 	KMSRetryInterval  time.Duration
 	KMSWriteTTL       time.Duration
+	// KMSFirstSeedHold, with Cluster: see kmsv2.FactoryOptions.FirstSeedHold.
+	KMSFirstSeedHold time.Duration
 	// KMSv1Error replaces the agent's words for a rejected KMS v1 provider (see
 	// reload.Options.KMSv1Error; empty keeps the default).
 	KMSv1Error string
@@ -315,6 +317,7 @@ func (l *Layer) kmsFactory() transformers.KMSFactory {
 		// is written under only once every apiserver's plugin reports it.
 		fo.OnKeyIDChange = l.node.NotifyKeyID
 		fo.MayWriteKeyID = l.node.MayWriteKeyID
+		fo.FirstSeedHold = l.opts.KMSFirstSeedHold
 	}
 	return kmsv2.NewFactory(fo)
 }

@@ -47,4 +47,8 @@ type KMSStatus struct {
 	// HeldKeyIDHash is the key id the write fence holds back, since HeldSince.
 	HeldKeyIDHash string    `json:"heldKeyIDHash,omitempty"`
 	HeldSince     time.Time `json:"heldSince,omitzero"`
+	// FirstSeedHeldUntil is set while the provider holds writes under its first DEK
+	// seed (KeyIDHash) until every other apiserver's plugin reports that key id, at the
+	// latest until then.
+	FirstSeedHeldUntil time.Time `json:"firstSeedHeldUntil,omitzero"`
 }

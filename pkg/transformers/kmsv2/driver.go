@@ -42,7 +42,7 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 		v := m.View()
 		p.publish(v)
 		wait := v.NextWake.Sub(p.clock.Now())
-		if v.Held != "" {
+		if v.Held != "" || v.FirstSeedHeld {
 			wait = min(wait, p.opts.FenceRecheckInterval)
 		}
 		if wait < 0 {
@@ -73,6 +73,11 @@ func (p *Provider) checkFence(m *state.Machine) {
 		return
 	}
 	v := m.View()
+	if v.FirstSeedHeld && v.Write != nil && p.opts.MayWriteKeyID(p.name, state.KeyIDHash(v.Write.KeyID)) {
+		p.log.Info("Every apiserver's KMS plugin reports the key id of the first DEK seed; writing under it", "keyIDHash", state.KeyIDHash(v.Write.KeyID))
+		_ = m.Step(state.WriteAllowed{At: p.clock.Now(), KeyID: v.Write.KeyID})
+		v = m.View()
+	}
 	if v.Held == "" || !v.Healthy || !p.opts.MayWriteKeyID(p.name, state.KeyIDHash(v.Held)) {
 		return
 	}

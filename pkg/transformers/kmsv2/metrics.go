@@ -25,6 +25,9 @@ type Metrics struct {
 	rotations      *metrics.CounterVec
 	healthy        *metrics.GaugeVec
 	writeExpiry    *metrics.GaugeVec
+	// firstSeedHoldExpired counts first DEK seeds written under after their hold's
+	// bound, not because every apiserver's plugin reported the key id.
+	firstSeedHoldExpired *metrics.CounterVec
 
 	// live counts the open Providers per name. When the last one of a name closes (a
 	// reload removed the provider), its health and write-expiry series are deleted: left
@@ -65,6 +68,11 @@ func NewMetrics(reg metrics.KubeRegistry) *Metrics {
 		cacheSize: metrics.NewGaugeVec(&metrics.GaugeOpts{
 			Namespace: "apiserver", Subsystem: "envelope_encryption", Name: "dek_source_cache_size",
 			Help:           "Number of records in data encryption key (DEK) source cache. On a restart, this value is an approximation of the number of decrypt RPC calls the server will make to the KMS plugin.",
+			StabilityLevel: metrics.ALPHA,
+		}, []string{"provider_name"}),
+		firstSeedHoldExpired: metrics.NewCounterVec(&metrics.CounterOpts{
+			Namespace: "rekey", Subsystem: "kms", Name: "first_seed_hold_expired_total",
+			Help:           "First DEK seeds of a KMS v2 provider written under after --kms-first-seed-hold expired, before every apiserver's KMS plugin reported their key id.",
 			StabilityLevel: metrics.ALPHA,
 		}, []string{"provider_name"}),
 		invalidKeyID: metrics.NewCounterVec(&metrics.CounterOpts{
@@ -108,7 +116,7 @@ func NewMetrics(reg metrics.KubeRegistry) *Metrics {
 	})
 	if reg != nil {
 		reg.MustRegister(m.rpcLatency, m.cacheMisses, m.cacheSize, m.invalidKeyID, m.statusKeyIDTS,
-			m.hits, m.misses, m.cacheEvictions, m.rotations, m.healthy, m.writeExpiry)
+			m.hits, m.misses, m.cacheEvictions, m.rotations, m.healthy, m.writeExpiry, m.firstSeedHoldExpired)
 	}
 	return m
 }

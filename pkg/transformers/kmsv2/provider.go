@@ -75,12 +75,18 @@ type FactoryOptions struct {
 	// returns true, i.e. every other live apiserver's plugin reports that key id. It
 	// is asked after every Status that reports a held key id and every
 	// FenceRecheckInterval while one is held; it runs on the provider's loop and must
-	// not block. The first DEK seed is not fenced (nothing could be written without
-	// one). OnKeyIDChange is also called when the plugin reports a new key id, so the
+	// not block. The first DEK seed has no older one to keep writing with: it is only
+	// held for a bounded time (FirstSeedHold). OnKeyIDChange is also called when the plugin reports a new key id, so the
 	// other apiservers learn it at once.
 	MayWriteKeyID func(provider, keyIDHash string) bool
 	// FenceRecheckInterval is how often a held key id is checked again (default 500 ms).
 	FenceRecheckInterval time.Duration
+	// FirstSeedHold, with MayWriteKeyID, holds writes under a provider's first DEK
+	// seed (at start, or built by a reload) until MayWriteKeyID opens for its key id,
+	// for at most this long: Seal answers 503 meanwhile and Status reports
+	// FirstSeedHeldUntil. At the bound writes go ahead under that key id, with an error
+	// log and rekey_kms_first_seed_hold_expired_total. Zero: no hold.
+	FirstSeedHold time.Duration
 }
 
 // DefaultFenceRecheckInterval is FactoryOptions.FenceRecheckInterval's default.
@@ -192,7 +198,7 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 	m := state.New(state.Config{
 		Provider: cfg.Name, WriteType: wire.SourceHKDFSeed,
 		StatusInterval: o.StatusInterval, RetryInterval: o.RetryInterval, WriteTTL: o.WriteTTL,
-		Fenced: o.MayWriteKeyID != nil,
+		Fenced: o.MayWriteKeyID != nil, FirstSeedHold: o.FirstSeedHold,
 	}, clk.Now())
 	o.Metrics.opened(cfg.Name)
 	p.publish(m.View())
@@ -217,6 +223,10 @@ func (p *Provider) Seal(_ context.Context, plaintext []byte, dataCtx value.Conte
 	ws := p.write.Load()
 	if ws == nil {
 		return nil, p.errNotReady()
+	}
+	if v := p.view.Load(); v.FirstSeedHeld {
+		return nil, transformers.Unavailable(fmt.Errorf("kms v2 provider %q holds writes under key id hash %q until every apiserver's KMS plugin reports it (at the latest until %s)",
+			p.name, state.KeyIDHash(ws.keyID), v.FirstSeedHeldUntil.UTC().Format(time.RFC3339)))
 	}
 	now := p.clock.Now()
 	if exp := ws.expiry.Load(); now.UnixNano() >= exp {
@@ -373,6 +383,9 @@ func (p *Provider) Status() transformers.KMSStatus {
 	if v.Held != "" {
 		st.HeldKeyIDHash, st.HeldSince = state.KeyIDHash(v.Held), v.HeldSince
 	}
+	if v.FirstSeedHeld {
+		st.FirstSeedHeldUntil = v.FirstSeedHeldUntil
+	}
 	return st
 }
 
@@ -486,6 +499,11 @@ func (p *Provider) publish(v state.View) {
 			p.log.Info("The KMS plugin reports a new key id; writing with the previous one until every apiserver's plugin reports it",
 				"keyIDHash", state.KeyIDHash(v.Held))
 		}
+	}
+	if prev := p.view.Load(); prev != nil && prev.FirstSeedHeld && !v.FirstSeedHeld && v.FirstSeedHoldExpired && v.Write != nil {
+		p.log.Error(nil, "Writing under a key id that not every apiserver's KMS plugin reports: the first-seed hold expired; values written now are unreadable on the apiservers whose plugin lags until it catches up",
+			"keyIDHash", state.KeyIDHash(v.Write.KeyID), "hold", p.opts.FirstSeedHold)
+		p.opts.Metrics.firstSeedHoldExpired.WithLabelValues(p.name).Inc()
 	}
 	h := 0.0
 	if v.Healthy {

@@ -24,7 +24,9 @@
 //     (wrapped under the old key id, which every plugin can still decrypt), a healthy
 //     Status extends that write state as usual, and it rotates only after the driver
 //     steps WriteAllowed for the held key id (every other apiserver's plugin reports
-//     it). The first write state is not fenced: without one nothing can be written.
+//     it). The first write state cannot be fenced that way (there is no older one to
+//     write with): with Config.FirstSeedHold it is taken, but writes wait until
+//     WriteAllowed names its key id, for at most FirstSeedHold.
 package state
 
 import (
@@ -57,6 +59,11 @@ type Config struct {
 	WriteTTL       time.Duration
 	// Fenced holds a new key id back until WriteAllowed (see the package rules).
 	Fenced bool
+	// FirstSeedHold, with Fenced, holds writes under the first DEK source of the
+	// machine (a start, or a provider built by a reload) until WriteAllowed names its
+	// key id, for at most this long; then writes go ahead under it (View.
+	// FirstSeedHoldExpired). Zero: the first DEK source writes at once.
+	FirstSeedHold time.Duration
 }
 
 // Kind is an RPC the machine asks the driver to run.
@@ -177,6 +184,13 @@ type View struct {
 	// HeldSince is when the first healthy Status reported it.
 	Held      string
 	HeldSince time.Time
+	// FirstSeedHeld: Write is the machine's first DEK source and must not write yet
+	// (Config.FirstSeedHold), until FirstSeedHeldUntil at the latest.
+	FirstSeedHeld      bool
+	FirstSeedHeldUntil time.Time
+	// FirstSeedHoldExpired: the first DEK source's hold ended at its bound, not by
+	// WriteAllowed (writes go ahead under a key id not every plugin reported).
+	FirstSeedHoldExpired bool
 }
 
 // Machine is the lifecycle state. Not safe for concurrent use; one driver owns it.
@@ -210,6 +224,11 @@ type Machine struct {
 	heldSince, heldStatus time.Time
 
 	generation uint64
+
+	// firstHeldUntil is set while the first DEK source is held (Config.FirstSeedHold);
+	// firstExpired records that the hold ended at its bound.
+	firstHeldUntil time.Time
+	firstExpired   bool
 }
 
 // New returns a machine that asks for a Status at once.
@@ -230,6 +249,9 @@ func New(cfg Config, now time.Time) *Machine {
 func (m *Machine) Tick(now time.Time) {
 	if now.After(m.now) {
 		m.now = now
+	}
+	if !m.firstHeldUntil.IsZero() && !m.now.Before(m.firstHeldUntil) {
+		m.firstHeldUntil, m.firstExpired = time.Time{}, true
 	}
 }
 
@@ -265,6 +287,9 @@ func (m *Machine) Step(ev Event) error {
 		}
 	case WriteAllowed:
 		m.Tick(e.At)
+		if !m.firstHeldUntil.IsZero() && m.write != nil && e.KeyID == m.write.KeyID {
+			m.firstHeldUntil = time.Time{}
+		}
 		if m.held != "" && e.KeyID == m.held && m.healthy && !m.encryptInFlight && !m.rotQueued {
 			m.rotKeyID, m.rotStatus, m.rotQueued = m.held, m.heldStatus, true
 			m.held, m.heldSince, m.heldStatus = "", time.Time{}, time.Time{}
@@ -357,6 +382,9 @@ func (m *Machine) stepEncrypt(e EncryptResult) {
 			m.cfg.Provider, m.cfg.WriteType, err, KeyIDHash(m.rotKeyID), KeyIDHash(e.KeyID), w, exp))
 		return
 	}
+	if m.write == nil && m.cfg.Fenced && m.cfg.FirstSeedHold > 0 {
+		m.firstHeldUntil = e.At.Add(m.cfg.FirstSeedHold)
+	}
 	m.generation++
 	m.write = &WriteState{
 		Generation:  m.generation,
@@ -411,6 +439,13 @@ func (m *Machine) View() View {
 		HeldSince:   m.heldSince,
 	}
 	v.CanWrite = m.write != nil && m.now.Before(m.write.Expiry)
+	if !m.firstHeldUntil.IsZero() {
+		v.FirstSeedHeld, v.FirstSeedHeldUntil = true, m.firstHeldUntil
+		if m.firstHeldUntil.Before(v.NextWake) {
+			v.NextWake = m.firstHeldUntil
+		}
+	}
+	v.FirstSeedHoldExpired = m.firstExpired
 	return v
 }
 

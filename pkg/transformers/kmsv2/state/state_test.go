@@ -20,7 +20,7 @@ var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 //
 // Commands:
 //
-//	reset [fenced]                         a new machine at +0s; the plugin is healthy with key id 1;
+//	reset [fenced [first-seed-hold=<d>]]   a new machine at +0s; the plugin is healthy with key id 1;
 //	                                       fenced: Config.Fenced, and the view gains a fence line
 //	allow key=K                            Steps WriteAllowed for K (the cluster's write fence opened)
 //	status [healthz=ok] [version=v2] [key=1] [key-len=N] [err=msg]
@@ -68,7 +68,16 @@ func (h *harness) run(t *testing.T, d *datadriven.TestData) string {
 		*h = *newHarness()
 		if d.HasArg("fenced") {
 			h.fenced = true
-			h.m = New(Config{Provider: "kms1", WriteType: wire.SourceHKDFSeed, Fenced: true}, t0)
+			cfg := Config{Provider: "kms1", WriteType: wire.SourceHKDFSeed, Fenced: true}
+			if d.HasArg("first-seed-hold") {
+				var hold string
+				d.ScanArgs(t, "first-seed-hold", &hold)
+				var err error
+				if cfg.FirstSeedHold, err = time.ParseDuration(hold); err != nil {
+					d.Fatalf(t, "%v", err)
+				}
+			}
+			h.m = New(cfg, t0)
 		}
 		return h.view()
 	case "allow":
@@ -218,6 +227,12 @@ func (h *harness) view() string {
 	}
 	if h.fenced {
 		fmt.Fprintf(&b, "\nfence: reported=%s held=%s since=%s", orNone(v.Reported), orNone(v.Held), rel(v.HeldSince))
+		if v.FirstSeedHeld {
+			fmt.Fprintf(&b, " first-seed-held-until=%s", rel(v.FirstSeedHeldUntil))
+		}
+		if v.FirstSeedHoldExpired {
+			b.WriteString(" first-seed-hold-expired")
+		}
 	}
 	if v.Err != nil {
 		fmt.Fprintf(&b, "\nerr: %v", v.Err)
