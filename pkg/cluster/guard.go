@@ -7,6 +7,7 @@ import (
 
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/guard"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // Guard is a reload.Options.Guard: it refuses a configuration that drops a key (a
@@ -44,7 +45,7 @@ func (n *Node) Guard(current, next *config.Config) error {
 				continue
 			}
 			for _, m := range members {
-				if rule, _ := m.Rule(r.Resource); rule.Write.SameEntry(k) {
+				if w, ok := m.writes(r.Resource); ok && mayBeSame(w, k) && !ownUnreadWriteKey(m, members, n.opts.ID, r.Resource) {
 					reasons = append(reasons, fmt.Sprintf("%s: %s is the write key of apiserver %s", r.Resource, k, m.APIServerID))
 				}
 			}
@@ -59,7 +60,7 @@ func (n *Node) Guard(current, next *config.Config) error {
 				switch {
 				case !rec.Verified:
 					reasons = append(reasons, fmt.Sprintf("%s: dropping %s while the migration to its successor %s is not verified (%s)", r.Resource, k, rec.Target, rec.Error))
-				case rec.Target.SameEntry(k):
+				case mayBeSame(rec.Target, k):
 					reasons = append(reasons, fmt.Sprintf("%s: %s is the key the last verified migration wrote everything with", r.Resource, k))
 				}
 			}
@@ -75,4 +76,23 @@ func (n *Node) Guard(current, next *config.Config) error {
 func readMigrationState(n *Node) (MigrationState, error) {
 	m := &Migrator{opts: MigratorOptions{Client: n.opts.Client, Prefix: n.opts.Prefix}}
 	return m.readState(context.Background())
+}
+
+// mayBeSame reports whether nothing proves a and b different keys (the guard fails
+// closed: a record without a check value may be the key dropped).
+func mayBeSame(a, b Key) bool {
+	m := a.Match(b)
+	return m == transformers.KeysSame || m == transformers.KeysUnverified
+}
+
+// ownUnreadWriteKey reports whether m is this apiserver and no other live member may
+// read its write key for resource: then that key never makes it refuse a file (a
+// straggler's catching-up file drops the key only it writes with). Objects it stored
+// under the key are the stored-objects guard's business.
+func ownUnreadWriteKey(m MemberState, members []MemberState, self, resource string) bool {
+	if m.APIServerID != self {
+		return false
+	}
+	w, _ := m.writes(resource)
+	return !slices.ContainsFunc(members, func(o MemberState) bool { return o.APIServerID != self && o.mayRead(resource, w) })
 }

@@ -45,7 +45,12 @@ func (n *Node) ReadyzCheck() healthz.HealthChecker {
 	})
 }
 
-// MissingKeys lists what ReadyzCheck reports.
+// MissingKeys lists what ReadyzCheck reports: the keys other live members write with
+// that this apiserver's configuration cannot read (a KMS key id its plugin does not
+// decrypt counts), keys this apiserver has under the name of another member's key with
+// another secret, and keys the latest inventory counts stored objects under that
+// another live member can read. The write keys of stragglers (see stragglers) never
+// count: a member that lags must not take the others out of service.
 func (n *Node) MissingKeys() []string {
 	own := n.state(time.Time{})
 	var missing []string
@@ -56,13 +61,38 @@ func (n *Node) MissingKeys() []string {
 	}
 	var others []MemberState
 	for _, m := range n.view.Members() {
-		if m.APIServerID == n.opts.ID {
-			continue
+		if m.APIServerID != n.opts.ID {
+			others = append(others, m)
 		}
-		others = append(others, m)
+	}
+	all := append(slices.Clone(others), own)
+	for _, c := range Conflicts(all) {
+		if c.involves(n.opts.ID) {
+			add(c.String() + " (the same name with different secrets: neither can read what the other writes; give every apiserver the same key)")
+		}
+	}
+	straggling := map[string]map[string]bool{}
+	stragglersOf := func(resource string) map[string]bool {
+		if s, ok := straggling[resource]; ok {
+			return s
+		}
+		straggling[resource] = stragglers(all, resource)
+		return straggling[resource]
+	}
+	for _, m := range others {
 		for _, r := range m.Resources {
-			if !own.CanRead(r.Resource, r.Write) {
+			if r.Write.Provider == "" || stragglersOf(r.Resource)[m.APIServerID] {
+				continue
+			}
+			switch own.Reads(r.Resource, r.Write) {
+			case transformers.KeysDiffer:
+				if r.Write.Provider == transformers.ProviderKMSv2 && own.mayRead(r.Resource, Key{Provider: r.Write.Provider, Key: r.Write.Key}) {
+					add(fmt.Sprintf("%s: %s (written by %s; this apiserver's KMS plugin does not report that key id)", r.Resource, r.Write, m.APIServerID))
+					continue
+				}
 				add(fmt.Sprintf("%s: %s (written by %s)", r.Resource, r.Write, m.APIServerID))
+			case transformers.KeysConflict:
+				add(fmt.Sprintf("%s: %s (written by %s with another secret)", r.Resource, r.Write, m.APIServerID))
 			}
 		}
 	}
@@ -71,13 +101,14 @@ func (n *Node) MissingKeys() []string {
 			for _, ri := range inv.Resources {
 				for _, c := range ri.Buckets {
 					k := Key{Provider: c.Provider, Key: c.Key}
-					if c.Objects == 0 || c.Provider == transformers.ProviderUnknown || own.CanRead(ri.Resource, k) {
+					if c.Objects == 0 || c.Provider == transformers.ProviderUnknown || own.mayRead(ri.Resource, k) {
 						continue
 					}
 					// Only a key another live member reads is one the cluster uses: data
 					// nobody can read is lost, and failing every apiserver's readiness for
-					// it would take the whole control plane down.
-					if by := readBy(others, ri.Resource, k); by != "" {
+					// it would take the whole control plane down. A straggler's keys do
+					// not count either.
+					if by := readBy(others, stragglersOf(ri.Resource), ri.Resource, k); by != "" {
 						add(fmt.Sprintf("%s: %s (%d stored objects, readable by %s)", ri.Resource, k, c.Objects, by))
 					}
 				}
@@ -87,10 +118,11 @@ func (n *Node) MissingKeys() []string {
 	return missing
 }
 
-// readBy names the first member that can read k for resource ("" if none).
-func readBy(members []MemberState, resource string, k Key) string {
+// readBy names the first member, stragglers left out, that may read k for resource
+// ("" if none).
+func readBy(members []MemberState, stragglers map[string]bool, resource string, k Key) string {
 	for _, m := range members {
-		if m.CanRead(resource, k) {
+		if !stragglers[m.APIServerID] && m.mayRead(resource, k) {
 			return m.APIServerID
 		}
 	}
