@@ -308,7 +308,7 @@ func CommonWriteKey(members map[string]MemberState, resource string) (Key, bool,
 		w, writing := members[id].writes(resource)
 		if !writing {
 			parts = append(parts, id+"=(refusing writes)")
-			agree = false
+			agree, sameNames = false, false
 			continue
 		}
 		parts = append(parts, id+"="+w.String())
