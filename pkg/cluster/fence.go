@@ -24,7 +24,10 @@ import (
 // writes with K anyway (nothing safer exists: the members that cannot read it are
 // stragglers and fail /readyz) — unless the entry that wrote before is still in the
 // chain: then it keeps writing, so a straggler never makes the others switch keys. The
-// hold records both cases as unsafe. Promotion is
+// hold records both cases as unsafe. When the entry chosen would make this apiserver a
+// straggler (stragglers: no other live member reads it, and it cannot read the write
+// key of members that moved on), no entry writes: writes are refused with a reason
+// naming the key it lacks, until its file catches up. Promotion is
 // re-asking after the member set changed (Agent.Refence).
 //
 // The fence is not safe for concurrent use; the Node serialises access.

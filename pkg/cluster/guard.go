@@ -12,7 +12,8 @@ import (
 
 // Guard is a reload.Options.Guard: it refuses a configuration that drops a key (a
 // chain entry current has and next has not, for a resource) while
-//   - any live member writes that resource with it (this apiserver included), or
+//   - any live member writes that resource with it (this apiserver included, unless no
+//     other live member can read its write key: a straggler's catching-up file), or
 //   - the cluster's migration of that resource is running, or its latest record is not
 //     verified, or was verified for the dropped key itself.
 //

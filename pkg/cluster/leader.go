@@ -274,7 +274,9 @@ func (l *Leader) plan(r string) Plan {
 // sameTarget reports whether a record's target is the key target: the same key, and
 // for KMS the same key id. A record written before check values were published has
 // none, so it never matches a local key: that resource is migrated once more.
-func sameTarget(rec, target Key) bool { return rec.SameKey(target) && rec.KeyIDHash == target.KeyIDHash }
+func sameTarget(rec, target Key) bool {
+	return rec.SameKey(target) && rec.KeyIDHash == target.KeyIDHash
+}
 
 // offTarget counts the objects an inventory found under keys other than target.
 func offTarget(inv InventoryTaken, target Key) int64 {
