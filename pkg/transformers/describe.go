@@ -114,6 +114,17 @@ type ConfigKey struct {
 	Endpoint string
 }
 
+// Info names the read path as a chain entry, as a Set built from it reports it:
+// provider, name and a local key's check value (no KMS key id: only a running plugin
+// knows it).
+func (k ConfigKey) Info() KeyInfo {
+	ki := KeyInfo{Provider: k.Provider, Key: k.Name}
+	if k.Fingerprint != ([32]byte{}) {
+		ki.Check = checkOf(k.Fingerprint)
+	}
+	return ki
+}
+
 // Describe lists the entries of a configuration that config.Load or config.Parse
 // validated, with the read paths a Set built from it has, without building any
 // provider or holding a secret. ByResource turns them into per-resource rules.
@@ -213,11 +224,7 @@ func describeRule(resource string, keys []ConfigKey) RuleInfo {
 	info := RuleInfo{Resource: resource}
 	for _, k := range keys {
 		info.ReadPrefixes = append(info.ReadPrefixes, k.Prefix)
-		ki := KeyInfo{Provider: k.Provider, Key: k.Name}
-		if k.Fingerprint != ([32]byte{}) {
-			ki.Check = checkOf(k.Fingerprint)
-		}
-		info.ReadKeys = append(info.ReadKeys, ki)
+		info.ReadKeys = append(info.ReadKeys, k.Info())
 	}
 	if len(keys) > 0 {
 		info.WriteProvider, info.WriteKey, info.WritePrefix = keys[0].Provider, keys[0].Name, keys[0].Prefix
