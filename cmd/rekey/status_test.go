@@ -20,7 +20,9 @@ func TestStatusVerdictAndExitCode(t *testing.T) {
 	srv := etcdtest.Start(t)
 	cli := srv.Client(t)
 	ctx := context.Background()
-	k := func(name string) cluster.Key { return cluster.Key{Provider: "aesgcm", Key: name} }
+	k := func(name string) cluster.Key {
+		return cluster.Key{Provider: "aesgcm", Key: name, Check: "check-" + name}
+	}
 	publish := func(m cluster.MemberState) {
 		t.Helper()
 		m.PublishedAt = time.Now()

@@ -308,12 +308,12 @@ func Rules(cfg *config.Config) []Rule {
 	return out
 }
 
-// rule names an entry's chain the way the apiservers publish it: provider and key name,
-// no KMS key id (the file does not know it).
+// rule names an entry's chain the way the apiservers publish it: provider, key name and
+// check value, no KMS key id (the file does not know it).
 func rule(e transformers.Entry[transformers.ConfigKey]) Rule {
 	r := Rule{Resources: slices.Clone(e.Resources)}
 	for _, k := range e.Items {
-		r.Entries = append(r.Entries, Key{Provider: k.Provider, Key: k.Name})
+		r.Entries = append(r.Entries, k.Info())
 	}
 	return r
 }

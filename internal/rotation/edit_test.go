@@ -298,7 +298,7 @@ func TestFileRead(t *testing.T) {
 	if fr.Hash != f.Config.Hash || len(fr.Rules) != 1 {
 		t.Fatalf("Read = %+v, want the aesgcm rule only, with the file's hash", fr)
 	}
-	if got := fr.Rules[0].Entries; len(got) != 2 || got[0] != (Key{Provider: "aesgcm", Key: "key1"}) || got[1] != (Key{Provider: "identity"}) {
+	if got := fr.Rules[0].Entries; len(got) != 2 || !got[0].SameEntry(Key{Provider: "aesgcm", Key: "key1"}) || got[0].Check == "" || got[1] != (Key{Provider: "identity"}) {
 		t.Fatalf("entries %v, want aesgcm/key1, identity", got)
 	}
 	if got := Rules(f.Config); len(got) != 2 {

@@ -449,7 +449,7 @@ func (m *Machine) fileFollowsTarget() bool {
 			m.fail("the file changed during the rotation: the rule for %s is gone; check the file and run `rekey rotate --wait` again to follow it as it is", t.name())
 			return false
 		}
-		if w := m.file.Rules[i].Entries[0]; !w.SameEntry(t.Entries[0]) {
+		if w := m.file.Rules[i].Entries[0]; !w.SameKey(t.Entries[0]) {
 			m.fail("the file changed during the rotation: %s is now written with %s, the rotation was to %s; check the file and run `rekey rotate --wait` again to follow it as it is", t.name(), w, t.Entries[0])
 			return false
 		}
@@ -486,12 +486,12 @@ func (m *Machine) promoteOK() bool {
 			for _, res := range t.Resources {
 				rule, _ := mem.Rule(res)
 				switch {
-				case rule.Held != nil && rule.Held.SameEntry(t.Entries[0]) && !rule.Write.SameEntry(t.Entries[0]):
+				case rule.Held != nil && rule.Held.SameKey(t.Entries[0]) && !rule.Write.SameKey(t.Entries[0]):
 					ok = false
 					missing = append(missing, fmt.Sprintf("%s holds %s back for %s (its fence waits for the apiservers that cannot read it yet)", mem.APIServerID, rule.Held, res))
-				case !rule.Write.SameEntry(t.Entries[0]):
+				case !rule.Write.SameKey(t.Entries[0]):
 					ok = false
-					if slices.ContainsFunc(rule.Read, t.Entries[0].SameEntry) {
+					if slices.ContainsFunc(rule.Read, t.Entries[0].SameKey) {
 						missing = append(missing, fmt.Sprintf("%s writes %s with %s", mem.APIServerID, res, rule.Write))
 					} else {
 						missing = append(missing, fmt.Sprintf("%s writes %s with %s and its file does not have the new key yet", mem.APIServerID, res, rule.Write))

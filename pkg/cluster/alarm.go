@@ -10,12 +10,14 @@ import "time"
 // them or is held back. The disagreement's start is the clock at the first event that
 // found it, kept while it lasts (so every member publishes it and `rekey status` can
 // raise the alarm from any of them); the alarm is raised once it has lasted longer than
-// the threshold, and both clear with the first event that finds the members agreeing.
+// the threshold — at once when a key name has two secrets (Conflicts), which waiting
+// never resolves — and both clear with the first event that finds the members agreeing.
 type disagreementAlarm struct {
 	threshold time.Duration
 	now       time.Time
 	since     time.Time // zero while the members agree
 	detail    string
+	conflict  bool
 	raised    bool
 }
 
@@ -27,7 +29,8 @@ func newDisagreementAlarm(threshold time.Duration, now time.Time) *disagreementA
 func (a *disagreementAlarm) Step(ev FenceEvent) {
 	switch e := ev.(type) {
 	case MembersChanged:
-		a.detail = Evaluate(e.Members, nil, a.now, a.threshold).Disagreement
+		v := Evaluate(e.Members, nil, a.now, a.threshold)
+		a.detail, a.conflict = v.Disagreement, len(v.Conflicts) > 0
 		if a.detail == "" {
 			a.since = time.Time{}
 		} else if a.since.IsZero() {
@@ -38,7 +41,8 @@ func (a *disagreementAlarm) Step(ev FenceEvent) {
 			a.now = e.Now
 		}
 	}
-	a.raised = !a.since.IsZero() && a.now.Sub(a.since) > a.threshold
+	// A key name with two secrets never resolves by waiting: it raises the alarm at once.
+	a.raised = !a.since.IsZero() && (a.conflict || a.now.Sub(a.since) > a.threshold)
 }
 
 // Since is when the members started to disagree (zero while they agree).

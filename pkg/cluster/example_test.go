@@ -62,7 +62,9 @@ func ExampleNode() {
 // one writing, until every other live member can read it.
 func ExampleFence() {
 	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
-	k1, k2 := cluster.Key{Provider: transformers.ProviderAESGCM, Key: "k1"}, cluster.Key{Provider: transformers.ProviderAESGCM, Key: "k2"}
+	// Check values as transformers.CheckValue makes them from the secrets.
+	k1 := cluster.Key{Provider: transformers.ProviderAESGCM, Key: "k1", Check: "5be0d8f8a1c7e2b3"}
+	k2 := cluster.Key{Provider: transformers.ProviderAESGCM, Key: "k2", Check: "09e4c6d1f2a37b58"}
 	b := cluster.MemberState{APIServerID: "b", Resources: []cluster.ResourceState{{Resource: "secrets", Write: k1, Read: []cluster.Key{k1}}}}
 
 	f := cluster.NewFence("a", now)
@@ -75,6 +77,6 @@ func ExampleFence() {
 	f.Step(cluster.MembersChanged{Members: []cluster.MemberState{b}})
 	fmt.Println("b reads k2 too:", f.Writers(current, next), len(f.Holds()))
 	// Output:
-	// b reads k1 only: map[secrets:1] [b]
+	// b reads k1 only: map[secrets:{1 }] [b]
 	// b reads k2 too: map[] 0
 }

@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"fmt"
 	"maps"
 	"slices"
 	"strings"
@@ -23,7 +24,10 @@ import (
 // writes with K anyway (nothing safer exists: the members that cannot read it are
 // stragglers and fail /readyz) — unless the entry that wrote before is still in the
 // chain: then it keeps writing, so a straggler never makes the others switch keys. The
-// hold records both cases as unsafe. Promotion is
+// hold records both cases as unsafe. When the entry chosen would make this apiserver a
+// straggler (stragglers: no other live member reads it, and it cannot read the write
+// key of members that moved on), no entry writes: writes are refused with a reason
+// naming the key it lacks, until its file catches up. Promotion is
 // re-asking after the member set changed (Agent.Refence).
 //
 // The fence is not safe for concurrent use; the Node serialises access.
@@ -51,6 +55,10 @@ type Hold struct {
 	// Unsafe is set when no entry of the chain is readable by every member, so Held
 	// writes after all.
 	Unsafe bool `json:"unsafe,omitempty"`
+	// Refused is set, with why, when no entry writes: this apiserver straggles (its
+	// write key is read by no other live member, and it cannot read theirs). Writing
+	// is then zero.
+	Refused string `json:"refused,omitempty"`
 }
 
 // FenceEvent is an input of Fence.Step.
@@ -101,55 +109,94 @@ func (f *Fence) Step(ev FenceEvent) {
 
 // Writers decides, for the rules of next (built from the configuration: ReadKeys[0] is
 // the configured write key) given the rules serving now (current, nil at start), the
-// index in ReadKeys of the entry each rule writes with. It records the holds. This is
-// the reload.Options.WriteFence contract.
-func (f *Fence) Writers(current, next []transformers.RuleInfo) map[string]int {
-	out := map[string]int{}
+// entry each rule writes with, or that it refuses writes. It records the holds. This
+// is the reload.Options.WriteFence contract.
+func (f *Fence) Writers(current, next []transformers.RuleInfo) map[string]transformers.Writer {
+	out := map[string]transformers.Writer{}
 	holds := map[string]Hold{}
 	for _, n := range next {
 		if len(n.ReadKeys) == 0 {
 			continue
 		}
 		want := n.ReadKeys[0]
-		if writesAlready(current, n.Resource, want) {
-			// Promotion needs every member's ack; keeping a promoted key does not. A
-			// member that cannot read it now is a straggler (it rejoined with an old
-			// file): it is not ready until its file catches up, and must not pull the
-			// others back to an older key.
-			continue
-		}
-		waiting := append(f.cannotRead(n.Resource, want), f.unknownWaiting()...)
-		if len(waiting) == 0 && f.gate != nil {
-			// Everyone reads want, but the handshake with a member dropping it has not
-			// been done yet. Hold only when there is something else to write with: with
-			// nothing else, want writes either way.
-			if ok, why := f.gate.MayPromote(n.Resource, want); !ok {
-				if idx, _ := f.fallback(n, current); idx != 0 {
-					waiting = []string{why}
+		idx, h := 0, Hold{Resource: n.Resource, Held: want, Since: f.now}
+		// Promotion needs every member's ack; keeping a promoted key does not. A
+		// member that cannot read it now is a straggler (it rejoined with an old
+		// file): it is not ready until its file catches up, and must not pull the
+		// others back to an older key.
+		if !writesAlready(current, n.Resource, want) {
+			h.WaitingFor = append(f.cannotRead(n.Resource, want), f.unknownWaiting()...)
+			if len(h.WaitingFor) == 0 && f.gate != nil {
+				// Everyone reads want, but the handshake with a member dropping it has not
+				// been done yet. Hold only when there is something else to write with: with
+				// nothing else, want writes either way.
+				if ok, why := f.gate.MayPromote(n.Resource, want); !ok {
+					if i, _ := f.fallback(n, current); i != 0 {
+						h.WaitingFor = []string{why}
+					}
 				}
 			}
 		}
-		if len(waiting) == 0 {
-			continue
+		if len(h.WaitingFor) > 0 {
+			idx, h.Unsafe = f.fallback(n, current)
 		}
-		idx, unsafe := f.fallback(n, current)
-		h := Hold{Resource: n.Resource, Held: want, Writing: n.ReadKeys[idx], Since: f.now, WaitingFor: waiting, Unsafe: unsafe}
-		if old, ok := f.holds[n.Resource]; ok && old.Held.SameEntry(want) {
+		if why := f.straggling(n, idx); why != "" {
+			// Writing would store data that no other live apiserver can read.
+			out[n.Resource] = transformers.Writer{Refuse: why}
+			h.Writing, h.Refused = Key{}, why
+		} else if len(h.WaitingFor) == 0 {
+			continue
+		} else {
+			h.Writing = n.ReadKeys[idx]
+			if idx != 0 {
+				out[n.Resource] = transformers.Writer{Index: idx}
+			}
+		}
+		if old, ok := f.holds[n.Resource]; ok && old.Held.SameKey(want) {
 			h.Since = old.Since
 		}
 		holds[n.Resource] = h
-		if idx != 0 {
-			out[n.Resource] = idx
-		}
 	}
 	f.holds = holds
 	return out
 }
 
+// straggling says why rule n must refuse writes when it would write with its entry idx
+// ("" when it may write): this apiserver would straggle (see stragglers) — no other
+// live member may read that entry, and it cannot read the write key of members that
+// moved on. The reason names the keys it lacks.
+func (f *Fence) straggling(n transformers.RuleInfo, idx int) string {
+	if !f.synced || len(f.members) == 0 {
+		return ""
+	}
+	n.WriteIndex, n.WriteRefused = idx, ""
+	self := MemberState{APIServerID: f.self, Resources: []ResourceState{resourceState(n)}}
+	all := append(f.others(), self)
+	if !stragglers(all, n.Resource)[f.self] {
+		return ""
+	}
+	lacks := map[string][]string{}
+	var keys []string
+	for _, o := range f.others() {
+		if w, ok := o.writes(n.Resource); ok && !self.mayRead(n.Resource, w) {
+			if _, seen := lacks[w.String()]; !seen {
+				keys = append(keys, w.String())
+			}
+			lacks[w.String()] = append(lacks[w.String()], o.APIServerID)
+		}
+	}
+	var parts []string
+	for _, k := range keys {
+		parts = append(parts, fmt.Sprintf("%s (written by %s)", k, strings.Join(lacks[k], ",")))
+	}
+	return fmt.Sprintf("writes of %s are refused: this apiserver's encryption configuration cannot read %s, and no other live apiserver can read its write key %s; add the missing key to its configuration",
+		n.Resource, strings.Join(parts, ", "), n.ReadKeys[idx])
+}
+
 // writesAlready reports whether the rule for resource in current writes with k.
 func writesAlready(current []transformers.RuleInfo, resource string, k Key) bool {
 	for _, c := range current {
-		if c.Resource == resource && c.WriteIndex < len(c.ReadKeys) && c.ReadKeys[c.WriteIndex].SameEntry(k) {
+		if w, ok := c.Writer(); ok && c.Resource == resource && w.SameKey(k) {
 			return true
 		}
 	}
@@ -164,11 +211,12 @@ func writesAlready(current []transformers.RuleInfo, resource string, k Key) bool
 func (f *Fence) fallback(n transformers.RuleInfo, current []transformers.RuleInfo) (idx int, unsafe bool) {
 	prev := -1
 	for _, c := range current {
-		if c.Resource != n.Resource || c.WriteIndex >= len(c.ReadKeys) {
+		w, ok := c.Writer()
+		if c.Resource != n.Resource || !ok {
 			continue
 		}
 		for i, k := range n.ReadKeys {
-			if k.SameEntry(c.ReadKeys[c.WriteIndex]) {
+			if k.SameKey(w) {
 				prev = i
 				break
 			}
@@ -229,7 +277,7 @@ func keyIDUnknown(k Key) bool { return k.Provider == transformers.ProviderKMSv2 
 // heldKeyID returns the key id r's KMS provider holds back while the same entry writes
 // under an older one (ok false when r holds no key id).
 func heldKeyID(r ResourceState) (held Key, ok bool) {
-	if r.Held == nil || r.Held.Provider != transformers.ProviderKMSv2 || r.Held.KeyIDHash == "" || !r.Held.SameEntry(r.Write) {
+	if r.Held == nil || r.Held.Provider != transformers.ProviderKMSv2 || r.Held.KeyIDHash == "" || !r.Held.SameKey(r.Write) {
 		return Key{}, false
 	}
 	return *r.Held, true

@@ -97,8 +97,12 @@ func renderFence(f *Fence, rules []transformers.RuleInfo, now time.Time) string 
 	}
 	sort.SliceStable(rules, func(i, j int) bool { return rules[i].Resource < rules[j].Resource })
 	for _, r := range rules {
-		fmt.Fprintf(&b, "%s: writes %s", r.Resource, r.ReadKeys[r.WriteIndex])
-		if h, ok := holds[r.Resource]; ok {
+		if w, ok := r.Writer(); ok {
+			fmt.Fprintf(&b, "%s: writes %s", r.Resource, w)
+		} else {
+			fmt.Fprintf(&b, "%s: REFUSES WRITES: %s", r.Resource, r.WriteRefused)
+		}
+		if h, ok := holds[r.Resource]; ok && h.Refused == "" {
 			fmt.Fprintf(&b, "; holds %s for %s, waiting for %s", h.Held, ago(now, h.Since), strings.Join(h.WaitingFor, ","))
 			if h.Unsafe {
 				b.WriteString(" (unsafe: no key every member reads)")

@@ -11,11 +11,13 @@ import (
 
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/guard"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // Guard is a reload.Options.Guard: it refuses a configuration that drops a key (a
 // chain entry current has and next has not, for a resource) while
-//   - any live member writes that resource with it (this apiserver included),
+//   - any live member writes that resource with it (this apiserver included, unless no
+//     other live member can read its write key: a straggler's catching-up file),
 //   - any other live member has it configured as its write key, held back or not, or
 //   - the cluster's migration of that resource is running, or its latest record is not
 //     verified, or was verified for the dropped key itself.
@@ -113,7 +115,7 @@ func (n *Node) migrationReasons(drops map[string][]Key) []string {
 				switch {
 				case !rec.Verified:
 					reasons = append(reasons, fmt.Sprintf("%s: dropping %s while the migration to its successor %s is not verified (%s)", res, k, rec.Target, rec.Error))
-				case rec.Target.SameEntry(k):
+				case mayBeSame(rec.Target, k):
 					reasons = append(reasons, fmt.Sprintf("%s: %s is the key the last verified migration wrote everything with", res, k))
 				}
 			}
@@ -175,4 +177,23 @@ func readMembers(ctx context.Context, cli *clientv3.Client, prefix, clusterID st
 		}
 	}
 	return r, nil
+}
+
+// mayBeSame reports whether nothing proves a and b different keys (the guard fails
+// closed: a record without a check value may be the key dropped).
+func mayBeSame(a, b Key) bool {
+	m := a.Match(b)
+	return m == transformers.KeysSame || m == transformers.KeysUnverified
+}
+
+// ownUnreadWriteKey reports whether m is this apiserver and no other live member may
+// read its write key for resource: then that key never makes it refuse a file (a
+// straggler's catching-up file drops the key only it writes with). Objects it stored
+// under the key are the stored-objects guard's business.
+func ownUnreadWriteKey(m MemberState, members []MemberState, self, resource string) bool {
+	if m.APIServerID != self {
+		return false
+	}
+	w, _ := m.writes(resource)
+	return !slices.ContainsFunc(members, func(o MemberState) bool { return o.APIServerID != self && o.mayRead(resource, w) })
 }

@@ -60,10 +60,11 @@ func checkDrops(self string, current, next MemberState, members []MemberState) d
 			c.Drops[r.Resource] = append(c.Drops[r.Resource], k)
 			for _, m := range members {
 				rule, _ := m.Rule(r.Resource)
+				w, writes := m.writes(r.Resource)
 				switch {
-				case rule.Write.SameEntry(k):
+				case writes && mayBeSame(w, k) && !ownUnreadWriteKey(m, members, self, r.Resource):
 					c.InUse = append(c.InUse, fmt.Sprintf("%s: %s is the write key of apiserver %s", r.Resource, k, m.APIServerID))
-				case m.APIServerID != self && configuredWriteKey(rule).SameEntry(k):
+				case m.APIServerID != self && mayBeSame(configuredWriteKey(rule), k):
 					c.Configured = append(c.Configured, fmt.Sprintf("%s: %s is the configured write key of apiserver %s, held back until every apiserver can read it; "+
 						"drop it from that apiserver's file too (or keep it here as a read key)", r.Resource, k, m.APIServerID))
 				}

@@ -18,15 +18,27 @@ import (
 // epoch is the start of every transcript's clock.
 var epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 
-// parseKey reads "aesgcm/k1", "kms/vault@h1" (key id hash h1) or "identity".
+// parseKey reads "aesgcm/k1", "aesgcm/k1#s2" (a local key whose secret has check
+// value s2; without #, every local key's check value is "s1": one secret per name),
+// "aesgcm/k1#" (no check value: a record of an older rekey), "kms/vault@h1" (key id
+// hash h1) or "identity".
 func parseKey(s string) Key {
 	s, hash, _ := strings.Cut(strings.TrimSpace(s), "@")
+	s, check, hasCheck := strings.Cut(s, "#")
 	p, k, _ := strings.Cut(s, "/")
-	return Key{Provider: p, Key: k, KeyIDHash: hash}
+	key := Key{Provider: p, Key: k, KeyIDHash: hash}
+	switch p {
+	case transformers.ProviderAESGCM, transformers.ProviderAESCBC, transformers.ProviderSecretbox:
+		key.Check = "s1"
+		if hasCheck {
+			key.Check = check
+		}
+	}
+	return key
 }
 
 // parseRules reads lines "<resource>: <key>,<key>..." (configuration order; a key
-// marked with * writes, else the first).
+// marked with * writes, else the first; a rule with a key marked ! refuses writes).
 func parseRules(t *testing.T, input string) []transformers.RuleInfo {
 	t.Helper()
 	var out []transformers.RuleInfo
@@ -43,6 +55,9 @@ func parseRules(t *testing.T, input string) []transformers.RuleInfo {
 			k = strings.TrimSpace(k)
 			if strings.HasPrefix(k, "*") {
 				r.WriteIndex, k = i, k[1:]
+			}
+			if strings.HasPrefix(k, "!") {
+				r.WriteIndex, r.WriteRefused, k = transformers.NoWriter, "refused", k[1:]
 			}
 			r.ReadKeys = append(r.ReadKeys, parseKey(k))
 		}
@@ -97,7 +112,7 @@ func parseMember(t *testing.T, id, input string, now time.Time) MemberState {
 		if r.WriteIndex > 0 {
 			held[r.Resource] = now
 		}
-		if w := r.ReadKeys[r.WriteIndex]; w.Provider == transformers.ProviderKMSv2 {
+		if w, _ := r.Writer(); w.Provider == transformers.ProviderKMSv2 {
 			if k, ok := plugins[w.Key]; ok {
 				st.Resources[i].KMS = &k
 			}
@@ -139,10 +154,14 @@ func (ms liveMembers) list() []MemberState {
 }
 
 // applyWriters returns rules with the writers chosen.
-func applyWriters(rules []transformers.RuleInfo, w map[string]int) []transformers.RuleInfo {
+func applyWriters(rules []transformers.RuleInfo, w map[string]transformers.Writer) []transformers.RuleInfo {
 	out := slices.Clone(rules)
 	for i := range out {
-		out[i].WriteIndex = w[out[i].Resource]
+		c := w[out[i].Resource]
+		out[i].WriteIndex, out[i].WriteRefused = c.Index, c.Refuse
+		if c.Refuse != "" {
+			out[i].WriteIndex = transformers.NoWriter
+		}
 	}
 	return out
 }

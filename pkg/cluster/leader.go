@@ -244,11 +244,11 @@ func (l *Leader) plan(r string) Plan {
 		return Plan{Resource: r, State: PlanWaiting, Detail: detail}
 	}
 	rec, hasRec := l.records[r]
-	due := !hasRec || !rec.Verified || rec.Target != target
+	due := !hasRec || !rec.Verified || !sameTarget(rec.Target, target)
 	why := "the common write key changed since the last migration"
 	if !hasRec {
 		why = "no migration recorded yet"
-	} else if rec.Target == target && !rec.Verified {
+	} else if sameTarget(rec.Target, target) && !rec.Verified {
 		why = "the last migration to it was not verified"
 	}
 	if inv, ok := l.inventory[r]; ok && (!hasRec || inv.TakenAt.After(rec.FinishedAt)) {
@@ -271,6 +271,13 @@ func (l *Leader) plan(r string) Plan {
 	return Plan{Resource: r, State: PlanMigrate, Target: target, Detail: why}
 }
 
+// sameTarget reports whether a record's target is the key target: the same key, and
+// for KMS the same key id. A record written before check values were published has
+// none, so it never matches a local key: that resource is migrated once more.
+func sameTarget(rec, target Key) bool {
+	return rec.SameKey(target) && rec.KeyIDHash == target.KeyIDHash
+}
+
 // offTarget counts the objects an inventory found under keys other than target.
 func offTarget(inv InventoryTaken, target Key) int64 {
 	var n int64
@@ -283,7 +290,10 @@ func offTarget(inv InventoryTaken, target Key) int64 {
 }
 
 // CommonWriteKey returns the key every live member writes resource with, or why there
-// is none. For KMS the key id hashes must agree too, and be known.
+// is none. The keys must be the same (transformers.KeyInfo.Match: provider, name and
+// check value — a record without a check value proves nothing, so it never agrees);
+// for KMS the key id hashes must agree too, and be known. A member whose fence refuses
+// writes writes with no key.
 func CommonWriteKey(members map[string]MemberState, resource string) (Key, bool, string) {
 	if len(members) == 0 {
 		return Key{}, false, "no live member"
@@ -295,22 +305,45 @@ func CommonWriteKey(members map[string]MemberState, resource string) (Key, bool,
 	slices.Sort(ids)
 	var first Key
 	var parts []string
-	agree := true
+	agree, sameNames := true, true
 	for i, id := range ids {
-		rule, _ := members[id].Rule(resource)
-		w := rule.Write
+		w, writing := members[id].writes(resource)
+		if !writing {
+			parts = append(parts, id+"=(refusing writes)")
+			agree, sameNames = false, false
+			continue
+		}
 		parts = append(parts, id+"="+w.String())
 		if keyIDUnknown(w) {
 			agree = false
 		}
 		if i == 0 {
 			first = w
-		} else if w != first {
+		} else if !w.SameKey(first) || w.KeyIDHash != first.KeyIDHash {
 			agree = false
+			sameNames = sameNames && w.String() == first.String()
 		}
 	}
 	if !agree {
+		if sameNames && len(parts) > 1 {
+			// The names agree: say why they still differ.
+			return Key{}, false, "members write with keys of one name whose secrets differ or cannot be compared (a record without a check value): " + checksOf(members, ids, resource)
+		}
 		return Key{}, false, "members write with different keys: " + strings.Join(parts, ", ")
 	}
 	return first, true, ""
+}
+
+// checksOf lists each member's write key with its check value.
+func checksOf(members map[string]MemberState, ids []string, resource string) string {
+	parts := make([]string, 0, len(ids))
+	for _, id := range ids {
+		w, _ := members[id].writes(resource)
+		check := w.Check
+		if check == "" {
+			check = "none"
+		}
+		parts = append(parts, fmt.Sprintf("%s=%s check %s", id, w, check))
+	}
+	return strings.Join(parts, ", ")
 }

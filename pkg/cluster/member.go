@@ -52,8 +52,11 @@ type MemberState struct {
 type ResourceState struct {
 	// Resource is the rule as written in the configuration ("secrets", "*.apps").
 	Resource string `json:"resource"`
-	// Write is the entry that writes now.
+	// Write is the entry that writes now; zero (no provider) while the write fence
+	// refuses writes.
 	Write Key `json:"write"`
+	// Refused is why the write fence refuses writes ("" while it writes).
+	Refused string `json:"refused,omitempty"`
 	// Read lists every entry the rule can read, in configuration order.
 	Read []Key `json:"read"`
 	// Held is the configuration's write key while the write fence holds it back; for
@@ -137,10 +140,8 @@ func StateFromStatus(id, version string, st reload.Status, held map[string]time.
 
 // resourceState is rule as a member publishes it, without holds.
 func resourceState(rule transformers.RuleInfo) ResourceState {
-	rs := ResourceState{Resource: rule.Resource, Read: slices.Clone(rule.ReadKeys)}
-	if rule.WriteIndex >= 0 && rule.WriteIndex < len(rule.ReadKeys) {
-		rs.Write = rule.ReadKeys[rule.WriteIndex]
-	}
+	rs := ResourceState{Resource: rule.Resource, Read: slices.Clone(rule.ReadKeys), Refused: rule.WriteRefused}
+	rs.Write, _ = rule.Writer()
 	return rs
 }
 
@@ -179,11 +180,4 @@ func (s MemberState) Rule(resource string) (rule ResourceState, ok bool) {
 	}
 	plaintext := Key{Provider: transformers.ProviderIdentity}
 	return ResourceState{Resource: resource, Write: plaintext, Read: []Key{plaintext}}, false
-}
-
-// CanRead reports whether the member's rule for resource has the entry k (for KMS:
-// the same provider name, whatever key id).
-func (s MemberState) CanRead(resource string, k Key) bool {
-	r, _ := s.Rule(resource)
-	return slices.ContainsFunc(r.Read, k.SameEntry)
 }

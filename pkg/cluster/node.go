@@ -196,7 +196,7 @@ func (n *Node) Start(ctx context.Context) error {
 }
 
 // WriteFence is reload.Options.WriteFence.
-func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]int {
+func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]transformers.Writer {
 	ev := n.viewEvent()
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -211,7 +211,11 @@ func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]int 
 	n.handshake.BeginDecision()
 	w := n.fence.Writers(current, next)
 	for _, h := range n.fence.Holds() {
-		if b, ok := before[h.Resource]; ok && b.Held == h.Held && b.Writing == h.Writing && b.Unsafe == h.Unsafe {
+		if b, ok := before[h.Resource]; ok && b.Held == h.Held && b.Writing == h.Writing && b.Unsafe == h.Unsafe && b.Refused == h.Refused {
+			continue
+		}
+		if h.Refused != "" {
+			n.log.Info("Write fence refuses writes: no other live apiserver could read them", "resource", h.Resource, "reason", h.Refused)
 			continue
 		}
 		n.log.Info("Write fence holds a new write key back until every live apiserver can read it",

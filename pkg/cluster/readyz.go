@@ -9,6 +9,7 @@ import (
 
 	"k8s.io/apiserver/pkg/server/healthz"
 
+	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -51,9 +52,24 @@ func (n *Node) ReadyzCheck() healthz.HealthChecker {
 	})
 }
 
-// MissingKeys lists what ReadyzCheck reports.
+// MissingKeys lists what ReadyzCheck reports: the keys other live members write with
+// that this apiserver's configuration cannot read (a KMS key id its plugin does not
+// decrypt counts), keys this apiserver has under the name of another member's key with
+// another secret, and keys the latest inventory counts stored objects under that
+// another live member can read. The write keys of stragglers (see stragglers) never
+// count: a member that lags must not take the others out of service.
 func (n *Node) MissingKeys() []string {
-	own := n.state(time.Time{})
+	var inv *migrate.Inventory
+	if n.opts.Inventory != nil {
+		inv = n.opts.Inventory.Latest()
+	}
+	return missingKeys(n.state(time.Time{}), n.view.Members(), inv)
+}
+
+// missingKeys is MissingKeys for this apiserver's state own, the live members (own may
+// be among them, as published; own counts as it is now) and the latest inventory (nil
+// when none).
+func missingKeys(own MemberState, members []MemberState, inv *migrate.Inventory) []string {
 	var missing []string
 	add := func(s string) {
 		if !slices.Contains(missing, s) {
@@ -61,42 +77,71 @@ func (n *Node) MissingKeys() []string {
 		}
 	}
 	var others []MemberState
-	for _, m := range n.view.Members() {
-		if m.APIServerID == n.opts.ID {
-			continue
+	for _, m := range members {
+		if m.APIServerID != own.APIServerID {
+			others = append(others, m)
 		}
-		others = append(others, m)
+	}
+	all := append(slices.Clone(others), own)
+	for _, c := range Conflicts(all) {
+		if c.involves(own.APIServerID) {
+			add(c.String() + " (the same name with different secrets: neither can read what the other writes; give every apiserver the same key)")
+		}
+	}
+	straggling := map[string]map[string]bool{}
+	stragglersOf := func(resource string) map[string]bool {
+		if s, ok := straggling[resource]; ok {
+			return s
+		}
+		straggling[resource] = stragglers(all, resource)
+		return straggling[resource]
+	}
+	for _, m := range others {
 		for _, r := range m.Resources {
-			if !own.CanRead(r.Resource, r.Write) {
+			if r.Write.Provider == "" || stragglersOf(r.Resource)[m.APIServerID] {
+				continue
+			}
+			if r.Write.Provider == transformers.ProviderKMSv2 && !keyIDCounts(all, m, r.Write) {
+				continue
+			}
+			switch own.Reads(r.Resource, r.Write) {
+			case transformers.KeysDiffer:
+				if r.Write.Provider == transformers.ProviderKMSv2 && own.mayRead(r.Resource, Key{Provider: r.Write.Provider, Key: r.Write.Key}) {
+					add(fmt.Sprintf("%s: %s (written by %s; this apiserver's KMS plugin does not report that key id)", r.Resource, r.Write, m.APIServerID))
+					continue
+				}
 				add(fmt.Sprintf("%s: %s (written by %s)", r.Resource, r.Write, m.APIServerID))
+			case transformers.KeysConflict:
+				add(fmt.Sprintf("%s: %s (written by %s with another secret)", r.Resource, r.Write, m.APIServerID))
 			}
 		}
 	}
-	if n.opts.Inventory != nil {
-		if inv := n.opts.Inventory.Latest(); inv != nil {
-			for _, ri := range inv.Resources {
-				for _, c := range ri.Buckets {
-					k := Key{Provider: c.Provider, Key: c.Key}
-					if c.Objects == 0 || c.Provider == transformers.ProviderUnknown || own.CanRead(ri.Resource, k) {
-						continue
-					}
-					// Only a key another live member reads is one the cluster uses: data
-					// nobody can read is lost, and failing every apiserver's readiness for
-					// it would take the whole control plane down.
-					if by := readBy(others, ri.Resource, k); by != "" {
-						add(fmt.Sprintf("%s: %s (%d stored objects, readable by %s)", ri.Resource, k, c.Objects, by))
-					}
-				}
+	if inv == nil {
+		return missing
+	}
+	for _, ri := range inv.Resources {
+		for _, c := range ri.Buckets {
+			k := Key{Provider: c.Provider, Key: c.Key}
+			if c.Objects == 0 || c.Provider == transformers.ProviderUnknown || own.mayRead(ri.Resource, k) {
+				continue
+			}
+			// Only a key another live member reads is one the cluster uses: data
+			// nobody can read is lost, and failing every apiserver's readiness for it
+			// would take the whole control plane down. A straggler's keys do not count
+			// either.
+			if by := readBy(others, stragglersOf(ri.Resource), ri.Resource, k); by != "" {
+				add(fmt.Sprintf("%s: %s (%d stored objects, readable by %s)", ri.Resource, k, c.Objects, by))
 			}
 		}
 	}
 	return missing
 }
 
-// readBy names the first member that can read k for resource ("" if none).
-func readBy(members []MemberState, resource string, k Key) string {
+// readBy names the first member, stragglers left out, that may read k for resource
+// ("" if none).
+func readBy(members []MemberState, stragglers map[string]bool, resource string, k Key) string {
 	for _, m := range members {
-		if m.CanRead(resource, k) {
+		if !stragglers[m.APIServerID] && m.mayRead(resource, k) {
 			return m.APIServerID
 		}
 	}
@@ -113,4 +158,40 @@ func firstSeedHolds(kms []transformers.KMSStatus) []string {
 		}
 	}
 	return held
+}
+
+// keyIDCounts reports whether m's KMS write key k (provider name and key id hash) is
+// one other members must decrypt to be ready. It is not when m's plugin reports another
+// key id (m writes under an older one while its fence holds the new one back: by the
+// KMS v2 contract every plugin still decrypts older key ids), nor when m's plugin is the
+// one that lags: no other member reports k's key id while the key id of some other
+// member is reported by at least two. Two members whose plugins report different key
+// ids, nobody else around: nothing says which lags, and both count.
+func keyIDCounts(members []MemberState, m MemberState, k Key) bool {
+	reported := func(s MemberState) string {
+		for _, p := range s.KMS {
+			if p.Name == k.Key {
+				return p.ReportedKeyIDHash
+			}
+		}
+		return ""
+	}
+	if k.KeyIDHash == "" || reported(m) != k.KeyIDHash {
+		return k.KeyIDHash == "" || reported(m) == ""
+	}
+	count := map[string]int{}
+	for _, o := range members {
+		if id := reported(o); id != "" {
+			count[id]++
+		}
+	}
+	if count[k.KeyIDHash] > 1 {
+		return true
+	}
+	for id, n := range count {
+		if id != k.KeyIDHash && n > 1 {
+			return false
+		}
+	}
+	return true
 }

@@ -13,11 +13,15 @@ type Verdict struct {
 	// held back, and no migration is running or due.
 	Converged bool `json:"converged"`
 	// Summary is one line: "converged", "promoting K for R, waiting for ids",
-	// "members disagree: …", "migrating R x/y", prefixed by "alarm: " when members have
+	// "members disagree: …", "migrating R x/y", or "conflict: …" (one key name, two
+	// secrets), prefixed by "alarm: " when members have
 	// disagreed for longer than the alarm threshold.
 	Summary string `json:"summary"`
 	// Disagreement says which write keys differ or are held ("" when none).
 	Disagreement string `json:"disagreement,omitempty"`
+	// Conflicts lists keys that members have under one name with different secrets;
+	// the summary then starts with "conflict: " and the cluster is not converged.
+	Conflicts []Conflict `json:"conflicts,omitempty"`
 	// Alarm is set when a member reports disagreeing for longer than the threshold.
 	Alarm   bool `json:"alarm"`
 	Members int  `json:"members"`
@@ -71,7 +75,12 @@ func Evaluate(members []MemberState, mig *MigrationState, now time.Time, alarmAf
 			disagree = append(disagree, r+": "+why)
 		}
 	}
-	v.Disagreement = strings.Join(append(slices.Clone(promoting), disagree...), "; ")
+	v.Conflicts = Conflicts(members)
+	var conflicts []string
+	for _, c := range v.Conflicts {
+		conflicts = append(conflicts, c.String())
+	}
+	v.Disagreement = strings.Join(slices.Concat(conflicts, promoting, disagree), "; ")
 	var migrating []string
 	if mig != nil {
 		if mig.Running != nil {
@@ -91,6 +100,8 @@ func Evaluate(members []MemberState, mig *MigrationState, now time.Time, alarmAf
 		}
 	}
 	switch {
+	case len(conflicts) > 0:
+		v.Summary = "conflict: " + strings.Join(conflicts, "; ")
 	case len(promoting) > 0:
 		v.Summary = strings.Join(promoting, "; ")
 	case len(disagree) > 0:

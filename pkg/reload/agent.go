@@ -121,12 +121,14 @@ type Options struct {
 	// It is given the rules of the Set serving now (nil at start) and of the Set about
 	// to serve (built from the configuration, so every WriteIndex is 0 and ReadKeys[0]
 	// is the configuration's write key), and returns, by RuleInfo.Resource, the index
-	// in ReadKeys of the entry that must write; a rule it does not name writes with its
-	// first entry. The agent installs a Set derived with transformers.Set.WithWriters.
+	// in ReadKeys of the entry that must write, or that no entry may (Writer.Refuse:
+	// writes then fail with a ServiceUnavailable error); a rule it does not name writes
+	// with its first entry. The agent installs a Set derived with
+	// transformers.Set.WithWriters.
 	// Call Refence when the answer may have changed (e.g. another apiserver can now read
 	// a held key). It must not block and must not call back into the Agent. A cluster
 	// write fence (pkg/cluster) implements it; pkg/reload does not know about clusters.
-	WriteFence func(current, next []transformers.RuleInfo) map[string]int
+	WriteFence func(current, next []transformers.RuleInfo) map[string]transformers.Writer
 	// OnChange, when set, is called after every swap: an applied configuration, a
 	// promotion or hold by Refence. It runs on the swapping goroutine and must only
 	// signal (e.g. a non-blocking send), never call back into the Agent.
@@ -403,14 +405,31 @@ func (a *Agent) fenced(current []transformers.RuleInfo, set *transformers.Set) (
 	return derived, nil
 }
 
-// sameWriters reports whether rules already write with the entries writers names.
-func sameWriters(rules []transformers.RuleInfo, writers map[string]int) bool {
+// sameWriters reports whether rules already write with the entries writers names (or
+// refuse for the same reason).
+func sameWriters(rules []transformers.RuleInfo, writers map[string]transformers.Writer) bool {
 	for _, r := range rules {
-		if writers[r.Resource] != r.WriteIndex {
+		if !writes(r, writers[r.Resource]) {
 			return false
 		}
 	}
 	return true
+}
+
+// writes reports whether rule r does what w says.
+func writes(r transformers.RuleInfo, w transformers.Writer) bool {
+	if w.Refuse != "" || r.WriteRefused != "" {
+		return w.Refuse == r.WriteRefused
+	}
+	return w.Index == r.WriteIndex
+}
+
+// writerName is the entry rule r writes with, for the log.
+func writerName(r transformers.RuleInfo) string {
+	if k, ok := r.Writer(); ok {
+		return k.String()
+	}
+	return "none (writes refused: " + r.WriteRefused + ")"
 }
 
 // heldKeys lists, for the log, the rules whose configured write key is held back.
@@ -418,7 +437,7 @@ func heldKeys(set *transformers.Set) []string {
 	var held []string
 	for _, r := range set.Rules() {
 		if r.WriteIndex != 0 {
-			held = append(held, r.Resource+": "+r.ReadKeys[0].String()+" held, writing "+r.ReadKeys[r.WriteIndex].String())
+			held = append(held, r.Resource+": "+r.ReadKeys[0].String()+" held, writing "+writerName(r))
 		}
 	}
 	return held
@@ -453,13 +472,13 @@ func (a *Agent) Refence() error {
 	a.stateMu.Unlock()
 	a.retire(old)
 	for _, r := range derived.Rules() {
-		if r.WriteIndex != writers[r.Resource] {
+		if !writes(r, writers[r.Resource]) {
 			continue
 		}
 		for _, o := range rules {
-			if o.Resource == r.Resource && o.WriteIndex != r.WriteIndex {
+			if o.Resource == r.Resource && (o.WriteIndex != r.WriteIndex || o.WriteRefused != r.WriteRefused) {
 				a.log.Info("Write fence changed the write key", "resource", r.Resource,
-					"writeKey", r.ReadKeys[r.WriteIndex].String(), "previous", o.ReadKeys[o.WriteIndex].String(),
+					"writeKey", writerName(r), "previous", writerName(o),
 					"configuredWriteKey", r.ReadKeys[0].String())
 			}
 		}

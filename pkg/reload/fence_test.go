@@ -17,14 +17,14 @@ type testFence struct {
 	calls    int
 }
 
-func (f *testFence) writers(current, next []transformers.RuleInfo) map[string]int {
+func (f *testFence) writers(current, next []transformers.RuleInfo) map[string]transformers.Writer {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.calls++
 	if f.released {
 		return nil
 	}
-	out := map[string]int{}
+	out := map[string]transformers.Writer{}
 	for _, n := range next {
 		for _, c := range current {
 			if c.Resource != n.Resource {
@@ -32,7 +32,7 @@ func (f *testFence) writers(current, next []transformers.RuleInfo) map[string]in
 			}
 			for i, k := range n.ReadKeys {
 				if k.SameEntry(c.ReadKeys[c.WriteIndex]) {
-					out[n.Resource] = i
+					out[n.Resource] = transformers.Writer{Index: i}
 				}
 			}
 		}
@@ -96,7 +96,9 @@ func TestWriteFenceHoldsThenRefencePromotes(t *testing.T) {
 // TestWriteFenceAtStart: the fence is consulted for the first configuration too.
 func TestWriteFenceAtStart(t *testing.T) {
 	f := newFixture(t, secretsConfig("aesgcm:k2,k1"), func(o *Options) {
-		o.WriteFence = func(_, next []transformers.RuleInfo) map[string]int { return map[string]int{"secrets": 1} }
+		o.WriteFence = func(_, next []transformers.RuleInfo) map[string]transformers.Writer {
+			return map[string]transformers.Writer{"secrets": {Index: 1}}
+		}
 	})
 	if p := f.writePrefix(secrets); p != gcmK1 {
 		t.Fatalf("write prefix = %q, want %q", p, gcmK1)

@@ -8,6 +8,7 @@ import (
 	"sort"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	utilerrors "k8s.io/apimachinery/pkg/util/errors"
 	"k8s.io/apiserver/pkg/storage/value"
@@ -42,6 +43,8 @@ type Chain struct {
 	// writer is the index of the sealer that writes: 0 unless a write fence holds the
 	// configuration's first entry back. Staleness stays relative to entry 0.
 	writer int
+	// refuse, when set, is why a write fence refuses every write of this rule.
+	refuse string
 }
 
 var _ value.Transformer = (*Chain)(nil)
@@ -66,16 +69,21 @@ func newChain(gr schema.GroupResource, resource string, sealers []Sealer, m *Met
 	return c
 }
 
-// withWriter returns a copy of c that writes with sealer w.
-func (c *Chain) withWriter(w int) *Chain {
+// withWriter returns a copy of c that writes with the entry w chooses, or refuses.
+func (c *Chain) withWriter(w Writer) *Chain {
 	d := *c
-	d.writer = w
+	d.writer, d.refuse = w.Index, w.Refuse
 	return &d
 }
 
 // TransformToStorage encrypts with the write entry: the first provider and its first
-// key, unless a write fence chose another entry (Set.WithWriters).
+// key, unless a write fence chose another entry (Set.WithWriters). While a write fence
+// refuses writes it fails with a ServiceUnavailable status error naming why: the
+// apiserver must not write data the other apiservers cannot read.
 func (c *Chain) TransformToStorage(ctx context.Context, data []byte, dataCtx value.Context) ([]byte, error) {
+	if c.refuse != "" {
+		return nil, apierrors.NewServiceUnavailable(c.refuse)
+	}
 	if c.obs == nil {
 		return c.sealers[c.writer].Seal(ctx, data, dataCtx)
 	}
@@ -128,10 +136,16 @@ func (c *Chain) Info() RuleInfo {
 	w := c.sealers[c.writer]
 	info := RuleInfo{Resource: c.resource, WritePrefix: string(c.prefixes[c.writer]), WriteIndex: c.writer}
 	info.WriteProvider, info.WriteKey = describe(w)
+	if c.refuse != "" {
+		info.WriteIndex, info.WriteRefused = NoWriter, c.refuse
+	}
 	for i, p := range c.prefixes {
 		info.ReadPrefixes = append(info.ReadPrefixes, string(p))
 		var k KeyInfo
 		k.Provider, k.Key = describe(c.sealers[i])
+		if ck, ok := c.sealers[i].(checked); ok {
+			k.Check = ck.checkValue()
+		}
 		if kp, ok := c.sealers[i].(KMSProvider); ok {
 			st := kp.Status()
 			k.KeyIDHash = st.KeyIDHash

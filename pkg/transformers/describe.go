@@ -3,6 +3,7 @@ package transformers
 import (
 	"crypto/sha256"
 	"encoding/base64"
+	"encoding/hex"
 	"strings"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -113,6 +114,17 @@ type ConfigKey struct {
 	Endpoint string
 }
 
+// Info names the read path as a chain entry, as a Set built from it reports it:
+// provider, name and a local key's check value (no KMS key id: only a running plugin
+// knows it).
+func (k ConfigKey) Info() KeyInfo {
+	ki := KeyInfo{Provider: k.Provider, Key: k.Name}
+	if k.Fingerprint != ([32]byte{}) {
+		ki.Check = checkOf(k.Fingerprint)
+	}
+	return ki
+}
+
 // Describe lists the entries of a configuration that config.Load or config.Parse
 // validated, with the read paths a Set built from it has, without building any
 // provider or holding a secret. ByResource turns them into per-resource rules.
@@ -178,6 +190,21 @@ func KeyFingerprint(providerPrefix string, secret []byte) [32]byte {
 	return fp
 }
 
+// checkValueSize is how many bytes of KeyFingerprint a check value keeps: 64 bits tell
+// two random secrets apart (a chance collision needs about 2^32 keys under one name)
+// and say less about the secret than the full fingerprint does.
+const checkValueSize = 8
+
+// CheckValue is the check value of a local key that apiservers publish
+// (KeyInfo.Check): the first 8 bytes of KeyFingerprint, in hex. It is the same
+// function as the applied-state fingerprints, truncated; see KeyFingerprint for why it
+// is not key material.
+func CheckValue(providerPrefix string, secret []byte) string {
+	return checkOf(KeyFingerprint(providerPrefix, secret))
+}
+
+func checkOf(fp [32]byte) string { return hex.EncodeToString(fp[:checkValueSize]) }
+
 // DescribeRules lists the resource rules of a configuration that config.Load or
 // config.Parse validated the way a Set built from it reports them in Set.Rules — the
 // same rules, named and ordered alike, with the same chains — without building any
@@ -197,7 +224,7 @@ func describeRule(resource string, keys []ConfigKey) RuleInfo {
 	info := RuleInfo{Resource: resource}
 	for _, k := range keys {
 		info.ReadPrefixes = append(info.ReadPrefixes, k.Prefix)
-		info.ReadKeys = append(info.ReadKeys, KeyInfo{Provider: k.Provider, Key: k.Name})
+		info.ReadKeys = append(info.ReadKeys, k.Info())
 	}
 	if len(keys) > 0 {
 		info.WriteProvider, info.WriteKey, info.WritePrefix = keys[0].Provider, keys[0].Name, keys[0].Prefix

@@ -65,6 +65,13 @@ func sealWithPrefix(prefix []byte, capacity int) []byte {
 	return out
 }
 
+// checked is a Sealer of a local key: it knows its key's check value (CheckValue).
+type checked interface{ checkValue() string }
+
+func (g *gcmSealer) checkValue() string { return g.check }
+func (c *cbcSealer) checkValue() string { return c.check }
+func (b *boxSealer) checkValue() string { return b.check }
+
 // ---- identity ----
 
 // identitySealer stores plaintext and refuses to read values that carry an encryption
@@ -92,6 +99,7 @@ func (identitySealer) Open(_ context.Context, data []byte, _ value.Context) ([]b
 // prefix ‖ nonce(12) ‖ ciphertext ‖ tag(16).
 type gcmSealer struct {
 	prefix []byte
+	check  string
 	aead   cipher.AEAD
 }
 
@@ -113,7 +121,7 @@ func newAESGCMSealers(keys []apiserver.Key) ([]Sealer, error) {
 		if err != nil {
 			return nil, fmt.Errorf("aesgcm key %q: %w", k.Name, err)
 		}
-		out = append(out, &gcmSealer{prefix: keyPrefix(AESGCMPrefix, k.Name), aead: aead})
+		out = append(out, &gcmSealer{prefix: keyPrefix(AESGCMPrefix, k.Name), check: CheckValue(AESGCMPrefix, secret), aead: aead})
 	}
 	return out, nil
 }
@@ -154,6 +162,7 @@ func (g *gcmSealer) keyName() string {
 // upstream: prefix ‖ IV(16) ‖ ciphertext. It ignores the AAD.
 type cbcSealer struct {
 	prefix []byte
+	check  string
 	cbc    *aescbc.Cipher
 }
 
@@ -171,7 +180,7 @@ func newAESCBCSealers(keys []apiserver.Key) ([]Sealer, error) {
 		if err != nil {
 			return nil, fmt.Errorf("aescbc key %q: %w", k.Name, err)
 		}
-		out = append(out, &cbcSealer{prefix: keyPrefix(AESCBCPrefix, k.Name), cbc: c})
+		out = append(out, &cbcSealer{prefix: keyPrefix(AESCBCPrefix, k.Name), check: CheckValue(AESCBCPrefix, secret), cbc: c})
 	}
 	return out, nil
 }
@@ -228,6 +237,7 @@ func (c *cbcSealer) Open(_ context.Context, data []byte, _ value.Context) ([]byt
 // prefix ‖ nonce(24) ‖ tag(16) ‖ ciphertext. Like upstream it does not bind the AAD.
 type boxSealer struct {
 	prefix []byte
+	check  string
 	key    [secretboxKeySize]byte
 }
 
@@ -244,7 +254,7 @@ func newSecretboxSealers(keys []apiserver.Key) ([]Sealer, error) {
 		if len(secret) != secretboxKeySize {
 			return nil, fmt.Errorf("secretbox key %q: expected key size 32 for secretbox provider, got %d", k.Name, len(secret))
 		}
-		s := &boxSealer{prefix: keyPrefix(SecretboxPrefix, k.Name)}
+		s := &boxSealer{prefix: keyPrefix(SecretboxPrefix, k.Name), check: CheckValue(SecretboxPrefix, secret)}
 		copy(s.key[:], secret)
 		out = append(out, s)
 	}

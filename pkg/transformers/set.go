@@ -198,22 +198,34 @@ func (s *Set) Close() {
 	})
 }
 
+// Writer is a write fence's choice for one resource rule.
+type Writer struct {
+	// Index is the entry of the rule's chain (RuleInfo.ReadKeys) that writes.
+	Index int
+	// Refuse, when set, means no entry may write: every write of the rule fails with a
+	// ServiceUnavailable error carrying this text (it names what is missing), and reads
+	// are unchanged. A write fence refuses rather than write data that no other live
+	// apiserver can read.
+	Refuse string
+}
+
 // WithWriters returns a Set with the same providers whose rule for each resource named
 // in writers (as RuleInfo.Resource spells it) writes with the entry at that index of
-// its read chain (RuleInfo.ReadKeys) instead of the first; rules not named, or named
-// with index 0, write with the configuration's first entry. Reads are unchanged, and so
-// is the stale flag: a value read by any entry but the configuration's first is stale,
-// whichever entry writes. The new Set shares the KMS providers; each Set must be
-// closed, and the providers stop with the last one. This is how a write fence holds a
-// new write key back while it keeps the rest of a configuration.
-func (s *Set) WithWriters(writers map[string]int) (*Set, error) {
+// its read chain (RuleInfo.ReadKeys) instead of the first, or refuses writes; rules not
+// named, or named with index 0, write with the configuration's first entry. Reads are
+// unchanged, and so is the stale flag: a value read by any entry but the
+// configuration's first is stale, whichever entry writes. The new Set shares the KMS
+// providers; each Set must be closed, and the providers stop with the last one. This
+// is how a write fence holds a new write key back while it keeps the rest of a
+// configuration.
+func (s *Set) WithWriters(writers map[string]Writer) (*Set, error) {
 	for res, w := range writers {
 		c := s.ruleNamed(res)
 		if c == nil {
 			return nil, fmt.Errorf("transformers: no resource rule %q to choose a writer for", res)
 		}
-		if w < 0 || w >= len(c.sealers) {
-			return nil, fmt.Errorf("transformers: resource rule %q has %d providers and keys; writer %d does not exist", res, len(c.sealers), w)
+		if w.Index < 0 || w.Index >= len(c.sealers) {
+			return nil, fmt.Errorf("transformers: resource rule %q has %d providers and keys; writer %d does not exist", res, len(c.sealers), w.Index)
 		}
 	}
 	s.shared.mu.Lock()
@@ -260,8 +272,22 @@ type RuleInfo struct {
 	// configuration makes the writer.
 	ReadKeys []KeyInfo `json:"readKeys"`
 	// WriteIndex is the index in ReadKeys of the entry that writes: 0 unless a write
-	// fence holds the configuration's first entry back (Set.WithWriters).
+	// fence holds the configuration's first entry back (Set.WithWriters); NoWriter
+	// while it refuses writes.
 	WriteIndex int `json:"writeIndex,omitempty"`
+	// WriteRefused is why writes are refused (WriteIndex is NoWriter), "" otherwise.
+	WriteRefused string `json:"writeRefused,omitempty"`
+}
+
+// NoWriter is RuleInfo.WriteIndex of a rule whose writes a write fence refuses.
+const NoWriter = -1
+
+// Writer returns the entry that writes, ok false while writes are refused.
+func (r RuleInfo) Writer() (k KeyInfo, ok bool) {
+	if r.WriteIndex < 0 || r.WriteIndex >= len(r.ReadKeys) {
+		return KeyInfo{}, false
+	}
+	return r.ReadKeys[r.WriteIndex], true
 }
 
 // KeyInfo names one entry of a chain: a provider and key, never key material.
@@ -270,6 +296,10 @@ type KeyInfo struct {
 	Provider string `json:"provider"`
 	// Key is the key name (aes*, secretbox) or the KMS provider name.
 	Key string `json:"key,omitempty"`
+	// Check is a local key's check value (CheckValue): equal secrets have equal check
+	// values, so two apiservers can tell whether a key of the same name is the same
+	// key. Empty for identity and KMS, and in records of rekey versions before it.
+	Check string `json:"check,omitempty"`
 	// KeyIDHash is, for kms, "sha256:<hex>" of the key id the plugin reports now
 	// (empty until its first healthy Status).
 	KeyIDHash string `json:"keyIDHash,omitempty"`
@@ -288,5 +318,48 @@ func (k KeyInfo) String() string {
 }
 
 // SameEntry reports whether k and o name the same provider entry (for kms: the same
-// provider name, whatever key id its plugin reports).
+// provider name, whatever key id its plugin reports), whatever their secrets. Within
+// one chain that is enough; across apiservers or configurations use Match.
 func (k KeyInfo) SameEntry(o KeyInfo) bool { return k.Provider == o.Provider && k.Key == o.Key }
+
+// KeyMatch is how two keys, possibly of two apiservers, compare (KeyInfo.Match).
+type KeyMatch int
+
+const (
+	// KeysDiffer: another provider or another name.
+	KeysDiffer KeyMatch = iota
+	// KeysSame: the same provider and name and, for a local key, the same check value:
+	// the same secret. KMS entries are the same provider entry; whether a plugin can
+	// decrypt a key id is the KMS state's business.
+	KeysSame
+	// KeysConflict: the same provider and name with different check values: two
+	// secrets under one name. Neither can read what the other writes.
+	KeysConflict
+	// KeysUnverified: the same provider and name of a local key, and one of them has no
+	// check value (published by an older rekey): nothing proves the secrets equal.
+	KeysUnverified
+)
+
+// Match compares k and o as keys: provider, name and check value. This is the one
+// comparison of keys across apiservers and configurations.
+func (k KeyInfo) Match(o KeyInfo) KeyMatch {
+	switch {
+	case !k.SameEntry(o):
+		return KeysDiffer
+	case !isLocal(k.Provider):
+		return KeysSame
+	case k.Check == "" || o.Check == "":
+		return KeysUnverified
+	case k.Check != o.Check:
+		return KeysConflict
+	}
+	return KeysSame
+}
+
+// SameKey reports whether k and o are provably the same key (Match is KeysSame).
+func (k KeyInfo) SameKey(o KeyInfo) bool { return k.Match(o) == KeysSame }
+
+// isLocal reports whether provider holds its secret in the configuration.
+func isLocal(provider string) bool {
+	return provider == ProviderAESGCM || provider == ProviderAESCBC || provider == ProviderSecretbox
+}

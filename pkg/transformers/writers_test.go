@@ -6,7 +6,11 @@ import (
 	"strings"
 	"testing"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apiserver/pkg/storage/value"
+
+	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // TestWithWritersWritesWithTheChosenEntry derives a Set whose secrets rule writes with
@@ -14,7 +18,7 @@ import (
 // values, and the stale flag stays relative to the configuration's first key.
 func TestWithWritersWritesWithTheChosenEntry(t *testing.T) {
 	base := loadPair(t, "aesgcm", configFor(`"secrets"`, "aesgcm")).ours
-	held, err := base.WithWriters(map[string]int{"secrets": 1})
+	held, err := base.WithWriters(map[string]transformers.Writer{"secrets": {Index: 1}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +59,7 @@ func TestWithWritersWritesWithTheChosenEntry(t *testing.T) {
 
 func TestWithWritersRefusesUnknownRuleOrIndex(t *testing.T) {
 	base := loadPair(t, "aesgcm", configFor(`"secrets"`, "aesgcm")).ours
-	for _, w := range []map[string]int{{"configmaps": 1}, {"secrets": 2}, {"secrets": -1}} {
+	for _, w := range []map[string]transformers.Writer{{"configmaps": {Index: 1}}, {"secrets": {Index: 2}}, {"secrets": {Index: -1}}} {
 		if s, err := base.WithWriters(w); err == nil {
 			s.Close()
 			t.Errorf("WithWriters(%v) succeeded, want an error", w)
@@ -64,5 +68,92 @@ func TestWithWritersRefusesUnknownRuleOrIndex(t *testing.T) {
 	base.Close()
 	if _, err := base.WithWriters(nil); err == nil || !strings.Contains(err.Error(), "closed") {
 		t.Errorf("WithWriters on a closed Set: %v, want a closed error", err)
+	}
+}
+
+// TestWithWritersRefusal derives a Set whose secrets rule refuses writes: writes fail
+// with a ServiceUnavailable status naming why, reads still work, and the rule reports
+// no writer.
+func TestWithWritersRefusal(t *testing.T) {
+	base := loadPair(t, "aesgcm", configFor(`"secrets"`, "aesgcm")).ours
+	ctx := context.Background()
+	dataCtx := value.DefaultContext("/registry/secrets/ns/s1")
+	stored, err := base.TransformerFor(secrets).TransformToStorage(ctx, []byte("v"), dataCtx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const why = "this apiserver cannot read aesgcm/k2, the key the other apiservers write secrets with"
+	refusing, err := base.WithWriters(map[string]transformers.Writer{"secrets": {Refuse: why}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer refusing.Close()
+	_, err = refusing.TransformerFor(secrets).TransformToStorage(ctx, []byte("w"), dataCtx)
+	if !apierrors.IsServiceUnavailable(err) || !strings.Contains(err.Error(), why) {
+		t.Fatalf("write while refused: %v, want ServiceUnavailable naming %q", err, why)
+	}
+	if plain, _, err := refusing.TransformerFor(secrets).TransformFromStorage(ctx, stored, dataCtx); err != nil || string(plain) != "v" {
+		t.Fatalf("read while refused = %q, %v; want v", plain, err)
+	}
+	info := refusing.Rules()[0]
+	if _, ok := info.Writer(); ok || info.WriteIndex != transformers.NoWriter || info.WriteRefused != why {
+		t.Fatalf("refusing rule info = %+v, want no writer and the reason", info)
+	}
+}
+
+// TestCheckValues: a running Set and DescribeRules publish the same check value for
+// a key, a key of the same name with another secret gets another one, and Match tells
+// the cases apart.
+func TestCheckValues(t *testing.T) {
+	cfgFor := func(secret string) *config.Config {
+		cfg, err := config.Parse([]byte(`apiVersion: apiserver.config.k8s.io/v1
+kind: EncryptionConfiguration
+resources:
+- resources: ["secrets"]
+  providers:
+  - aesgcm:
+      keys:
+      - name: k1
+        secret: `+secret+`
+  - identity: {}
+`), "test", config.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cfg
+	}
+	a := cfgFor("MTIzNDU2Nzg5MDEyMzQ1Ng==")
+	b := cfgFor("YWJjZGVmZ2hpamtsbW5vcA==")
+	set, err := transformers.Build(context.Background(), a, transformers.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer set.Close()
+	built, described := set.Rules()[0].ReadKeys[0], transformers.DescribeRules(a)[0].ReadKeys[0]
+	other := transformers.DescribeRules(b)[0].ReadKeys[0]
+	if built.Check == "" || built != described {
+		t.Fatalf("built %+v, described %+v: want equal, with a check value", built, described)
+	}
+	if len(built.Check) != 16 || strings.Contains(built.Check, "MTIz") {
+		t.Fatalf("check value %q: want 16 hex characters, nothing of the secret", built.Check)
+	}
+	legacy := transformers.KeyInfo{Provider: "aesgcm", Key: "k1"}
+	for _, c := range []struct {
+		a, b transformers.KeyInfo
+		want transformers.KeyMatch
+	}{
+		{built, described, transformers.KeysSame},
+		{built, other, transformers.KeysConflict},
+		{built, legacy, transformers.KeysUnverified},
+		{built, transformers.KeyInfo{Provider: "aesgcm", Key: "k2", Check: built.Check}, transformers.KeysDiffer},
+		{transformers.KeyInfo{Provider: "kms", Key: "v", KeyIDHash: "h1"}, transformers.KeyInfo{Provider: "kms", Key: "v", KeyIDHash: "h2"}, transformers.KeysSame},
+		{transformers.KeyInfo{Provider: "identity"}, transformers.KeyInfo{Provider: "identity"}, transformers.KeysSame},
+	} {
+		if got := c.a.Match(c.b); got != c.want {
+			t.Errorf("%+v.Match(%+v) = %d, want %d", c.a, c.b, got, c.want)
+		}
+	}
+	if id := set.Rules()[0].ReadKeys[1]; id.Check != "" {
+		t.Errorf("identity has check value %q", id.Check)
 	}
 }
