@@ -57,7 +57,7 @@ applies the same guard to every reload.`,
 			}
 			store := &migrate.InventoryStore{}
 			store.Set(inv)
-			keysInUse := guard.New(store, func() bool { return override }, nil, s.log)
+			keysInUse := guard.New(store, func() bool { return override }, nil, nil, s.log)
 			if vs := guard.CheckChange(inv, cur.cfg, nextCfg); len(vs) > 0 && override {
 				fmt.Fprintf(cmd.OutOrStdout(), "WARNING: --%s is set; these objects become unreadable with %s:\n", guard.OverrideFlag, next)
 				for _, v := range vs {

@@ -56,7 +56,17 @@ func (v Violation) String() string {
 //
 // inv may be nil (no inventory yet): then every dropped key is reported.
 func CheckChange(inv *migrate.Inventory, current, next *config.Config) []Violation {
-	return checkChains(inv, newChains(current), newChains(next), false)
+	return CheckReload(inv, current, next, nil)
+}
+
+// CheckReload is CheckChange for a running apiserver whose write fence may have chosen
+// another writer than the configuration's first entry: running is its Set's rules
+// (Set.Rules, reload.Agent.Rules) for current. A key the fence holds back has written
+// nothing, so dropping it is no more a drop of "the key this resource is written with
+// now" than dropping any other read key; a rule whose writes the fence refuses writes
+// with no key. nil running means the configuration's first entry writes.
+func CheckReload(inv *migrate.Inventory, current, next *config.Config, running []transformers.RuleInfo) []Violation {
+	return checkChains(inv, newChains(current).withWriters(running), newChains(next), false)
 }
 
 // checkChains is CheckChange on the read capabilities of two configurations. fresh
@@ -77,7 +87,9 @@ func checkChains(inv *migrate.Inventory, cur, nxt chains, fresh bool) []Violatio
 		for _, ri := range inv.Resources {
 			gr := schema.ParseGroupResource(ri.Resource)
 			cc, nc := cur.lookup(gr), nxt.lookup(gr)
-			if !fresh && cc.writePrefix() != ri.WritePrefix {
+			// A rule whose writes are refused adds no object under any key, so an
+			// inventory of it stays as current as when it was taken.
+			if wp, ok := cc.writePrefix(); !fresh && ok && wp != ri.WritePrefix {
 				continue // outdated for this resource; handled as not covered below
 			}
 			covered[gr] = true
@@ -116,7 +128,7 @@ func checkChains(inv *migrate.Inventory, cur, nxt chains, fresh bool) []Violatio
 		if covered[gr] && fresh {
 			continue // the counts above are exact: nothing was written since
 		}
-		if wp := cc.writePrefix(); !nc.canReadAll(wp, cc) {
+		if wp, ok := cc.writePrefix(); ok && !nc.canReadAll(wp, cc) {
 			add(Violation{Resource: name, Bucket: bucketOf(wp), Objects: -1, Reason: "is the key this resource is written with now, so objects written since the last inventory use it; make the new key the write key first and keep this one as a read key"})
 		}
 		if covered[gr] {
@@ -140,12 +152,16 @@ func bucketOf(prefix string) migrate.Bucket {
 // New returns a reload guard (reload.Options.Guard) backed by the latest inventory in
 // store. A change that CheckChange objects to is refused with a *RefusedError (Check
 // Change), unless override returns true (then it is logged and allowed). m may be nil.
-func New(store *migrate.InventoryStore, override func() bool, m *migrate.Metrics, logger klog.Logger) func(current, next *config.Config) error {
+func New(store *migrate.InventoryStore, override func() bool, running func() []transformers.RuleInfo, m *migrate.Metrics, logger klog.Logger) func(current, next *config.Config) error {
 	if logger.GetSink() == nil {
 		logger = klog.Background()
 	}
 	return func(current, next *config.Config) error {
-		vs := CheckChange(store.Latest(), current, next)
+		var rules []transformers.RuleInfo
+		if running != nil {
+			rules = running()
+		}
+		vs := CheckReload(store.Latest(), current, next, rules)
 		if len(vs) == 0 {
 			return nil
 		}
@@ -168,13 +184,19 @@ type chainEntry struct {
 	fp [32]byte
 }
 
-type chain struct{ entries []chainEntry }
+// chain is one resource's read path; writer is the index of the entry that writes (0
+// unless a write fence chose another; transformers.NoWriter when it refuses writes).
+type chain struct {
+	entries []chainEntry
+	writer  int
+}
 
-func (c chain) writePrefix() string {
-	if len(c.entries) == 0 {
-		return ""
+// writePrefix is the prefix new values get; ok is false when nothing writes.
+func (c chain) writePrefix() (prefix string, ok bool) {
+	if c.writer < 0 || c.writer >= len(c.entries) {
+		return "", false
 	}
-	return c.entries[0].prefix
+	return c.entries[c.writer].prefix, true
 }
 
 func (c chain) canRead(prefix string) bool {
@@ -219,6 +241,27 @@ var identityChain = chain{entries: []chainEntry{{prefix: ""}}}
 // newChains is the guard's view of cfg: the same per-entry description the applied
 // state persists, joined per resource as a Set joins them.
 func newChains(cfg *config.Config) chains { return chainsOf(appliedRules(cfg)) }
+
+// withWriters sets each chain's writer from a running Set's rules of the same
+// configuration (a rule whose read path differs is left as configured).
+func (cs chains) withWriters(running []transformers.RuleInfo) chains {
+	for _, r := range running {
+		gr := schema.ParseGroupResource(r.Resource)
+		c, ok := cs.byGR[gr]
+		if !ok || len(c.entries) != len(r.ReadPrefixes) {
+			continue
+		}
+		same := true
+		for i, e := range c.entries {
+			same = same && e.prefix == r.ReadPrefixes[i]
+		}
+		if same {
+			c.writer = r.WriteIndex
+			cs.byGR[gr] = c
+		}
+	}
+	return cs
+}
 
 func (cs chains) lookup(gr schema.GroupResource) chain {
 	if c, ok := transformers.Lookup(cs.byGR, gr); ok {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/enctest"
 	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // guardInventory returns an inventory of secrets taken under cfg's Set with the given
@@ -142,7 +143,7 @@ func TestNewGuardRefusesAndOverrides(t *testing.T) {
 		t.Fatal(err)
 	}
 	override := false
-	guard := New(store, func() bool { return override }, m, testLogger(t))
+	guard := New(store, func() bool { return override }, nil, m, testLogger(t))
 	err = guard(cur, next)
 	if !errors.Is(err, ErrRefused) {
 		t.Fatalf("guard = %v, want a refusal", err)
@@ -272,7 +273,7 @@ func TestNewAcrossAMigration(t *testing.T) {
 		t.Fatal(err)
 	}
 	store.Set(inv)
-	guard := New(store, nil, nil, testLogger(t))
+	guard := New(store, nil, nil, nil, testLogger(t))
 	err = guard(enctest.MustConfig(t, c1), enctest.MustConfig(t, c2))
 	var refused *RefusedError
 	if !errors.Is(err, ErrRefused) || !errors.As(err, &refused) || refused.Check != Change {
@@ -320,5 +321,44 @@ func TestRefusedErrorPerCheck(t *testing.T) {
 				t.Errorf("%s: %q does not contain %q", tc.err.Check, err, want)
 			}
 		}
+	}
+}
+
+// A write key the cluster's write fence holds back has written nothing: the file that
+// drops it (the files of a cluster made to agree after three parallel rotations) is no
+// drop of "the key this resource is written with now". The key that really writes, and
+// objects counted under any key, still count.
+func TestCheckReloadJudgesTheRunningWriter(t *testing.T) {
+	const (
+		k1 = "k8s:enc:aesgcm:v1:key1:"
+		kb = "k8s:enc:aesgcm:v1:key-b:"
+	)
+	cur := enctest.MustConfig(t, enctest.ConfigYAML("secrets", "aesgcm:key-b,key1"))
+	next := enctest.MustConfig(t, enctest.ConfigYAML("secrets", "aesgcm:key-a,key1"))
+	rules := func(writeIndex int) []transformers.RuleInfo {
+		return []transformers.RuleInfo{{Resource: "secrets", ReadPrefixes: []string{kb, k1}, WriteIndex: writeIndex}}
+	}
+	inv := guardInventory(k1, map[string]int64{k1: 40})
+	if vs := CheckChange(inv, cur, next); len(vs) == 0 {
+		t.Fatal("without the running rules, dropping the configured write key key-b was allowed")
+	}
+	if vs := CheckReload(inv, cur, next, rules(1)); len(vs) != 0 {
+		t.Fatalf("key-b is held (key1 writes): violations %q, want none", vs)
+	}
+	if vs := CheckReload(inv, cur, next, rules(transformers.NoWriter)); len(vs) != 0 {
+		t.Fatalf("writes refused: violations %q, want none", vs)
+	}
+	if vs := CheckReload(inv, cur, next, rules(0)); len(vs) != 1 || !strings.Contains(vs[0].String(), "written with now") {
+		t.Fatalf("key-b writes: violations %q, want the write key refused", vs)
+	}
+	// The held key's inventory is outdated when the inventory was taken under another
+	// writer, and every dropped key is then refused as "may still hold objects".
+	if vs := CheckReload(guardInventory(kb, map[string]int64{kb: 3}), cur, next, rules(1)); len(vs) == 0 {
+		t.Fatal("an inventory taken under another writer counted as current")
+	}
+	// A running rule of another read path (another configuration) is ignored.
+	other := []transformers.RuleInfo{{Resource: "secrets", ReadPrefixes: []string{k1}, WriteIndex: transformers.NoWriter}}
+	if vs := CheckReload(inv, cur, next, other); len(vs) == 0 {
+		t.Fatal("the rules of another configuration changed the judgement")
 	}
 }

@@ -17,7 +17,7 @@
 // KMS v2 provider that kept its name still decrypts one stored DEK per key id.
 //
 //	store := &migrate.InventoryStore{}
-//	agentOpts.Guard = guard.New(store, func() bool { return overrideFlag }, m, logger)
+//	agentOpts.Guard = guard.New(store, func() bool { return overrideFlag }, runningRules, m, logger) // runningRules: the agent's Rules once it exists
 //	agentOpts.SetGuard = guard.NewDecrypt(guard.DecryptOptions{Inventory: store, Client: client, Metrics: m})
 //
 // # At start

@@ -29,6 +29,7 @@ import (
 	"fmt"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -222,6 +223,7 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 		}
 	}
 	allow := o.AllowDroppingKeysInUse
+	var running runningRules
 	ropts := reload.Options{
 		Path:            o.Path,
 		AutomaticReload: o.AutomaticReload,
@@ -235,7 +237,9 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 		APIServerID: o.APIServerID,
 		KMSv1Error:  o.KMSv1Error,
 		Logger:      o.Logger,
-		Guard:       guard.New(l.store, func() bool { return allow }, m, o.Logger),
+		// The guard judges against what the agent writes with now (a write fence may
+		// hold the configuration's first key back), once the agent exists.
+		Guard: guard.New(l.store, func() bool { return allow }, running.rules, m, o.Logger),
 		SetGuard: guard.NewDecrypt(guard.DecryptOptions{
 			Inventory: l.store,
 			Client:    l.etcdClient,
@@ -263,6 +267,9 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 		}
 	}
 	agent, err := reload.NewAgent(ctx, ropts)
+	if err == nil {
+		running.agent.Store(agent)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -519,4 +526,15 @@ func (l *Layer) close() {
 	if l.client != nil {
 		_ = l.client.Close()
 	}
+}
+
+// runningRules gives the key-in-use guard the rules the agent serves, once NewAgent has
+// returned it (the guard is built before the agent; the first load judges nothing).
+type runningRules struct{ agent atomic.Pointer[reload.Agent] }
+
+func (r *runningRules) rules() []transformers.RuleInfo {
+	if a := r.agent.Load(); a != nil {
+		return a.Rules()
+	}
+	return nil
 }

@@ -40,7 +40,7 @@
 //
 //	store := &migrate.InventoryStore{}
 //	m, _ := migrate.NewMetrics(registry)
-//	agentOpts.Guard = guard.New(store, func() bool { return overrideFlag }, m, logger)
+//	agentOpts.Guard = guard.New(store, func() bool { return overrideFlag }, runningRules, m, logger) // runningRules: the agent's Rules once it exists
 //	agent, _ := reload.NewAgent(ctx, agentOpts)
 //	ctrl := migrate.NewController(migrate.ControllerOptions{
 //		Client: etcdClient, Source: migrate.FromRules(agent, agent.Rules), Resources: resources,
