@@ -648,8 +648,16 @@ func measureFenceDecision(t testing.TB, rotations int) ([]time.Duration, int) {
 		b.waitConverged("every object on "+next.Name, 60*time.Second, edit.Render(),
 			testbed.StoredUnderProbe(b.cli, b.secretsKey, storedKey(next.Name)))
 	}
+	members, err := testbed.ReadMembers(t.Context(), b.cli, b.coord)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var atRest []int
+	for _, raw := range members {
+		atRest = append(atRest, len(raw))
+	}
 	b.finish(l)
-	t.Logf("fence decision: median %v, max %v over %d rotations; largest member record %d bytes",
-		median(lat).Round(time.Millisecond), slices.Max(lat).Round(time.Millisecond), rotations, maxSize)
+	t.Logf("fence decision: median %v, max %v over %d rotations; member records: largest seen %d bytes, converged %v bytes",
+		median(lat).Round(time.Millisecond), slices.Max(lat).Round(time.Millisecond), rotations, maxSize, atRest)
 	return lat, maxSize
 }
