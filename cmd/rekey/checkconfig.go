@@ -61,7 +61,7 @@ applies the same guard to every reload.`,
 			if vs := guard.CheckChange(inv, cur.cfg, nextCfg); len(vs) > 0 && override {
 				fmt.Fprintf(cmd.OutOrStdout(), "WARNING: --%s is set; these objects become unreadable with %s:\n", guard.OverrideFlag, next)
 				for _, v := range vs {
-					fmt.Fprintf(cmd.OutOrStdout(), "  - %s\n", v)
+					printLine(cmd.OutOrStdout(), "  - %s", v)
 				}
 				return nil
 			}
@@ -101,7 +101,7 @@ func (c *common) checkKMSDecrypt(ctx context.Context, cmd *cobra.Command, cli *c
 	if !override {
 		return derr
 	}
-	fmt.Fprintf(cmd.OutOrStdout(), "WARNING: --%s is set; %s\n", guard.OverrideFlag, derr)
+	printLine(cmd.OutOrStdout(), "WARNING: --%s is set; %s", guard.OverrideFlag, derr)
 	return nil
 }
 

@@ -44,9 +44,11 @@ ones that cannot be read.`,
 	return cmd
 }
 
+// writeTable renders an inventory: key names, key id hashes and etcd keys come from the
+// stored data, so they go out through row and printLine only.
 func writeTable(w io.Writer, inv *migrate.Inventory) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "RESOURCE\tPROVIDER\tKEY\tKEY ID HASH\tSTATE\tOBJECTS\tUNREADABLE")
+	row(tw, "RESOURCE", "PROVIDER", "KEY", "KEY ID HASH", "STATE", "OBJECTS", "UNREADABLE")
 	for _, r := range inv.Resources {
 		for _, b := range r.Buckets {
 			key := b.Key
@@ -70,16 +72,16 @@ func writeTable(w io.Writer, inv *migrate.Inventory) {
 			} else if !b.KnownKey {
 				unreadable = fmt.Sprint(b.Objects)
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\n", r.Resource, b.Provider, orDash(key), hash, state, b.Objects, unreadable)
+			row(tw, r.Resource, b.Provider, orDash(key), hash, state, fmt.Sprint(b.Objects), unreadable)
 		}
 	}
 	_ = tw.Flush()
 	fmt.Fprintln(w)
 	for _, r := range inv.Resources {
-		fmt.Fprintf(w, "%s: %d objects at revision %d, %d stale, %d plaintext, %d unreadable; written with %s\n",
+		printLine(w, "%s: %d objects at revision %d, %d stale, %d plaintext, %d unreadable; written with %s",
 			r.Resource, r.Objects, r.Revision, r.Stale, r.Plaintext, r.Unreadable, writeDesc(r))
 		if len(r.UnreadableKeys) > 0 {
-			fmt.Fprintf(w, "  unreadable, e.g.: %v\n", r.UnreadableKeys)
+			printLine(w, "  unreadable, e.g.: %v", r.UnreadableKeys)
 		}
 	}
 	fmt.Fprintf(w, "inventory took %s\n", inv.Duration.Round(1e6))

@@ -33,5 +33,6 @@ func newRootCommand() *cobra.Command {
 		SilenceErrors: false,
 	}
 	root.AddCommand(newInventoryCommand(), newMigrateCommand(), newCheckConfigCommand(), newStatusCommand(), newRotateCommand())
+	printableErrors(root)
 	return root
 }

@@ -110,11 +110,39 @@ func (c *common) rotateStep(cmd *cobra.Command, f *rotation.File, r rotation.Req
 	if output != "" {
 		return fmt.Errorf("-o %q: only - (print the new configuration) is supported; without -o the file is replaced", output)
 	}
-	if err := atomicfile.WriteFile(c.configPath, e.Data, 0o600); err != nil {
+	if err := c.replaceFile(cmd.Context(), f.Config.Hash, e); errors.Is(err, errFileChanged) {
+		return fmt.Errorf("%s: %w (another rotate, a person or a pipeline wrote it), so nothing was written; look at it and run rotate again if it still needs this edit", c.configPath, err)
+	} else if err != nil {
 		return fmt.Errorf("%w; the file is left as it was (or print the new configuration with -o - and install it yourself)", err)
 	}
 	fmt.Fprintf(cmd.OutOrStdout(), "%s: %s (%s)\n", c.configPath, summary, e.Config.Hash)
 	return nil
+}
+
+// errFileChanged: the file is not the one the decision to edit it was taken on (another
+// rotate, a person, a pipeline wrote it in between); the edit is not written, so two
+// edits never stack on one another unseen.
+var errFileChanged = errors.New("the configuration file changed since it was read")
+
+// replaceFile replaces the configuration file with e, provided it still holds the
+// content whose hash readHash e was decided on. The check and the rename happen under
+// the file's edit lock (lockForEdit), so two rotate runs cannot both pass the check and
+// the second rename drop the first edit. Only the check and the write are locked: e,
+// and for a removal the guard's inventory of etcd, are worked out before.
+func (c *common) replaceFile(ctx context.Context, readHash string, e *rotation.Edit) error {
+	unlock, err := lockForEdit(ctx, c.configPath)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	_, now, err := config.ReadFile(c.configPath)
+	if err != nil {
+		return err
+	}
+	if now != readHash {
+		return errFileChanged
+	}
+	return atomicfile.WriteFile(c.configPath, e.Data, 0o600)
 }
 
 // readConfigFile reads --encryption-provider-config for an edit; invalid says what a

@@ -10,11 +10,10 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
-	"github.com/rekey-io/rekey/internal/atomicfile"
+	"github.com/rekey-io/rekey/internal/errtext"
 	"github.com/rekey-io/rekey/internal/progress"
 	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/cluster"
-	"github.com/rekey-io/rekey/pkg/config"
 )
 
 // waitOptions are rotate's --wait flags.
@@ -88,7 +87,7 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation.Request, w waitOption
 		case rotation.ActionFail:
 			return fmt.Errorf("rotate --wait: %s", rd.Err)
 		case rotation.ActionWriteFirstEdit, rotation.ActionRemoveOld:
-			if err := c.waitEdit(cmd, m, rd, fr.Hash, r, out); err != nil {
+			if err := c.waitEdit(cmd, m, rd, f, r, out); err != nil {
 				return err
 			}
 			continue
@@ -101,20 +100,23 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation.Request, w waitOption
 	}
 }
 
-// waitEdit makes the edit rd asks for on the file read with readHash and reports the
-// result to m: the first edit (a new write key), or the second (rd.Remove out, once the
-// guard allows it; a refusal is the machine's to retry).
-func (c *common) waitEdit(cmd *cobra.Command, m *rotation.Machine, rd rotation.Ready, readHash string, r rotation.Request, out *waitOutput) error {
-	which, edit := "first", func(f *rotation.File) (*rotation.Edit, error) {
-		r.Now = time.Now()
-		return c.addKey(cmd, f, r)
-	}
+// waitEdit makes the edit rd asks for on f, the file as read for this decision, and
+// reports the result to m: the first edit (a new write key), or the second (rd.Remove
+// out, once the guard allows it; a refusal is the machine's to retry).
+func (c *common) waitEdit(cmd *cobra.Command, m *rotation.Machine, rd rotation.Ready, f *rotation.File, r rotation.Request, out *waitOutput) error {
+	which := "first"
+	var e *rotation.Edit
+	var err error
 	if rd.Action == rotation.ActionRemoveOld {
-		which, edit = "second", func(f *rotation.File) (*rotation.Edit, error) {
-			return c.removeKeys(cmd.Context(), f, rd.Remove, r.Resources)
-		}
+		which = "second"
+		e, err = c.removeKeys(cmd.Context(), f, rd.Remove, r.Resources)
+	} else {
+		r.Now = time.Now()
+		e, err = c.addKey(cmd, f, r)
 	}
-	e, err := c.editFile(readHash, edit)
+	if err == nil {
+		err = c.replaceFile(cmd.Context(), f.Config.Hash, e)
+	}
 	switch {
 	case errors.Is(err, errFileChanged):
 		out.notef("%s changed since it was read; reading it again before the %s edit", c.configPath, which)
@@ -133,35 +135,6 @@ func (c *common) waitEdit(cmd *cobra.Command, m *rotation.Machine, rd rotation.R
 		m.Step(rotation.FirstEditWritten{})
 	}
 	return nil
-}
-
-// errFileChanged: the file is not the one the decision to edit it was taken on (another
-// rotate, a person, a pipeline wrote it in between); the loop reads it again and decides
-// anew, so two edits never stack on one another unseen.
-var errFileChanged = errors.New("the configuration file changed since it was read")
-
-// editFile makes one edit of the file, provided it is still the content whose hash
-// readHash the decision was taken on, and replaces it atomically.
-func (c *common) editFile(readHash string, edit func(*rotation.File) (*rotation.Edit, error)) (*rotation.Edit, error) {
-	data, now, err := config.ReadFile(c.configPath)
-	if err != nil {
-		return nil, err
-	}
-	if now != readHash {
-		return nil, errFileChanged
-	}
-	f, err := rotation.ParseFile(data, c.configPath)
-	if err != nil {
-		return nil, err
-	}
-	e, err := edit(f)
-	if err != nil {
-		return nil, err
-	}
-	if err := atomicfile.WriteFile(c.configPath, e.Data, 0o600); err != nil {
-		return nil, err
-	}
-	return e, nil
 }
 
 func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }
@@ -189,9 +162,10 @@ const (
 	waitingEvery        = 30 * time.Second
 )
 
-// linef prints one transition line.
+// linef prints one transition line. Lines and the status line carry what members
+// published in etcd (ids, errors, key names), so both are made printable here.
 func (o *waitOutput) linef(format string, args ...any) {
-	o.p.Line(time.Now().UTC().Format(time.RFC3339) + " rotate: " + fmt.Sprintf(format, args...))
+	o.p.Line(errtext.Printable(time.Now().UTC().Format(time.RFC3339) + " rotate: " + fmt.Sprintf(format, args...)))
 }
 
 // notef prints a transient problem (plain only; the bar shows the stage anyway).
@@ -209,7 +183,7 @@ func (o *waitOutput) update(rd rotation.Ready) {
 		return
 	}
 	if o.p.Mode() == progress.Bar {
-		o.p.Status(statusLine(rd, time.Since(o.start)), false)
+		o.p.Status(errtext.Printable(statusLine(rd, time.Since(o.start))), false)
 		return
 	}
 	since := o.p.SinceLine()

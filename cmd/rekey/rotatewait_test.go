@@ -246,6 +246,7 @@ func TestRotateWaitFirstTimeEncryption(t *testing.T) {
 // An edit is written only to the file the decision was taken on: when someone else wrote
 // the file in between (a second rotate, a pipeline), the edit is refused with
 // errFileChanged and the file is left as they wrote it, so two new keys never stack.
+// (TestConcurrentRotates shows the check holds against rotates running at once.)
 func TestRotateWaitEditsOnlyTheFileItRead(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "enc.yaml")
 	before := "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n- resources: [secrets]\n  providers:\n  - aesgcm:\n      keys:\n      - {name: key1, secret: " + secret(1) + "}\n"
@@ -258,17 +259,27 @@ func TestRotateWaitEditsOnlyTheFileItRead(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := &common{configPath: path}
-	cmd := &cobra.Command{}
-	first := func(f *rotation.File) (*rotation.Edit, error) {
-		return c.addKey(cmd, f, rotation.Request{Now: time.Now(), Random: rand.Reader})
+	read, err := rotation.ParseFile([]byte(before), path)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if _, err := c.editFile(readHash, first); !errors.Is(err, errFileChanged) {
+	first, err := c.addKey(&cobra.Command{}, read, rotation.Request{Now: time.Now(), Random: rand.Reader})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.replaceFile(t.Context(), readHash, first); !errors.Is(err, errFileChanged) {
 		t.Fatalf("first edit of a file changed since it was read: %v, want errFileChanged", err)
 	}
-	second := func(f *rotation.File) (*rotation.Edit, error) {
-		return c.removeKeys(t.Context(), f, []string{"key1"}, nil)
+	// The second edit, decided on the file the first edit would have written.
+	rotated, err := rotation.ParseFile(first.Data, path)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if _, err := c.editFile(readHash, second); !errors.Is(err, errFileChanged) {
+	second, err := rotation.Remove(rotated, []string{"key1"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.replaceFile(t.Context(), first.Config.Hash, second); !errors.Is(err, errFileChanged) {
 		t.Fatalf("second edit of a file changed since it was read: %v, want errFileChanged", err)
 	}
 	if got, _ := os.ReadFile(path); string(got) != theirs {

@@ -67,9 +67,11 @@ The exit code is 0 only when the cluster has converged.`,
 	return cmd
 }
 
+// writeStatusTable renders what the members published: every value is text read from
+// etcd, so it goes out through row and printLine only.
 func writeStatusTable(w io.Writer, snap *cluster.Snapshot, v cluster.Verdict, now time.Time) {
 	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "APISERVER\tCONFIG\tWRITES\tREADS\tKMS\tLAST ERROR\tAGE")
+	row(tw, "APISERVER", "CONFIG", "WRITES", "READS", "KMS", "LAST ERROR", "AGE")
 	for _, m := range snap.Members {
 		var writes, reads, kms []string
 		for _, r := range m.Resources {
@@ -95,24 +97,26 @@ func writeStatusTable(w io.Writer, snap *cluster.Snapshot, v cluster.Verdict, no
 		if i := strings.IndexByte(lastErr, '\n'); i >= 0 {
 			lastErr = lastErr[:i] + " …"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", m.APIServerID, shortHash(m.ConfigHash), strings.Join(writes, "; "),
-			strings.Join(reads, "; "), dash(strings.Join(kms, ", ")), dash(lastErr), now.Sub(m.PublishedAt).Round(time.Second))
+		row(tw, m.APIServerID, shortHash(m.ConfigHash), strings.Join(writes, "; "), strings.Join(reads, "; "),
+			dash(strings.Join(kms, ", ")), dash(lastErr), now.Sub(m.PublishedAt).Round(time.Second).String())
 	}
 	_ = tw.Flush()
 	if mig := snap.Migration; mig != nil {
-		fmt.Fprintf(w, "\nMIGRATION LEADER %s\n", dash(mig.Leader))
+		fmt.Fprintln(w)
+		printLine(w, "MIGRATION LEADER %s", dash(mig.Leader))
 		for _, p := range mig.Plans {
 			line := fmt.Sprintf("  %s: %s %s", p.Resource, p.State, p.Target)
 			if p.Detail != "" {
 				line += " (" + p.Detail + ")"
 			}
-			fmt.Fprintln(w, line)
+			printLine(w, "%s", line)
 		}
 	}
 	for _, k := range snap.Skipped {
-		fmt.Fprintf(w, "skipped %s: not a member state\n", k)
+		printLine(w, "skipped %s: not a member state", k)
 	}
-	fmt.Fprintf(w, "\nVERDICT %s\n", v.Summary)
+	fmt.Fprintln(w)
+	printLine(w, "VERDICT %s", v.Summary)
 }
 
 func shortHash(h string) string {

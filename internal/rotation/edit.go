@@ -2,6 +2,7 @@ package rotation
 
 import (
 	"cmp"
+	"encoding/base32"
 	"encoding/base64"
 	"errors"
 	"fmt"
@@ -42,7 +43,8 @@ type Request struct {
 	// Resources limits the rules rotated to those naming one of them (as written in the
 	// file); empty: every rule.
 	Resources []string
-	// Now names the generated key; Random fills its secret.
+	// Random fills the generated key's secret, then the random part of its name; Now is
+	// the time in its name.
 	Now    time.Time
 	Random io.Reader
 }
@@ -139,7 +141,7 @@ func (f *File) addLocalKey(cfg *apiserverv1.EncryptionConfiguration, rules []int
 		return fmt.Errorf("generating a key: %w", err)
 	}
 	keys, _ := f.names()
-	name, err := newKeyName(r.Now, keys)
+	name, err := newKeyName(r.Now, keys, r.Random)
 	if err != nil {
 		return err
 	}
@@ -429,11 +431,22 @@ func ruleNames(cfg *apiserverv1.EncryptionConfiguration, rules []int) string {
 	return strings.Join(s, "; ")
 }
 
-// newKeyName is "key-<UTC time>", a second later when another key name equals it,
-// starts with it or is a start of it: a key name that is a prefix of another makes one
-// key's stored prefix a prefix of the other's once a ':' is involved, and reading then
-// depends on try order (see transformers' chain). The name never contains ':'.
-func newKeyName(now time.Time, existing []string) (string, error) {
+// keyNameRandomBytes is the random part of a generated key name: 5 bytes, 8 base32
+// characters, 40 bits. Parallel rotations of separate files (one per apiserver, an
+// ansible loop, two operators in the same second) must not give the same name to
+// different secrets: the cluster layer tells keys apart by name and check value, and
+// a shared name hides which apiserver holds which secret. Fixed length, so no generated
+// name is a prefix of another.
+const keyNameRandomBytes = 5
+
+// newKeyName is "key-<UTC time>-<8 random base32 characters>" (lowercase, no ':'), the
+// random part read from random. When another key name equals it, starts with it or is
+// a start of it, it is generated again a second later: a key name that is a prefix of
+// another makes one key's stored prefix a prefix of the other's once a ':' is involved,
+// and reading then depends on try order (see transformers' chain). An older name of
+// the form "key-<UTC time>" is a start of every name generated in its second, so the
+// time moves on rather than only the random part.
+func newKeyName(now time.Time, existing []string, random io.Reader) (string, error) {
 	const layout = "key-20060102T150405Z"
 	clash := func(n string) bool {
 		for _, e := range existing {
@@ -443,10 +456,14 @@ func newKeyName(now time.Time, existing []string) (string, error) {
 		}
 		return false
 	}
-	// A suffix would make the taken name a prefix of the new one, so a clash moves the
-	// time in the name on by a second instead.
+	suffix := make([]byte, keyNameRandomBytes)
 	for i := range 1000 {
-		if name := now.UTC().Add(time.Duration(i) * time.Second).Format(layout); !clash(name) {
+		if _, err := io.ReadFull(random, suffix); err != nil {
+			return "", fmt.Errorf("generating a key name: %w", err)
+		}
+		// 5 bytes are exactly 8 base32 characters: no padding.
+		name := now.UTC().Add(time.Duration(i)*time.Second).Format(layout) + "-" + strings.ToLower(base32.StdEncoding.EncodeToString(suffix))
+		if !clash(name) {
 			return name, nil
 		}
 	}

@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"encoding/base64"
 	"flag"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -84,11 +86,11 @@ func TestEditsGolden(t *testing.T) {
 		oldKey   string
 		warn     bool
 	}{
-		{name: "aesgcm-same", in: "aesgcm.in.yaml", newKey: "key-20261123T203000Z", oldKey: "key1"},
-		{name: "aesgcm-to-secretbox", in: "aesgcm.in.yaml", r: Request{Provider: transformers.ProviderSecretbox}, newKey: "key-20261123T203000Z", oldKey: "key1"},
-		{name: "aescbc-same", in: "aescbc-two-keys.in.yaml", newKey: "key-20261123T203000Z", warn: true, oldKey: "key2"},
-		{name: "aescbc-to-aesgcm", in: "aescbc-two-keys.in.yaml", r: Request{Provider: transformers.ProviderAESGCM}, newKey: "key-20261123T203000Z", oldKey: "key2"},
-		{name: "identity-to-aesgcm", in: "identity.in.yaml", r: Request{Provider: transformers.ProviderAESGCM}, newKey: "key-20261123T203000Z", oldKey: "identity"},
+		{name: "aesgcm-same", in: "aesgcm.in.yaml", newKey: "key-20261123T203000Z-uws2ljnf", oldKey: "key1"},
+		{name: "aesgcm-to-secretbox", in: "aesgcm.in.yaml", r: Request{Provider: transformers.ProviderSecretbox}, newKey: "key-20261123T203000Z-uws2ljnf", oldKey: "key1"},
+		{name: "aescbc-same", in: "aescbc-two-keys.in.yaml", newKey: "key-20261123T203000Z-uws2ljnf", warn: true, oldKey: "key2"},
+		{name: "aescbc-to-aesgcm", in: "aescbc-two-keys.in.yaml", r: Request{Provider: transformers.ProviderAESGCM}, newKey: "key-20261123T203000Z-uws2ljnf", oldKey: "key2"},
+		{name: "identity-to-aesgcm", in: "identity.in.yaml", r: Request{Provider: transformers.ProviderAESGCM}, newKey: "key-20261123T203000Z-uws2ljnf", oldKey: "identity"},
 		{name: "aesgcm-to-kms", in: "aesgcm.in.yaml", r: kms, newKey: "vault-b", oldKey: "key1"},
 		{name: "aescbc-to-kms", in: "aescbc-two-keys.in.yaml", r: kms, newKey: "vault-b", oldKey: "key2"},
 		{name: "identity-to-kms", in: "identity.in.yaml", r: kms, newKey: "vault-b", oldKey: "identity"},
@@ -189,31 +191,67 @@ func TestAddResourcesLimit(t *testing.T) {
 }
 
 func TestNewKeyName(t *testing.T) {
+	random := rand.NewChaCha8([32]byte{1})
 	// An existing name that is a start of the generated one: no suffix helps.
-	if n, err := newKeyName(rotateNow, []string{"key-2026"}); err == nil {
+	if n, err := newKeyName(rotateNow, []string{"key-2026"}, random); err == nil {
 		t.Errorf("newKeyName with key-2026 present = %q, want an error", n)
 	}
-	base := "key-20261123T203000Z"
+	name := regexp.MustCompile(`^key-(\d{8}T\d{6}Z)-[a-z2-7]{8}$`)
 	for _, tc := range []struct {
 		existing []string
-		want     string
+		wantTime string
 	}{
-		{nil, base},
-		{[]string{"key1"}, base},
-		{[]string{base}, "key-20261123T203001Z"},
-		// A name that the next candidate is a prefix of is skipped too.
-		{[]string{base, "key-20261123T203001Zx"}, "key-20261123T203002Z"},
+		{nil, "20261123T203000Z"},
+		{[]string{"key1"}, "20261123T203000Z"},
+		// A name of the older form, without the random part, is a start of every name
+		// of its second: the time moves on.
+		{[]string{"key-20261123T203000Z"}, "20261123T203001Z"},
+		{[]string{"key-20261123T203000Z", "key-20261123T203001Z"}, "20261123T203002Z"},
 	} {
-		got, err := newKeyName(rotateNow, tc.existing)
+		got, err := newKeyName(rotateNow, tc.existing, random)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got != tc.want {
-			t.Errorf("newKeyName(%q) = %q, want %q", tc.existing, got, tc.want)
+		if m := name.FindStringSubmatch(got); m == nil || m[1] != tc.wantTime {
+			t.Errorf("newKeyName(%q) = %q, want key-%s-<8 base32 characters>", tc.existing, got, tc.wantTime)
 		}
-		if strings.Contains(got, ":") {
-			t.Errorf("name %q contains ':'", got)
+	}
+	// A random part that is taken already (the source repeats itself) is drawn again.
+	taken, err := newKeyName(rotateNow, nil, fixedRandom())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := newKeyName(rotateNow, []string{taken}, fixedRandom()); err != nil || got == taken || strings.HasPrefix(got, taken) {
+		t.Errorf("newKeyName with %q taken = %q, %v; want another name", taken, got, err)
+	}
+}
+
+// Rotations of separate files in the same second (one file per apiserver, run in
+// parallel) give distinct names, none a prefix of another, each a valid key name.
+func TestNewKeyNamesDistinct(t *testing.T) {
+	random := rand.NewChaCha8([32]byte{2})
+	names := make([]string, 1000)
+	for i := range names {
+		n, err := newKeyName(rotateNow, nil, random)
+		if err != nil {
+			t.Fatal(err)
 		}
+		names[i] = n
+	}
+	slices.Sort(names)
+	// Sorted, a name that is a prefix of another sorts right before one it prefixes.
+	for i := 1; i < len(names); i++ {
+		if strings.HasPrefix(names[i], names[i-1]) {
+			t.Fatalf("generated names %q and %q: equal, or one is a prefix of the other", names[i-1], names[i])
+		}
+	}
+	f := readFile(t, "aesgcm.in.yaml")
+	e, err := Add(f, Request{Now: rotateNow, Random: random})
+	if err != nil {
+		t.Fatalf("a generated name is not a valid key name: %v", err)
+	}
+	if !strings.HasPrefix(e.NewKey, "key-20261123T203000Z-") || strings.Contains(e.NewKey, ":") {
+		t.Errorf("new key %q, want key-20261123T203000Z-<random>", e.NewKey)
 	}
 }
 

@@ -32,6 +32,7 @@ type Fence struct {
 	now     time.Time
 	synced  bool
 	members map[string]MemberState // live members other than self
+	unknown []UnknownMember        // records that are not members: they hold promotions
 	holds   map[string]Hold        // by resource
 }
 
@@ -54,8 +55,12 @@ type Hold struct {
 type FenceEvent interface{ fenceEvent() }
 
 // MembersChanged carries the live member set (it may include this apiserver; its own
-// entry is ignored).
-type MembersChanged struct{ Members []MemberState }
+// entry is ignored) and the unknown members (View.Unknown): while there is one, no new
+// write key or KMS key id is promoted, since nobody knows what it can read.
+type MembersChanged struct {
+	Members []MemberState
+	Unknown []UnknownMember
+}
 
 // Tick advances the fence's clock.
 type Tick struct{ Now time.Time }
@@ -74,6 +79,7 @@ func (f *Fence) Step(ev FenceEvent) {
 	switch e := ev.(type) {
 	case MembersChanged:
 		f.synced = true
+		f.unknown = slices.Clone(e.Unknown)
 		f.members = map[string]MemberState{}
 		for _, m := range e.Members {
 			if m.APIServerID != f.self {
@@ -106,7 +112,7 @@ func (f *Fence) Writers(current, next []transformers.RuleInfo) map[string]int {
 			// others back to an older key.
 			continue
 		}
-		waiting := f.cannotRead(n.Resource, want)
+		waiting := append(f.cannotRead(n.Resource, want), f.unknownWaiting()...)
 		if len(waiting) == 0 {
 			continue
 		}
@@ -182,6 +188,16 @@ func (f *Fence) cannotRead(resource string, k Key) []string {
 	return out
 }
 
+// unknownWaiting names the unknown members a promotion waits for (they hold every
+// promotion; the fallback entries ignore them, since they count for nobody's reads).
+func (f *Fence) unknownWaiting() []string {
+	var out []string
+	for _, u := range f.unknown {
+		out = append(out, u.String())
+	}
+	return out
+}
+
 // The key-id fence. A KMS write key is a provider entry and the key id its plugin
 // writes under. A provider whose plugin reports a new key id keeps writing under the
 // old one until every other live member with a provider of that name reports, in its
@@ -222,7 +238,7 @@ func keyIDWaitingFor(members []MemberState, self, name, keyIDHash string) []stri
 // may write under keyIDHash once no other live member's plugin is waiting for it.
 // Before the first member list it stays closed.
 func (f *Fence) MayWriteKeyID(name, keyIDHash string) bool {
-	return f.synced && len(keyIDWaitingFor(f.others(), f.self, name, keyIDHash)) == 0
+	return f.synced && len(f.unknown) == 0 && len(keyIDWaitingFor(f.others(), f.self, name, keyIDHash)) == 0
 }
 
 // KeyIDHolds describes the key ids self (this apiserver's state) holds back as Holds:
@@ -236,7 +252,7 @@ func (f *Fence) KeyIDHolds(self MemberState) []Hold {
 			continue
 		}
 		holds = append(holds, Hold{Resource: r.Resource, Held: held, Writing: r.Write, Since: r.HeldSince,
-			WaitingFor: keyIDWaitingFor(f.others(), f.self, held.Key, held.KeyIDHash)})
+			WaitingFor: append(keyIDWaitingFor(f.others(), f.self, held.Key, held.KeyIDHash), f.unknownWaiting()...)})
 	}
 	return holds
 }

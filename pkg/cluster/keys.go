@@ -14,6 +14,7 @@ const (
 	leaderKey       = "/migration/leader"
 	checkpointKey   = "/migration/checkpoint"
 	migrationKeyDir = "/migration/state"
+	identityKey     = "/cluster"
 )
 
 // MembersPrefix is the directory of member keys: <prefix>/members/.
@@ -21,6 +22,9 @@ func MembersPrefix(prefix string) string { return prefix + membersDir }
 
 // MemberKey is where apiserver id publishes its MemberState.
 func MemberKey(prefix, id string) string { return prefix + membersDir + id }
+
+// IdentityKey holds the cluster's Identity: its id and the --etcd-prefix it is bound to.
+func IdentityKey(prefix string) string { return prefix + identityKey }
 
 // LeaderKey is the election prefix of the migration leader.
 func LeaderKey(prefix string) string { return prefix + leaderKey }

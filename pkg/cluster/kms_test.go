@@ -213,12 +213,12 @@ func TestKMSKeyIDChangeIsMigratedOnceEveryPluginReportsIt(t *testing.T) {
 		return false
 	}
 	eventually(t, "a's new key id published", func() bool { return published(a, h2) })
-	time.Sleep(1500 * time.Millisecond)
+	eventually(t, "the leader sees the plugins disagree", func() bool {
+		st, _ := mig.State()
+		return len(st.Plans) == 1 && st.Plans[0].State == PlanWaiting
+	})
 	if recorded(h2) {
 		t.Fatal("migrated to the new key id before b's plugin reported it")
-	}
-	if st, _ := mig.State(); len(st.Plans) != 1 || st.Plans[0].State != PlanWaiting {
-		t.Fatalf("plans while the plugins disagree: %+v", st.Plans)
 	}
 
 	kmsKeys(t, keyFiles[1], "kek2", "kek1")

@@ -23,6 +23,9 @@ type Key = transformers.KeyInfo
 type MemberState struct {
 	// APIServerID names the apiserver (--apiserver-id).
 	APIServerID string `json:"apiserverID"`
+	// ClusterID is the cluster's Identity.ClusterID: a record of another cluster sharing
+	// the etcd is an unknown member, never a member.
+	ClusterID string `json:"clusterID,omitempty"`
 	// Version is the rekey build.
 	Version string `json:"version,omitempty"`
 	// ConfigHash is "sha256:<hex>" of the configuration file in use.
@@ -38,6 +41,9 @@ type MemberState struct {
 	// DisagreeingSince is when this member first saw the live members disagree about a
 	// write key (zero while they agree); the status command raises the alarm from it.
 	DisagreeingSince time.Time `json:"disagreeingSince,omitzero"`
+	// Reduced names the texts cut from the published record to keep it under
+	// MaxMemberRecordBytes ("lastReloadError", "kms.lastError"); empty when nothing was.
+	Reduced []string `json:"reduced,omitempty"`
 	// PublishedAt is when this state was written.
 	PublishedAt time.Time `json:"publishedAt"`
 }

@@ -2,42 +2,18 @@ package cluster
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.etcd.io/etcd/client/v3/concurrency"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 
 	"github.com/rekey-io/rekey/pkg/migrate"
 )
-
-// MigrationState is what the migration leader keeps at <prefix>/migration/state: the
-// record of every resource's latest migration and the progress of the running one.
-type MigrationState struct {
-	Leader    string            `json:"leader,omitempty"`
-	Records   map[string]Record `json:"records"`
-	Running   *Migration        `json:"running,omitempty"`
-	Progress  *Progress         `json:"progress,omitempty"`
-	Plans     []Plan            `json:"plans,omitempty"`
-	UpdatedAt time.Time         `json:"updatedAt"`
-}
-
-// Progress is the running migration's progress.
-type Progress struct {
-	Resource string `json:"resource"`
-	Phase    string `json:"phase"`
-	Pass     int    `json:"pass"`
-	Done     int64  `json:"done"`
-	Total    int64  `json:"total"`
-	// Rate is objects handled per second so far; ETA the estimated time left.
-	Rate float64       `json:"ratePerSecond"`
-	ETA  time.Duration `json:"eta"`
-}
 
 // MigratorOptions configure a Migrator.
 type MigratorOptions struct {
@@ -123,60 +99,20 @@ func (m *Migrator) State() (MigrationState, bool) {
 
 // Run campaigns and leads until ctx ends.
 func (m *Migrator) Run(ctx context.Context) {
-	for ctx.Err() == nil {
-		session, err := concurrency.NewSession(m.opts.Client, concurrency.WithTTL(int(m.opts.SessionTTL/time.Second)), concurrency.WithContext(ctx))
-		if err != nil {
-			m.log.Error(err, "Cannot open an election session; retrying")
-			sleep(ctx, time.Second)
-			continue
-		}
-		el := concurrency.NewElection(session, LeaderKey(m.opts.Prefix))
-		campaign, stop := context.WithCancel(ctx)
-		followDone := make(chan struct{})
-		go func() { defer close(followDone); m.follow(campaign) }()
-		err = el.Campaign(campaign, m.opts.ID)
-		stop()
-		<-followDone
-		if err == nil {
-			m.lead(ctx, session, el)
-		} else if ctx.Err() == nil {
-			m.log.Error(err, "Campaign for migration leader failed; retrying")
-			sleep(ctx, time.Second)
-		}
-		// Revoke the session's lease with a context of its own (ctx may be cancelled
-		// already): a successor is elected at once instead of after the TTL.
-		rctx, cancel := context.WithTimeout(context.Background(), etcdTimeout)
-		_, _ = m.opts.Client.Revoke(rctx, session.Lease())
-		cancel()
-		session.Close()
-	}
+	e := &elector{client: m.opts.Client, key: LeaderKey(m.opts.Prefix), id: m.opts.ID, ttl: m.opts.SessionTTL, clock: m.opts.Clock, log: m.log}
+	e.Run(ctx, electionCallbacks{OnStartedLeading: m.lead, WhileFollowing: m.follow})
 }
 
-// follow reads the leader's state from etcd for the status document until ctx ends.
-func (m *Migrator) follow(ctx context.Context) {
-	for {
-		if st, err := m.readState(ctx); err == nil {
-			m.mu.Lock()
-			m.state = st
-			m.mu.Unlock()
-			m.refreshInventory(ctx, st.Records)
-		}
-		if !sleep(ctx, 2*time.Second) {
-			return
-		}
-	}
+func (m *Migrator) setState(st MigrationState) {
+	m.mu.Lock()
+	m.state = st
+	m.mu.Unlock()
 }
 
-func (m *Migrator) readState(ctx context.Context) (MigrationState, error) {
-	var st MigrationState
-	ctx, cancel := context.WithTimeout(ctx, etcdTimeout)
-	defer cancel()
-	resp, err := m.opts.Client.Get(ctx, MigrationStateKey(m.opts.Prefix))
-	if err != nil || len(resp.Kvs) == 0 {
-		return st, err
-	}
-	err = json.Unmarshal(resp.Kvs[0].Value, &st)
-	return st, err
+func (m *Migrator) setLeading(leading bool) {
+	m.mu.Lock()
+	m.leading = leading
+	m.mu.Unlock()
 }
 
 type migrationResult struct {
@@ -185,9 +121,47 @@ type migrationResult struct {
 	revision int64
 }
 
-// lead runs while this apiserver holds the election.
-func (m *Migrator) lead(ctx context.Context, session *concurrency.Session, el *concurrency.Election) {
-	guard := []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(el.Key()), "=", el.Rev())}
+// term is the leader's work during one term of leadership: the Leader machine fed from
+// the member view, the inventory and the migrations it starts, one at a time.
+type term struct {
+	m        *Migrator
+	guard    []clientv3.Cmp
+	leader   *Leader
+	state    *statePublisher
+	results  chan migrationResult
+	running  bool
+	progress atomic.Pointer[Progress]
+}
+
+// lead is the election's OnStartedLeading: it runs until ctx ends (the session ended)
+// or a guarded write finds the leadership gone, and stops the running migration then.
+func (m *Migrator) lead(ctx context.Context, guard []clientv3.Cmp) {
+	ctx, cancel := context.WithCancel(ctx)
+	t := m.newTerm(ctx, guard)
+	m.log.Info("Elected storage migration leader", "apiserverID", m.opts.ID)
+	m.setLeading(true)
+	defer m.setLeading(false)
+	defer func() { cancel(); t.awaitRunning() }()
+	ticker := m.opts.Clock.NewTicker(time.Second)
+	defer ticker.Stop()
+	for {
+		membersChanged := m.opts.MembersChanged()
+		if err := t.round(ctx); errors.Is(err, ErrNotLeader) {
+			m.log.Info("Lost the migration leadership")
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case r := <-t.results:
+			t.finished(r)
+		case <-membersChanged:
+		case <-ticker.C():
+		}
+	}
+}
+
+func (m *Migrator) newTerm(ctx context.Context, guard []clientv3.Cmp) *term {
 	names := make([]string, len(m.opts.Resources))
 	for i, r := range m.opts.Resources {
 		names[i] = r.String()
@@ -199,119 +173,70 @@ func (m *Migrator) lead(ctx context.Context, session *concurrency.Session, el *c
 	}
 	l.Step(RecordsLoaded{Records: st.Records})
 	l.Step(Leadership{Leading: true})
-	m.log.Info("Elected storage migration leader", "apiserverID", m.opts.ID)
-	m.mu.Lock()
-	m.leading = true
-	m.mu.Unlock()
-	defer func() {
-		m.mu.Lock()
-		m.leading = false
-		m.mu.Unlock()
+	return &term{m: m, guard: guard, leader: l, results: make(chan migrationResult, 1),
+		state: &statePublisher{client: m.opts.Client, key: MigrationStateKey(m.opts.Prefix), guard: guard}}
+}
+
+// round feeds the Leader what changed, starts the migration it asks for, and
+// publishes the state; it returns the publishing error.
+func (t *term) round(ctx context.Context) error {
+	m, l := t.m, t.leader
+	now := m.opts.Clock.Now()
+	l.Step(Tick{Now: now})
+	l.Step(MembersChanged{Members: m.opts.Members()})
+	for _, ev := range inventoryEvents(m.opts.Inventory.Latest()) {
+		l.Step(ev)
+	}
+	if mig, ok := l.Next(); ok {
+		t.start(ctx, mig)
+	}
+	st := MigrationState{Leader: m.opts.ID, Records: l.Records(), Plans: l.Plans(), UpdatedAt: now}
+	if mig, ok := l.Running(); ok {
+		st.Running, st.Progress = &mig, t.progress.Load()
+	}
+	m.setState(st)
+	m.refreshInventory(ctx, st.Records)
+	return t.state.publish(st, t.running)
+}
+
+func (t *term) start(ctx context.Context, mig Migration) {
+	t.running = true
+	t.m.log.Info("Every live apiserver writes with the same key; migrating stored objects", "resource", mig.Resource, "target", mig.Target.String())
+	go func() {
+		rev, err := t.m.migrate(ctx, mig, t.guard, func(p Progress) { t.progress.Store(&p) })
+		t.results <- migrationResult{mig: mig, err: err, revision: rev}
 	}()
+}
 
-	leadCtx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	results := make(chan migrationResult, 1)
-	var progressMu sync.Mutex
-	var progress *Progress
-	running := false
-	ticker := m.opts.Clock.NewTicker(time.Second)
-	defer ticker.Stop()
-	lastPublish := time.Time{}
-	lastBody := ""
-	for {
-		now := m.opts.Clock.Now()
-		l.Step(Tick{Now: now})
-		l.Step(MembersChanged{Members: m.opts.Members()})
-		for _, ev := range inventoryEvents(m.opts.Inventory.Latest()) {
-			l.Step(ev)
-		}
-		if mig, ok := l.Next(); ok {
-			running = true
-			m.log.Info("Every live apiserver writes with the same key; migrating stored objects", "resource", mig.Resource, "target", mig.Target.String())
-			go func() {
-				rev, err := m.migrate(leadCtx, mig, guard, func(p Progress) {
-					progressMu.Lock()
-					progress = &p
-					progressMu.Unlock()
-				})
-				results <- migrationResult{mig: mig, err: err, revision: rev}
-			}()
-		}
-		progressMu.Lock()
-		p := progress
-		progressMu.Unlock()
-		st := MigrationState{Leader: m.opts.ID, Records: l.Records(), Plans: l.Plans(), UpdatedAt: now}
-		if mig, ok := l.Running(); ok {
-			st.Running, st.Progress = &mig, p
-		}
-		m.mu.Lock()
-		m.state = st
-		m.mu.Unlock()
-		m.refreshInventory(leadCtx, st.Records)
-		// While a migration runs, progress is written every second; otherwise only what
-		// changed, and every 30 s.
-		body := st
-		body.UpdatedAt = time.Time{}
-		content, _ := json.Marshal(body)
-		if (running && now.Sub(lastPublish) >= time.Second) || string(content) != lastBody || now.Sub(lastPublish) >= 30*time.Second {
-			if data, err := json.Marshal(st); err == nil {
-				err := guardedPut(m.opts.Client, MigrationStateKey(m.opts.Prefix), data, guard)
-				if errors.Is(err, ErrNotLeader) {
-					m.log.Info("Lost the migration leadership")
-					cancel()
-				}
-				if err == nil {
-					lastBody, lastPublish = string(content), now
-				}
-			}
-		}
+func (t *term) finished(r migrationResult) {
+	t.running = false
+	t.progress.Store(nil)
+	errText := ""
+	if r.err != nil {
+		errText = r.err.Error()
+		t.m.log.Error(r.err, "Storage migration failed; the leader retries", "resource", r.mig.Resource)
+	} else {
+		t.m.log.Info("Storage migration verified", "resource", r.mig.Resource, "target", r.mig.Target.String())
+	}
+	t.leader.Step(Tick{Now: t.m.opts.Clock.Now()})
+	t.leader.Step(MigrationFinished{Resource: r.mig.Resource, Target: r.mig.Target, Err: errText, Revision: r.revision})
+}
 
-		select {
-		case <-ctx.Done():
-			if running {
-				<-results
-			}
-			return
-		case <-session.Done():
-			m.log.Info("Migration leader session ended; stopping the running migration", "apiserverID", m.opts.ID)
-			cancel()
-			if running {
-				<-results
-			}
-			return
-		case <-leadCtx.Done():
-			if running {
-				<-results
-			}
-			return
-		case r := <-results:
-			running = false
-			progressMu.Lock()
-			progress = nil
-			progressMu.Unlock()
-			errText := ""
-			if r.err != nil {
-				errText = r.err.Error()
-				m.log.Error(r.err, "Storage migration failed; the leader retries", "resource", r.mig.Resource)
-			} else {
-				m.log.Info("Storage migration verified", "resource", r.mig.Resource, "target", r.mig.Target.String())
-			}
-			l.Step(Tick{Now: m.opts.Clock.Now()})
-			l.Step(MigrationFinished{Resource: r.mig.Resource, Target: r.mig.Target, Err: errText, Revision: r.revision})
-		case <-m.opts.MembersChanged():
-		case <-ticker.C():
-		}
+// awaitRunning waits for the running migration (its context is cancelled) to return.
+func (t *term) awaitRunning() {
+	if t.running {
+		<-t.results
 	}
 }
 
 // refreshInventory takes a fresh inventory of every resource whose local inventory was
 // read before its latest verified migration (a follower's, or one the local controller
 // took while the leader migrated), so that the guards and readiness stop counting objects
-// under keys the migration left.
-func (m *Migrator) refreshInventory(ctx context.Context, records map[string]Record) {
+// under keys the migration left. It reports false when an inventory it needed failed
+// (to be retried).
+func (m *Migrator) refreshInventory(ctx context.Context, records map[string]Record) bool {
 	if m.opts.Source == nil {
-		return
+		return true
 	}
 	latest := m.opts.Inventory.Latest()
 	var stale []migrate.Resource
@@ -325,15 +250,16 @@ func (m *Migrator) refreshInventory(ctx context.Context, records map[string]Reco
 		}
 	}
 	if len(stale) == 0 {
-		return
+		return true
 	}
 	inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{Client: m.opts.Client, Source: m.opts.Source, Resources: stale,
 		ConfigHash: m.opts.ConfigHash(), Metrics: m.opts.Metrics, Clock: m.opts.Clock})
 	if err != nil {
 		m.log.V(2).Info("Inventory after a cluster migration failed; retrying", "err", err)
-		return
+		return false
 	}
 	m.opts.Inventory.Set(mergeInventory(m.opts.Inventory.Latest(), inv))
+	return true
 }
 
 // migrate runs one resource's migration with its checkpoint in etcd; it returns the
@@ -424,16 +350,4 @@ func inventoryEvents(inv *migrate.Inventory) []LeaderEvent {
 		out = append(out, ev)
 	}
 	return out
-}
-
-// sleep waits d or until ctx ends; it reports whether ctx is still live.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
 }

@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -17,20 +19,64 @@ import (
 
 func startMigrator(t *testing.T, ctx context.Context, cli *clientv3.Client, m *member, store *migrate.InventoryStore, rate ...float64) (*Migrator, chan struct{}) {
 	t.Helper()
+	mig, _, done := startProbedMigrator(t, ctx, cli, m, store, rate...)
+	return mig, done
+}
+
+// startProbedMigrator also returns a probe of the leader's rounds.
+func startProbedMigrator(t *testing.T, ctx context.Context, cli *clientv3.Client, m *member, store *migrate.InventoryStore, rate ...float64) (*Migrator, *roundProbe, chan struct{}) {
+	t.Helper()
+	probe := &roundProbe{}
 	mig := NewMigrator(MigratorOptions{
 		Rate:      append(rate, 0)[0],
 		Inventory: store,
 		Client:    cli, Prefix: DefaultPrefix, ID: m.id, SessionTTL: 2 * time.Second,
 		Resources:      []migrate.Resource{migrate.ResourceFor("/registry", secrets)},
 		Source:         migrate.FromRules(m.agent, m.agent.Rules),
-		Members:        m.node.View().Members,
+		Members:        probe.wrap(m.node.View().Members),
 		MembersChanged: m.node.View().Changed,
 		Logger:         m.node.log,
 	})
 	m.node.SetMigrator(mig)
 	done := make(chan struct{})
 	go func() { defer close(done); mig.Run(ctx) }()
-	return mig, done
+	return mig, probe, done
+}
+
+// roundProbe counts the leader's rounds: each reads the members once, at its start, and
+// decides on them (starts a migration, publishes the state) before the next begins.
+type roundProbe struct {
+	mu     sync.Mutex
+	rounds int
+	last   []MemberState
+}
+
+func (p *roundProbe) wrap(members func() []MemberState) func() []MemberState {
+	return func() []MemberState {
+		ms := members()
+		p.mu.Lock()
+		p.rounds, p.last = p.rounds+1, ms
+		p.mu.Unlock()
+		return ms
+	}
+}
+
+// decidedOn returns a condition that holds once a round that read members satisfying
+// cond has finished (the next round has begun): whatever the leader would do on those
+// members, it has done.
+func (p *roundProbe) decidedOn(cond func([]MemberState) bool) func() bool {
+	seenAt := 0
+	return func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if seenAt == 0 {
+			if cond(p.last) {
+				seenAt = p.rounds
+			}
+			return false
+		}
+		return p.rounds > seenAt
+	}
 }
 
 // TestMigratorMigratesOnceAllWriteTheSameKeyAndFailsOver: the elected leader migrates
@@ -46,7 +92,7 @@ func TestMigratorMigratesOnceAllWriteTheSameKeyAndFailsOver(t *testing.T) {
 	storeSecrets(t, cli, a, 40, "/registry/secrets/ns/s%02d")
 	actx, acancel := context.WithCancel(ctx)
 	defer acancel()
-	migA, doneA := startMigrator(t, actx, cli, a, nil)
+	migA, roundsA, doneA := startProbedMigrator(t, actx, cli, a, nil)
 	eventually(t, "a leads", func() bool { _, l := migA.State(); return l })
 	bctx, bcancel := context.WithCancel(ctx)
 	defer func() { bcancel() }()
@@ -62,7 +108,19 @@ func TestMigratorMigratesOnceAllWriteTheSameKeyAndFailsOver(t *testing.T) {
 	if err := a.agent.Reload(ctx); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(1500 * time.Millisecond)
+	// The point where a migration to k2 would start: the leader has decided on a's
+	// record reading k2.
+	eventually(t, "the leader decided on a's record reading k2", roundsA.decidedOn(func(ms []MemberState) bool {
+		for _, m := range ms {
+			if rule, ok := m.Rule("secrets"); ok && m.APIServerID == "a" && slices.ContainsFunc(rule.Read, func(k Key) bool { return k.Key == "k2" }) {
+				return true
+			}
+		}
+		return false
+	}))
+	if st, _ := migA.State(); st.Running != nil || st.Records["secrets"].Target.Key != "k1" {
+		t.Fatalf("the leader migrates before b can read k2: running %+v, records %+v", st.Running, st.Records)
+	}
 	if n := countPrefix(t, cli, "k8s:enc:aesgcm:v1:k2:"); n != 0 {
 		t.Fatalf("%d objects on k2 before b can read it", n)
 	}
@@ -74,10 +132,11 @@ func TestMigratorMigratesOnceAllWriteTheSameKeyAndFailsOver(t *testing.T) {
 		st, _ := migA.State()
 		return st.Records["secrets"].Verified && st.Records["secrets"].Target.Key == "k2" && countPrefix(t, cli, "k8s:enc:aesgcm:v1:k2:") == 40
 	})
-	if st, _ := migB.State(); st.Leader != "a" {
-		// b follows the state in etcd (refreshed every 2 s)
-		eventually(t, "b follows a's state", func() bool { st, _ := migB.State(); return st.Leader == "a" })
-	}
+	// b follows the state in etcd (watched).
+	eventually(t, "b follows a's state", func() bool {
+		st, _ := migB.State()
+		return st.Leader == "a" && st.Records["secrets"].Verified && st.Records["secrets"].Target.Key == "k2"
+	})
 	// The follower's inventory is refreshed after the verified migration: its guard and
 	// readiness stop counting objects under k1.
 	eventually(t, "b's inventory shows every object on k2", func() bool {
@@ -120,18 +179,25 @@ func countPrefix(t *testing.T, cli *clientv3.Client, prefix string) int {
 	return n
 }
 
+// holdLeaderKey puts a leader key, as a won election would, and returns it with the
+// guard that holds while it stays (deleting it stands for a lost leadership).
+func holdLeaderKey(t *testing.T, cli *clientv3.Client) (string, []clientv3.Cmp) {
+	t.Helper()
+	lk := LeaderKey(DefaultPrefix) + "/x"
+	put, err := cli.Put(context.Background(), lk, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return lk, []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(lk), "=", put.Header.Revision)}
+}
+
 // TestEtcdCheckpointsGuardedByLeadership: the checkpoint round-trips through etcd, and
 // a store whose guard no longer holds (a deposed leader) cannot overwrite it.
 func TestEtcdCheckpointsGuardedByLeadership(t *testing.T) {
 	srv := etcdtest.Start(t)
 	cli := srv.Client(t)
 	ctx := context.Background()
-	lk := LeaderKey(DefaultPrefix) + "/x"
-	put, err := cli.Put(ctx, lk, "a")
-	if err != nil {
-		t.Fatal(err)
-	}
-	guard := []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(lk), "=", put.Header.Revision)}
+	lk, guard := holdLeaderKey(t, cli)
 	store := &EtcdCheckpoints{Client: cli, Key: CheckpointKey(DefaultPrefix), Guard: guard}
 	if c, err := store.Load(); c != nil || err != nil {
 		t.Fatalf("empty store: %v %v", c, err)

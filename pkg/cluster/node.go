@@ -80,6 +80,12 @@ type Node struct {
 	published   MemberState
 	lastPublish time.Time
 	publishErr  string
+	// clusterID is the cluster's identity (Start reads or creates it).
+	clusterID string
+	// publishFailingSince is when publishing started to fail (zero while it works): a
+	// member that cannot publish for longer than its lease has vanished from the
+	// others' views and fails its own readiness.
+	publishFailingSince time.Time
 
 	notify chan struct{}
 	cancel context.CancelFunc
@@ -154,11 +160,19 @@ func (n *Node) View() *View { return n.view }
 func (n *Node) Start(ctx context.Context) error {
 	lctx, cancel := context.WithTimeout(ctx, 2*etcdTimeout)
 	defer cancel()
+	id, err := EnsureIdentity(lctx, n.opts.Client, n.opts.Prefix, n.opts.ResourcePrefix, n.opts.ID, n.opts.Clock.Now())
+	if err != nil {
+		return fmt.Errorf("cluster coordination: %w", err)
+	}
+	n.mu.Lock()
+	n.clusterID = id.ClusterID
+	n.mu.Unlock()
+	n.view.bindCluster(id.ClusterID)
 	if err := n.view.Load(lctx); err != nil {
 		return fmt.Errorf("cluster coordination: listing the members under %s: %w (check --etcd-servers, or pass --cluster-coordination=false for a single apiserver)", MembersPrefix(n.opts.Prefix), err)
 	}
 	n.mu.Lock()
-	n.fence.Step(MembersChanged{Members: n.view.Members()})
+	n.fence.Step(MembersChanged{Members: n.view.Members(), Unknown: n.view.Unknown()})
 	n.mu.Unlock()
 	runCtx, stop := context.WithCancel(context.Background())
 	n.cancel, n.done = stop, make(chan struct{})
@@ -254,7 +268,7 @@ func (n *Node) run(ctx context.Context) {
 // membersChanged feeds the fence and lets the agent promote (or hold) write keys.
 func (n *Node) membersChanged() {
 	n.mu.Lock()
-	n.fence.Step(MembersChanged{Members: n.view.Members()})
+	n.fence.Step(MembersChanged{Members: n.view.Members(), Unknown: n.view.Unknown()})
 	agent := n.agent
 	n.mu.Unlock()
 	if agent != nil {
@@ -289,10 +303,10 @@ func (n *Node) tick(ctx context.Context) {
 // state is this member's state now.
 func (n *Node) state(now time.Time) MemberState {
 	n.mu.Lock()
-	agent, held, since := n.agent, n.fence.HeldSince(), n.alarm.Since()
+	agent, held, since, clusterID := n.agent, n.fence.HeldSince(), n.alarm.Since(), n.clusterID
 	n.mu.Unlock()
 	st := StateFromStatus(n.opts.ID, n.opts.Version, agent.OwnStatus(), held, now)
-	st.DisagreeingSince = since
+	st.DisagreeingSince, st.ClusterID = since, clusterID
 	return st
 }
 
@@ -321,9 +335,12 @@ func (n *Node) publish(ctx context.Context, force bool) {
 			n.log.Error(err, "Cannot publish this apiserver's encryption state; retrying")
 		}
 		n.publishErr = err.Error()
+		if n.publishFailingSince.IsZero() {
+			n.publishFailingSince = now
+		}
 		return
 	}
-	n.publishErr, n.published, n.lastPublish = "", st, now
+	n.publishErr, n.published, n.lastPublish, n.publishFailingSince = "", st, now, time.Time{}
 }
 
 // evaluate feeds the disagreement alarm and updates the metrics.

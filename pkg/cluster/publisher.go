@@ -3,28 +3,39 @@ package cluster
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/client/v3/concurrency"
 	"k8s.io/klog/v2"
 )
 
-// Publisher writes one member's state under a lease that it keeps alive; the key
-// disappears when the process dies (the lease expires) or closes (the lease is
-// revoked).
+// Publisher writes one member's state under the lease of a concurrency.Session, which
+// keeps the lease alive; the key disappears when the process dies (the lease expires)
+// or closes (the lease is revoked). What the session does not do is here: the member
+// record under its lease, and a new session once the old one is Done.
 type Publisher struct {
 	cli *clientv3.Client
 	key string
 	ttl time.Duration
 	log klog.Logger
 
-	mu    sync.Mutex
-	lease clientv3.LeaseID
-	// lost is signalled when the keep-alive ends (lease expired or revoked): the next
-	// Publish grants a new lease.
-	lost   chan struct{}
-	cancel context.CancelFunc
+	mu      sync.Mutex
+	session *memberSession
+	// lost is signalled when the session ends (lease expired or revoked): the next
+	// Publish opens a new one.
+	lost chan struct{}
+	// reduced is what the last record left out (MemberState.Reduced), logged when it
+	// changes.
+	reduced []string
+}
+
+// memberSession is a session and the end of the context it lives in.
+type memberSession struct {
+	*concurrency.Session
+	end context.CancelFunc
 }
 
 // NewPublisher publishes at key with leases of ttl (whole seconds, at least 2 s).
@@ -35,19 +46,20 @@ func NewPublisher(cli *clientv3.Client, key string, ttl time.Duration, log klog.
 // Lost is signalled when the lease ended; publish again.
 func (p *Publisher) Lost() <-chan struct{} { return p.lost }
 
-// Publish writes st under the lease, granting one first if needed.
+// Publish writes st under the session's lease, opening a session first if needed.
 func (p *Publisher) Publish(ctx context.Context, st MemberState) error {
-	data, err := st.Marshal()
+	data, sent, err := encodeRecord(st, MaxMemberRecordBytes)
 	if err != nil {
 		return err
 	}
-	lease, err := p.ensureLease(ctx)
+	p.noteReduced(sent.Reduced, len(data))
+	s, err := p.ensureSession(ctx)
 	if err != nil {
 		return err
 	}
-	if _, err := p.cli.Put(ctx, p.key, string(data), clientv3.WithLease(lease)); err != nil {
+	if _, err := p.cli.Put(ctx, p.key, string(data), clientv3.WithLease(s.Lease())); err != nil {
 		p.mu.Lock()
-		if p.lease == lease {
+		if p.session == s {
 			p.dropLocked() // e.g. the lease expired while etcd was unreachable
 		}
 		p.mu.Unlock()
@@ -56,56 +68,91 @@ func (p *Publisher) Publish(ctx context.Context, st MemberState) error {
 	return nil
 }
 
-func (p *Publisher) ensureLease(ctx context.Context) (clientv3.LeaseID, error) {
+// noteReduced logs when the published record starts or stops being reduced.
+func (p *Publisher) noteReduced(reduced []string, size int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.lease != 0 {
-		return p.lease, nil
+	if slices.Equal(reduced, p.reduced) {
+		return
 	}
-	g, err := p.cli.Grant(ctx, int64(p.ttl/time.Second))
-	if err != nil {
-		return 0, fmt.Errorf("granting a %s lease for %s: %w", p.ttl, p.key, err)
+	p.reduced = reduced
+	if len(reduced) > 0 {
+		p.log.Info("Member record too large for etcd; publishing it without some error texts", "key", p.key,
+			"limit", MaxMemberRecordBytes, "bytes", size, "cut", reduced)
 	}
-	kctx, cancel := context.WithCancel(context.Background())
-	ch, err := p.cli.KeepAlive(kctx, g.ID)
-	if err != nil {
-		cancel()
-		return 0, fmt.Errorf("keeping the lease of %s alive: %w", p.key, err)
-	}
-	p.lease, p.cancel = g.ID, cancel
-	go func(id clientv3.LeaseID) {
-		for range ch {
-		}
-		p.mu.Lock()
-		if p.lease == id {
-			p.dropLocked()
-			p.log.Info("Member lease ended; publishing again under a new one", "key", p.key)
-			select {
-			case p.lost <- struct{}{}:
-			default:
-			}
-		}
-		p.mu.Unlock()
-	}(g.ID)
-	return g.ID, nil
 }
 
-func (p *Publisher) dropLocked() {
-	if p.cancel != nil {
-		p.cancel()
+func (p *Publisher) ensureSession(ctx context.Context) (*memberSession, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.session != nil {
+		return p.session, nil
 	}
-	p.lease, p.cancel = 0, nil
+	s, err := openSession(ctx, p.cli, p.ttl)
+	if err != nil {
+		return nil, fmt.Errorf("granting a %s lease for %s: %w", p.ttl, p.key, err)
+	}
+	p.session = s
+	go p.awaitEnd(s)
+	return s, nil
+}
+
+// openSession opens a session whose lease grant ends with ctx but whose keep-alive
+// outlives it: concurrency.WithContext ties both to one context, and a publish is
+// bounded by a timeout while its lease must not be.
+func openSession(ctx context.Context, cli *clientv3.Client, ttl time.Duration) (*memberSession, error) {
+	life, end := context.WithCancel(cli.Ctx())
+	detach := context.AfterFunc(ctx, end)
+	s, err := concurrency.NewSession(cli, concurrency.WithTTL(int(ttl/time.Second)), concurrency.WithContext(life))
+	if !detach() {
+		// ctx ended during the grant: its lease, if granted, expires unused.
+		if err == nil {
+			s.Orphan()
+			err = ctx.Err()
+		}
+		return nil, err
+	}
+	if err != nil {
+		end()
+		return nil, err
+	}
+	return &memberSession{Session: s, end: end}, nil
+}
+
+// awaitEnd signals Lost when s ends while it is still the current session.
+func (p *Publisher) awaitEnd(s *memberSession) {
+	<-s.Done()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.session != s {
+		return
+	}
+	p.dropLocked()
+	p.log.Info("Member lease ended; publishing again under a new one", "key", p.key)
+	select {
+	case p.lost <- struct{}{}:
+	default:
+	}
+}
+
+// dropLocked stops the keep-alive without revoking the lease.
+func (p *Publisher) dropLocked() {
+	if p.session != nil {
+		p.session.Orphan()
+		p.session.end()
+	}
+	p.session = nil
 }
 
 // Close revokes the lease, which deletes the member key at once.
 func (p *Publisher) Close(ctx context.Context) error {
 	p.mu.Lock()
-	lease := p.lease
+	s := p.session
 	p.dropLocked()
 	p.mu.Unlock()
-	if lease == 0 {
+	if s == nil {
 		return nil
 	}
-	_, err := p.cli.Revoke(ctx, lease)
+	_, err := p.cli.Revoke(ctx, s.Lease())
 	return err
 }

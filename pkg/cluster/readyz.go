@@ -35,6 +35,9 @@ func (n *Node) ReadyzCheck() healthz.HealthChecker {
 		if !n.view.Loaded() {
 			return fmt.Errorf("the list of live apiservers under %s has not been loaded yet; check the connection to etcd", MembersPrefix(n.opts.Prefix))
 		}
+		if err := n.publishFailure(); err != nil {
+			return err
+		}
 		if n.opts.Inventory != nil && n.opts.Inventory.Latest() == nil {
 			return fmt.Errorf("no inventory of the stored objects yet, so it is not known whether this apiserver's encryption configuration can read them; waiting for the first one")
 		}

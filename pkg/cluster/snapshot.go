@@ -10,13 +10,17 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
-// Snapshot is the cluster as etcd holds it at one revision: the live members and the
-// migration leader's state (nil when no leader has written one).
+// Snapshot is the cluster as etcd holds it at one revision: its identity (nil before
+// an apiserver created one), the live members, the records that are not (the View's
+// rules: UnknownMember) and the migration leader's state (nil when no leader has
+// written one).
 type Snapshot struct {
+	Identity  *Identity       `json:"identity,omitempty"`
 	Members   []MemberState   `json:"members"`
 	Migration *MigrationState `json:"migration,omitempty"`
-	// Skipped names member keys whose value is not a member state.
-	Skipped []string `json:"skipped,omitempty"`
+	// UnknownMembers are the records under the members prefix that are not live
+	// members of this cluster, with the reason.
+	UnknownMembers []UnknownMember `json:"unknownMembers,omitempty"`
 }
 
 // ReadSnapshot reads the member keys and the migration state under prefix.
@@ -25,11 +29,19 @@ func ReadSnapshot(ctx context.Context, cli *clientv3.Client, prefix string) (*Sn
 	if err != nil {
 		return nil, fmt.Errorf("reading the members under %s: %w", MembersPrefix(prefix), err)
 	}
-	s := &Snapshot{}
+	id, err := ReadIdentity(ctx, cli, prefix, resp.Header.Revision)
+	if err != nil {
+		return nil, err
+	}
+	s := &Snapshot{Identity: id}
+	clusterID := ""
+	if id != nil {
+		clusterID = id.ClusterID
+	}
 	for _, kv := range resp.Kvs {
-		m, err := ParseMemberState(kv.Value)
-		if err != nil || strings.TrimPrefix(string(kv.Key), MembersPrefix(prefix)) != m.APIServerID {
-			s.Skipped = append(s.Skipped, string(kv.Key))
+		m, u := classifyRecord(prefix, clusterID, kv)
+		if u != nil {
+			s.UnknownMembers = append(s.UnknownMembers, *u)
 			continue
 		}
 		s.Members = append(s.Members, m)

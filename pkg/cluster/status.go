@@ -7,8 +7,13 @@ import "time"
 type Status struct {
 	APIServerID string `json:"apiserverID"`
 	Prefix      string `json:"coordinationPrefix"`
+	// ClusterID is the cluster's identity (<prefix>/cluster).
+	ClusterID string `json:"clusterID,omitempty"`
 	// Members are the live members as they published themselves.
 	Members []MemberState `json:"members"`
+	// UnknownMembers are records under the members prefix that are not live members of
+	// this cluster: they hold promotions, never count against readiness.
+	UnknownMembers []UnknownMember `json:"unknownMembers,omitempty"`
 	// Holds are the write keys this apiserver's fence holds back.
 	Holds []Hold `json:"holds,omitempty"`
 	// MissingKeys are keys the cluster uses that this configuration cannot read (the
@@ -28,8 +33,9 @@ type Status struct {
 // Status returns the cluster section of the status document.
 func (n *Node) Status() Status {
 	now := n.opts.Clock.Now()
-	st := Status{APIServerID: n.opts.ID, Prefix: n.opts.Prefix, Members: n.view.Members(), Holds: n.Holds()}
+	st := Status{APIServerID: n.opts.ID, Prefix: n.opts.Prefix, Members: n.view.Members(), UnknownMembers: n.view.Unknown(), Holds: n.Holds()}
 	n.mu.Lock()
+	st.ClusterID = n.clusterID
 	agent, mig := n.agent, n.migrator
 	st.DisagreeingSince, st.PublishError = n.alarm.Since(), n.publishErr
 	alarmed := n.alarm.Raised()

@@ -2,24 +2,30 @@ package cluster
 
 import (
 	"context"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/klog/v2"
 )
 
 // View is the live member set: a list of <prefix>/members/ followed by a watch from
 // the listed revision. A member whose lease expired is deleted by etcd and drops out.
+// Records that are not live members of this cluster are kept apart (Unknown).
 type View struct {
 	cli    *clientv3.Client
 	prefix string
 	log    klog.Logger
 
-	mu      sync.Mutex
-	members map[string]MemberState
+	mu        sync.Mutex
+	clusterID string
+	members   map[string]MemberState
+	// unknown are the records that are not members of this cluster, by apiserver id.
+	unknown map[string]UnknownMember
 	rev     int64
 	loaded  bool
 	changed chan struct{} // closed and replaced on every change
@@ -27,7 +33,14 @@ type View struct {
 
 // NewView returns a view of the members under prefix; call Load, then Run.
 func NewView(cli *clientv3.Client, prefix string, log klog.Logger) *View {
-	return &View{cli: cli, prefix: prefix, log: log, members: map[string]MemberState{}, changed: make(chan struct{})}
+	return &View{cli: cli, prefix: prefix, log: log, members: map[string]MemberState{}, unknown: map[string]UnknownMember{}, changed: make(chan struct{})}
+}
+
+// bindCluster makes records of other clusters unknown members; call it before Load.
+func (v *View) bindCluster(clusterID string) {
+	v.mu.Lock()
+	v.clusterID = clusterID
+	v.mu.Unlock()
 }
 
 // Load lists the members now.
@@ -36,30 +49,32 @@ func (v *View) Load(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	members := map[string]MemberState{}
-	for _, kv := range resp.Kvs {
-		if m, ok := v.parse(kv.Key, kv.Value); ok {
-			members[m.APIServerID] = m
-		}
-	}
 	v.mu.Lock()
-	v.members, v.rev, v.loaded = members, resp.Header.Revision, true
+	defer v.mu.Unlock()
+	v.members, v.unknown = map[string]MemberState{}, map[string]UnknownMember{}
+	for _, kv := range resp.Kvs {
+		v.putLocked(kv)
+	}
+	v.rev, v.loaded = resp.Header.Revision, true
 	v.notifyLocked()
-	v.mu.Unlock()
 	return nil
 }
 
-func (v *View) parse(key, value []byte) (MemberState, bool) {
-	m, err := ParseMemberState(value)
-	if err != nil {
-		v.log.Error(err, "Ignoring a member key that does not hold a member state", "key", string(key))
-		return m, false
+// putLocked files one record as a member or, logging why, as an unknown member.
+func (v *View) putLocked(kv *mvccpb.KeyValue) {
+	id := strings.TrimPrefix(string(kv.Key), MembersPrefix(v.prefix))
+	m, u := classifyRecord(v.prefix, v.clusterID, kv)
+	if u != nil {
+		delete(v.members, id)
+		if old, seen := v.unknown[id]; !seen || old.Reason != u.Reason {
+			v.log.Error(nil, "A record under the members prefix is not a live member of this cluster: it holds promotions of new write keys until it is gone",
+				"key", u.Key, "reason", u.Reason)
+		}
+		v.unknown[id] = *u
+		return
 	}
-	if id := strings.TrimPrefix(string(key), MembersPrefix(v.prefix)); id != m.APIServerID {
-		v.log.Error(nil, "Ignoring a member state published under another apiserver's key", "key", string(key), "apiserverID", m.APIServerID)
-		return m, false
-	}
-	return m, true
+	delete(v.unknown, id)
+	v.members[id] = m
 }
 
 func (v *View) notifyLocked() {
@@ -82,14 +97,13 @@ func (v *View) Run(ctx context.Context) {
 			}
 			v.mu.Lock()
 			for _, ev := range resp.Events {
-				id := strings.TrimPrefix(string(ev.Kv.Key), MembersPrefix(v.prefix))
 				if ev.Type == clientv3.EventTypeDelete {
+					id := strings.TrimPrefix(string(ev.Kv.Key), MembersPrefix(v.prefix))
 					delete(v.members, id)
+					delete(v.unknown, id)
 					continue
 				}
-				if m, ok := v.parse(ev.Kv.Key, ev.Kv.Value); ok {
-					v.members[id] = m
-				}
+				v.putLocked(ev.Kv)
 			}
 			v.rev = resp.Header.Revision
 			v.notifyLocked()
@@ -120,6 +134,16 @@ func (v *View) Members() []MemberState {
 		out = append(out, m)
 	}
 	slices.SortFunc(out, func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) })
+	return out
+}
+
+// Unknown returns the records under the members prefix that are not live members of
+// this cluster, sorted by key.
+func (v *View) Unknown() []UnknownMember {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	out := slices.Collect(maps.Values(v.unknown))
+	slices.SortFunc(out, func(a, b UnknownMember) int { return strings.Compare(a.Key, b.Key) })
 	return out
 }
 

@@ -1,0 +1,105 @@
+package cluster
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"k8s.io/klog/v2/ktesting"
+
+	"github.com/rekey-io/rekey/internal/etcdtest"
+)
+
+// TestPublisherOpensANewSessionWhenTheLeaseEnds: the member record is the state's JSON
+// at the member key under a lease of the configured TTL; when that lease ends (here
+// revoked behind the publisher's back), Lost is signalled and the next Publish writes
+// the same record under a new lease; Close revokes it, deleting the key.
+func TestPublisherOpensANewSessionWhenTheLeaseEnds(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	ctx := context.Background()
+	key := MemberKey(DefaultPrefix, "a")
+	pub := NewPublisher(cli, key, time.Second, ktesting.NewLogger(t, ktesting.NewConfig())) // raised to 2 s
+	st := MemberState{APIServerID: "a", ConfigHash: "h1"}
+	want, err := st.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	record := func() *clientv3.GetResponse {
+		t.Helper()
+		resp, err := cli.Get(ctx, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp
+	}
+
+	if err := pub.Publish(ctx, st); err != nil {
+		t.Fatal(err)
+	}
+	first := record()
+	if len(first.Kvs) != 1 || string(first.Kvs[0].Value) != string(want) || first.Kvs[0].Lease == 0 {
+		t.Fatalf("record after the first publish: %+v; want %s under a lease", first.Kvs, want)
+	}
+	lease := clientv3.LeaseID(first.Kvs[0].Lease)
+	ttl, err := cli.TimeToLive(ctx, lease)
+	if err != nil || ttl.GrantedTTL != 2 {
+		t.Fatalf("lease granted for %d s (%v); want 2", ttl.GrantedTTL, err)
+	}
+
+	if _, err := cli.Revoke(ctx, lease); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-pub.Lost():
+	case <-time.After(20 * time.Second):
+		t.Fatal("Lost not signalled after the lease was revoked")
+	}
+	if n := len(record().Kvs); n != 0 {
+		t.Fatalf("%d member records after the lease ended; want none", n)
+	}
+	if err := pub.Publish(ctx, st); err != nil {
+		t.Fatal(err)
+	}
+	second := record()
+	if len(second.Kvs) != 1 || string(second.Kvs[0].Value) != string(want) || second.Kvs[0].Lease == 0 || clientv3.LeaseID(second.Kvs[0].Lease) == lease {
+		t.Fatalf("record after the lease ended: %+v; want %s under a new lease", second.Kvs, want)
+	}
+
+	if err := pub.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(record().Kvs); n != 0 {
+		t.Fatalf("%d member records after Close; want none", n)
+	}
+}
+
+// TestPublisherGrantBoundedByTheCallersContext: a publish whose context has ended
+// opens no session, and the next one opens a lasting session.
+func TestPublisherGrantBoundedByTheCallersContext(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	pub := NewPublisher(cli, MemberKey(DefaultPrefix, "a"), 2*time.Second, ktesting.NewLogger(t, ktesting.NewConfig()))
+	ended, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := pub.Publish(ended, MemberState{APIServerID: "a"}); err == nil {
+		t.Fatal("a publish with an ended context succeeded")
+	}
+	pctx, pcancel := context.WithTimeout(context.Background(), etcdTimeout)
+	err := pub.Publish(pctx, MemberState{APIServerID: "a"})
+	pcancel() // the publish's context ends; the session must not
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub.mu.Lock()
+	s := pub.session
+	pub.mu.Unlock()
+	// A session living in the publish's context would be cancelled with it, at once.
+	if err := s.Ctx().Err(); err != nil {
+		t.Fatalf("the session ended with the publish's context: %v", err)
+	}
+	if err := pub.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
