@@ -93,7 +93,7 @@ BENCH_OUT := -notes docs/benchmark-notes.md -appendix docs/bench/appendix.md -me
 bench:
 	$(GO) run ./cmd/rekey-bench $(BENCH_FLAGS) $(BENCH_OUT)
 
-## bench-rotation: the rotation scenario alone (issue 12: rekey rotate --wait vs
+## bench-rotation: the rotation scenario alone (rekey rotate --wait vs
 ## upstream's procedure, 10,000 Secrets on 3 apiservers, 6–8 minutes); replaces its
 ## section of BENCHMARKS.md and results.json and keeps every other one.
 bench-rotation:

@@ -128,7 +128,7 @@ func seed(t *testing.T, cli *clientv3.Client, cfgPath string, n int) {
 	}
 }
 
-// TestRotateProviderSwitches runs item 2's switches as an operator does, each
+// TestRotateProviderSwitches runs the provider switches as an operator does, each
 // with one rotate command: the new provider goes first, the guard refuses to remove the
 // old one while stored Secrets use it, the migration moves them, the guard then allows
 // the removal, and the stored Secrets all carry the new provider's prefix and read back

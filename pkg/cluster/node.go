@@ -189,9 +189,13 @@ func (n *Node) Start(ctx context.Context) error {
 
 // WriteFence is reload.Options.WriteFence.
 func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]int {
+	members := n.view.Members()
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.fence.Step(Tick{Now: n.opts.Clock.Now()})
+	// Decide with the members the watch has delivered, not the ones the node's loop
+	// has fed the fence so far: a member that just appeared must not miss a promotion.
+	n.fence.Step(MembersChanged{Members: members})
 	before := map[string]Hold{}
 	for _, h := range n.fence.Holds() {
 		before[h.Resource] = h
@@ -225,8 +229,10 @@ func (n *Node) NotifyKeyID(string, string) { n.Notify() }
 // member state, that its plugin can decrypt that key id. It never waits on etcd: it
 // asks the fence, which the watch of the members feeds.
 func (n *Node) MayWriteKeyID(provider, keyIDHash string) bool {
+	members := n.view.Members()
 	n.mu.Lock()
 	defer n.mu.Unlock()
+	n.fence.Step(MembersChanged{Members: members})
 	return n.fence.MayWriteKeyID(provider, keyIDHash)
 }
 

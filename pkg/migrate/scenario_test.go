@@ -216,7 +216,7 @@ func (w *writers) verify(t testing.TB, set *transformers.Set) (objects int) {
 	return objects
 }
 
-// TestRotationScenario is issue 7's end-to-end scenario on real etcd, real
+// TestRotationScenario is an end-to-end rotation on real etcd, real
 // transformers and a real KMS v2 plugin: 10,000 objects; aesgcm → new aesgcm key
 // (secrets) and aescbc → KMS v2 (configmaps) in one change, migrated while writers
 // update, create and delete, killed halfway and resumed; then a KMS v2 key id change

@@ -1,6 +1,6 @@
 package e2e
 
-// Many apiservers, one cluster (issue 10, item 8): a 3-member etcd cluster of
+// Many apiservers, one cluster: a 3-member etcd cluster of
 // processes, three shims each with its own copy of the encryption config, a file
 // syncer that applies every change to each copy after its own random delay (0–10 s,
 // as kubelets refresh a mounted Secret), writers on every shim and a sampler that
@@ -9,7 +9,7 @@ package e2e
 // The scenarios need the shim's cluster coordination (--cluster-coordination); they
 // skip with a message when the shim binary does not have it. The delays replay with
 // CLUSTER_SEED=<seed from the log>; CLUSTER_OBJECTS sets the number of Secrets
-// (default 1,000). The 10,000-object measurement of item 9:
+// (default 1,000). The 10,000-object measurement:
 //
 //	go test -count=1 -run '^$' -bench ClusterOneEdit -benchtime 1x ./test/e2e
 
@@ -274,7 +274,7 @@ func (b *clusterBed) startLoad() *clusterLoad {
 	}
 }
 
-// finish stops the load and checks item 8's criteria: writes were acknowledged on
+// finish stops the load and checks the scenarios' criteria: writes were acknowledged on
 // every shim in rotation and none failed there, the sampler read through every shim
 // with no unreadable, missing or stale read, and every shim in rotation serves every
 // object with its last acknowledged write.
@@ -424,7 +424,7 @@ func TestClusterOneEditNewKeyFirst(t *testing.T) {
 	scenarioOneEdit(t, clusterObjects(t))
 }
 
-// BenchmarkClusterOneEdit is item 9's measurement: 10,000 Secrets (CLUSTER_OBJECTS),
+// BenchmarkClusterOneEdit measures one edit on many apiservers: 10,000 Secrets (CLUSTER_OBJECTS),
 // the time from the last file update to every object on key2, verified (local), and
 // from the last plugin's keyring update to every object on kek-2, verified (kms; the
 // shims' --kms-status-interval is CLUSTER_KMS_STATUS_INTERVAL, default 1s). Each also

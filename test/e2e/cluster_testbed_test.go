@@ -164,7 +164,7 @@ func TestTestbedWorkloadOneShim(t *testing.T) {
 	}
 }
 
-// The harness sees the failure issue 10 describes. Three shims without
+// The harness sees the failure coordination exists to prevent. Three shims without
 // coordination, the new key reaching one file first: that shim writes and migrates
 // with key2 alone, and the sampler counts unreadable reads on the two others until
 // their files catch up. Writes acknowledged in that window are still intact at the

@@ -1,6 +1,6 @@
 package e2e
 
-// `rekey rotate --wait` on the many-apiserver testbed (issue 12, item 1): the operator
+// `rekey rotate --wait` on the many-apiserver testbed: the operator
 // edits one source file; a syncer copies it to each shim's own file after a random
 // delay, as kubelets refresh a mounted Secret on every node.
 

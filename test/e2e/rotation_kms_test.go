@@ -1,6 +1,6 @@
 package e2e
 
-// The KMS → KMS runbook in one command (issue 12, item 3): the move from one KMS v2
+// The KMS → KMS runbook in one command: the move from one KMS v2
 // plugin (key vault) to another that the Azure KMS runbook does in eight steps and two
 // restarts, done with `rekey rotate` on the three-shim testbed while writers run.
 //
@@ -252,7 +252,7 @@ func migrationVerifiedProbe(t testing.TB, b *clusterBed, target string) testbed.
 	}}
 }
 
-// The other switches of item 2 on a running apiserver, one rotate command each and no
+// The provider switches of `rekey rotate` on a running apiserver, one rotate command each and no
 // restart: identity → aesgcm (first-time encryption), then aesgcm → KMS v2. One shim
 // (its own migrator) with writers and a sampler; after each switch the shim migrates,
 // the guard lets the old provider go, and nothing fails or reads wrong.
