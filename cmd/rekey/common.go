@@ -41,9 +41,24 @@ func (c *common) addEtcdFlags(fs *pflag.FlagSet) {
 	fs.DurationVar(&c.timeout, "etcd-dial-timeout", 10*time.Second, "How long to wait for etcd to answer.")
 }
 
+// addEtcdPrefixFlag adds --etcd-prefix, which also gives --coordination-prefix its
+// default (coordinationPrefix).
+func (c *common) addEtcdPrefixFlag(fs *pflag.FlagSet) {
+	fs.StringVar(&c.etcdPrefix, "etcd-prefix", migrate.DefaultEtcdPrefix, "The prefix of all resource paths in etcd (kube-apiserver's --etcd-prefix).")
+}
+
+// coordinationPrefix is --coordination-prefix (flag), or the apiservers' default for
+// --etcd-prefix when it is not set.
+func (c *common) coordinationPrefix(flag string) string {
+	if flag != "" {
+		return flag
+	}
+	return layer.DefaultCoordinationPrefix(c.etcdPrefix)
+}
+
 func (c *common) addFlags(fs *pflag.FlagSet) {
 	c.addEtcdFlags(fs)
-	fs.StringVar(&c.etcdPrefix, "etcd-prefix", migrate.DefaultEtcdPrefix, "The prefix of all resource paths in etcd (kube-apiserver's --etcd-prefix).")
+	c.addEtcdPrefixFlag(fs)
 	fs.StringVar(&c.configPath, "encryption-provider-config", "", "The EncryptionConfiguration the apiservers run now. Required.")
 	fs.StringSliceVar(&c.resources, "resources", nil, "Resources to scan: secrets, widgets.example.com, or deployments.apps=/registry/deployments/ for a custom etcd path. Default: every resource the configuration names explicitly (secrets and configmaps when it only has wildcards).")
 	fs.Int64Var(&c.pageSize, "page-size", migrate.DefaultPageSize, "Objects per etcd range request.")

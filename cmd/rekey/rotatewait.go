@@ -29,7 +29,7 @@ type waitOptions struct {
 func (w *waitOptions) addFlags(fs *pflag.FlagSet) {
 	w.progress = progress.NewFlag(progress.Auto, progress.Bar, progress.Plain)
 	fs.BoolVar(&w.wait, "wait", false, "Run the whole rotation: write the new key first, follow the cluster (every apiserver writes with it, migration verified), remove the old key once the guard allows it, and wait until every apiserver runs the final file. Re-running after an interruption continues the rotation in progress. Needs --etcd-servers.")
-	fs.StringVar(&w.prefix, "coordination-prefix", cluster.DefaultPrefix, "The apiservers' --coordination-prefix (--wait).")
+	fs.StringVar(&w.prefix, "coordination-prefix", "", "The apiservers' --coordination-prefix (--wait). Default: the apiservers' default for --etcd-prefix ("+cluster.DefaultPrefix+" for /registry).")
 	fs.DurationVar(&w.timeout, "wait-timeout", 30*time.Minute, "Give up --wait after this long, saying which stage is missing what.")
 	fs.Var(w.progress, "progress", "Output of --wait: bar (one updating line), plain (a timestamped line per stage, for CI logs), or auto (bar on a terminal).")
 	fs.DurationVar(&w.interval, "wait-interval", 500*time.Millisecond, "How often --wait reads the file and etcd.")
@@ -42,6 +42,7 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation.Request, w waitOption
 	if len(c.etcd.Servers) == 0 {
 		return errors.New("--wait needs --etcd-servers: it follows the apiservers through the coordination keys in etcd")
 	}
+	w.prefix = c.coordinationPrefix(w.prefix)
 	if err := cluster.ValidatePrefix(w.prefix, c.etcdPrefix); err != nil {
 		return err
 	}

@@ -28,7 +28,9 @@ func newStatusCommand() *cobra.Command {
 (shims and agents running with --cluster-coordination) and prints one line per
 apiserver: id, configuration hash, the key each resource is written with (and a new key
 its write fence holds back), the keys it can read, KMS health, its last refused reload
-and the age of its state. The verdict follows: converged; promoting a key, waiting for
+and the age of its state. Records that are not live apiservers of this cluster (no
+lease, another cluster's id, not parseable) are listed apart with the reason: they hold
+every promotion until they are gone. The verdict follows: converged; promoting a key, waiting for
 the apiservers that cannot read it yet; members disagree; migrating a resource x/y; all
 prefixed by "alarm:" when members have disagreed for longer than --disagreement-alarm.
 The exit code is 0 only when the cluster has converged.`,
@@ -40,7 +42,7 @@ The exit code is 0 only when the cluster has converged.`,
 				return err
 			}
 			defer s.Close()
-			snap, err := cluster.ReadSnapshot(ctx, s.etcd, prefix)
+			snap, err := cluster.ReadSnapshot(ctx, s.etcd, c.coordinationPrefix(prefix))
 			if err != nil {
 				return err
 			}
@@ -61,7 +63,8 @@ The exit code is 0 only when the cluster has converged.`,
 	}
 	fs := cmd.Flags()
 	c.addEtcdFlags(fs)
-	fs.StringVar(&prefix, "coordination-prefix", cluster.DefaultPrefix, "The apiservers' --coordination-prefix.")
+	c.addEtcdPrefixFlag(fs)
+	fs.StringVar(&prefix, "coordination-prefix", "", "The apiservers' --coordination-prefix. Default: the apiservers' default for --etcd-prefix ("+cluster.DefaultPrefix+" for /registry).")
 	fs.DurationVar(&alarm, "disagreement-alarm", cluster.DefaultDisagreementAlarm, "Report an alarm when a member has seen the others disagree for longer than this.")
 	addOutputFlag(fs, &output)
 	return cmd
@@ -112,8 +115,12 @@ func writeStatusTable(w io.Writer, snap *cluster.Snapshot, v cluster.Verdict, no
 			printLine(w, "%s", line)
 		}
 	}
-	for _, k := range snap.Skipped {
-		printLine(w, "skipped %s: not a member state", k)
+	if len(snap.UnknownMembers) > 0 {
+		fmt.Fprintln(w)
+		printLine(w, "UNKNOWN MEMBERS (not live apiservers of this cluster: they hold every promotion, and count for nobody's readiness)")
+		for _, u := range snap.UnknownMembers {
+			printLine(w, "  %s: %s", u.Key, u.Reason)
+		}
 	}
 	fmt.Fprintln(w)
 	printLine(w, "VERDICT %s", v.Summary)

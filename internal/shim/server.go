@@ -35,7 +35,6 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/internal/shim/openapi"
-	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/layer"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
@@ -162,9 +161,6 @@ func (o *Options) complete() error {
 	}
 	if !o.Rekey.Rekey() && o.KMS != nil {
 		o.KMS = nil // upstream builds its own KMS v2 clients
-	}
-	if o.Rekey.CoordinationPrefix == "" {
-		o.Rekey.CoordinationPrefix = cluster.DefaultPrefix
 	}
 	if o.Rekey.APIServerID == "" {
 		o.Rekey.APIServerID = defaultAPIServerID(o.SecurePort)

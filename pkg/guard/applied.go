@@ -25,12 +25,23 @@ import (
 // AppliedStateVersion is the format version of AppliedState.
 const AppliedStateVersion = 1
 
-// AppliedStatePrefix is the etcd key prefix under which apiservers persist their
-// AppliedState, one key per apiserver: <AppliedStatePrefix><apiserver-id>. It lies
-// outside every resource prefix (kube-apiserver's default is /registry), so no scan,
-// migration or watch of stored objects ever sees it. A cluster-wide state can later
-// live next to it (e.g. /rekey/applied-cluster) and be derived from these keys.
+// AppliedStatePrefix is where apiservers persisted their AppliedState before it moved
+// under the coordination prefix (AppliedStateKey): <AppliedStatePrefix><apiserver-id>.
+// It is still read when the new key is absent (EtcdAppliedState.Fallback), so an
+// upgrade keeps its start-up check. With the default coordination prefix (/rekey, for
+// --etcd-prefix /registry) both are the same key.
 const AppliedStatePrefix = "/rekey/applied/"
+
+// appliedStateDir is the directory of applied states under a coordination prefix.
+const appliedStateDir = "/applied/"
+
+// AppliedStateKey is where apiserver id keeps its AppliedState in etcd: under the
+// coordination prefix, which lies outside the resource prefix (so no scan, migration
+// or watch of stored objects ever sees it) and belongs to one cluster (so two
+// clusters sharing an etcd do not read each other's states).
+func AppliedStateKey(coordinationPrefix, id string) string {
+	return coordinationPrefix + appliedStateDir + id
+}
 
 // maxKeyIDHashes bounds the KMS v2 key id hashes remembered per provider.
 const maxKeyIDHashes = 16
@@ -214,7 +225,7 @@ type AppliedStateStore interface {
 	String() string
 }
 
-// EtcdAppliedState keeps the state in etcd at Key (AppliedStatePrefix + apiserver id).
+// EtcdAppliedState keeps the state in etcd at Key (AppliedStateKey).
 // This is the shim's choice: etcd is the one store every restart of the apiserver is
 // guaranteed to see (a local file can be lost with a node or a container's ephemeral
 // disk, and then the check silently passes), it already holds the data whose keys the
@@ -223,18 +234,27 @@ type AppliedStateStore interface {
 type EtcdAppliedState struct {
 	Client *clientv3.Client
 	Key    string
+	// Fallback, when set, is read when Key holds no state: where an older version kept
+	// it (AppliedStatePrefix + id). Save writes Key only.
+	Fallback string
 }
 
-// Load reads the state.
+// Load reads the state at Key, else at Fallback.
 func (e EtcdAppliedState) Load(ctx context.Context) (*AppliedState, error) {
-	resp, err := e.Client.Get(ctx, e.Key)
-	if err != nil {
-		return nil, fmt.Errorf("reading the applied encryption state from etcd key %q: %w; the apiserver's etcd user needs read and write access to %s (or keep the state in a file: --encryption-state-file)", e.Key, err, AppliedStatePrefix)
+	keys := []string{e.Key}
+	if e.Fallback != "" && e.Fallback != e.Key {
+		keys = append(keys, e.Fallback)
 	}
-	if len(resp.Kvs) == 0 {
-		return nil, nil
+	for _, key := range keys {
+		resp, err := e.Client.Get(ctx, key)
+		if err != nil {
+			return nil, fmt.Errorf("reading the applied encryption state from etcd key %q: %w; the apiserver's etcd user needs read and write access to it (or keep the state in a file: --encryption-state-file)", key, err)
+		}
+		if len(resp.Kvs) == 1 {
+			return decodeAppliedState(resp.Kvs[0].Value, "etcd key "+key)
+		}
 	}
-	return decodeAppliedState(resp.Kvs[0].Value, "etcd key "+e.Key)
+	return nil, nil
 }
 
 // Save writes the state.
@@ -244,7 +264,7 @@ func (e EtcdAppliedState) Save(ctx context.Context, s *AppliedState) error {
 		return err
 	}
 	if _, err := e.Client.Put(ctx, e.Key, string(b)); err != nil {
-		return fmt.Errorf("saving the applied encryption state to etcd key %q: %w; the apiserver's etcd user needs read and write access to %s (or keep the state in a file: --encryption-state-file)", e.Key, err, AppliedStatePrefix)
+		return fmt.Errorf("saving the applied encryption state to etcd key %q: %w; the apiserver's etcd user needs read and write access to it (or keep the state in a file: --encryption-state-file)", e.Key, err)
 	}
 	return nil
 }

@@ -3,6 +3,8 @@ package layer
 import (
 	"cmp"
 	"fmt"
+	"path"
+	"strings"
 	"time"
 
 	"github.com/spf13/pflag"
@@ -124,7 +126,6 @@ func NewFlags(d Defaults) Flags {
 		StorageMigration:         d.StorageMigration,
 		StorageResources:         d.StorageResources,
 		ClusterCoordination:      true,
-		CoordinationPrefix:       cluster.DefaultPrefix,
 		ClusterLeaseTTL:          cluster.DefaultLeaseTTL,
 		ClusterDisagreementAlarm: cluster.DefaultDisagreementAlarm,
 		defaults:                 d,
@@ -166,9 +167,9 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 			"Disaster recovery only: the data under that key becomes unreadable.")
 	fs.StringVar(&f.EncryptionStateFile, "encryption-state-file", f.EncryptionStateFile,
 		"Keep the record of what the last applied encryption configuration could read (key fingerprints, never keys) in this file instead of "+
-			"etcd key /rekey/applied/<encryption-state-id>. It must survive restarts: at start the configuration on disk is checked against it.")
+			"etcd key <coordination-prefix>/applied/<encryption-state-id>. It must survive restarts: at start the configuration on disk is checked against it.")
 	fs.StringVar(&f.EncryptionStateID, "encryption-state-id", f.EncryptionStateID,
-		"The id in the applied-state key /rekey/applied/<id>. Default: k8s.io/apiserver's identity of this apiserver (apiserver-<hash of the host name>). "+
+		"The id in the applied-state key <coordination-prefix>/applied/<id>. Default: k8s.io/apiserver's identity of this apiserver (apiserver-<hash of the host name>). "+
 			"Set it when several apiservers share one host and one etcd; it must stay the same across restarts.")
 
 	fs.StringVar(&f.APIServerID, FlagAPIServerID, f.APIServerID,
@@ -179,7 +180,9 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 			"another live apiserver cannot read (hold it, promote it once all can), migrate stored data on one elected apiserver, and fail "+
 			"the rekey-cluster check of /readyz while this configuration cannot read a key the cluster uses. False: act alone.")
 	fs.StringVar(&f.CoordinationPrefix, "coordination-prefix", f.CoordinationPrefix,
-		"etcd key prefix of the coordination keys (members, migration leader, checkpoint); must be outside --etcd-prefix.")
+		"etcd key prefix of the coordination keys (cluster identity, members, migration leader, checkpoint, applied states); must be outside --etcd-prefix. "+
+			"Default: "+cluster.DefaultPrefix+" for --etcd-prefix /registry, else "+cluster.DefaultPrefix+"-<etcd-prefix without its leading />, "+
+			"so clusters sharing an etcd under different --etcd-prefix values keep apart.")
 	fs.DurationVar(&f.ClusterLeaseTTL, "cluster-lease-ttl", f.ClusterLeaseTTL,
 		"Lease of this apiserver's member key and election session: a dead apiserver stops counting this long after it died (whole seconds, at least 2s).")
 	fs.DurationVar(&f.ClusterDisagreementAlarm, "cluster-disagreement-alarm", f.ClusterDisagreementAlarm,
@@ -257,8 +260,24 @@ func (f *Flags) ApplyTo(o *Options) error {
 	o.StateID = cmp.Or(f.EncryptionStateID, o.APIServerID)
 	o.MemberID = cmp.Or(f.APIServerID, o.APIServerID)
 	o.Cluster = f.ClusterCoordination
-	o.CoordinationPrefix = f.CoordinationPrefix
+	o.CoordinationPrefix = cmp.Or(f.CoordinationPrefix, DefaultCoordinationPrefix(o.EtcdPrefix))
 	o.ClusterLeaseTTL = f.ClusterLeaseTTL
 	o.ClusterDisagreementAlarm = f.ClusterDisagreementAlarm
 	return nil
+}
+
+// DefaultCoordinationPrefix is --coordination-prefix's default for --etcd-prefix
+// etcdPrefix. kube-apiserver's default /registry keeps /rekey, where existing
+// deployments have their keys; any other resource prefix gets its own coordination
+// prefix, /rekey-<etcd-prefix without its leading slash>, so that two clusters sharing
+// one etcd under different --etcd-prefix values do not coordinate with each other by
+// default. The dash keeps it out of /rekey/... (it never nests under another cluster's
+// members or applied states), and it cannot lie inside the resource prefix nor contain
+// it: "/rekey-" followed by a path never starts with that path.
+func DefaultCoordinationPrefix(etcdPrefix string) string {
+	p := strings.Trim(path.Clean("/"+etcdPrefix), "/")
+	if p == "" || p == "registry" {
+		return cluster.DefaultPrefix
+	}
+	return cluster.DefaultPrefix + "-" + p
 }

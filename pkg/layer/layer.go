@@ -23,6 +23,7 @@
 package layer
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -95,8 +96,9 @@ type Options struct {
 	AllowDroppingKeysInUse bool
 	// EncryptionStateFile keeps the applied state in a file instead of etcd.
 	EncryptionStateFile string
-	// StateID names the applied state in etcd (key guard.AppliedStatePrefix +
-	// StateID); it must be stable across restarts of the same apiserver.
+	// StateID names the applied state in etcd (key guard.AppliedStateKey under the
+	// coordination prefix, read from guard.AppliedStatePrefix + StateID when absent);
+	// it must be stable across restarts of the same apiserver.
 	StateID string
 
 	// APIServerID is k8s.io/apiserver's identity of this apiserver (Config.APIServerID),
@@ -108,6 +110,8 @@ type Options struct {
 	// Cluster coordinates with the other apiservers sharing etcd (pkg/cluster).
 	Cluster bool
 	// CoordinationPrefix, ClusterLeaseTTL, ClusterDisagreementAlarm: see cluster.Options.
+	// CoordinationPrefix also holds the applied state (with or without Cluster); empty
+	// means DefaultCoordinationPrefix(EtcdPrefix).
 	CoordinationPrefix       string
 	ClusterLeaseTTL          time.Duration
 	ClusterDisagreementAlarm time.Duration
@@ -120,13 +124,21 @@ type Options struct {
 // Validate checks what can be checked before etcd is reached (and before an embedded
 // etcd's address is known).
 func (o *Options) Validate() error {
-	if !o.Cluster || o.Path == "" {
+	if o.Path == "" {
 		return nil
 	}
-	if err := cluster.ValidatePrefix(o.CoordinationPrefix, o.EtcdPrefix); err != nil {
+	if err := cluster.ValidatePrefix(o.coordinationPrefix(), o.EtcdPrefix); err != nil {
 		return err
 	}
+	if !o.Cluster {
+		return nil
+	}
 	return cluster.ValidateID(o.MemberID)
+}
+
+// coordinationPrefix is CoordinationPrefix or its default.
+func (o *Options) coordinationPrefix() string {
+	return cmp.Or(o.CoordinationPrefix, DefaultCoordinationPrefix(o.EtcdPrefix))
 }
 
 // CheckFile reads and validates the configuration file as New will, without building
@@ -180,6 +192,7 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 	if err := o.Validate(); err != nil {
 		return nil, err
 	}
+	o.CoordinationPrefix = o.coordinationPrefix()
 	if len(o.Etcd.Servers) == 0 {
 		return nil, errors.New("the encryption layer needs the storage backend's etcd servers (--etcd-servers) to keep its state and inventories")
 	}
@@ -306,7 +319,8 @@ func (l *Layer) kmsFactory() transformers.KMSFactory {
 }
 
 // CheckStart compares the configuration on disk with the state the last applied one
-// left in etcd (key guard.AppliedStatePrefix + Options.StateID) or in
+// left in etcd (key guard.AppliedStateKey under the coordination prefix, or where an
+// older version kept it, guard.AppliedStatePrefix + Options.StateID) or in
 // EncryptionStateFile, before the server serves: a configuration refused on reload, or
 // edited while the apiserver was down, must not be applied silently by a restart.
 func (l *Layer) CheckStart(ctx context.Context) error {
@@ -316,7 +330,8 @@ func (l *Layer) CheckStart(ctx context.Context) error {
 	if l.opts.StateID == "" && l.opts.EncryptionStateFile == "" {
 		return errors.New("encryption start-up check: no state id for the applied state in etcd (--encryption-state-id, or the apiserver's identity)")
 	}
-	var state guard.AppliedStateStore = guard.EtcdAppliedState{Client: l.client, Key: guard.AppliedStatePrefix + l.opts.StateID}
+	var state guard.AppliedStateStore = guard.EtcdAppliedState{Client: l.client,
+		Key: guard.AppliedStateKey(l.opts.CoordinationPrefix, l.opts.StateID), Fallback: guard.AppliedStatePrefix + l.opts.StateID}
 	if l.opts.EncryptionStateFile != "" {
 		state = guard.FileAppliedState{Path: l.opts.EncryptionStateFile}
 	}
