@@ -459,10 +459,12 @@ func TestClusterFooledBrokenFile(t *testing.T) {
 	t.Logf("scenario (e): %v", time.Since(start).Round(time.Second))
 }
 
-// (f) The source reverted during a rotation: [key2, key1] reaches every node, and the
-// revert [key1] follows at once, while the fence may be promoting key2. No key a member
-// writes with (or holds) is dropped anywhere; the operator's correction [key1, key2] is
-// accepted everywhere and the cluster converges on key1.
+// (f) The source reverted during a rotation: [key2, key1] has reached nodes 0 and 1,
+// and at the same moment node 0 gets the revert [key1] while node 2 gets [key2, key1]
+// (the last copy the fence waited for, so a promotion may happen right then); then the
+// revert reaches every node. No key a member writes with (or holds) is dropped
+// anywhere; the operator's correction [key1, key2] is accepted everywhere and the
+// cluster converges on key1.
 func TestClusterFooledRevertDuringRotation(t *testing.T) {
 	requireClusterShim(t)
 	requireLong(t)
@@ -470,15 +472,29 @@ func TestClusterFooledRevertDuringRotation(t *testing.T) {
 	ctx := t.Context()
 	l := b.startReadyLoad()
 	to2 := testbed.SecretsConfig(testbed.AESGCM(b.key2, b.key1))
-	b.applyTo(to2.Render())
+	revert := testbed.SecretsConfig(testbed.AESGCM(b.key1))
+	b.applyTo(to2.Render(), 0, 1)
 	wctx, cancel := contextWithTimeout(t, 30*time.Second)
 	defer cancel()
-	if err := testbed.WaitFor(wctx, 20*time.Millisecond, testbed.ConfigAppliedProbe(b.shims(), to2.Render(), nil)); err != nil {
+	if err := testbed.WaitFor(wctx, 20*time.Millisecond, testbed.ConfigAppliedProbe(shimsOf(b.fleet, 0, 1), to2.Render(), nil)); err != nil {
 		t.Fatal(err)
 	}
-	revert := testbed.SecretsConfig(testbed.AESGCM(b.key1))
-	b.syncer.Apply(ctx, revert.Render()) // each node at its own moment, from now on
-	time.Sleep(b.cfg.maxDelay + 6*time.Second)
+	// Both at once: no syncer delay.
+	now, err := b.fleet.NewSyncer(testbed.SyncerConfig{MinDelay: time.Millisecond, MaxDelay: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := now.ApplyEach(ctx, func(i int) []byte {
+		if i == 0 {
+			return revert.Render()
+		}
+		return to2.Render()
+	}, []int{0, 2}).Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(3 * time.Second)
+	b.applyTo(revert.Render(), 1, 2)
+	time.Sleep(5 * time.Second)
 	got, _ := testbed.StoredPrefixes(ctx, b.cli, b.secretsKey)
 	t.Logf("after the revert: stored %v", got)
 
