@@ -165,16 +165,28 @@ func TestClusterFooledParallelRotate(t *testing.T) {
 		names = append(names, keys[0])
 	}
 	t.Logf("generated names: %v", names)
+	clash := false
 	for i := range names {
 		for j := i + 1; j < len(names); j++ {
 			if strings.HasPrefix(names[i], names[j]) || strings.HasPrefix(names[j], names[i]) {
+				clash = true
 				t.Errorf("generated names %q and %q: one is a prefix of the other (same name, different secrets)", names[i], names[j])
 			}
 		}
 	}
 	// Nobody can promote a key the two others cannot read: everything stays on key1.
 	b.storedOnlyFor(8*time.Second, "three different secrets configured", stored1)
-	l.stayedReady(t, "three different new keys configured", b.ids()...)
+	if clash {
+		// Same name, different secret: a conflict, and readiness fails on the members
+		// involved (here all three) until their files agree.
+		for _, id := range b.ids() {
+			if len(l.lb.NotReady(id)) == 0 {
+				t.Errorf("%s stayed ready with the same key name as the others under another secret", id)
+			}
+		}
+	} else {
+		l.stayedReady(t, "three different new keys configured", b.ids()...)
+	}
 
 	// The files agree: node 0's file everywhere.
 	agreed, err := os.ReadFile(paths[0])
@@ -184,6 +196,11 @@ func TestClusterFooledParallelRotate(t *testing.T) {
 	b.applyTo(agreed, 1, 2)
 	b.waitConverged("every object on node 0's new key", 60*time.Second, agreed,
 		testbed.StoredUnderProbe(b.cli, b.secretsKey, storedKey(names[0])))
+	if clash {
+		for _, id := range b.ids() {
+			l.lb.NotReady(id) // the conflict's own readiness failures, until the files agreed
+		}
+	}
 	secrets := fileSecrets(t, paths[0])
 	b.dropAndCheck(testbed.SecretsConfig(testbed.AESGCM(testbed.NamedKey{Name: names[0], Secret: secrets[0]})))
 	b.finish(l.clusterLoad)
