@@ -50,7 +50,7 @@ func TestStatusPrintsRecordsPrintable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := cli.Put(t.Context(), cluster.MemberKey(cluster.DefaultPrefix, m.APIServerID), string(data)); err != nil {
+	if err := putMember(t.Context(), cli, m.APIServerID, string(data)); err != nil {
 		t.Fatal(err)
 	}
 	out, err := run(t, "status", "--etcd-servers", srv.Endpoint)

@@ -81,7 +81,7 @@ func (f *fakeApiservers) run(ctx context.Context) {
 			for id, s := range running {
 				m := cluster.MemberState{APIServerID: id, ConfigHash: s.hash, Resources: s.rules, PublishedAt: time.Now()}
 				v, _ := m.Marshal()
-				if _, err := f.cli.Put(ctx, cluster.MemberKey(cluster.DefaultPrefix, id), string(v)); err != nil && ctx.Err() == nil {
+				if err := putMember(ctx, f.cli, id, string(v)); err != nil && ctx.Err() == nil {
 					f.t.Errorf("fake apiservers: %v", err)
 				}
 			}

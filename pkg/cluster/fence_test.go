@@ -2,6 +2,8 @@ package cluster
 
 import (
 	"fmt"
+	"maps"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -17,6 +19,7 @@ import (
 //	member id=<id> [gone]   input: the member's rules ("secrets: *aesgcm/k1,aesgcm/k2")
 //	                        and KMS plugins (parseMember)
 //	members-loaded          the first (empty) member list arrived
+//	unknown id=<id> [gone]  input: why the record under <id>'s key is an unknown member
 //	config                  input: this apiserver's new configuration (a reload)
 //	refence                 ask again with the current rules (promotion)
 //	may-write-keyid provider=<name> hash=<hash>
@@ -29,13 +32,27 @@ func TestFenceTranscripts(t *testing.T) {
 		now := epoch
 		f := NewFence("self", now)
 		members := liveMembers{}
+		unknown := map[string]UnknownMember{}
 		var current []transformers.RuleInfo
 		var self MemberState // this apiserver's state, for keyid-holds
-		sync := func() { f.Step(MembersChanged{Members: members.list()}) }
+		sync := func() {
+			f.Step(MembersChanged{Members: members.list(), Unknown: slices.SortedFunc(maps.Values(unknown),
+				func(a, b UnknownMember) int { return strings.Compare(a.Key, b.Key) })})
+		}
 		return func(t *testing.T, d *datadriven.TestData) string {
 			switch d.Cmd {
 			case "member":
 				members.step(t, d, now)
+				sync()
+				return "ok"
+			case "unknown":
+				var id string
+				d.ScanArgs(t, "id", &id)
+				if d.HasArg("gone") {
+					delete(unknown, id)
+				} else {
+					unknown[id] = UnknownMember{Key: MemberKey(DefaultPrefix, id), APIServerID: id, Reason: strings.TrimSpace(d.Input)}
+				}
 				sync()
 				return "ok"
 			case "members-loaded":

@@ -172,7 +172,7 @@ func (n *Node) Start(ctx context.Context) error {
 		return fmt.Errorf("cluster coordination: listing the members under %s: %w (check --etcd-servers, or pass --cluster-coordination=false for a single apiserver)", MembersPrefix(n.opts.Prefix), err)
 	}
 	n.mu.Lock()
-	n.fence.Step(MembersChanged{Members: n.view.Members(), Unknown: n.view.Unknown()})
+	n.fence.Step(n.viewEvent())
 	n.mu.Unlock()
 	runCtx, stop := context.WithCancel(context.Background())
 	n.cancel, n.done = stop, make(chan struct{})
@@ -189,13 +189,13 @@ func (n *Node) Start(ctx context.Context) error {
 
 // WriteFence is reload.Options.WriteFence.
 func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]int {
-	members := n.view.Members()
+	ev := n.viewEvent()
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.fence.Step(Tick{Now: n.opts.Clock.Now()})
 	// Decide with the members the watch has delivered, not the ones the node's loop
 	// has fed the fence so far: a member that just appeared must not miss a promotion.
-	n.fence.Step(MembersChanged{Members: members})
+	n.fence.Step(ev)
 	before := map[string]Hold{}
 	for _, h := range n.fence.Holds() {
 		before[h.Resource] = h
@@ -229,10 +229,10 @@ func (n *Node) NotifyKeyID(string, string) { n.Notify() }
 // member state, that its plugin can decrypt that key id. It never waits on etcd: it
 // asks the fence, which the watch of the members feeds.
 func (n *Node) MayWriteKeyID(provider, keyIDHash string) bool {
-	members := n.view.Members()
+	ev := n.viewEvent()
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	n.fence.Step(MembersChanged{Members: members})
+	n.fence.Step(ev)
 	return n.fence.MayWriteKeyID(provider, keyIDHash)
 }
 
@@ -274,7 +274,7 @@ func (n *Node) run(ctx context.Context) {
 // membersChanged feeds the fence and lets the agent promote (or hold) write keys.
 func (n *Node) membersChanged() {
 	n.mu.Lock()
-	n.fence.Step(MembersChanged{Members: n.view.Members(), Unknown: n.view.Unknown()})
+	n.fence.Step(n.viewEvent())
 	agent := n.agent
 	n.mu.Unlock()
 	if agent != nil {
@@ -424,4 +424,10 @@ func (n *Node) Holds() []Hold {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	return append(slices.Clone(n.fence.Holds()), n.fence.KeyIDHolds(self)...)
+}
+
+// viewEvent is what the watch has delivered, as the fence's event: the live members of
+// this cluster and the unknown records apart.
+func (n *Node) viewEvent() MembersChanged {
+	return MembersChanged{Members: n.view.Members(), Unknown: n.view.Unknown()}
 }

@@ -32,7 +32,7 @@ func encodeRecord(st MemberState, max int) ([]byte, MemberState, error) {
 	if err != nil || len(data) <= max {
 		return data, st, err
 	}
-	note := fmt.Sprintf("(cut: the member record exceeded %d bytes; this apiserver's status document and log have the text)", max)
+	note := fmt.Sprintf("(cut: the member record exceeded %d bytes; see this apiserver's status document)", max)
 	if st.LastReloadError != "" {
 		st.LastReloadError = note
 		st.Reduced = append(st.Reduced, reducedReloadError)

@@ -71,7 +71,7 @@ func TestFlagsApplyTo(t *testing.T) {
 		t.Errorf("resources %+v: want the flag's, under --etcd-prefix", o.Resources)
 	}
 	if !o.StorageMigration || o.KMSWriteTTL != time.Minute || o.KMSStatusInterval != DefaultKMSStatusInterval ||
-		!o.Cluster || o.CoordinationPrefix != cluster.DefaultPrefix || o.ClusterLeaseTTL != cluster.DefaultLeaseTTL {
+		!o.Cluster || o.CoordinationPrefix != "/rekey-kube" || o.ClusterLeaseTTL != cluster.DefaultLeaseTTL {
 		t.Errorf("options %+v do not carry the flags", o)
 	}
 
@@ -86,5 +86,40 @@ func TestFlagsApplyTo(t *testing.T) {
 	}
 	if len(o.Resources) != 1 || o.Resources[0].KeyPrefix != "/kube/fixed/" {
 		t.Errorf("resources %+v: want the binary's own where it offers no flag", o.Resources)
+	}
+}
+
+// The default coordination prefix follows --etcd-prefix: /rekey for kube's /registry
+// (where existing deployments keep their keys), a prefix of its own for any other, never
+// nested under /rekey/ and always outside the resource prefix.
+func TestDefaultCoordinationPrefix(t *testing.T) {
+	for etcdPrefix, want := range map[string]string{
+		"":              "/rekey",
+		"/registry":     "/rekey",
+		"/registry/":    "/rekey",
+		"registry":      "/rekey",
+		"/kube":         "/rekey-kube",
+		"/k8s/team-a/":  "/rekey-k8s/team-a",
+		"/members":      "/rekey-members",
+		"/rekey":        "/rekey-rekey",
+		"/rekey-kube":   "/rekey-rekey-kube",
+		"/rekey/nested": "/rekey-rekey/nested",
+	} {
+		got := DefaultCoordinationPrefix(etcdPrefix)
+		if got != want {
+			t.Errorf("DefaultCoordinationPrefix(%q) = %q, want %q", etcdPrefix, got, want)
+		}
+		if err := cluster.ValidatePrefix(got, etcdPrefix); etcdPrefix != "" && err != nil {
+			t.Errorf("DefaultCoordinationPrefix(%q) = %q: %v", etcdPrefix, got, err)
+		}
+	}
+	// Options without a coordination prefix take the default, applied state included.
+	o := Options{Path: "enc.yaml", EtcdPrefix: "/kube", Cluster: true, MemberID: "a"}
+	if err := o.Validate(); err != nil || o.coordinationPrefix() != "/rekey-kube" {
+		t.Errorf("Options with --etcd-prefix /kube: prefix %q, %v", o.coordinationPrefix(), err)
+	}
+	o.CoordinationPrefix = "/kube/rekey"
+	if err := o.Validate(); err == nil {
+		t.Error("a coordination prefix inside --etcd-prefix passed Validate")
 	}
 }

@@ -124,9 +124,10 @@ type Options struct {
 // Validate checks what can be checked before etcd is reached (and before an embedded
 // etcd's address is known).
 func (o *Options) Validate() error {
-	if o.Path == "" {
+	if o.Path == "" || (!o.Cluster && o.EtcdPrefix == "") {
 		return nil
 	}
+	// The applied state lives under the coordination prefix with or without Cluster.
 	if err := cluster.ValidatePrefix(o.coordinationPrefix(), o.EtcdPrefix); err != nil {
 		return err
 	}
