@@ -2,29 +2,9 @@ package testbed
 
 import (
 	"context"
-	"fmt"
-	"net/http"
 	"sync"
 	"time"
 )
-
-// ReadyzCheck returns nil when the single /readyz check name (e.g. "rekey-cluster")
-// answers 200, or an error with its answer.
-func (s *Shim) ReadyzCheck(ctx context.Context, name string) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.URL+"/readyz/"+name, nil)
-	if err != nil {
-		return err
-	}
-	resp, err := s.probe.Do(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("/readyz/%s: %d", name, resp.StatusCode)
-	}
-	return nil
-}
 
 // Ready reports whether the shim's current process answers /readyz with 200 now. The
 // workload asks it about a failed request when told to excuse members that are not

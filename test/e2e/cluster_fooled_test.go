@@ -52,6 +52,11 @@ func requireLong(t testing.TB) {
 // fooledObjects is the number of Secrets the scenarios seed (CLUSTER_OBJECTS, default 200).
 func fooledObjects() int { return envInt("CLUSTER_OBJECTS", 200) }
 
+// fooledConfig is the scenarios' bed: coordinated shims, file updates within 2 s.
+func fooledConfig(name string) bedConfig {
+	return bedConfig{name: name, objects: fooledObjects(), coordination: true, maxDelay: 2 * time.Second}
+}
+
 // readyLoad is a workload behind a load balancer that follows /readyz.
 type readyLoad struct {
 	*clusterLoad
@@ -213,8 +218,7 @@ func TestClusterFooledParallelRotate(t *testing.T) {
 // is ready by itself.
 func TestClusterFooledStragglerOldFile(t *testing.T) {
 	requireClusterShim(t)
-	start := time.Now()
-	b := newClusterBed(t, bedConfig{name: "fooled-b", objects: fooledObjects(), coordination: true, maxDelay: 2 * time.Second})
+	b := newClusterBed(t, fooledConfig("fooled-b"))
 	ctx := t.Context()
 	l := b.startReadyLoad()
 	straggler := b.fleet.Shims[2]
@@ -275,7 +279,6 @@ func TestClusterFooledStragglerOldFile(t *testing.T) {
 		testbed.StoredUnderProbe(b.cli, b.secretsKey, stored2))
 	b.finish(l.clusterLoad)
 	l.stayedReady(t, straggler.ID+" catching up", others...)
-	t.Logf("scenario (b): %v", time.Since(start).Round(time.Second))
 }
 
 // (c) A second cluster on the same etcd with another --etcd-prefix, both with the
@@ -336,7 +339,7 @@ func TestClusterFooledSecondCluster(t *testing.T) {
 func TestClusterFooledLeftoverRecord(t *testing.T) {
 	requireClusterShim(t)
 	requireLong(t)
-	b := newClusterBed(t, bedConfig{name: "fooled-d", objects: fooledObjects(), coordination: true, maxDelay: 2 * time.Second})
+	b := newClusterBed(t, fooledConfig("fooled-d"))
 	ctx := t.Context()
 	l := b.startReadyLoad()
 	members, err := testbed.ReadMembers(ctx, b.cli, b.coord)
@@ -422,8 +425,7 @@ func (b *clusterBed) recordSize(ctx context.Context, id string) (int, string, er
 // fixed the cluster converges.
 func TestClusterFooledBrokenFile(t *testing.T) {
 	requireClusterShim(t)
-	start := time.Now()
-	b := newClusterBed(t, bedConfig{name: "fooled-e", objects: fooledObjects(), coordination: true, maxDelay: 2 * time.Second})
+	b := newClusterBed(t, fooledConfig("fooled-e"))
 	ctx := t.Context()
 	l := b.startReadyLoad()
 	broken := b.fleet.Shims[1]
@@ -473,7 +475,6 @@ func TestClusterFooledBrokenFile(t *testing.T) {
 		testbed.StoredUnderProbe(b.cli, b.secretsKey, stored2))
 	b.finish(l.clusterLoad)
 	l.stayedReady(t, "the rotation", others...)
-	t.Logf("scenario (e): %v", time.Since(start).Round(time.Second))
 }
 
 // (f) The source reverted during a rotation: [key2, key1] has reached nodes 0 and 1,
@@ -485,7 +486,7 @@ func TestClusterFooledBrokenFile(t *testing.T) {
 func TestClusterFooledRevertDuringRotation(t *testing.T) {
 	requireClusterShim(t)
 	requireLong(t)
-	b := newClusterBed(t, bedConfig{name: "fooled-f", objects: fooledObjects(), coordination: true, maxDelay: 2 * time.Second})
+	b := newClusterBed(t, fooledConfig("fooled-f"))
 	ctx := t.Context()
 	l := b.startReadyLoad()
 	to2 := testbed.SecretsConfig(testbed.AESGCM(b.key2, b.key1))
