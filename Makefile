@@ -70,7 +70,7 @@ run:
 	@bash hack/run.sh
 
 ## e2e: process-level tests (etcd, KMS v2 plugin and apiserver shim as real processes,
-## kubectl and client-go); also part of `make test`. E2E_LONG=1 adds the throughput run.
+## kubectl and client-go); also part of `make test`. E2E_LONG=1 adds the long scenarios (make e2e-long).
 e2e:
 	$(GO) test -count=1 -v -timeout 45m ./test/e2e
 
