@@ -21,6 +21,10 @@ type SamplerConfig struct {
 	// Readers is the number of concurrent reads (default 2), so one slow read does
 	// not stall the sampling.
 	Readers int
+	// ExcuseNotReady excuses a failed read on an endpoint that says it is not ready
+	// when asked right after the failure (a FleetShim asks its /readyz): a load
+	// balancer would not send it traffic, and the invariant is about ready members.
+	ExcuseNotReady bool
 }
 
 // Sampler reads every acknowledged object through every endpoint in turn (each
@@ -28,6 +32,7 @@ type SamplerConfig struct {
 // whole run, and classifies what it reads.
 type Sampler struct {
 	w      *Workload
+	cfg    SamplerConfig
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
@@ -63,7 +68,7 @@ func (w *Workload) StartSampler(ctx context.Context, cfg SamplerConfig) *Sampler
 		cfg.Readers = 2
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	s := &Sampler{w: w, cancel: cancel, perEP: map[string]*SampleCounts{}}
+	s := &Sampler{w: w, cfg: cfg, cancel: cancel, perEP: map[string]*SampleCounts{}}
 	for _, ep := range w.endpoints {
 		s.perEP[ep.Name()] = &SampleCounts{}
 	}
@@ -119,6 +124,8 @@ func (s *Sampler) read(ctx context.Context, ep Endpoint, name string) {
 	if ctx.Err() != nil {
 		return // stopping: the read was cut short by the test, not by the server
 	}
+	// Asked before the lock: a readiness request must not stall the other readers.
+	excused := err != nil && (!ep.InRotation() || s.cfg.ExcuseNotReady && notReadyNow(ctx, ep))
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	cnt := s.perEP[ep.Name()]
@@ -129,7 +136,7 @@ func (s *Sampler) read(ctx context.Context, ep Endpoint, name string) {
 		}
 	}
 	switch {
-	case err != nil && !ep.InRotation():
+	case excused:
 		cnt.Excused++
 	case err != nil && apierrors.IsNotFound(err):
 		cnt.Missing++

@@ -221,6 +221,9 @@ type WritersConfig struct {
 	Pause time.Duration
 	// CreateEvery makes every k-th write of a goroutine a create (0: updates only).
 	CreateEvery int
+	// ExcuseNotReady excuses a failed write on an endpoint that says it is not ready
+	// when asked right after the failure, as SamplerConfig.ExcuseNotReady does.
+	ExcuseNotReady bool
 }
 
 // Writers update the workload's Secrets through every endpoint. Every object is
@@ -360,13 +363,15 @@ func (wr *Writers) update(ctx context.Context, c kubernetes.Interface, name stri
 }
 
 func (wr *Writers) count(ep Endpoint, err error) {
+	// Asked before the lock: a readiness request must not stall the other writers.
+	excused := err != nil && (!ep.InRotation() || wr.cfg.ExcuseNotReady && notReadyNow(context.Background(), ep))
 	wr.mu.Lock()
 	defer wr.mu.Unlock()
 	c := wr.perEP[ep.Name()]
 	switch {
 	case err == nil:
 		c.Acked++
-	case !ep.InRotation():
+	case excused:
 		c.Excused++
 	default:
 		c.Failed++

@@ -96,6 +96,11 @@ type bedConfig struct {
 	// coordination passes the cluster flags; false passes --cluster-coordination=false
 	// when the shim knows it and nothing otherwise.
 	coordination bool
+	// defaultCoordination leaves --coordination-prefix off (the shims' default);
+	// b.coord is then empty.
+	defaultCoordination bool
+	// syncMode is the layout of the shims' config files (default the kubelet's).
+	syncMode testbed.SyncMode
 	// stopEtcdMember stops the last etcd member before the shims start.
 	stopEtcdMember bool
 	args           []string
@@ -201,8 +206,12 @@ func newClusterBed(t testing.TB, cfg bedConfig) *clusterBed {
 	}
 	args := []string{"--storage-migration-check-interval", "250ms", "--kms-status-interval", "1s"}
 	if cfg.coordination {
-		args = append(args, "--cluster-coordination=true", "--coordination-prefix", b.coord,
-			"--cluster-lease-ttl", "3s", "--cluster-disagreement-alarm", "2m")
+		args = append(args, "--cluster-coordination=true", "--cluster-lease-ttl", "3s", "--cluster-disagreement-alarm", "2m")
+		if cfg.defaultCoordination {
+			b.coord = ""
+		} else {
+			args = append(args, "--coordination-prefix", b.coord)
+		}
 	} else if shimKnows(t, "--cluster-coordination") {
 		args = append(args, "--cluster-coordination=false")
 	}
@@ -211,6 +220,7 @@ func newClusterBed(t testing.TB, cfg bedConfig) *clusterBed {
 		ShimBin: bins.Shim, Dir: filepath.Join(dir, "shims"), N: cfg.shims,
 		EtcdServers: b.etcd.Endpoints(), EtcdPrefix: b.prefix,
 		ConfigFor:     func(i int) []byte { return initial(b, i).Render() },
+		SyncMode:      cfg.syncMode,
 		Args:          args,
 		NoAPIServerID: !shimKnows(t, "--apiserver-id"),
 	})
@@ -329,7 +339,7 @@ func (b *clusterBed) waitConverged(what string, timeout time.Duration, content [
 	defer cancel()
 	probes := []testbed.Probe{storedProbe,
 		testbed.ConfigAppliedProbe(b.shims(), content, nil)}
-	if b.cfg.coordination {
+	if b.cfg.coordination && b.coord != "" {
 		var alive []string
 		for _, s := range b.fleet.Shims {
 			if s.Alive() {
@@ -337,8 +347,10 @@ func (b *clusterBed) waitConverged(what string, timeout time.Duration, content [
 			}
 		}
 		probes = append(probes, testbed.MembersProbe(b.cli, b.coord, alive,
-			func(string, json.RawMessage) error { return nil }),
-			testbed.StatusProbe(b.shims(), clusterVerdictConverged))
+			func(string, json.RawMessage) error { return nil }))
+	}
+	if b.cfg.coordination {
+		probes = append(probes, testbed.StatusProbe(b.shims(), clusterVerdictConverged))
 	}
 	if err := testbed.WaitFor(ctx, 100*time.Millisecond, probes...); err != nil {
 		t.Fatalf("%s: %v", what, err)

@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"os"
@@ -110,9 +111,10 @@ func load(ctx context.Context, c *kubernetes.Clientset, ns string, workers int, 
 	return nOps.Load(), nErrs.Load()
 }
 
-func median(xs []float64) float64 {
+func median[T cmp.Ordered](xs []T) T {
 	if len(xs) == 0 {
-		return 0
+		var zero T
+		return zero
 	}
 	s := slices.Clone(xs)
 	slices.Sort(s)
