@@ -13,6 +13,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/spf13/cobra"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/apiserver/pkg/registry/generic"
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	genericoptions "k8s.io/apiserver/pkg/server/options"
 	serverstorage "k8s.io/apiserver/pkg/server/storage"
@@ -139,6 +140,20 @@ func (l *layer) install(c *genericapiserver.Config, factory *serverstorage.Defau
 	}
 	c.RESTOptionsGetter = etcd.CreateRESTOptionsGetter(factory, rl.Agent())
 	return rl.AddStorageHook(c)
+}
+
+// answerRefusedWrites makes the storage the getters build answer a write the write
+// fence refuses with its 503 (rekeylayer.WithRefusedWrites). The apiextensions and
+// aggregator servers build their getters from their own copies of the etcd options on
+// the layer's transformers, after install, so AddStorageHook's wrapping of the kube
+// getter does not reach them.
+func (l *layer) answerRefusedWrites(getters ...*generic.RESTOptionsGetter) {
+	if l.rekey == nil || !l.rekey.Active() {
+		return
+	}
+	for _, g := range getters {
+		*g = rekeylayer.WithRefusedWrites(*g)
+	}
 }
 
 // serveMetrics makes GET /metrics on the outermost server (the aggregator) serve the

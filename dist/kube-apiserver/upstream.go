@@ -242,6 +242,9 @@ func newConfig(opts options.CompletedOptions, layer *layer) (*app.Config, error)
 		return nil, err
 	}
 	layer.serveMetrics(&aggregator.GenericConfig.Config) // rekey: one /metrics
+	// rekey: 503 for refused writes of custom resources, CRDs and APIServices too.
+	layer.answerRefusedWrites(&apiExtensions.GenericConfig.RESTOptionsGetter, &apiExtensions.ExtraConfig.CRDRESTOptionsGetter,
+		&aggregator.GenericConfig.RESTOptionsGetter)
 	c.Aggregator = aggregator
 
 	return c, nil

@@ -3,6 +3,7 @@ package shim_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -13,7 +14,11 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apiserver/pkg/authentication/user"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/component-base/metrics"
 
@@ -154,5 +159,97 @@ func TestClusterCoordinationPrefixMustBeOutsideResources(t *testing.T) {
 	})
 	if err == nil || !strings.Contains(err.Error(), "outside the resource prefix") {
 		t.Fatalf("Run = %v, want a refusal of the prefix", err)
+	}
+}
+
+// stragglerConfig encrypts secrets with one aesgcm key, named and made by the caller.
+const stragglerConfig = `apiVersion: apiserver.config.k8s.io/v1
+kind: EncryptionConfiguration
+resources:
+- resources: [secrets]
+  providers:
+  - aesgcm:
+      keys: [{name: %s, secret: %q}]
+`
+
+// TestStragglerRefusesWritesWith503: shims a and b write secrets with k2; c starts with
+// a file that only has k1, which nobody else can read, so its write fence refuses every
+// write of secrets. A client of c sees 503 ServiceUnavailable naming the key c lacks,
+// on create and on update (not the 500 of the etcd3 store's wrapping); reads and
+// deletes go on, and a and b keep writing.
+func TestStragglerRefusesWritesWith503(t *testing.T) {
+	dir := t.TempDir()
+	newPath, oldPath := filepath.Join(dir, "k2.yaml"), filepath.Join(dir, "k1.yaml")
+	if err := os.WriteFile(newPath, fmt.Appendf(nil, stragglerConfig, "k2", testbed.RandomKey()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(oldPath, fmt.Appendf(nil, stragglerConfig, "k1", testbed.RandomKey()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	const etcdPrefix = "/straggler-registry"
+	start := func(id, path string) (*kubernetes.Clientset, func()) {
+		t.Helper()
+		cs, _, stop, err := startShim(t, filepath.Join(dir, id), path, false, func(o *shim.Options) {
+			o.EtcdServers, o.EtcdPrefix = info.EtcdServers, etcdPrefix
+			o.Rekey = layer.Flags{ClusterCoordination: true, CoordinationPrefix: "/rekey-straggler-test",
+				APIServerID: "shim-" + id, ClusterLeaseTTL: 2 * time.Second}
+		})
+		if err != nil {
+			t.Fatalf("shim %s did not start: %v", id, err)
+		}
+		return cs, stop
+	}
+	a, stopA := start("a", newPath)
+	defer stopA()
+	_, stopB := start("b", newPath)
+	defer stopB()
+	c, stopC := start("c", oldPath)
+	defer stopC()
+
+	ctx := t.Context()
+	refused := func(op string, err error) {
+		t.Helper()
+		var st *apierrors.StatusError
+		if !errors.As(err, &st) || st.ErrStatus.Code != http.StatusServiceUnavailable || !apierrors.IsServiceUnavailable(err) ||
+			!strings.Contains(st.ErrStatus.Message, "cannot read aesgcm/k2") {
+			t.Fatalf("%s on the straggler: %v, want 503 ServiceUnavailable naming aesgcm/k2", op, err)
+		}
+	}
+	secret := func(name string) *corev1.Secret {
+		return &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: name}, Type: corev1.SecretTypeOpaque,
+			Data: map[string][]byte{"k": []byte("v")}}
+	}
+	_, err := c.CoreV1().Secrets("straggler").Create(ctx, secret("new"), metav1.CreateOptions{})
+	refused("create", err)
+
+	// An object c can read (stored under k1, as kube-apiserver with c's file writes it):
+	// c reads it, refuses to update it and may delete it (a delete encrypts nothing).
+	cli, err := testbed.EtcdClient(info.EtcdServers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	up, err := testbed.Upstream(ctx, oldPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := secret("old")
+	old.Namespace, old.UID, old.CreationTimestamp = "straggler", "u-old", metav1.Now()
+	if err := testbed.WriteStored(ctx, cli, up, corev1.Resource("secrets"), etcdPrefix+"/secrets/straggler/old", old); err != nil {
+		t.Fatal(err)
+	}
+	got, err := c.CoreV1().Secrets("straggler").Get(ctx, "old", metav1.GetOptions{})
+	if err != nil {
+		t.Fatalf("read on the straggler: %v", err)
+	}
+	got.Data["k"] = []byte("changed")
+	_, err = c.CoreV1().Secrets("straggler").Update(ctx, got, metav1.UpdateOptions{})
+	refused("update", err)
+	if err := c.CoreV1().Secrets("straggler").Delete(ctx, "old", metav1.DeleteOptions{}); err != nil {
+		t.Fatalf("delete on the straggler: %v", err)
+	}
+
+	if _, err := a.CoreV1().Secrets("straggler").Create(ctx, secret("on-a"), metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create on a, which is no straggler: %v", err)
 	}
 }

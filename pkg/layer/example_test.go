@@ -13,6 +13,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	genericapiserver "k8s.io/apiserver/pkg/server"
+	genericoptions "k8s.io/apiserver/pkg/server/options"
+	"k8s.io/apiserver/pkg/storage/storagebackend"
 
 	"github.com/rekey-io/rekey/internal/freeport"
 	"github.com/rekey-io/rekey/pkg/layer"
@@ -77,6 +79,11 @@ func Example() {
 	if err := l.Install(c); err != nil {
 		panic(err)
 	}
+	// The apiserver's etcd options build its storage on the layer's transformers
+	// (genericoptions.EtcdOptions.ApplyTo does this and more).
+	etcd := genericoptions.NewEtcdOptions(storagebackend.NewDefaultConfig("/registry", nil))
+	etcd.StorageConfig.Transport.ServerList = *etcdServers
+	c.RESTOptionsGetter = etcd.CreateRESTOptionsGetter(&genericoptions.SimpleStorageFactory{StorageConfig: etcd.StorageConfig}, c.ResourceTransformers)
 	if err := l.AddStorageHook(c); err != nil {
 		panic(err)
 	}

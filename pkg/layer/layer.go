@@ -13,7 +13,8 @@
 //	l, err := layer.New(ctx, opts)         // etcd must answer when opts.Cluster is set
 //	err = l.CheckStart(ctx)                // before anything is served
 //	err = l.Install(genericConfig)         // c.ResourceTransformers, health checks, reload hook
-//	err = l.AddStorageHook(genericConfig)  // inventory and migration after start
+//	                                       // (then the etcd options set c.RESTOptionsGetter)
+//	err = l.AddStorageHook(genericConfig)  // 503 for refused writes; inventory and migration after start
 //	mux.Handle(l.StatusPath(), l.StatusHandler())
 //	defer l.Close()
 //
@@ -408,11 +409,18 @@ func (l *Layer) Install(c *genericapiserver.Config) error {
 
 // AddStorageHook starts, after the server has started, the migration controller (the
 // inventory, and the migration itself unless coordination elects a migrator instead)
-// and with coordination the elected cluster migrator; both stop with the server.
+// and with coordination the elected cluster migrator; both stop with the server. It
+// also makes the storage of c.RESTOptionsGetter (WithRefusedWrites) answer a write the
+// write fence refuses with 503 and the refusal's message, so it is called once the
+// etcd options have set that getter.
 func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 	if l.agent == nil {
 		return nil
 	}
+	if c.RESTOptionsGetter == nil {
+		return errors.New("encryption layer: the storage hook needs the REST options getter; apply the etcd options to the server config first")
+	}
+	c.RESTOptionsGetter = WithRefusedWrites(c.RESTOptionsGetter)
 	return c.AddPostStartHook(StorageMigrationHookName, func(hc genericapiserver.PostStartHookContext) error {
 		cli, agent, o := l.client, l.agent, l.opts
 		ctrl := migrate.NewController(migrate.ControllerOptions{

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	utilerrors "k8s.io/apimachinery/pkg/util/errors"
 	"k8s.io/apiserver/pkg/storage/value"
@@ -17,6 +18,31 @@ import (
 // errNoMatchingPrefix is upstream's error when no provider of a resource recognises a
 // stored value.
 var errNoMatchingPrefix = errors.New("no matching prefix found")
+
+// WriteRefusedError is the error of every write a write fence refuses (Writer.Refuse):
+// the apiserver must not write data that no other live apiserver can read. It is a
+// ServiceUnavailable API status (apierrors.IsServiceUnavailable holds), and a distinct
+// type because k8s.io/apiserver's etcd3 store wraps every transformer error in a
+// storage.InternalError that the REST layer turns into a 500: a storage decorator finds
+// the refusal under that wrapping with errors.As and answers with Status instead
+// (pkg/layer does, for every binary that embeds it).
+type WriteRefusedError struct {
+	// Reason is the write fence's explanation: the resource, the key this apiserver
+	// cannot read and what to add to its configuration. It names keys, never holds them.
+	Reason string
+}
+
+var _ apierrors.APIStatus = (*WriteRefusedError)(nil)
+
+func (e *WriteRefusedError) Error() string { return e.Reason }
+
+// Status is the answer to the refused request: 503 ServiceUnavailable with Reason as its
+// message. It carries no Retry-After: the refusal lasts until this apiserver's
+// configuration file catches up, and a Retry-After would make client-go repeat the write
+// against the same apiserver up to ten times before the client sees why.
+func (e *WriteRefusedError) Status() metav1.Status {
+	return apierrors.NewServiceUnavailable(e.Reason).ErrStatus
+}
 
 // Chain is the transformer of one resource rule: the first Sealer writes; on read, every
 // Sealer whose prefix matches is tried, longest prefix first (file order among equal
@@ -78,11 +104,11 @@ func (c *Chain) withWriter(w Writer) *Chain {
 
 // TransformToStorage encrypts with the write entry: the first provider and its first
 // key, unless a write fence chose another entry (Set.WithWriters). While a write fence
-// refuses writes it fails with a ServiceUnavailable status error naming why: the
-// apiserver must not write data the other apiservers cannot read.
+// refuses writes it fails with a *WriteRefusedError naming why: the apiserver must not
+// write data the other apiservers cannot read.
 func (c *Chain) TransformToStorage(ctx context.Context, data []byte, dataCtx value.Context) ([]byte, error) {
 	if c.refuse != "" {
-		return nil, apierrors.NewServiceUnavailable(c.refuse)
+		return nil, &WriteRefusedError{Reason: c.refuse}
 	}
 	if c.obs == nil {
 		return c.sealers[c.writer].Seal(ctx, data, dataCtx)

@@ -203,8 +203,8 @@ type Writer struct {
 	// Index is the entry of the rule's chain (RuleInfo.ReadKeys) that writes.
 	Index int
 	// Refuse, when set, means no entry may write: every write of the rule fails with a
-	// ServiceUnavailable error carrying this text (it names what is missing), and reads
-	// are unchanged. A write fence refuses rather than write data that no other live
+	// *WriteRefusedError (a ServiceUnavailable status) carrying this text (it names
+	// what is missing), and reads are unchanged. A write fence refuses rather than write data that no other live
 	// apiserver can read.
 	Refuse string
 }

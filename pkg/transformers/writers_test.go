@@ -3,10 +3,12 @@ package transformers_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"strings"
 	"testing"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apiserver/pkg/storage"
 	"k8s.io/apiserver/pkg/storage/value"
 
 	"github.com/rekey-io/rekey/pkg/config"
@@ -91,6 +93,11 @@ func TestWithWritersRefusal(t *testing.T) {
 	_, err = refusing.TransformerFor(secrets).TransformToStorage(ctx, []byte("w"), dataCtx)
 	if !apierrors.IsServiceUnavailable(err) || !strings.Contains(err.Error(), why) {
 		t.Fatalf("write while refused: %v, want ServiceUnavailable naming %q", err, why)
+	}
+	// The etcd3 store wraps every transformer error; the refusal must be found under it.
+	var refused *transformers.WriteRefusedError
+	if !errors.As(storage.NewInternalError(err), &refused) || refused.Reason != why {
+		t.Fatalf("write while refused: %v, want a *transformers.WriteRefusedError found under storage.InternalError", err)
 	}
 	if plain, _, err := refusing.TransformerFor(secrets).TransformFromStorage(ctx, stored, dataCtx); err != nil || string(plain) != "v" {
 		t.Fatalf("read while refused = %q, %v; want v", plain, err)
