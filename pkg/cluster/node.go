@@ -241,8 +241,8 @@ func (n *Node) Notify() {
 // NotifyKeyID is kmsv2.FactoryOptions.OnKeyIDChange.
 func (n *Node) NotifyKeyID(string, string) { n.Notify() }
 
-// MayWriteKeyID is kmsv2.FactoryOptions.MayWriteKeyID, the write fence for KMS key ids
-// (fence.MayWriteKeyID): this apiserver's KMS provider may start writing under
+// MayWriteKeyID is kmsv2.FactoryOptions.MayWriteKeyID, the write fence for KMS key
+// ids: this apiserver's KMS provider may start writing under
 // keyIDHash once every other live member with a provider of that name reports, in its
 // member state, that its plugin can decrypt that key id. It never waits on etcd: it
 // asks the fence, which the watch of the members feeds.
@@ -254,7 +254,9 @@ func (n *Node) MayWriteKeyID(provider, keyIDHash string) bool {
 	return n.fence.MayWriteKeyID(provider, keyIDHash)
 }
 
-// Attach gives the node its agent; publishing starts.
+// Attach gives the node its agent (a *reload.Agent: the node publishes the agent's
+// status and asks it to apply the fence again when the members change); publishing
+// starts.
 func (n *Node) Attach(a reloadAgent) {
 	n.mu.Lock()
 	n.agent = a

@@ -11,9 +11,9 @@ import (
 )
 
 // Snapshot is the cluster as etcd holds it at one revision: its identity (nil before
-// an apiserver created one), the live members, the records that are not (the view's
-// rules: UnknownMember) and the migration leader's state (nil when no leader has
-// written one).
+// an apiserver created one), the live members, the records that are not (sorted by the
+// rules of a Node's member watch: UnknownMember) and the migration leader's state (nil
+// when no leader has written one).
 type Snapshot struct {
 	Identity  *Identity       `json:"identity,omitempty"`
 	Members   []MemberState   `json:"members"`
