@@ -3,14 +3,14 @@ package cluster
 import "time"
 
 // disagreementAlarm is one apiserver's disagreement alarm, a pure state machine in the
-// Fence's shape, fed the Fence's events: the live members (this apiserver's own state
+// fence's shape, fed the fence's events: the live members (this apiserver's own state
 // as it is now among them, not as last published) and clock ticks.
 //
 // Rule: the members disagree while Evaluate finds a write key that differs between
 // them or is held back. The disagreement's start is the clock at the first event that
 // found it, kept while it lasts (so every member publishes it and `rekey status` can
 // raise the alarm from any of them); the alarm is raised once it has lasted longer than
-// the threshold — at once when a key name has two secrets (Conflicts), which waiting
+// the threshold — at once when a key name has two secrets (keyConflicts), which waiting
 // never resolves — and both clear with the first event that finds the members agreeing.
 type disagreementAlarm struct {
 	threshold time.Duration
@@ -26,9 +26,9 @@ func newDisagreementAlarm(threshold time.Duration, now time.Time) *disagreementA
 }
 
 // Step feeds one event.
-func (a *disagreementAlarm) Step(ev FenceEvent) {
+func (a *disagreementAlarm) Step(ev fenceEvent) {
 	switch e := ev.(type) {
-	case MembersChanged:
+	case membersChanged:
 		v := Evaluate(e.Members, nil, a.now, a.threshold)
 		a.detail, a.conflict = v.Disagreement, len(v.Conflicts) > 0
 		if a.detail == "" {
@@ -36,7 +36,7 @@ func (a *disagreementAlarm) Step(ev FenceEvent) {
 		} else if a.since.IsZero() {
 			a.since = a.now
 		}
-	case Tick:
+	case tick:
 		if e.Now.After(a.now) {
 			a.now = e.Now
 		}

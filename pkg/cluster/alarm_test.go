@@ -23,10 +23,10 @@ func TestAlarmTranscripts(t *testing.T) {
 			switch d.Cmd {
 			case "member":
 				members.step(t, d, now)
-				a.Step(MembersChanged{Members: members.list()})
+				a.Step(membersChanged{Members: members.list()})
 			case "tick":
 				now = now.Add(durationArg(t, d))
-				a.Step(Tick{Now: now})
+				a.Step(tick{Now: now})
 			default:
 				d.Fatalf(t, "unknown command %q", d.Cmd)
 			}

@@ -62,7 +62,7 @@ func TestEveryConsumerSeesTheSameChain(t *testing.T) {
 			}
 
 			byGR, _ := transformers.ByResource(transformers.Describe(cfg))
-			published := StateFromStatus("self", "", reload.Status{Resources: set.Rules()}, nil, time.Time{})
+			published := stateFromStatus("self", "", reload.Status{Resources: set.Rules()}, nil, time.Time{})
 			guard := configState("self", cfg)
 			var named []string
 			for _, r := range set.Rules() {

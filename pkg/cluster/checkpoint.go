@@ -17,19 +17,19 @@ const etcdTimeout = 5 * time.Second
 // ErrNotLeader is returned by a write guarded by leadership after it was lost.
 var ErrNotLeader = errors.New("not the migration leader any more")
 
-// EtcdCheckpoints is a migrate.CheckpointStore at one etcd key. When Guard is set, a
+// etcdCheckpoints is a migrate.CheckpointStore at one etcd key. When Guard is set, a
 // Save only succeeds while Guard holds (e.g. this apiserver still owns the leader
 // key), so a deposed leader cannot overwrite its successor's progress.
-type EtcdCheckpoints struct {
+type etcdCheckpoints struct {
 	Client *clientv3.Client
 	Key    string
 	Guard  []clientv3.Cmp
 }
 
-var _ migrate.CheckpointStore = (*EtcdCheckpoints)(nil)
+var _ migrate.CheckpointStore = (*etcdCheckpoints)(nil)
 
 // Load reads the checkpoint; none is (nil, nil).
-func (e *EtcdCheckpoints) Load() (*migrate.Checkpoint, error) {
+func (e *etcdCheckpoints) Load() (*migrate.Checkpoint, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), etcdTimeout)
 	defer cancel()
 	resp, err := e.Client.Get(ctx, e.Key)
@@ -43,7 +43,7 @@ func (e *EtcdCheckpoints) Load() (*migrate.Checkpoint, error) {
 }
 
 // Save writes c.
-func (e *EtcdCheckpoints) Save(c *migrate.Checkpoint) error {
+func (e *etcdCheckpoints) Save(c *migrate.Checkpoint) error {
 	data, err := migrate.EncodeCheckpoint(c)
 	if err != nil {
 		return err
@@ -51,7 +51,7 @@ func (e *EtcdCheckpoints) Save(c *migrate.Checkpoint) error {
 	return guardedPut(e.Client, e.Key, data, e.Guard)
 }
 
-func (e *EtcdCheckpoints) String() string { return "etcd key " + e.Key }
+func (e *etcdCheckpoints) String() string { return "etcd key " + e.Key }
 
 // guardedPut puts value at key if every guard compares true.
 func guardedPut(cli *clientv3.Client, key string, value []byte, guard []clientv3.Cmp) error {

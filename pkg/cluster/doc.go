@@ -6,19 +6,21 @@
 //
 //   - Each apiserver publishes a MemberState (write and read keys per resource, KMS
 //     key id hashes, health, config hash) under a lease at <prefix>/members/<id>.
-//   - A View watches the members; an expired lease drops a member out.
-//   - The Fence (a pure state machine) tells the reload.Agent which chain entry writes:
-//     a new write key is held back, the previous one writing, until every live member
-//     can read it, and then promoted without a new file.
-//   - The same Fence answers for KMS v2 key ids (Node.MayWriteKeyID, for
+//   - A Node watches the members (Node.Members); an expired lease drops a member out.
+//   - Its write fence, a pure state machine inside the package, tells the reload.Agent
+//     which chain entry writes (Node.WriteFence): a new write key is held back, the
+//     previous one writing, until every live member can read it, and then promoted
+//     without a new file. Status.Holds lists what it holds back.
+//   - The same fence answers for KMS v2 key ids (Node.MayWriteKeyID, for
 //     kmsv2.FactoryOptions): a provider whose plugin reports a new key id keeps writing
 //     under the old one until every other live member's plugin reports the new one.
-//   - A disagreement alarm, fed the Fence's events, is raised when the members have
+//   - A disagreement alarm, fed the fence's events, is raised when the members have
 //     disagreed about a write key for longer than Options.DisagreementAlarm; Evaluate
-//     sums the cluster up for `rekey status`.
-//   - The Leader (a pure state machine: Ready says what to migrate, MigrationStarted
-//     acknowledges it) and its driver Migrator run storage migration on the apiserver
-//     elected at <prefix>/migration/leader, with the checkpoint in etcd.
+//     sums the cluster up for `rekey status` (ExampleEvaluate), from a Node's Status
+//     or from ReadSnapshot.
+//   - A Migrator runs storage migration on the apiserver elected at
+//     <prefix>/migration/leader, with the checkpoint in etcd; what to migrate, and
+//     when, is decided by another pure state machine inside the package.
 //   - ReadyzCheck fails on a straggler; Guard refuses dropping keys still needed.
 //
 // pkg/reload does not import this package; a Node plugs into its hooks (ExampleNode):

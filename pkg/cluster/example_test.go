@@ -58,25 +58,30 @@ func ExampleNode() {
 	fmt.Println(ready.Name(), ready.Check(&http.Request{}), node.Status().Verdict.Summary)
 }
 
-// The write fence is a pure state machine: a new write key is held back, the previous
-// one writing, until every other live member can read it.
-func ExampleFence() {
+// `rekey status` judges the cluster from a snapshot of the member records (what
+// ReadSnapshot returns): here apiserver a's fence holds its new write key k2 back
+// because b cannot read it yet, so the cluster has not converged.
+func ExampleEvaluate() {
 	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	// Check values as transformers.CheckValue makes them from the secrets.
 	k1 := cluster.Key{Provider: transformers.ProviderAESGCM, Key: "k1", Check: "5be0d8f8a1c7e2b3"}
 	k2 := cluster.Key{Provider: transformers.ProviderAESGCM, Key: "k2", Check: "09e4c6d1f2a37b58"}
-	b := cluster.MemberState{APIServerID: "b", Resources: []cluster.ResourceState{{Resource: "secrets", Write: k1, Read: []cluster.Key{k1}}}}
+	a := cluster.MemberState{APIServerID: "a", Resources: []cluster.ResourceState{
+		{Resource: "secrets", Write: k1, Read: []cluster.Key{k2, k1}, Held: &k2, HeldSince: now.Add(-time.Minute)},
+	}}
+	b := cluster.MemberState{APIServerID: "b", Resources: []cluster.ResourceState{
+		{Resource: "secrets", Write: k1, Read: []cluster.Key{k1}},
+	}}
 
-	f := cluster.NewFence("a", now)
-	f.Step(cluster.MembersChanged{Members: []cluster.MemberState{b}})
-	current := []transformers.RuleInfo{{Resource: "secrets", ReadKeys: []cluster.Key{k1}}}
-	next := []transformers.RuleInfo{{Resource: "secrets", ReadKeys: []cluster.Key{k2, k1}}}
-	fmt.Println("b reads k1 only:", f.Writers(current, next), f.Holds()[0].WaitingFor)
+	v := cluster.Evaluate([]cluster.MemberState{a, b}, nil, now, cluster.DefaultDisagreementAlarm)
+	fmt.Println(v.Converged, v.Summary)
 
 	b.Resources[0].Read = []cluster.Key{k1, k2}
-	f.Step(cluster.MembersChanged{Members: []cluster.MemberState{b}})
-	fmt.Println("b reads k2 too:", f.Writers(current, next), len(f.Holds()))
+	a.Resources[0].Write, a.Resources[0].Held = k2, nil
+	b.Resources[0].Write = k2
+	v = cluster.Evaluate([]cluster.MemberState{a, b}, nil, now, cluster.DefaultDisagreementAlarm)
+	fmt.Println(v.Converged, v.Summary)
 	// Output:
-	// b reads k1 only: map[secrets:{1 }] [b]
-	// b reads k2 too: map[] 0
+	// false promoting aesgcm/k2 for secrets on a, waiting for b
+	// true converged
 }

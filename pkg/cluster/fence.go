@@ -10,7 +10,7 @@ import (
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
-// Fence is the write fence of one apiserver, a pure state machine in etcd raft's shape:
+// fence is the write fence of one apiserver, a pure state machine in etcd raft's shape:
 // no I/O, no goroutines, time comes in through Step. It answers one question — which
 // entry of each resource rule's chain may write now — so that the apiserver never
 // starts writing with a key some live member cannot read.
@@ -28,10 +28,10 @@ import (
 // straggler (stragglers: no other live member reads it, and it cannot read the write
 // key of members that moved on), no entry writes: writes are refused with a reason
 // naming the key it lacks, until its file catches up. Promotion is
-// re-asking after the member set changed (Agent.Refence).
+// re-asking after the member set changed (reloadAgent.Refence).
 //
 // The fence is not safe for concurrent use; the Node serialises access.
-type Fence struct {
+type fence struct {
 	self    string
 	now     time.Time
 	synced  bool
@@ -39,7 +39,7 @@ type Fence struct {
 	unknown []UnknownMember        // records that are not members: they hold promotions
 	holds   map[string]Hold        // by resource
 	// gate, when set, must also agree before a key is promoted (SetPromotionGate).
-	gate PromotionGate
+	gate promotionGate
 }
 
 // Hold is a configured write key held back.
@@ -61,37 +61,37 @@ type Hold struct {
 	Refused string `json:"refused,omitempty"`
 }
 
-// FenceEvent is an input of Fence.Step.
-type FenceEvent interface{ fenceEvent() }
+// fenceEvent is an input of fence.Step.
+type fenceEvent interface{ fenceEvent() }
 
-// MembersChanged carries the live member set (it may include this apiserver; its own
-// entry is ignored) and the unknown members (View.Unknown): while there is one, no new
+// membersChanged carries the live member set (it may include this apiserver; its own
+// entry is ignored) and the unknown members (view.Unknown): while there is one, no new
 // write key or KMS key id is promoted, since nobody knows what it can read.
-type MembersChanged struct {
+type membersChanged struct {
 	Members []MemberState
 	Unknown []UnknownMember
 }
 
-// Tick advances the fence's clock.
-type Tick struct{ Now time.Time }
+// tick advances the fence's clock.
+type tick struct{ Now time.Time }
 
-func (MembersChanged) fenceEvent() {}
-func (Tick) fenceEvent()           {}
+func (membersChanged) fenceEvent() {}
+func (tick) fenceEvent()           {}
 
-// NewFence returns the fence of apiserver self. Until the first MembersChanged it
+// newFence returns the fence of apiserver self. Until the first membersChanged it
 // treats every other member as unknown and holds every new key.
-func NewFence(self string, now time.Time) *Fence {
-	return &Fence{self: self, now: now, members: map[string]MemberState{}, holds: map[string]Hold{}}
+func newFence(self string, now time.Time) *fence {
+	return &fence{self: self, now: now, members: map[string]MemberState{}, holds: map[string]Hold{}}
 }
 
 // SetPromotionGate makes every promotion also need g's agreement (Node: the handshake
 // with members dropping keys). Without one the fence promotes on its view alone.
-func (f *Fence) SetPromotionGate(g PromotionGate) { f.gate = g }
+func (f *fence) SetPromotionGate(g promotionGate) { f.gate = g }
 
 // Step feeds one event.
-func (f *Fence) Step(ev FenceEvent) {
+func (f *fence) Step(ev fenceEvent) {
 	switch e := ev.(type) {
-	case MembersChanged:
+	case membersChanged:
 		f.synced = true
 		f.unknown = slices.Clone(e.Unknown)
 		f.members = map[string]MemberState{}
@@ -100,7 +100,7 @@ func (f *Fence) Step(ev FenceEvent) {
 				f.members[m.APIServerID] = m
 			}
 		}
-	case Tick:
+	case tick:
 		if e.Now.After(f.now) {
 			f.now = e.Now
 		}
@@ -111,7 +111,7 @@ func (f *Fence) Step(ev FenceEvent) {
 // the configured write key) given the rules serving now (current, nil at start), the
 // entry each rule writes with, or that it refuses writes. It records the holds. This
 // is the reload.Options.WriteFence contract.
-func (f *Fence) Writers(current, next []transformers.RuleInfo) map[string]transformers.Writer {
+func (f *fence) Writers(current, next []transformers.RuleInfo) map[string]transformers.Writer {
 	out := map[string]transformers.Writer{}
 	holds := map[string]Hold{}
 	for _, n := range next {
@@ -165,7 +165,7 @@ func (f *Fence) Writers(current, next []transformers.RuleInfo) map[string]transf
 // ("" when it may write): this apiserver would straggle (see stragglers) — no other
 // live member may read that entry, and it cannot read the write key of members that
 // moved on. The reason names the keys it lacks.
-func (f *Fence) straggling(n transformers.RuleInfo, idx int) string {
+func (f *fence) straggling(n transformers.RuleInfo, idx int) string {
 	if !f.synced || len(f.members) == 0 {
 		return ""
 	}
@@ -208,7 +208,7 @@ func writesAlready(current []transformers.RuleInfo, resource string, k Key) bool
 // entry is read by everyone (a straggler reads none of them), the entry that wrote
 // before if the chain still has it — a straggler never makes the others switch keys —
 // else the configured one. The last two are unsafe.
-func (f *Fence) fallback(n transformers.RuleInfo, current []transformers.RuleInfo) (idx int, unsafe bool) {
+func (f *fence) fallback(n transformers.RuleInfo, current []transformers.RuleInfo) (idx int, unsafe bool) {
 	prev := -1
 	for _, c := range current {
 		w, ok := c.Writer()
@@ -238,7 +238,7 @@ func (f *Fence) fallback(n transformers.RuleInfo, current []transformers.RuleInf
 
 // cannotRead lists the live members (sorted) that cannot read k for resource; before
 // the first member list it is "unknown".
-func (f *Fence) cannotRead(resource string, k Key) []string {
+func (f *fence) cannotRead(resource string, k Key) []string {
 	if !f.synced {
 		return []string{"(member list not loaded)"}
 	}
@@ -254,7 +254,7 @@ func (f *Fence) cannotRead(resource string, k Key) []string {
 
 // unknownWaiting names the unknown members a promotion waits for (they hold every
 // promotion; the fallback entries ignore them, since they count for nobody's reads).
-func (f *Fence) unknownWaiting() []string {
+func (f *fence) unknownWaiting() []string {
 	var out []string
 	for _, u := range f.unknown {
 		out = append(out, u.String())
@@ -301,14 +301,14 @@ func keyIDWaitingFor(members []MemberState, self, name, keyIDHash string) []stri
 // MayWriteKeyID is the key-id fence's answer for this apiserver's KMS provider name: it
 // may write under keyIDHash once no other live member's plugin is waiting for it.
 // Before the first member list it stays closed.
-func (f *Fence) MayWriteKeyID(name, keyIDHash string) bool {
+func (f *fence) MayWriteKeyID(name, keyIDHash string) bool {
 	return f.synced && len(f.unknown) == 0 && len(keyIDWaitingFor(f.others(), f.self, name, keyIDHash)) == 0
 }
 
 // KeyIDHolds describes the key ids self (this apiserver's state) holds back as Holds:
 // Held is the held key id, Writing the same entry under the key id it writes with, and
 // WaitingFor names the other live members whose plugin does not report Held yet.
-func (f *Fence) KeyIDHolds(self MemberState) []Hold {
+func (f *fence) KeyIDHolds(self MemberState) []Hold {
 	var holds []Hold
 	for _, r := range self.Resources {
 		held, ok := heldKeyID(r)
@@ -322,14 +322,14 @@ func (f *Fence) KeyIDHolds(self MemberState) []Hold {
 }
 
 // others lists the live members other than this apiserver, sorted by id.
-func (f *Fence) others() []MemberState {
+func (f *fence) others() []MemberState {
 	out := slices.Collect(maps.Values(f.members))
 	slices.SortFunc(out, func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) })
 	return out
 }
 
 // Holds lists the keys held back now, by resource.
-func (f *Fence) Holds() []Hold {
+func (f *fence) Holds() []Hold {
 	out := slices.Collect(maps.Values(f.holds))
 	slices.SortFunc(out, func(a, b Hold) int {
 		if a.Resource < b.Resource {
@@ -344,7 +344,7 @@ func (f *Fence) Holds() []Hold {
 }
 
 // HeldSince maps each held resource to when its hold started (for MemberState).
-func (f *Fence) HeldSince() map[string]time.Time {
+func (f *fence) HeldSince() map[string]time.Time {
 	out := map[string]time.Time{}
 	for r, h := range f.holds {
 		out[r] = h.Since
@@ -353,7 +353,7 @@ func (f *Fence) HeldSince() map[string]time.Time {
 }
 
 // LongestHold is how long the oldest hold has lasted at the fence's clock.
-func (f *Fence) LongestHold() time.Duration {
+func (f *fence) LongestHold() time.Duration {
 	var d time.Duration
 	for _, h := range f.holds {
 		d = max(d, f.now.Sub(h.Since))

@@ -30,13 +30,13 @@ import (
 func TestFenceTranscripts(t *testing.T) {
 	runTranscripts(t, "fence", func(t *testing.T) func(*testing.T, *datadriven.TestData) string {
 		now := epoch
-		f := NewFence("self", now)
+		f := newFence("self", now)
 		members := liveMembers{}
 		unknown := map[string]UnknownMember{}
 		var current []transformers.RuleInfo
 		var self MemberState // this apiserver's state, for keyid-holds
 		sync := func() {
-			f.Step(MembersChanged{Members: members.list(), Unknown: slices.SortedFunc(maps.Values(unknown),
+			f.Step(membersChanged{Members: members.list(), Unknown: slices.SortedFunc(maps.Values(unknown),
 				func(a, b UnknownMember) int { return strings.Compare(a.Key, b.Key) })})
 		}
 		return func(t *testing.T, d *datadriven.TestData) string {
@@ -80,7 +80,7 @@ func TestFenceTranscripts(t *testing.T) {
 				return renderHolds(f.KeyIDHolds(self), now)
 			case "tick":
 				now = now.Add(durationArg(t, d))
-				f.Step(Tick{Now: now})
+				f.Step(tick{Now: now})
 				return fmt.Sprintf("t=%s", now.Sub(epoch))
 			}
 			d.Fatalf(t, "unknown command %q", d.Cmd)
@@ -89,7 +89,7 @@ func TestFenceTranscripts(t *testing.T) {
 	})
 }
 
-func renderFence(f *Fence, rules []transformers.RuleInfo, now time.Time) string {
+func renderFence(f *fence, rules []transformers.RuleInfo, now time.Time) string {
 	var b strings.Builder
 	holds := map[string]Hold{}
 	for _, h := range f.Holds() {
@@ -126,4 +126,27 @@ func renderHolds(holds []Hold, now time.Time) string {
 		fmt.Fprintf(&b, "%s: writes %s; holds %s for %s, waiting for %s\n", h.Resource, h.Writing, h.Held, ago(now, h.Since), waiting)
 	}
 	return b.String()
+}
+
+// TestFenceHoldsUntilEveryMemberReads is the shortest story of the write fence: a new
+// write key is held back, the previous one writing, until every other live member can
+// read it.
+func TestFenceHoldsUntilEveryMemberReads(t *testing.T) {
+	k1 := Key{Provider: transformers.ProviderAESGCM, Key: "k1", Check: "5be0d8f8a1c7e2b3"}
+	k2 := Key{Provider: transformers.ProviderAESGCM, Key: "k2", Check: "09e4c6d1f2a37b58"}
+	b := MemberState{APIServerID: "b", Resources: []ResourceState{{Resource: "secrets", Write: k1, Read: []Key{k1}}}}
+
+	f := newFence("a", epoch)
+	f.Step(membersChanged{Members: []MemberState{b}})
+	current := []transformers.RuleInfo{{Resource: "secrets", ReadKeys: []Key{k1}}}
+	next := []transformers.RuleInfo{{Resource: "secrets", ReadKeys: []Key{k2, k1}}}
+	if got := fmt.Sprint(f.Writers(current, next), f.Holds()[0].WaitingFor); got != "map[secrets:{1 }] [b]" {
+		t.Errorf("b reads k1 only: writers and waiting = %s, want map[secrets:{1 }] [b] (k1 keeps writing, k2 waits for b)", got)
+	}
+
+	b.Resources[0].Read = []Key{k1, k2}
+	f.Step(membersChanged{Members: []MemberState{b}})
+	if got := fmt.Sprint(f.Writers(current, next), len(f.Holds())); got != "map[] 0" {
+		t.Errorf("b reads k2 too: writers and holds = %s, want map[] 0 (k2 promoted)", got)
+	}
 }

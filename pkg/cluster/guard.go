@@ -84,7 +84,7 @@ func (n *Node) membersWithSelf(members []MemberState) []MemberState {
 	if agent == nil {
 		return members
 	}
-	self := StateFromStatus(n.opts.ID, "", agent.OwnStatus(), nil, n.opts.Clock.Now())
+	self := stateFromStatus(n.opts.ID, "", agent.OwnStatus(), nil, n.opts.Clock.Now())
 	return append(slices.DeleteFunc(slices.Clone(members), func(m MemberState) bool { return m.APIServerID == n.opts.ID }), self)
 }
 
@@ -162,15 +162,15 @@ func (n *Node) announced(st MemberState, active string, lastAttempt, lastError t
 
 // readMembers reads every member record under prefix with one linearizable Get (etcd's
 // default). Keys that do not hold the member state of the apiserver they name are left
-// out, as the View leaves them out.
-func readMembers(ctx context.Context, cli *clientv3.Client, prefix, clusterID string) (MembersRead, error) {
+// out, as the view leaves them out.
+func readMembers(ctx context.Context, cli *clientv3.Client, prefix, clusterID string) (membersRead, error) {
 	resp, err := cli.Get(ctx, MembersPrefix(prefix), clientv3.WithPrefix())
 	if err != nil {
-		return MembersRead{}, fmt.Errorf("reading the members under %s: %w", MembersPrefix(prefix), err)
+		return membersRead{}, fmt.Errorf("reading the members under %s: %w", MembersPrefix(prefix), err)
 	}
-	var r MembersRead
+	var r membersRead
 	for _, kv := range resp.Kvs {
-		// The same sorting as the View's: a leftover or another cluster's record is no
+		// The same sorting as the view's: a leftover or another cluster's record is no
 		// member whose keys a drop or a promotion must wait for.
 		if m, unknown := classifyRecord(prefix, clusterID, kv); unknown == nil {
 			r.Members = append(r.Members, m)

@@ -17,12 +17,12 @@ import (
 //     write key (written or held);
 //   - the promoting side publishes the key as held (its record shows it as the
 //     configured write key), then reads, then promotes only if every member of that read
-//     can still read the key (Handshake).
+//     can still read the key (handshake).
 //
 // etcd orders the two Puts by revision, and each side's read is at a revision after its
 // own Put, so the side whose Put came second sees the other's in its read and backs off;
 // both may back off, neither can miss the other (docs/cluster.md, "Guard and fence").
-// These functions and Handshake are pure; Node does the Puts and the reads.
+// These functions and handshake are pure; Node does the Puts and the reads.
 
 // dropCheck is the guard's verdict on the keys a configuration drops, judged against
 // member records.
@@ -109,20 +109,20 @@ func withoutKeys(st MemberState, drops map[string][]Key) MemberState {
 	return st
 }
 
-// MembersRead is a linearizable read of every member record (Node reads the members
+// membersRead is a linearizable read of every member record (Node reads the members
 // prefix; etcd's default reads are linearizable): it reflects every Put that completed
 // before it was issued, this member's own included.
-type MembersRead struct {
+type membersRead struct {
 	Members []MemberState
 }
 
-// Handshake is the promotion side of the handshake, a pure machine: the fence asks it
-// (PromotionGate) whether a configured write key that every member of its view can read
+// handshake is the promotion side of the handshake, a pure machine: the fence asks it
+// (promotionGate) whether a configured write key that every member of its view can read
 // may start writing. It may once a read issued after this member's record showed that
 // key as configured found every other member able to read it; the record keeps showing
 // the key until the promotion, so a member dropping it later reads it there and backs
 // off. Not safe for concurrent use; the Node serialises access.
-type Handshake struct {
+type handshake struct {
 	self string
 	// confirmed maps a rule to the key a read confirmed.
 	confirmed map[string]Key
@@ -131,26 +131,26 @@ type Handshake struct {
 	pending map[string]Key
 }
 
-// PromotionGate lets the fence promote a key only when a second party agrees (Node:
+// promotionGate lets the fence promote a key only when a second party agrees (Node:
 // the handshake). resource is the rule, k its configured write key, which every live
 // member of the fence's view can read.
-type PromotionGate interface {
+type promotionGate interface {
 	MayPromote(resource string, k Key) (ok bool, waitingFor string)
 }
 
 // waitingForConfirmation is what a hold the handshake keeps waits for.
 const waitingForConfirmation = "(a read of every member after publishing the key as held)"
 
-// NewHandshake returns the handshake of apiserver self, with nothing confirmed.
-func NewHandshake(self string) *Handshake {
-	return &Handshake{self: self, confirmed: map[string]Key{}, pending: map[string]Key{}}
+// newHandshake returns the handshake of apiserver self, with nothing confirmed.
+func newHandshake(self string) *handshake {
+	return &handshake{self: self, confirmed: map[string]Key{}, pending: map[string]Key{}}
 }
 
 // BeginDecision starts a round of the fence's questions.
-func (h *Handshake) BeginDecision() { clear(h.pending) }
+func (h *handshake) BeginDecision() { clear(h.pending) }
 
-// MayPromote is the PromotionGate.
-func (h *Handshake) MayPromote(resource string, k Key) (bool, string) {
+// MayPromote is the promotionGate.
+func (h *handshake) MayPromote(resource string, k Key) (bool, string) {
 	if c, ok := h.confirmed[resource]; ok && c.SameEntry(k) {
 		return true, ""
 	}
@@ -159,13 +159,13 @@ func (h *Handshake) MayPromote(resource string, k Key) (bool, string) {
 }
 
 // Pending reports whether the fence was refused a promotion that a read could allow.
-func (h *Handshake) Pending() bool { return len(h.pending) > 0 }
+func (h *handshake) Pending() bool { return len(h.pending) > 0 }
 
 // Read feeds a linearizable read of the members. For each rule whose configured write
 // key self's record in it shows, the key is confirmed when every other member of the
 // read can read it; otherwise the rule's confirmation is withdrawn. Without its own
 // record in the read (not published yet, or its lease ended) nothing is confirmed.
-func (h *Handshake) Read(r MembersRead) {
+func (h *handshake) Read(r membersRead) {
 	clear(h.confirmed)
 	i := slices.IndexFunc(r.Members, func(m MemberState) bool { return m.APIServerID == h.self })
 	if i < 0 {
@@ -192,7 +192,7 @@ func (h *Handshake) Read(r MembersRead) {
 // Published tells the handshake what this member's record now says: a confirmation
 // whose key the record no longer shows as configured is withdrawn (a later record
 // showing it again needs a new read).
-func (h *Handshake) Published(st MemberState) {
+func (h *handshake) Published(st MemberState) {
 	for res, k := range h.confirmed {
 		i := slices.IndexFunc(st.Resources, func(r ResourceState) bool { return r.Resource == res })
 		if i < 0 || !configuredWriteKey(st.Resources[i]).SameEntry(k) {
@@ -203,4 +203,4 @@ func (h *Handshake) Published(st MemberState) {
 
 // RecordLost withdraws every confirmation: while this member had no record, a member
 // dropping a key could have read the members without seeing it.
-func (h *Handshake) RecordLost() { clear(h.confirmed) }
+func (h *handshake) RecordLost() { clear(h.confirmed) }

@@ -50,10 +50,10 @@ func TestHandshakeTranscripts(t *testing.T) {
 			}
 			switch d.Cmd {
 			case "start":
-				m = &simMember{id: id, fence: NewFence(id, epoch), hs: NewHandshake(id)}
+				m = &simMember{id: id, fence: newFence(id, epoch), hs: newHandshake(id)}
 				m.fence.SetPromotionGate(m.hs)
 				w.members[id] = m
-				m.fence.Step(MembersChanged{Members: w.list()})
+				m.fence.Step(membersChanged{Members: w.list()})
 				return m.apply(parseRules(t, d.Input))
 			case "config":
 				// A later reload attempt concludes an announced drop (Node.announced).
@@ -62,10 +62,10 @@ func TestHandshakeTranscripts(t *testing.T) {
 			case "publish":
 				return w.publish(m)
 			case "watch":
-				m.fence.Step(MembersChanged{Members: w.list()})
+				m.fence.Step(membersChanged{Members: w.list()})
 				return "ok"
 			case "read":
-				m.hs.Read(MembersRead{Members: w.list()})
+				m.hs.Read(membersRead{Members: w.list()})
 				return fmt.Sprintf("read at rev %d", w.rev)
 			case "refence":
 				return m.apply(m.rules)
@@ -155,8 +155,8 @@ func (w *world) check() string {
 // simMember is one apiserver of a transcript.
 type simMember struct {
 	id    string
-	fence *Fence
-	hs    *Handshake
+	fence *fence
+	hs    *handshake
 	rules []transformers.RuleInfo // serving now
 	next  []transformers.RuleInfo // a drop being checked
 	plan  map[string][]Key        // the drop announced
@@ -181,7 +181,7 @@ func (m *simMember) apply(next []transformers.RuleInfo) string {
 
 // state is the member's record as its node computes it (without an announced drop).
 func (m *simMember) state() MemberState {
-	return StateFromStatus(m.id, "", reload.Status{Resources: m.rules}, m.fence.HeldSince(), time.Time{})
+	return stateFromStatus(m.id, "", reload.Status{Resources: m.rules}, m.fence.HeldSince(), time.Time{})
 }
 
 // configured is the member's configuration as configState describes it.

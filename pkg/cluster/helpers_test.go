@@ -66,7 +66,7 @@ func parseRules(t *testing.T, input string) []transformers.RuleInfo {
 	return out
 }
 
-// parseMember reads a member's state as its agent would publish it (StateFromStatus):
+// parseMember reads a member's state as its agent would publish it (stateFromStatus):
 // rule lines as parseRules reads them, and lines
 //
 //	plugin <name>: writes=<hash> [reports=<hash>] [holds=<hash>]
@@ -118,7 +118,7 @@ func parseMember(t *testing.T, id, input string, now time.Time) MemberState {
 			}
 		}
 	}
-	return StateFromStatus(id, "", st, held, now)
+	return stateFromStatus(id, "", st, held, now)
 }
 
 // runTranscripts runs every testdata/<prefix>*.txt, each with the command handler
@@ -148,7 +148,7 @@ func (ms liveMembers) step(t *testing.T, d *datadriven.TestData, now time.Time) 
 	return id
 }
 
-// list returns the members sorted by id, as a View does.
+// list returns the members sorted by id, as a view does.
 func (ms liveMembers) list() []MemberState {
 	return slices.SortedFunc(maps.Values(ms), func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) })
 }

@@ -38,7 +38,7 @@ func cleanEtcdPrefix(p string) string { return path.Clean("/" + p) }
 // identity is bound to another --etcd-prefix: this apiserver would otherwise join
 // another cluster's coordination.
 func EnsureIdentity(ctx context.Context, cli *clientv3.Client, prefix, resourcePrefix, createdBy string, now time.Time) (Identity, error) {
-	key := IdentityKey(prefix)
+	key := identityKey(prefix)
 	want := Identity{ClusterID: rand.Text(), EtcdPrefix: cleanEtcdPrefix(resourcePrefix), CreatedAt: now.UTC(), CreatedBy: createdBy}
 	data, err := json.Marshal(want)
 	if err != nil {
@@ -73,10 +73,10 @@ func EnsureIdentity(ctx context.Context, cli *clientv3.Client, prefix, resourceP
 	return got, nil
 }
 
-// ReadIdentity reads the identity at <prefix>/cluster at revision rev (0: the latest);
+// readIdentity reads the identity at <prefix>/cluster at revision rev (0: the latest);
 // nil when no apiserver has created one yet.
-func ReadIdentity(ctx context.Context, cli *clientv3.Client, prefix string, rev int64) (*Identity, error) {
-	key := IdentityKey(prefix)
+func readIdentity(ctx context.Context, cli *clientv3.Client, prefix string, rev int64) (*Identity, error) {
+	key := identityKey(prefix)
 	var opts []clientv3.OpOption
 	if rev > 0 {
 		opts = append(opts, clientv3.WithRev(rev))

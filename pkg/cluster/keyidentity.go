@@ -150,10 +150,10 @@ func (c Conflict) involves(id string) bool {
 	return false
 }
 
-// Conflicts lists the keys that live members have under one name with different
+// keyConflicts lists the keys that live members have under one name with different
 // secrets (check values), by resource in order of first appearance. Entries without a
 // check value (older records, KMS, identity) never conflict.
-func Conflicts(members []MemberState) []Conflict {
+func keyConflicts(members []MemberState) []Conflict {
 	var resources []string
 	for _, m := range members {
 		for _, r := range m.Resources {

@@ -11,10 +11,10 @@ const DefaultPrefix = "/rekey"
 // The etcd keys under the coordination prefix.
 const (
 	membersDir      = "/members/"
-	leaderKey       = "/migration/leader"
-	checkpointKey   = "/migration/checkpoint"
+	leaderPath      = "/migration/leader"
+	checkpointPath  = "/migration/checkpoint"
 	migrationKeyDir = "/migration/state"
-	identityKey     = "/cluster"
+	identityPath    = "/cluster"
 )
 
 // MembersPrefix is the directory of member keys: <prefix>/members/.
@@ -23,14 +23,14 @@ func MembersPrefix(prefix string) string { return prefix + membersDir }
 // MemberKey is where apiserver id publishes its MemberState.
 func MemberKey(prefix, id string) string { return prefix + membersDir + id }
 
-// IdentityKey holds the cluster's Identity: its id and the --etcd-prefix it is bound to.
-func IdentityKey(prefix string) string { return prefix + identityKey }
+// identityKey holds the cluster's Identity: its id and the --etcd-prefix it is bound to.
+func identityKey(prefix string) string { return prefix + identityPath }
 
-// LeaderKey is the election prefix of the migration leader.
-func LeaderKey(prefix string) string { return prefix + leaderKey }
+// leaderKey is the election prefix of the migration leader.
+func leaderKey(prefix string) string { return prefix + leaderPath }
 
-// CheckpointKey holds the running migration's checkpoint (pkg/migrate's format).
-func CheckpointKey(prefix string) string { return prefix + checkpointKey }
+// checkpointKey holds the running migration's checkpoint (pkg/migrate's format).
+func checkpointKey(prefix string) string { return prefix + checkpointPath }
 
 // MigrationStateKey holds the leader's MigrationState: records and progress.
 func MigrationStateKey(prefix string) string { return prefix + migrationKeyDir }

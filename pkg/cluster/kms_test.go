@@ -99,7 +99,7 @@ func startKMSNodes(t *testing.T, cli *clientv3.Client, fenced bool) ([]*member, 
 		node.Attach(agent)
 		members, keyFiles = append(members, m), append(keyFiles, keys)
 	}
-	eventually(t, "a sees b", func() bool { return memberIDs(members[0].node.View()) == "a,b" })
+	eventually(t, "a sees b", func() bool { return memberIDs(members[0].node.view) == "a,b" })
 	return members, keyFiles
 }
 
@@ -116,7 +116,7 @@ func TestKMSKeyIDFenceHoldsANewKeyIDUntilEveryPluginReportsIt(t *testing.T) {
 	h1, h2 := state.KeyIDHash("kek1"), state.KeyIDHash("kek2")
 	kmsOf := func(m *member) transformers.KMSStatus { return m.agent.OwnStatus().KMSProviders[0] }
 	published := func(of *member) KMSState {
-		for _, s := range b.node.View().Members() {
+		for _, s := range b.node.view.Members() {
 			if s.APIServerID == of.id && len(s.KMS) == 1 {
 				return s.KMS[0]
 			}
@@ -189,7 +189,7 @@ func TestKMSKeyIDChangeIsMigratedOnceEveryPluginReportsIt(t *testing.T) {
 	ctx := context.Background()
 	members, keyFiles := startKMSNodes(t, cli, false)
 	a, b := members[0], members[1]
-	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
+	eventually(t, "a sees b", func() bool { return memberIDs(a.node.view) == "a,b" })
 	storeSecrets(t, cli, a, 20, "/registry/secrets/ns/s%02d")
 	mctx, mcancel := context.WithCancel(ctx)
 	defer mcancel()
@@ -205,7 +205,7 @@ func TestKMSKeyIDChangeIsMigratedOnceEveryPluginReportsIt(t *testing.T) {
 	// a's plugin rotates: a publishes the new key id; b's plugin has not: no migration.
 	kmsKeys(t, keyFiles[0], "kek2", "kek1")
 	published := func(m *member, h string) bool {
-		for _, s := range a.node.View().Members() {
+		for _, s := range a.node.view.Members() {
 			if s.APIServerID == m.id && len(s.Resources) == 1 && s.Resources[0].Write.KeyIDHash == h {
 				return true
 			}

@@ -7,12 +7,12 @@ import (
 	"time"
 )
 
-// Leader decides what the elected migration leader migrates, a pure state machine in
+// leader decides what the elected migration leader migrates, a pure state machine in
 // etcd raft's shape (no I/O, no goroutines, time through Step). The driver (Migrator)
 // feeds it leadership, the live members, inventories and migration results; like
 // raft's Ready and Advance, Ready says which migration to start (and changes nothing),
-// the driver starts it and acknowledges with MigrationStarted, and reports its end
-// with MigrationFinished. Next does Ready and MigrationStarted at once.
+// the driver starts it and acknowledges with migrationStarted, and reports its end
+// with migrationFinished. Next does Ready and migrationStarted at once.
 //
 // Rules:
 //   - only one migration runs at a time, and only while leading;
@@ -25,13 +25,13 @@ import (
 //   - R is migrated again when an inventory newer than its record counts objects not
 //     under T (a straggler wrote with an old key);
 //   - a failed migration is retried with exponential backoff (2 s doubling to 1 min).
-type Leader struct {
+type leader struct {
 	resources []string
 	now       time.Time
 	leading   bool
 	members   map[string]MemberState
 	records   map[string]Record
-	inventory map[string]InventoryTaken
+	inventory map[string]inventoryTaken
 	running   *Migration
 	failures  map[string]int
 	retryAt   map[string]time.Time
@@ -58,35 +58,35 @@ type Migration struct {
 	StartedAt time.Time `json:"startedAt"`
 }
 
-// LeaderEvent is an input of Leader.Step.
-type LeaderEvent interface{ leaderEvent() }
+// leaderEvent is an input of leader.Step.
+type leaderEvent interface{ leaderEvent() }
 
-// Leadership reports winning or losing the election.
-type Leadership struct{ Leading bool }
+// leadership reports winning or losing the election.
+type leadership struct{ Leading bool }
 
-// RecordsLoaded carries the records read from etcd when leadership is won.
-type RecordsLoaded struct{ Records map[string]Record }
+// recordsLoaded carries the records read from etcd when leadership is won.
+type recordsLoaded struct{ Records map[string]Record }
 
-// InventoryTaken reports what is stored for a resource, by key.
-type InventoryTaken struct {
+// inventoryTaken reports what is stored for a resource, by key.
+type inventoryTaken struct {
 	Resource string
 	TakenAt  time.Time
-	Objects  []KeyCount
+	Objects  []keyCount
 }
 
-// KeyCount is how many stored objects one key encrypts.
-type KeyCount struct {
+// keyCount is how many stored objects one key encrypts.
+type keyCount struct {
 	Key     Key
 	Objects int64
 }
 
-// MigrationStarted acknowledges that the driver started the migration Ready returned:
+// migrationStarted acknowledges that the driver started the migration Ready returned:
 // from now on it runs, and nothing else starts until it finishes.
-type MigrationStarted struct{ Migration Migration }
+type migrationStarted struct{ Migration Migration }
 
-// MigrationFinished reports the end of the migration that started; Err is empty when
+// migrationFinished reports the end of the migration that started; Err is empty when
 // the verifying re-scan found every object on the target.
-type MigrationFinished struct {
+type migrationFinished struct {
 	Resource string
 	Target   Key
 	Err      string
@@ -94,48 +94,48 @@ type MigrationFinished struct {
 	Revision int64
 }
 
-func (Leadership) leaderEvent()        {}
-func (MigrationStarted) leaderEvent()  {}
-func (RecordsLoaded) leaderEvent()     {}
-func (InventoryTaken) leaderEvent()    {}
-func (MigrationFinished) leaderEvent() {}
-func (MembersChanged) leaderEvent()    {}
-func (Tick) leaderEvent()              {}
+func (leadership) leaderEvent()        {}
+func (migrationStarted) leaderEvent()  {}
+func (recordsLoaded) leaderEvent()     {}
+func (inventoryTaken) leaderEvent()    {}
+func (migrationFinished) leaderEvent() {}
+func (membersChanged) leaderEvent()    {}
+func (tick) leaderEvent()              {}
 
 const (
 	retryBase = 2 * time.Second
 	retryMax  = time.Minute
 )
 
-// NewLeader returns the decision machine for resources (as a member rule or an
+// newLeader returns the decision machine for resources (as a member rule or an
 // inventory names them: "secrets", "configmaps").
-func NewLeader(resources []string, now time.Time) *Leader {
-	return &Leader{resources: slices.Clone(resources), now: now, members: map[string]MemberState{},
-		records: map[string]Record{}, inventory: map[string]InventoryTaken{},
+func newLeader(resources []string, now time.Time) *leader {
+	return &leader{resources: slices.Clone(resources), now: now, members: map[string]MemberState{},
+		records: map[string]Record{}, inventory: map[string]inventoryTaken{},
 		failures: map[string]int{}, retryAt: map[string]time.Time{}}
 }
 
 // Step feeds one event.
-func (l *Leader) Step(ev LeaderEvent) {
+func (l *leader) Step(ev leaderEvent) {
 	switch e := ev.(type) {
-	case Leadership:
+	case leadership:
 		l.leading = e.Leading
-	case RecordsLoaded:
+	case recordsLoaded:
 		for r, rec := range e.Records {
 			if cur, ok := l.records[r]; !ok || rec.FinishedAt.After(cur.FinishedAt) {
 				l.records[r] = rec
 			}
 		}
-	case InventoryTaken:
+	case inventoryTaken:
 		if cur, ok := l.inventory[e.Resource]; !ok || !e.TakenAt.Before(cur.TakenAt) {
 			l.inventory[e.Resource] = e
 		}
-	case MembersChanged:
+	case membersChanged:
 		l.members = map[string]MemberState{}
 		for _, m := range e.Members {
 			l.members[m.APIServerID] = m
 		}
-	case MigrationStarted:
+	case migrationStarted:
 		// The driver reports what it did: the migration runs, even if the leader
 		// would no longer choose it. Only a second one at once is refused (a driver
 		// that starts two would break the one-at-a-time rule anyway).
@@ -143,7 +143,7 @@ func (l *Leader) Step(ev LeaderEvent) {
 			m := e.Migration
 			l.running = &m
 		}
-	case MigrationFinished:
+	case migrationFinished:
 		if l.running == nil || l.running.Resource != e.Resource {
 			return
 		}
@@ -158,7 +158,7 @@ func (l *Leader) Step(ev LeaderEvent) {
 			delete(l.retryAt, e.Resource)
 		}
 		l.records[e.Resource] = rec
-	case Tick:
+	case tick:
 		if e.Now.After(l.now) {
 			l.now = e.Now
 		}
@@ -166,10 +166,10 @@ func (l *Leader) Step(ev LeaderEvent) {
 }
 
 // Ready returns the migration to start now, if any: only while leading and nothing
-// runs, the first resource (in the order NewLeader was given) whose plan is
+// runs, the first resource (in the order newLeader was given) whose plan is
 // PlanMigrate. It changes nothing; asking again gives the same answer until an event
-// changes the inputs. The driver that starts it steps MigrationStarted.
-func (l *Leader) Ready() (Migration, bool) {
+// changes the inputs. The driver that starts it steps migrationStarted.
+func (l *leader) Ready() (Migration, bool) {
 	if !l.leading || l.running != nil {
 		return Migration{}, false
 	}
@@ -181,18 +181,18 @@ func (l *Leader) Ready() (Migration, bool) {
 	return Migration{}, false
 }
 
-// Next is Ready followed by Step(MigrationStarted), for a driver that starts what
+// Next is Ready followed by Step(migrationStarted), for a driver that starts what
 // Ready says at once.
-func (l *Leader) Next() (Migration, bool) {
+func (l *leader) Next() (Migration, bool) {
 	m, ok := l.Ready()
 	if ok {
-		l.Step(MigrationStarted{Migration: m})
+		l.Step(migrationStarted{Migration: m})
 	}
 	return m, ok
 }
 
 // Running is the migration in progress, if any.
-func (l *Leader) Running() (Migration, bool) {
+func (l *leader) Running() (Migration, bool) {
 	if l.running == nil {
 		return Migration{}, false
 	}
@@ -200,7 +200,7 @@ func (l *Leader) Running() (Migration, bool) {
 }
 
 // Records returns the records by resource.
-func (l *Leader) Records() map[string]Record {
+func (l *leader) Records() map[string]Record {
 	out := make(map[string]Record, len(l.records))
 	for k, v := range l.records {
 		out[k] = v
@@ -227,7 +227,7 @@ type Plan struct {
 }
 
 // Plans describes every resource.
-func (l *Leader) Plans() []Plan {
+func (l *leader) Plans() []Plan {
 	out := make([]Plan, 0, len(l.resources))
 	for _, r := range l.resources {
 		out = append(out, l.plan(r))
@@ -235,7 +235,7 @@ func (l *Leader) Plans() []Plan {
 	return out
 }
 
-func (l *Leader) plan(r string) Plan {
+func (l *leader) plan(r string) Plan {
 	if l.running != nil && l.running.Resource == r {
 		return Plan{Resource: r, State: PlanRunning, Target: l.running.Target}
 	}
@@ -279,7 +279,7 @@ func sameTarget(rec, target Key) bool {
 }
 
 // offTarget counts the objects an inventory found under keys other than target.
-func offTarget(inv InventoryTaken, target Key) int64 {
+func offTarget(inv inventoryTaken, target Key) int64 {
 	var n int64
 	for _, c := range inv.Objects {
 		if !c.Key.SameEntry(target) || (target.KeyIDHash != "" && c.Key.KeyIDHash != target.KeyIDHash) {

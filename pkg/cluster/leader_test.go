@@ -15,7 +15,7 @@ import (
 //	member id=<id> [gone]          input: the member's rules, as in the fence transcripts
 //	inventory resource=<r>         input: "<key>: <objects>" lines, taken now
 //	ready                          what the leader would start now (Ready; nothing changes)
-//	started                        the driver started what ready said (MigrationStarted)
+//	started                        the driver started what ready said (migrationStarted)
 //	next                           ready, then started
 //	finished resource=<r> [error=<text>]
 //	tick <duration>
@@ -23,29 +23,29 @@ import (
 func TestLeaderTranscripts(t *testing.T) {
 	runTranscripts(t, "leader", func(t *testing.T) func(*testing.T, *datadriven.TestData) string {
 		now := epoch
-		l := NewLeader([]string{"secrets", "configmaps"}, now)
+		l := newLeader([]string{"secrets", "configmaps"}, now)
 		members := liveMembers{}
 		var ready Migration // what the latest ready or next said
 		return func(t *testing.T, d *datadriven.TestData) string {
 			switch d.Cmd {
 			case "leading", "not-leading":
-				l.Step(Leadership{Leading: d.Cmd == "leading"})
+				l.Step(leadership{Leading: d.Cmd == "leading"})
 				return renderPlans(l)
 			case "member":
 				members.step(t, d, now)
-				l.Step(MembersChanged{Members: members.list()})
+				l.Step(membersChanged{Members: members.list()})
 				return "ok"
 			case "inventory":
 				var res string
 				d.ScanArgs(t, "resource", &res)
-				ev := InventoryTaken{Resource: res, TakenAt: now}
+				ev := inventoryTaken{Resource: res, TakenAt: now}
 				for _, line := range strings.Split(strings.TrimSpace(d.Input), "\n") {
 					k, n, _ := strings.Cut(line, ":")
 					c, err := strconv.ParseInt(strings.TrimSpace(n), 10, 64)
 					if err != nil {
 						d.Fatalf(t, "inventory line %q: %v", line, err)
 					}
-					ev.Objects = append(ev.Objects, KeyCount{Key: parseKey(k), Objects: c})
+					ev.Objects = append(ev.Objects, keyCount{Key: parseKey(k), Objects: c})
 				}
 				l.Step(ev)
 				return "ok"
@@ -55,12 +55,12 @@ func TestLeaderTranscripts(t *testing.T) {
 					return "nothing\n" + renderPlans(l)
 				}
 				if d.Cmd == "next" {
-					l.Step(MigrationStarted{Migration: m})
+					l.Step(migrationStarted{Migration: m})
 				}
 				ready = m
 				return fmt.Sprintf("migrate %s to %s", m.Resource, m.Target)
 			case "started":
-				l.Step(MigrationStarted{Migration: ready})
+				l.Step(migrationStarted{Migration: ready})
 				return renderPlans(l)
 			case "finished":
 				var res, errText string
@@ -69,12 +69,12 @@ func TestLeaderTranscripts(t *testing.T) {
 					d.ScanArgs(t, "error", &errText)
 				}
 				m, _ := l.Running()
-				l.Step(MigrationFinished{Resource: res, Target: m.Target, Err: errText})
+				l.Step(migrationFinished{Resource: res, Target: m.Target, Err: errText})
 				rec := l.Records()[res]
 				return fmt.Sprintf("record %s: target %s verified=%v", res, rec.Target, rec.Verified)
 			case "tick":
 				now = now.Add(durationArg(t, d))
-				l.Step(Tick{Now: now})
+				l.Step(tick{Now: now})
 				return fmt.Sprintf("t=%s", now.Sub(epoch))
 			case "plans":
 				return renderPlans(l)
@@ -85,7 +85,7 @@ func TestLeaderTranscripts(t *testing.T) {
 	})
 }
 
-func renderPlans(l *Leader) string {
+func renderPlans(l *leader) string {
 	var b strings.Builder
 	for _, p := range l.Plans() {
 		fmt.Fprintf(&b, "%s: %s", p.Resource, p.State)

@@ -112,9 +112,9 @@ func ParseMemberState(data []byte) (MemberState, error) {
 	return s, nil
 }
 
-// StateFromStatus describes an agent's status document as a member state. held says,
+// stateFromStatus describes an agent's status document as a member state. held says,
 // per resource, since when the fence holds its configured write key back.
-func StateFromStatus(id, version string, st reload.Status, held map[string]time.Time, now time.Time) MemberState {
+func stateFromStatus(id, version string, st reload.Status, held map[string]time.Time, now time.Time) MemberState {
 	m := MemberState{APIServerID: id, Version: version, ConfigHash: st.ActiveConfigHash, PublishedAt: now}
 	for _, r := range st.Resources {
 		rs := resourceState(r)

@@ -31,13 +31,13 @@ func TestIdentityBindsTheCoordinationPrefix(t *testing.T) {
 	if err != nil || again != first {
 		t.Fatalf("second EnsureIdentity = %+v, %v; want the first %+v", again, err, first)
 	}
-	read, err := ReadIdentity(ctx, cli, DefaultPrefix, 0)
+	read, err := readIdentity(ctx, cli, DefaultPrefix, 0)
 	if err != nil || read == nil || *read != first {
 		t.Fatalf("ReadIdentity = %+v, %v", read, err)
 	}
 
 	_, err = EnsureIdentity(ctx, cli, DefaultPrefix, "/other", "c", epoch)
-	for _, want := range []string{`"/registry"`, `"/other"`, "--coordination-prefix", first.ClusterID, IdentityKey(DefaultPrefix)} {
+	for _, want := range []string{`"/registry"`, `"/other"`, "--coordination-prefix", first.ClusterID, identityKey(DefaultPrefix)} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("identity bound to another --etcd-prefix: error %v; want it to name %s", err, want)
 		}
@@ -51,7 +51,7 @@ func TestIdentityBindsTheCoordinationPrefix(t *testing.T) {
 		t.Fatalf("Start with another --etcd-prefix: %v", err)
 	}
 
-	if _, err := cli.Put(ctx, IdentityKey("/damaged"), "{}"); err != nil {
+	if _, err := cli.Put(ctx, identityKey("/damaged"), "{}"); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := EnsureIdentity(ctx, cli, "/damaged", "/registry", "a", epoch); err == nil || !strings.Contains(err.Error(), "does not hold a cluster identity") {
@@ -125,9 +125,9 @@ func TestUnknownMembersHoldPromotionsButNotReadiness(t *testing.T) {
 			}
 		}
 	}
-	eventually(t, "a sees five unknown members", func() bool { return len(a.node.View().Unknown()) == len(wantReasons) })
-	checkUnknown("view", a.node.View().Unknown())
-	if ids := memberIDs(a.node.View()); ids != "a" {
+	eventually(t, "a sees five unknown members", func() bool { return len(a.node.view.Unknown()) == len(wantReasons) })
+	checkUnknown("view", a.node.view.Unknown())
+	if ids := memberIDs(a.node.view); ids != "a" {
 		t.Fatalf("members %s; want a alone", ids)
 	}
 	if missing := a.node.MissingKeys(); len(missing) != 0 {
@@ -173,7 +173,7 @@ func TestUnknownMembersHoldPromotionsButNotReadiness(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, "a promotes k2 once the unknown members are gone", func() bool { return a.writePrefix(t) == "k8s:enc:aesgcm:v1:k2:" })
-	if u := a.node.View().Unknown(); len(u) != 0 {
+	if u := a.node.view.Unknown(); len(u) != 0 {
 		t.Fatalf("unknown members after deleting them: %+v", u)
 	}
 }

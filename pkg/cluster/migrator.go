@@ -40,8 +40,9 @@ type MigratorOptions struct {
 }
 
 // Migrator runs storage migration on one elected apiserver: it campaigns on
-// <prefix>/migration/leader, and while it leads, lets Leader decide what to migrate,
-// runs migrate.Migrate with its checkpoint in etcd, and keeps MigrationState current.
+// <prefix>/migration/leader, and while it leads, lets a pure decision machine choose
+// what to migrate, runs migrate.Migrate with its checkpoint in etcd, and keeps
+// MigrationState current.
 // On the other apiservers it follows the state in etcd for the status document.
 type Migrator struct {
 	opts MigratorOptions
@@ -99,7 +100,7 @@ func (m *Migrator) State() (MigrationState, bool) {
 
 // Run campaigns and leads until ctx ends.
 func (m *Migrator) Run(ctx context.Context) {
-	e := &elector{client: m.opts.Client, key: LeaderKey(m.opts.Prefix), id: m.opts.ID, ttl: m.opts.SessionTTL, clock: m.opts.Clock, log: m.log}
+	e := &elector{client: m.opts.Client, key: leaderKey(m.opts.Prefix), id: m.opts.ID, ttl: m.opts.SessionTTL, clock: m.opts.Clock, log: m.log}
 	e.Run(ctx, electionCallbacks{OnStartedLeading: m.lead, WhileFollowing: m.follow})
 }
 
@@ -121,12 +122,12 @@ type migrationResult struct {
 	revision int64
 }
 
-// term is the leader's work during one term of leadership: the Leader machine fed from
+// term is the leader's work during one term of leadership: the leader machine fed from
 // the member view, the inventory and the migrations it starts, one at a time.
 type term struct {
 	m        *Migrator
 	guard    []clientv3.Cmp
-	leader   *Leader
+	leader   *leader
 	state    *statePublisher
 	results  chan migrationResult
 	running  bool
@@ -166,24 +167,24 @@ func (m *Migrator) newTerm(ctx context.Context, guard []clientv3.Cmp) *term {
 	for i, r := range m.opts.Resources {
 		names[i] = r.String()
 	}
-	l := NewLeader(names, m.opts.Clock.Now())
+	l := newLeader(names, m.opts.Clock.Now())
 	st, err := m.readState(ctx)
 	if err != nil {
 		m.log.Error(err, "Cannot read the migration state; starting without records")
 	}
-	l.Step(RecordsLoaded{Records: st.Records})
-	l.Step(Leadership{Leading: true})
+	l.Step(recordsLoaded{Records: st.Records})
+	l.Step(leadership{Leading: true})
 	return &term{m: m, guard: guard, leader: l, results: make(chan migrationResult, 1),
 		state: &statePublisher{client: m.opts.Client, key: MigrationStateKey(m.opts.Prefix), guard: guard}}
 }
 
-// round feeds the Leader what changed, starts the migration it asks for, and
+// round feeds the leader what changed, starts the migration it asks for, and
 // publishes the state; it returns the publishing error.
 func (t *term) round(ctx context.Context) error {
 	m, l := t.m, t.leader
 	now := m.opts.Clock.Now()
-	l.Step(Tick{Now: now})
-	l.Step(MembersChanged{Members: m.opts.Members()})
+	l.Step(tick{Now: now})
+	l.Step(membersChanged{Members: m.opts.Members()})
 	for _, ev := range inventoryEvents(m.opts.Inventory.Latest()) {
 		l.Step(ev)
 	}
@@ -218,8 +219,8 @@ func (t *term) finished(r migrationResult) {
 	} else {
 		t.m.log.Info("Storage migration verified", "resource", r.mig.Resource, "target", r.mig.Target.String())
 	}
-	t.leader.Step(Tick{Now: t.m.opts.Clock.Now()})
-	t.leader.Step(MigrationFinished{Resource: r.mig.Resource, Target: r.mig.Target, Err: errText, Revision: r.revision})
+	t.leader.Step(tick{Now: t.m.opts.Clock.Now()})
+	t.leader.Step(migrationFinished{Resource: r.mig.Resource, Target: r.mig.Target, Err: errText, Revision: r.revision})
 }
 
 // awaitRunning waits for the running migration (its context is cancelled) to return.
@@ -275,7 +276,7 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.
 	verified := &migrate.InventoryStore{}
 	res, err := migrate.Migrate(ctx, migrate.Options{
 		Client: m.opts.Client, Source: m.opts.Source, Resources: []migrate.Resource{resource}, Rate: m.opts.Rate,
-		Checkpoints: &EtcdCheckpoints{Client: m.opts.Client, Key: CheckpointKey(m.opts.Prefix), Guard: guard},
+		Checkpoints: &etcdCheckpoints{Client: m.opts.Client, Key: checkpointKey(m.opts.Prefix), Guard: guard},
 		Resume:      true, Inventory: verified, Metrics: m.opts.Metrics, ConfigHash: m.opts.ConfigHash(), Logger: m.opts.Logger,
 		Progress: func(p migrate.Progress) {
 			pr := Progress{Resource: mig.Resource, Phase: p.Phase, Pass: p.Pass, Done: p.Done, Total: p.Total}
@@ -337,15 +338,15 @@ func mergeInventory(older, newer *migrate.Inventory) *migrate.Inventory {
 }
 
 // inventoryEvents turns an inventory into the leader's inputs.
-func inventoryEvents(inv *migrate.Inventory) []LeaderEvent {
+func inventoryEvents(inv *migrate.Inventory) []leaderEvent {
 	if inv == nil {
 		return nil
 	}
-	var out []LeaderEvent
+	var out []leaderEvent
 	for _, ri := range inv.Resources {
-		ev := InventoryTaken{Resource: ri.Resource, TakenAt: inv.TakenAt}
+		ev := inventoryTaken{Resource: ri.Resource, TakenAt: inv.TakenAt}
 		for _, c := range ri.Buckets {
-			ev.Objects = append(ev.Objects, KeyCount{Key: Key{Provider: c.Provider, Key: c.Key, KeyIDHash: c.KeyIDHash}, Objects: c.Objects})
+			ev.Objects = append(ev.Objects, keyCount{Key: Key{Provider: c.Provider, Key: c.Key, KeyIDHash: c.KeyIDHash}, Objects: c.Objects})
 		}
 		out = append(out, ev)
 	}

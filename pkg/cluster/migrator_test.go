@@ -33,8 +33,8 @@ func startProbedMigrator(t *testing.T, ctx context.Context, cli *clientv3.Client
 		Client:    cli, Prefix: DefaultPrefix, ID: m.id, SessionTTL: 2 * time.Second,
 		Resources:      []migrate.Resource{migrate.ResourceFor("/registry", secrets)},
 		Source:         migrate.FromRules(m.agent, m.agent.Rules),
-		Members:        probe.wrap(m.node.View().Members),
-		MembersChanged: m.node.View().Changed,
+		Members:        probe.wrap(m.node.view.Members),
+		MembersChanged: m.node.view.Changed,
 		Logger:         m.node.log,
 	})
 	m.node.SetMigrator(mig)
@@ -87,7 +87,7 @@ func TestMigratorMigratesOnceAllWriteTheSameKeyAndFailsOver(t *testing.T) {
 	cli := srv.Client(t)
 	a := startMember(t, cli, "a", secretsConfig("k1"))
 	b := startMember(t, cli, "b", secretsConfig("k1"))
-	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
+	eventually(t, "a sees b", func() bool { return memberIDs(a.node.view) == "a,b" })
 	ctx := context.Background()
 	storeSecrets(t, cli, a, 40, "/registry/secrets/ns/s%02d")
 	actx, acancel := context.WithCancel(ctx)
@@ -183,7 +183,7 @@ func countPrefix(t *testing.T, cli *clientv3.Client, prefix string) int {
 // guard that holds while it stays (deleting it stands for a lost leadership).
 func holdLeaderKey(t *testing.T, cli *clientv3.Client) (string, []clientv3.Cmp) {
 	t.Helper()
-	lk := LeaderKey(DefaultPrefix) + "/x"
+	lk := leaderKey(DefaultPrefix) + "/x"
 	put, err := cli.Put(context.Background(), lk, "a")
 	if err != nil {
 		t.Fatal(err)
@@ -198,7 +198,7 @@ func TestEtcdCheckpointsGuardedByLeadership(t *testing.T) {
 	cli := srv.Client(t)
 	ctx := context.Background()
 	lk, guard := holdLeaderKey(t, cli)
-	store := &EtcdCheckpoints{Client: cli, Key: CheckpointKey(DefaultPrefix), Guard: guard}
+	store := &etcdCheckpoints{Client: cli, Key: checkpointKey(DefaultPrefix), Guard: guard}
 	if c, err := store.Load(); c != nil || err != nil {
 		t.Fatalf("empty store: %v %v", c, err)
 	}
@@ -235,7 +235,7 @@ func TestLeaderKilledMidMigrationAnotherResumes(t *testing.T) {
 	cli := srv.Client(t)
 	a := startMember(t, cli, "a", secretsConfig("k1"))
 	b := startMember(t, cli, "b", secretsConfig("k1"))
-	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
+	eventually(t, "a sees b", func() bool { return memberIDs(a.node.view) == "a,b" })
 	ctx := context.Background()
 	const n = 120
 	storeSecrets(t, cli, a, n, "/registry/secrets/ns/s%03d")
@@ -262,7 +262,7 @@ func TestLeaderKilledMidMigrationAnotherResumes(t *testing.T) {
 	if done >= n {
 		t.Fatalf("the migration finished before the leader stopped (%d objects); slow it down", done)
 	}
-	ck, err := (&EtcdCheckpoints{Client: cli, Key: CheckpointKey(DefaultPrefix)}).Load()
+	ck, err := (&etcdCheckpoints{Client: cli, Key: checkpointKey(DefaultPrefix)}).Load()
 	// (The checkpoint moves past a page only once all of it is handled; these objects
 	// fit one page, so progress shows in the counters.)
 	if err != nil || ck == nil || ck.Completed || ck.Resource != "secrets" || ck.Counters.Rewritten == 0 {

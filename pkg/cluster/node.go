@@ -29,8 +29,8 @@ const (
 	tickInterval = time.Second
 )
 
-// Agent is what a Node needs of reload.Agent.
-type Agent interface {
+// reloadAgent is what a Node needs of reload.Agent.
+type reloadAgent interface {
 	OwnStatus() reload.Status
 	Refence() error
 }
@@ -69,15 +69,15 @@ type Options struct {
 type Node struct {
 	opts Options
 	log  klog.Logger
-	view *View
-	pub  *Publisher
+	view *view
+	pub  *publisher
 
 	mu          sync.Mutex
-	fence       *Fence
-	handshake   *Handshake
+	fence       *fence
+	handshake   *handshake
 	dropping    *dropPlan // the drop announced by Guard, nil when none
 	alarm       *disagreementAlarm
-	agent       Agent
+	agent       reloadAgent
 	migrator    *Migrator
 	published   MemberState
 	lastPublish time.Time
@@ -133,13 +133,13 @@ func New(opts Options) (*Node, error) {
 		opts.Logger = klog.Background()
 	}
 	log := opts.Logger.WithName("cluster").WithValues("apiserverID", opts.ID)
-	fence, handshake := NewFence(opts.ID, opts.Clock.Now()), NewHandshake(opts.ID)
+	fence, handshake := newFence(opts.ID, opts.Clock.Now()), newHandshake(opts.ID)
 	fence.SetPromotionGate(handshake)
 	return &Node{
 		opts:      opts,
 		log:       log,
-		view:      NewView(opts.Client, opts.Prefix, log),
-		pub:       NewPublisher(opts.Client, MemberKey(opts.Prefix, opts.ID), opts.LeaseTTL, log),
+		view:      newView(opts.Client, opts.Prefix, log),
+		pub:       newPublisher(opts.Client, MemberKey(opts.Prefix, opts.ID), opts.LeaseTTL, log),
 		fence:     fence,
 		handshake: handshake,
 		alarm:     newDisagreementAlarm(opts.DisagreementAlarm, opts.Clock.Now()),
@@ -160,8 +160,13 @@ func (n *Node) ID() string { return n.opts.ID }
 // Prefix is the coordination prefix.
 func (n *Node) Prefix() string { return n.opts.Prefix }
 
-// View is the live member set.
-func (n *Node) View() *View { return n.view }
+// Members returns the live members sorted by id, as this apiserver's watch sees them
+// (MigratorOptions.Members).
+func (n *Node) Members() []MemberState { return n.view.Members() }
+
+// MembersChanged is closed at the next change of the live member set
+// (MigratorOptions.MembersChanged).
+func (n *Node) MembersChanged() <-chan struct{} { return n.view.Changed() }
 
 // Start loads the member list (so the fence knows who must read a key before the
 // agent's first configuration is applied) and starts watching it.
@@ -200,7 +205,7 @@ func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]tran
 	ev := n.viewEvent()
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	n.fence.Step(Tick{Now: n.opts.Clock.Now()})
+	n.fence.Step(tick{Now: n.opts.Clock.Now()})
 	// Decide with the members the watch has delivered, not the ones the node's loop
 	// has fed the fence so far: a member that just appeared must not miss a promotion.
 	n.fence.Step(ev)
@@ -236,8 +241,8 @@ func (n *Node) Notify() {
 // NotifyKeyID is kmsv2.FactoryOptions.OnKeyIDChange.
 func (n *Node) NotifyKeyID(string, string) { n.Notify() }
 
-// MayWriteKeyID is kmsv2.FactoryOptions.MayWriteKeyID, the write fence for KMS key ids
-// (Fence.MayWriteKeyID): this apiserver's KMS provider may start writing under
+// MayWriteKeyID is kmsv2.FactoryOptions.MayWriteKeyID, the write fence for KMS key
+// ids: this apiserver's KMS provider may start writing under
 // keyIDHash once every other live member with a provider of that name reports, in its
 // member state, that its plugin can decrypt that key id. It never waits on etcd: it
 // asks the fence, which the watch of the members feeds.
@@ -249,8 +254,10 @@ func (n *Node) MayWriteKeyID(provider, keyIDHash string) bool {
 	return n.fence.MayWriteKeyID(provider, keyIDHash)
 }
 
-// Attach gives the node its agent; publishing starts.
-func (n *Node) Attach(a Agent) {
+// Attach gives the node its agent (a *reload.Agent: the node publishes the agent's
+// status and asks it to apply the fence again when the members change); publishing
+// starts.
+func (n *Node) Attach(a reloadAgent) {
 	n.mu.Lock()
 	n.agent = a
 	n.mu.Unlock()
@@ -307,7 +314,7 @@ func (n *Node) membersChanged(ctx context.Context) {
 }
 
 // confirmPromotions does the promotion side of the handshake with members dropping
-// keys (Handshake): when the fence holds a key back only for want of it, it reads every
+// keys (handshake): when the fence holds a key back only for want of it, it reads every
 // member record — after this apiserver's record showing the key held, which publish
 // put before — and lets the fence decide again.
 func (n *Node) confirmPromotions(ctx context.Context) {
@@ -335,7 +342,7 @@ func (n *Node) confirmPromotions(ctx context.Context) {
 func (n *Node) tick(ctx context.Context) {
 	now := n.opts.Clock.Now()
 	n.mu.Lock()
-	n.fence.Step(Tick{Now: now})
+	n.fence.Step(tick{Now: now})
 	agent, due := n.agent, now.Sub(n.lastPublish) >= n.opts.RefreshInterval
 	n.mu.Unlock()
 	if agent == nil {
@@ -359,7 +366,7 @@ func (n *Node) state(now time.Time) MemberState {
 	agent, held, since, clusterID := n.agent, n.fence.HeldSince(), n.alarm.Since(), n.clusterID
 	n.mu.Unlock()
 	status := agent.OwnStatus()
-	st := StateFromStatus(n.opts.ID, n.opts.Version, status, held, now)
+	st := stateFromStatus(n.opts.ID, n.opts.Version, status, held, now)
 	st.DisagreeingSince, st.ClusterID = since, clusterID
 	return n.announced(st, status.ActiveConfigHash, status.LastAttemptAt, status.LastErrorAt)
 }
@@ -425,8 +432,8 @@ func (n *Node) evaluate() {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	wasRaised := n.alarm.Raised()
-	n.alarm.Step(Tick{Now: now})
-	n.alarm.Step(MembersChanged{Members: members})
+	n.alarm.Step(tick{Now: now})
+	n.alarm.Step(membersChanged{Members: members})
 	alarm := n.alarm.Raised()
 	if alarm && !wasRaised {
 		n.log.Error(nil, "ALARM: the apiservers have disagreed about a write key for too long",
@@ -488,8 +495,8 @@ func (n *Node) Holds() []Hold {
 
 // viewEvent is what the watch has delivered, as the fence's event: the live members of
 // this cluster and the unknown records apart.
-func (n *Node) viewEvent() MembersChanged {
-	return MembersChanged{Members: n.view.Members(), Unknown: n.view.Unknown()}
+func (n *Node) viewEvent() membersChanged {
+	return membersChanged{Members: n.view.Members(), Unknown: n.view.Unknown()}
 }
 
 // ownClusterID is the cluster identity Start read or created.

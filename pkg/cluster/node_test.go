@@ -131,7 +131,7 @@ func eventually(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-func memberIDs(v *View) string {
+func memberIDs(v *view) string {
 	var ids []string
 	for _, m := range v.Members() {
 		ids = append(ids, m.APIServerID)
@@ -146,7 +146,7 @@ func TestMembershipLeaseAndClose(t *testing.T) {
 	cli := srv.Client(t)
 	a := startMember(t, cli, "a", secretsConfig("k1"))
 	b := startMember(t, cli, "b", secretsConfig("k1"))
-	eventually(t, "both members visible to a", func() bool { return memberIDs(a.node.View()) == "a,b" })
+	eventually(t, "both members visible to a", func() bool { return memberIDs(a.node.view) == "a,b" })
 
 	resp, err := cli.Get(context.Background(), MemberKey(DefaultPrefix, "b"))
 	if err != nil || len(resp.Kvs) != 1 {
@@ -164,18 +164,18 @@ func TestMembershipLeaseAndClose(t *testing.T) {
 	}
 
 	b.stop()
-	eventually(t, "b gone after a clean shutdown", func() bool { return memberIDs(a.node.View()) == "a" })
+	eventually(t, "b gone after a clean shutdown", func() bool { return memberIDs(a.node.view) == "a" })
 
 	// A member that dies without revoking: stop its keep-alive only.
 	c := startMember(t, cli, "c", secretsConfig("k1"))
-	eventually(t, "c visible", func() bool { return memberIDs(a.node.View()) == "a,c" })
+	eventually(t, "c visible", func() bool { return memberIDs(a.node.view) == "a,c" })
 	c.node.cancel()
 	<-c.node.done
 	c.node.pub.mu.Lock()
 	c.node.pub.dropLocked() // the keep-alive stops; the lease is not revoked
 	c.node.pub.mu.Unlock()
 	start := time.Now()
-	eventually(t, "c gone after its lease expired", func() bool { return memberIDs(a.node.View()) == "a" })
+	eventually(t, "c gone after its lease expired", func() bool { return memberIDs(a.node.view) == "a" })
 	if time.Since(start) < time.Second {
 		t.Fatalf("c disappeared after %s, before its 2s lease could expire", time.Since(start))
 	}
@@ -189,7 +189,7 @@ func TestFencePromotesWhenTheOtherMemberCatchesUp(t *testing.T) {
 	cli := srv.Client(t)
 	a := startMember(t, cli, "a", secretsConfig("k1"))
 	b := startMember(t, cli, "b", secretsConfig("k1"))
-	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
+	eventually(t, "a sees b", func() bool { return memberIDs(a.node.view) == "a,b" })
 	// The fence learns the members on the node's loop, a moment after the view.
 	eventually(t, "a's fence sees b", func() bool {
 		a.node.mu.Lock()
@@ -246,8 +246,8 @@ func TestStragglerIsNotReadyAndGuardRefusesDrop(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := startMember(t, cli, "b", secretsConfig("k1"), func(o *Options) { o.Metrics = bm })
-	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
-	eventually(t, "b sees a", func() bool { return memberIDs(b.node.View()) == "a,b" })
+	eventually(t, "a sees b", func() bool { return memberIDs(a.node.view) == "a,b" })
+	eventually(t, "b sees a", func() bool { return memberIDs(b.node.view) == "a,b" })
 	eventually(t, "b not ready, naming k2", func() bool {
 		err := b.node.ReadyzCheck().Check(nil)
 		return err != nil && strings.Contains(err.Error(), "secrets: aesgcm/k2 (written by a)")
@@ -365,7 +365,7 @@ func TestDisagreementAlarm(t *testing.T) {
 	long := func(o *Options) { o.LeaseTTL = time.Minute }
 	a := startMember(t, cli, "a", secretsConfig("k1"), long, func(o *Options) { o.Clock = clk })
 	startMember(t, cli, "b", secretsConfig("k1"), long)
-	eventually(t, "a sees b", func() bool { return memberIDs(a.node.View()) == "a,b" })
+	eventually(t, "a sees b", func() bool { return memberIDs(a.node.view) == "a,b" })
 	writeFile(t, a.path, secretsConfig("k2", "k1"))
 	if err := a.agent.Reload(context.Background()); err != nil {
 		t.Fatal(err)
@@ -394,7 +394,7 @@ func TestReadinessFailsClosedUntilAnInventoryIsKnown(t *testing.T) {
 	startMember(t, cli, "a", secretsConfig("k1", "k2"))
 	store := &migrate.InventoryStore{}
 	b := startMember(t, cli, "b", secretsConfig("k1"), func(o *Options) { o.Inventory = store })
-	eventually(t, "b sees a", func() bool { return memberIDs(b.node.View()) == "a,b" })
+	eventually(t, "b sees a", func() bool { return memberIDs(b.node.view) == "a,b" })
 	err := b.node.ReadyzCheck().Check(nil)
 	if err == nil || !strings.Contains(err.Error(), "no inventory of the stored objects yet") {
 		t.Fatalf("b before any inventory: %v; want not ready (no inventory yet)", err)

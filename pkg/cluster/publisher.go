@@ -12,11 +12,11 @@ import (
 	"k8s.io/klog/v2"
 )
 
-// Publisher writes one member's state under the lease of a concurrency.Session, which
+// publisher writes one member's state under the lease of a concurrency.Session, which
 // keeps the lease alive; the key disappears when the process dies (the lease expires)
 // or closes (the lease is revoked). What the session does not do is here: the member
 // record under its lease, and a new session once the old one is Done.
-type Publisher struct {
+type publisher struct {
 	cli *clientv3.Client
 	key string
 	ttl time.Duration
@@ -38,16 +38,16 @@ type memberSession struct {
 	end context.CancelFunc
 }
 
-// NewPublisher publishes at key with leases of ttl (whole seconds, at least 2 s).
-func NewPublisher(cli *clientv3.Client, key string, ttl time.Duration, log klog.Logger) *Publisher {
-	return &Publisher{cli: cli, key: key, ttl: max(ttl, 2*time.Second), log: log, lost: make(chan struct{}, 1)}
+// newPublisher publishes at key with leases of ttl (whole seconds, at least 2 s).
+func newPublisher(cli *clientv3.Client, key string, ttl time.Duration, log klog.Logger) *publisher {
+	return &publisher{cli: cli, key: key, ttl: max(ttl, 2*time.Second), log: log, lost: make(chan struct{}, 1)}
 }
 
 // Lost is signalled when the lease ended; publish again.
-func (p *Publisher) Lost() <-chan struct{} { return p.lost }
+func (p *publisher) Lost() <-chan struct{} { return p.lost }
 
 // Publish writes st under the session's lease, opening a session first if needed.
-func (p *Publisher) Publish(ctx context.Context, st MemberState) error {
+func (p *publisher) Publish(ctx context.Context, st MemberState) error {
 	data, sent, err := encodeRecord(st, MaxMemberRecordBytes)
 	if err != nil {
 		return err
@@ -69,7 +69,7 @@ func (p *Publisher) Publish(ctx context.Context, st MemberState) error {
 }
 
 // noteReduced logs when the published record starts or stops being reduced.
-func (p *Publisher) noteReduced(reduced []string, size int) {
+func (p *publisher) noteReduced(reduced []string, size int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if slices.Equal(reduced, p.reduced) {
@@ -82,7 +82,7 @@ func (p *Publisher) noteReduced(reduced []string, size int) {
 	}
 }
 
-func (p *Publisher) ensureSession(ctx context.Context) (*memberSession, error) {
+func (p *publisher) ensureSession(ctx context.Context) (*memberSession, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.session != nil {
@@ -120,7 +120,7 @@ func openSession(ctx context.Context, cli *clientv3.Client, ttl time.Duration) (
 }
 
 // awaitEnd signals Lost when s ends while it is still the current session.
-func (p *Publisher) awaitEnd(s *memberSession) {
+func (p *publisher) awaitEnd(s *memberSession) {
 	<-s.Done()
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -136,7 +136,7 @@ func (p *Publisher) awaitEnd(s *memberSession) {
 }
 
 // dropLocked stops the keep-alive without revoking the lease.
-func (p *Publisher) dropLocked() {
+func (p *publisher) dropLocked() {
 	if p.session != nil {
 		p.session.Orphan()
 		p.session.end()
@@ -145,7 +145,7 @@ func (p *Publisher) dropLocked() {
 }
 
 // Close revokes the lease, which deletes the member key at once.
-func (p *Publisher) Close(ctx context.Context) error {
+func (p *publisher) Close(ctx context.Context) error {
 	p.mu.Lock()
 	s := p.session
 	p.dropLocked()

@@ -83,7 +83,7 @@ func missingKeys(own MemberState, members []MemberState, inv *migrate.Inventory)
 		}
 	}
 	all := append(slices.Clone(others), own)
-	for _, c := range Conflicts(all) {
+	for _, c := range keyConflicts(all) {
 		if c.involves(own.APIServerID) {
 			add(c.String() + " (the same name with different secrets: neither can read what the other writes; give every apiserver the same key)")
 		}

@@ -11,9 +11,9 @@ import (
 )
 
 // Snapshot is the cluster as etcd holds it at one revision: its identity (nil before
-// an apiserver created one), the live members, the records that are not (the View's
-// rules: UnknownMember) and the migration leader's state (nil when no leader has
-// written one).
+// an apiserver created one), the live members, the records that are not (sorted by the
+// rules of a Node's member watch: UnknownMember) and the migration leader's state (nil
+// when no leader has written one).
 type Snapshot struct {
 	Identity  *Identity       `json:"identity,omitempty"`
 	Members   []MemberState   `json:"members"`
@@ -29,7 +29,7 @@ func ReadSnapshot(ctx context.Context, cli *clientv3.Client, prefix string) (*Sn
 	if err != nil {
 		return nil, fmt.Errorf("reading the members under %s: %w", MembersPrefix(prefix), err)
 	}
-	id, err := ReadIdentity(ctx, cli, prefix, resp.Header.Revision)
+	id, err := readIdentity(ctx, cli, prefix, resp.Header.Revision)
 	if err != nil {
 		return nil, err
 	}

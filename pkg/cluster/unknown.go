@@ -47,7 +47,7 @@ func classifyRecord(prefix, clusterID string, kv *mvccpb.KeyValue) (MemberState,
 		return unknown("carries no cluster id (an older rekey, or not written by rekey); upgrade that apiserver, or delete the key")
 	case clusterID != "" && m.ClusterID != clusterID:
 		return unknown("belongs to cluster %s, not to this cluster %s (%s): another cluster shares this etcd and --coordination-prefix; "+
-			"give one of them its own --coordination-prefix", m.ClusterID, clusterID, IdentityKey(prefix))
+			"give one of them its own --coordination-prefix", m.ClusterID, clusterID, identityKey(prefix))
 	}
 	return m, nil
 }

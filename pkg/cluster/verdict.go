@@ -75,7 +75,7 @@ func Evaluate(members []MemberState, mig *MigrationState, now time.Time, alarmAf
 			disagree = append(disagree, r+": "+why)
 		}
 	}
-	v.Conflicts = Conflicts(members)
+	v.Conflicts = keyConflicts(members)
 	var conflicts []string
 	for _, c := range v.Conflicts {
 		conflicts = append(conflicts, c.String())

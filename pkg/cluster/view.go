@@ -13,10 +13,10 @@ import (
 	"k8s.io/klog/v2"
 )
 
-// View is the live member set: a list of <prefix>/members/ followed by a watch from
+// view is the live member set: a list of <prefix>/members/ followed by a watch from
 // the listed revision. A member whose lease expired is deleted by etcd and drops out.
 // Records that are not live members of this cluster are kept apart (Unknown).
-type View struct {
+type view struct {
 	cli    *clientv3.Client
 	prefix string
 	log    klog.Logger
@@ -31,20 +31,20 @@ type View struct {
 	changed chan struct{} // closed and replaced on every change
 }
 
-// NewView returns a view of the members under prefix; call Load, then Run.
-func NewView(cli *clientv3.Client, prefix string, log klog.Logger) *View {
-	return &View{cli: cli, prefix: prefix, log: log, members: map[string]MemberState{}, unknown: map[string]UnknownMember{}, changed: make(chan struct{})}
+// newView returns a view of the members under prefix; call Load, then Run.
+func newView(cli *clientv3.Client, prefix string, log klog.Logger) *view {
+	return &view{cli: cli, prefix: prefix, log: log, members: map[string]MemberState{}, unknown: map[string]UnknownMember{}, changed: make(chan struct{})}
 }
 
 // bindCluster makes records of other clusters unknown members; call it before Load.
-func (v *View) bindCluster(clusterID string) {
+func (v *view) bindCluster(clusterID string) {
 	v.mu.Lock()
 	v.clusterID = clusterID
 	v.mu.Unlock()
 }
 
 // Load lists the members now.
-func (v *View) Load(ctx context.Context) error {
+func (v *view) Load(ctx context.Context) error {
 	resp, err := v.cli.Get(ctx, MembersPrefix(v.prefix), clientv3.WithPrefix())
 	if err != nil {
 		return err
@@ -61,7 +61,7 @@ func (v *View) Load(ctx context.Context) error {
 }
 
 // putLocked files one record as a member or, logging why, as an unknown member.
-func (v *View) putLocked(kv *mvccpb.KeyValue) {
+func (v *view) putLocked(kv *mvccpb.KeyValue) {
 	id := strings.TrimPrefix(string(kv.Key), MembersPrefix(v.prefix))
 	m, u := classifyRecord(v.prefix, v.clusterID, kv)
 	if u != nil {
@@ -77,13 +77,13 @@ func (v *View) putLocked(kv *mvccpb.KeyValue) {
 	v.members[id] = m
 }
 
-func (v *View) notifyLocked() {
+func (v *view) notifyLocked() {
 	close(v.changed)
 	v.changed = make(chan struct{})
 }
 
 // Run watches until ctx ends, listing again after a compaction or a broken watch.
-func (v *View) Run(ctx context.Context) {
+func (v *view) Run(ctx context.Context) {
 	for ctx.Err() == nil {
 		v.mu.Lock()
 		rev := v.rev
@@ -126,7 +126,7 @@ func (v *View) Run(ctx context.Context) {
 }
 
 // Members returns the live members sorted by id.
-func (v *View) Members() []MemberState {
+func (v *view) Members() []MemberState {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	out := make([]MemberState, 0, len(v.members))
@@ -139,7 +139,7 @@ func (v *View) Members() []MemberState {
 
 // Unknown returns the records under the members prefix that are not live members of
 // this cluster, sorted by key.
-func (v *View) Unknown() []UnknownMember {
+func (v *view) Unknown() []UnknownMember {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	out := slices.Collect(maps.Values(v.unknown))
@@ -148,14 +148,14 @@ func (v *View) Unknown() []UnknownMember {
 }
 
 // Loaded reports whether a list has succeeded.
-func (v *View) Loaded() bool {
+func (v *view) Loaded() bool {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	return v.loaded
 }
 
 // Changed is closed at the next change of the member set.
-func (v *View) Changed() <-chan struct{} {
+func (v *view) Changed() <-chan struct{} {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	return v.changed

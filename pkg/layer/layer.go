@@ -305,7 +305,7 @@ func (l *Layer) startClusterNode(ctx context.Context) error {
 		return err
 	}
 	o.Logger.Info("Coordinating with the other apiservers through etcd", "apiserverID", o.MemberID,
-		"prefix", o.CoordinationPrefix, "members", len(node.View().Members()))
+		"prefix", o.CoordinationPrefix, "members", len(node.Members()))
 	l.node = node
 	return nil
 }
@@ -442,13 +442,12 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 		done := make(chan struct{})
 		var mig *cluster.Migrator
 		if l.node != nil && o.StorageMigration {
-			view := l.node.View()
 			mig = cluster.NewMigrator(cluster.MigratorOptions{
 				Client: cli, Prefix: l.node.Prefix(), ID: l.node.ID(), SessionTTL: o.ClusterLeaseTTL,
 				Resources: o.Resources, Source: migrate.FromRules(agent, agent.Rules),
 				Inventory: l.store, Metrics: l.metrics, Rate: o.StorageMigrationRate,
 				ConfigHash: func() string { return agent.ActiveConfig().Hash },
-				Members:    view.Members, MembersChanged: view.Changed, Logger: l.log,
+				Members:    l.node.Members, MembersChanged: l.node.MembersChanged, Logger: l.log,
 			})
 			l.node.SetMigrator(mig)
 		}
