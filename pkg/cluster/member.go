@@ -125,6 +125,15 @@ func stateFromStatus(id, version string, st reload.Status, held map[string]time.
 			k := rs.Write
 			k.KeyIDHash = r.KMS.HeldKeyIDHash
 			rs.Held, rs.HeldSince = &k, r.KMS.HeldSince
+		} else if r.KMS != nil && !r.KMS.FirstSeedHeldUntil.IsZero() && rs.Write.Provider == transformers.ProviderKMSv2 {
+			// The first seed after a start (or of a new provider) writes nothing until
+			// every other member's plugin reports its key id: published as held, not as
+			// written, so no other member counts a key id nobody wrote with against its
+			// readiness.
+			k := rs.Write
+			rs.Held, rs.Write = &k, Key{}
+			rs.Refused = fmt.Sprintf("KMS v2 provider %q holds writes under its first key id %s until every apiserver's plugin reports it (at the latest until %s)",
+				r.KMS.Name, k.KeyIDHash, r.KMS.FirstSeedHeldUntil.UTC().Format(time.RFC3339))
 		}
 		m.Resources = append(m.Resources, rs)
 	}

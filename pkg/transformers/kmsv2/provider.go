@@ -225,8 +225,11 @@ func (p *Provider) Seal(_ context.Context, plaintext []byte, dataCtx value.Conte
 		return nil, p.errNotReady()
 	}
 	if v := p.view.Load(); v.FirstSeedHeld {
-		return nil, transformers.Unavailable(fmt.Errorf("kms v2 provider %q holds writes under key id hash %q until every apiserver's KMS plugin reports it (at the latest until %s)",
-			p.name, state.KeyIDHash(ws.keyID), v.FirstSeedHeldUntil.UTC().Format(time.RFC3339)))
+		// A refusal the client sees as 503 (WriteRefusedError) that migration still
+		// treats as "the plugin cannot serve now, retry" (ErrKMSUnavailable).
+		return nil, transformers.Unavailable(&transformers.WriteRefusedError{Reason: fmt.Sprintf(
+			"kms v2 provider %q holds writes under key id hash %q until every apiserver's KMS plugin reports it (at the latest until %s)",
+			p.name, state.KeyIDHash(ws.keyID), v.FirstSeedHeldUntil.UTC().Format(time.RFC3339))})
 	}
 	now := p.clock.Now()
 	if exp := ws.expiry.Load(); now.UnixNano() >= exp {
