@@ -23,8 +23,6 @@ var (
 // The fixtures shared with pkg/guard's tests live in internal/enctest; these keep the
 // short names this package's tests use.
 
-func testKey(name string, n int) string { return enctest.TestKey(name, n) }
-
 func providerYAML(spec string) string { return enctest.ProviderYAML(spec) }
 
 func configYAML(resources string, providers ...string) string {
