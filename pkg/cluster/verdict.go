@@ -47,7 +47,41 @@ func Evaluate(members []MemberState, mig *MigrationState, now time.Time, alarmAf
 			v.Alarm = true
 		}
 	}
-	var promoting, disagree []string
+	promoting, disagree := promotions(members), []string(nil)
+	for _, r := range resources {
+		if _, ok, why := CommonWriteKey(byID, r); !ok {
+			disagree = append(disagree, r+": "+why)
+		}
+	}
+	v.Conflicts = keyConflicts(members)
+	var conflicts []string
+	for _, c := range v.Conflicts {
+		conflicts = append(conflicts, c.String())
+	}
+	v.Disagreement = strings.Join(slices.Concat(conflicts, promoting, disagree), "; ")
+	migrating := migrations(mig)
+	switch {
+	case len(conflicts) > 0:
+		v.Summary = "conflict: " + strings.Join(conflicts, "; ")
+	case len(promoting) > 0:
+		v.Summary = strings.Join(promoting, "; ")
+	case len(disagree) > 0:
+		v.Summary = "members disagree: " + strings.Join(disagree, "; ")
+	case len(migrating) > 0:
+		v.Summary = strings.Join(migrating, "; ")
+	default:
+		v.Summary, v.Converged = "converged", true
+	}
+	if v.Alarm {
+		v.Converged = false
+		v.Summary = "alarm: " + v.Summary
+	}
+	return v
+}
+
+// promotions describes every write key a member holds back, and whom it waits for.
+func promotions(members []MemberState) []string {
+	var promoting []string
 	for _, m := range members {
 		for _, r := range m.Resources {
 			if r.Held == nil {
@@ -70,17 +104,11 @@ func Evaluate(members []MemberState, mig *MigrationState, now time.Time, alarmAf
 			promoting = append(promoting, p)
 		}
 	}
-	for _, r := range resources {
-		if _, ok, why := CommonWriteKey(byID, r); !ok {
-			disagree = append(disagree, r+": "+why)
-		}
-	}
-	v.Conflicts = keyConflicts(members)
-	var conflicts []string
-	for _, c := range v.Conflicts {
-		conflicts = append(conflicts, c.String())
-	}
-	v.Disagreement = strings.Join(slices.Concat(conflicts, promoting, disagree), "; ")
+	return promoting
+}
+
+// migrations describes the running and due migrations of mig (nil: unknown).
+func migrations(mig *MigrationState) []string {
 	var migrating []string
 	if mig != nil {
 		if mig.Running != nil {
@@ -99,21 +127,5 @@ func Evaluate(members []MemberState, mig *MigrationState, now time.Time, alarmAf
 			}
 		}
 	}
-	switch {
-	case len(conflicts) > 0:
-		v.Summary = "conflict: " + strings.Join(conflicts, "; ")
-	case len(promoting) > 0:
-		v.Summary = strings.Join(promoting, "; ")
-	case len(disagree) > 0:
-		v.Summary = "members disagree: " + strings.Join(disagree, "; ")
-	case len(migrating) > 0:
-		v.Summary = strings.Join(migrating, "; ")
-	default:
-		v.Summary, v.Converged = "converged", true
-	}
-	if v.Alarm {
-		v.Converged = false
-		v.Summary = "alarm: " + v.Summary
-	}
-	return v
+	return migrating
 }

@@ -223,8 +223,24 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 			return nil, err
 		}
 	}
-	allow := o.AllowDroppingKeysInUse
 	var running runningRules
+	agent, err := reload.NewAgent(ctx, l.agentOptions(&running))
+	if err != nil {
+		return nil, err
+	}
+	running.agent.Store(agent)
+	l.agent = agent
+	if l.node != nil {
+		l.node.Attach(agent)
+	}
+	return l, nil
+}
+
+// agentOptions wires the reload agent: the local guards, and with a cluster node its
+// guard, write fence and status. running receives the agent once it exists.
+func (l *Layer) agentOptions(running *runningRules) reload.Options {
+	o, m := l.opts, l.metrics
+	allow := o.AllowDroppingKeysInUse
 	ropts := reload.Options{
 		Path:            o.Path,
 		AutomaticReload: o.AutomaticReload,
@@ -267,18 +283,7 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 			return map[string]any{StorageStatusKey: l.storageStatus(), ClusterStatusKey: node.Status()}
 		}
 	}
-	agent, err := reload.NewAgent(ctx, ropts)
-	if err == nil {
-		running.agent.Store(agent)
-	}
-	if err != nil {
-		return nil, err
-	}
-	l.agent = agent
-	if l.node != nil {
-		l.node.Attach(agent)
-	}
-	return l, nil
+	return ropts
 }
 
 // Active reports whether the layer encrypts (a configuration file is set).
