@@ -331,7 +331,7 @@ func TestRotationSwitchesOnALiveShim(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	key := regexp.MustCompile(`name: (key-\d{8}T\d{6}Z)`).FindSubmatch(data)
+	key := regexp.MustCompile(`name: (key-\d{8}T\d{6}Z-[a-z2-7]{8})\b`).FindSubmatch(data)
 	if key == nil {
 		t.Fatalf("no generated key in the file:\n%s", data)
 	}

@@ -39,6 +39,9 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 		if ctx.Err() != nil {
 			return
 		}
+		// Ask the fence before the first seed is published: when it is open already (one
+		// apiserver, or every plugin reports the key id) writes never see the hold.
+		p.checkFence(m)
 		v := m.View()
 		p.publish(v)
 		wait := v.NextWake.Sub(p.clock.Now())
