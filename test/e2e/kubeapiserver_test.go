@@ -59,7 +59,9 @@ func kubeAPIServers(t *testing.T) testbed.KubeAPIServerBinaries {
 	return kapiBins
 }
 
-// coordinationPrefix is the --coordination-prefix of the rekey apiservers of t.
+// coordinationPrefix is the --coordination-prefix of the rekey apiservers and shims of t
+// (their member records and applied encryption state live under it): a restart by hand
+// must pass the same one to find its own state.
 func coordinationPrefix(t *testing.T) string {
 	return "/rekey-e2e/" + strings.NewReplacer("/", "-").Replace(t.Name())
 }

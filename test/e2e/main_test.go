@@ -68,7 +68,7 @@ func startShim(t *testing.T, c testbed.ShimConfig) *testbed.Shim {
 	}
 	if !slices.ContainsFunc(c.Args, func(a string) bool { return strings.HasPrefix(a, "--coordination-prefix") }) {
 		// Tests share one etcd but are separate clusters: each coordinates under its own prefix.
-		c.Args = append(c.Args, "--coordination-prefix", "/rekey-e2e/"+strings.NewReplacer("/", "-").Replace(t.Name()))
+		c.Args = append(c.Args, "--coordination-prefix", coordinationPrefix(t))
 	}
 	s, err := testbed.StartShim(t.Context(), bins.Shim, c)
 	if err != nil {

@@ -493,7 +493,8 @@ func TestShimRefusesDroppingKeyInUse(t *testing.T) {
 
 	// The refused configuration is still on disk: a restart must not apply it silently.
 	s.Stop(15 * time.Second)
-	cfg := testbed.ShimConfig{Dir: dir, EncryptionConfig: config, EtcdPrefix: prefix, EtcdServers: []string{etcd.Endpoint}, Args: []string{"--storage-migration=false"}}
+	cfg := testbed.ShimConfig{Dir: dir, EncryptionConfig: config, EtcdPrefix: prefix, EtcdServers: []string{etcd.Endpoint},
+		Args: []string{"--storage-migration=false", "--coordination-prefix", coordinationPrefix(t)}}
 	args, err := testbed.ShimArgs(cfg)
 	if err != nil {
 		t.Fatal(err)
