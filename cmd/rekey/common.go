@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/spf13/pflag"
@@ -15,6 +14,7 @@ import (
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/layer"
 	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/storagelayout"
 	"github.com/rekey-io/rekey/pkg/transformers"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
@@ -203,51 +203,52 @@ func (c *common) build(ctx context.Context, cfg *config.Config, requireKMS bool)
 	return &loaded{cfg: cfg, set: set}, nil
 }
 
-// inventory takes a fresh inventory of the resources cfgs name (resourceList), reading
+// inventory takes a fresh inventory of the resources cfgs cover (resolve), reading
 // the stored objects with l's transformers and recording l's configuration hash.
 func (c *common) inventory(ctx context.Context, cli *clientv3.Client, l *loaded, decryptCheck bool, cfgs ...*config.Config) (*migrate.Inventory, []migrate.Resource, error) {
-	res, err := c.resourceList(cfgs...)
+	res, err := c.resolve(ctx, cli, cfgs...)
 	if err != nil {
 		return nil, nil, err
 	}
 	inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{
-		Client: cli, Source: migrate.FromSet(l.set), Resources: res, PageSize: c.pageSize,
-		DecryptCheck: decryptCheck, ConfigHash: l.cfg.Hash,
+		Client: cli, Source: migrate.FromSet(l.set), Resources: res.Resources, Wildcards: res.Wildcards,
+		PageSize: c.pageSize, DecryptCheck: decryptCheck, ConfigHash: l.cfg.Hash,
 	})
-	return inv, res, err
+	return inv, res.Resources, err
 }
 
-// resourceList resolves --resources, defaulting to the explicit rules of cfgs (all of
-// them: check-config also scans what only the new configuration names).
-func (c *common) resourceList(cfgs ...*config.Config) ([]migrate.Resource, error) {
-	names := c.resources
-	if len(names) == 0 {
-		seen := map[string]bool{}
-		var entries []transformers.Entry[transformers.ConfigKey]
-		for _, cfg := range cfgs {
-			entries = append(entries, transformers.Describe(cfg)...)
+// resolve lists the stored resources the rules of cfgs cover (all of them:
+// check-config also scans what only the new configuration names), where kube-apiserver
+// stores them: a named resource through kube's layout and the stored
+// CustomResourceDefinitions, a wildcard rule ("*.*", "*.apps") as every stored resource
+// it matches. --resources adds resources (a custom etcd path with name=/path/); it never
+// narrows what the rules cover, since a key a rule reads may be in use by any of them.
+// With no rule and no --resources, secrets and configmaps.
+func (c *common) resolve(ctx context.Context, cli *clientv3.Client, cfgs ...*config.Config) (migrate.Resolution, error) {
+	layout := storagelayout.Kube(c.etcdPrefix)
+	var extra []migrate.Resource
+	for _, n := range c.resources {
+		r, err := migrate.ParseResource(layout, n)
+		if err != nil {
+			return migrate.Resolution{}, fmt.Errorf("--resources: %w", err)
 		}
-		for _, e := range entries {
+		extra = append(extra, r)
+	}
+	var rules []string
+	seen := map[string]bool{}
+	for _, cfg := range cfgs {
+		for _, e := range transformers.Describe(cfg) {
 			for _, r := range e.Resources {
-				gr := schema.ParseGroupResource(r)
-				if strings.Contains(r, "*") || seen[gr.String()] {
-					continue
+				if name := config.GroupResourceString(schema.ParseGroupResource(r)); !seen[name] {
+					seen[name] = true
+					rules = append(rules, name)
 				}
-				seen[gr.String()] = true
-				names = append(names, gr.String())
 			}
 		}
-		if len(names) == 0 {
-			names = []string{"secrets", "configmaps"}
-		}
 	}
-	var out []migrate.Resource
-	for _, n := range names {
-		r, err := migrate.ParseResource(c.etcdPrefix, n)
-		if err != nil {
-			return nil, fmt.Errorf("--resources: %w", err)
-		}
-		out = append(out, r)
+	if len(rules) == 0 && len(extra) == 0 {
+		rules = []string{"secrets", "configmaps"}
 	}
-	return out, nil
+	r := &migrate.Resolver{Client: cli, Layout: layout, Skip: []string{layer.DefaultCoordinationPrefix(c.etcdPrefix)}, Extra: extra}
+	return r.Resolve(ctx, rules)
 }

@@ -40,9 +40,11 @@ you start (see docs/migration.md). With --checkpoint, a stopped run can be conti
 				return err
 			}
 			defer s.Close()
-			if o.Resources, err = c.resourceList(s.cur.cfg); err != nil {
+			covered, err := c.resolve(ctx, s.etcd, s.cur.cfg)
+			if err != nil {
 				return err
 			}
+			o.Resources = covered.Resources
 			o.Client, o.Source, o.PageSize, o.ConfigHash = s.etcd, migrate.FromSet(s.cur.set), c.pageSize, s.cur.cfg.Hash
 			p := progress.New(cmd.ErrOrStderr(), mode.Mode())
 			o.Progress = func(pr migrate.Progress) { showMigration(p, pr) }

@@ -24,6 +24,7 @@ import (
 
 	"github.com/rekey-io/rekey/pkg/config"
 	rekeylayer "github.com/rekey-io/rekey/pkg/layer"
+	"github.com/rekey-io/rekey/pkg/storagelayout"
 )
 
 // upstreamEncryptionMetricPrefixes are the families upstream's encryption packages
@@ -70,6 +71,9 @@ type layer struct {
 	autoReload bool
 
 	rekey *rekeylayer.Layer
+	// layout is where this apiserver stores each resource: kube's table, then what the
+	// getters report as the servers build their storage (custom resources included).
+	layout *storagelayout.Layout
 }
 
 func newLayer(f *rekeylayer.Flags) *layer {
@@ -107,12 +111,14 @@ func (l *layer) install(c *genericapiserver.Config, factory *serverstorage.Defau
 		return nil
 	}
 	tr := etcd.StorageConfig.Transport
+	l.layout = storagelayout.Kube(etcd.StorageConfig.Prefix)
 	o := rekeylayer.Options{
 		Path:            l.path,
 		AutomaticReload: l.autoReload,
 		KMSv1Error:      config.KMSv1UnsupportedError,
 		Etcd:            rekeylayer.Etcd{Servers: tr.ServerList, CAFile: tr.TrustedCAFile, CertFile: tr.CertFile, KeyFile: tr.KeyFile},
 		EtcdPrefix:      etcd.StorageConfig.Prefix,
+		Layout:          l.layout,
 		// kube-apiserver's identity: the agent's metrics, and the default of
 		// --apiserver-id and --encryption-state-id.
 		APIServerID: c.APIServerID,
@@ -138,7 +144,7 @@ func (l *layer) install(c *genericapiserver.Config, factory *serverstorage.Defau
 	if err := rl.Install(c); err != nil {
 		return err
 	}
-	c.RESTOptionsGetter = etcd.CreateRESTOptionsGetter(factory, rl.Agent())
+	c.RESTOptionsGetter = rekeylayer.WithLayoutRecording(etcd.CreateRESTOptionsGetter(factory, rl.Agent()), l.layout)
 	return rl.AddStorageHook(c)
 }
 
@@ -146,13 +152,14 @@ func (l *layer) install(c *genericapiserver.Config, factory *serverstorage.Defau
 // fence refuses with its 503 (rekeylayer.WithRefusedWrites). The apiextensions and
 // aggregator servers build their getters from their own copies of the etcd options on
 // the layer's transformers, after install, so AddStorageHook's wrapping of the kube
-// getter does not reach them.
+// getter does not reach them. The same getters report where they store each resource
+// (custom resources as their definitions are served) to the layer's layout.
 func (l *layer) answerRefusedWrites(getters ...*generic.RESTOptionsGetter) {
 	if l.rekey == nil || !l.rekey.Active() {
 		return
 	}
 	for _, g := range getters {
-		*g = rekeylayer.WithRefusedWrites(*g)
+		*g = rekeylayer.WithLayoutRecording(rekeylayer.WithRefusedWrites(*g), l.layout)
 	}
 }
 

@@ -67,6 +67,10 @@ type leadership struct{ Leading bool }
 // recordsLoaded carries the records read from etcd when leadership is won.
 type recordsLoaded struct{ Records map[string]Record }
 
+// resourcesChanged replaces the resources the leader migrates (a wildcard rule's
+// resources are found in etcd as objects are stored); an empty list keeps the last.
+type resourcesChanged struct{ Resources []string }
+
 // inventoryTaken reports what is stored for a resource, by key.
 type inventoryTaken struct {
 	Resource string
@@ -100,6 +104,7 @@ func (recordsLoaded) leaderEvent()     {}
 func (inventoryTaken) leaderEvent()    {}
 func (migrationFinished) leaderEvent() {}
 func (membersChanged) leaderEvent()    {}
+func (resourcesChanged) leaderEvent()  {}
 func (tick) leaderEvent()              {}
 
 const (
@@ -129,6 +134,10 @@ func (l *leader) Step(ev leaderEvent) {
 	case inventoryTaken:
 		if cur, ok := l.inventory[e.Resource]; !ok || !e.TakenAt.Before(cur.TakenAt) {
 			l.inventory[e.Resource] = e
+		}
+	case resourcesChanged:
+		if len(e.Resources) > 0 {
+			l.resources = slices.Clone(e.Resources)
 		}
 	case membersChanged:
 		l.members = map[string]MemberState{}

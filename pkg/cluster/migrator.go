@@ -24,7 +24,10 @@ type MigratorOptions struct {
 	// it dies).
 	SessionTTL time.Duration
 	Resources  []migrate.Resource
-	Source     migrate.Source
+	// CurrentResources, when set, replaces Resources and is asked at every round (a
+	// wildcard rule's resources are found in etcd and change as objects are stored).
+	CurrentResources func() []migrate.Resource
+	Source           migrate.Source
 	// Inventory is the local inventory store: its inventories feed the leader, and the
 	// verifying re-scans of migrations land in it (for the key-in-use guard).
 	Inventory *migrate.InventoryStore
@@ -162,12 +165,24 @@ func (m *Migrator) lead(ctx context.Context, guard []clientv3.Cmp) {
 	}
 }
 
-func (m *Migrator) newTerm(ctx context.Context, guard []clientv3.Cmp) *term {
-	names := make([]string, len(m.opts.Resources))
-	for i, r := range m.opts.Resources {
+// resources are the resources to migrate now.
+func (m *Migrator) resources() []migrate.Resource {
+	if m.opts.CurrentResources != nil {
+		return m.opts.CurrentResources()
+	}
+	return m.opts.Resources
+}
+
+func resourceNames(rs []migrate.Resource) []string {
+	names := make([]string, len(rs))
+	for i, r := range rs {
 		names[i] = r.String()
 	}
-	l := newLeader(names, m.opts.Clock.Now())
+	return names
+}
+
+func (m *Migrator) newTerm(ctx context.Context, guard []clientv3.Cmp) *term {
+	l := newLeader(resourceNames(m.resources()), m.opts.Clock.Now())
 	st, err := m.readState(ctx)
 	if err != nil {
 		m.log.Error(err, "Cannot read the migration state; starting without records")
@@ -184,6 +199,7 @@ func (t *term) round(ctx context.Context) error {
 	m, l := t.m, t.leader
 	now := m.opts.Clock.Now()
 	l.Step(tick{Now: now})
+	l.Step(resourcesChanged{Resources: resourceNames(m.resources())})
 	l.Step(membersChanged{Members: m.opts.Members()})
 	for _, ev := range inventoryEvents(m.opts.Inventory.Latest()) {
 		l.Step(ev)
@@ -241,7 +257,7 @@ func (m *Migrator) refreshInventory(ctx context.Context, records map[string]Reco
 	}
 	latest := m.opts.Inventory.Latest()
 	var stale []migrate.Resource
-	for _, r := range m.opts.Resources {
+	for _, r := range m.resources() {
 		rec, ok := records[r.String()]
 		if !ok || !rec.Verified || rec.Revision == 0 {
 			continue
@@ -267,7 +283,7 @@ func (m *Migrator) refreshInventory(ctx context.Context, records map[string]Reco
 // etcd revision of the verifying re-scan.
 func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.Cmp, report func(Progress)) (int64, error) {
 	var resource migrate.Resource
-	for _, r := range m.opts.Resources {
+	for _, r := range m.resources() {
 		if r.String() == mig.Resource {
 			resource = r
 		}

@@ -194,6 +194,30 @@ func CheckApplied(inv *migrate.Inventory, applied *AppliedState, next *config.Co
 }
 
 // prefixes lists every stored prefix of the state.
+// startupRules are the resources named by prev's rules (nil: none applied yet) and
+// cfg's, each once.
+func startupRules(prev *AppliedState, cfg *config.Config) []string {
+	var out []string
+	seen := map[string]bool{}
+	add := func(rs []string) {
+		for _, r := range rs {
+			if !seen[r] {
+				seen[r] = true
+				out = append(out, r)
+			}
+		}
+	}
+	if prev != nil {
+		for _, r := range prev.Rules {
+			add(r.Resources)
+		}
+	}
+	for _, e := range transformers.Describe(cfg) {
+		add(e.Resources)
+	}
+	return out
+}
+
 func (s *AppliedState) prefixes() []string {
 	var out []string
 	for _, r := range s.Rules {
@@ -326,6 +350,10 @@ type StartupOptions struct {
 	Client    *clientv3.Client
 	Source    migrate.Source
 	Resources []migrate.Resource
+	// Resolve, when set, replaces Resources: it is given the resources (wildcards
+	// included) of the last applied configuration's rules and of Config's, and returns
+	// the stored resources they cover (migrate.Resolver.Resolve).
+	Resolve func(ctx context.Context, rules []string) (migrate.Resolution, error)
 	// Transformers, when given with a client, serve the configuration (the reload agent,
 	// or FromSet's transformers of a built Set): one stored object per
 	// KMS v2 key id of the start-up inventory is decrypted with it (CheckDecrypt), so
@@ -363,7 +391,15 @@ func CheckStartup(ctx context.Context, o StartupOptions) error {
 		return err
 	}
 	var inv *migrate.Inventory
-	if o.Client != nil && o.Source != nil && len(o.Resources) > 0 {
+	res := migrate.Resolution{Resources: o.Resources}
+	if o.Resolve != nil {
+		if res, err = o.Resolve(ctx, startupRules(prev, o.Config)); err != nil {
+			// Without counts every dropped key is still reported (unknown count).
+			o.Logger.Error(err, "Cannot list the stored resources the rules cover; checking the encryption configuration without object counts")
+			res = migrate.Resolution{}
+		}
+	}
+	if o.Client != nil && o.Source != nil && len(res.Resources) > 0 {
 		src := o.Source
 		if prev != nil {
 			// Values are sorted into buckets by the prefixes the configuration knows, and
@@ -371,7 +407,7 @@ func CheckStartup(ctx context.Context, o StartupOptions) error {
 			// the state's prefix (a guess stops at the first ':' of a key name).
 			src = withPrefixes{Source: src, extra: prev.prefixes()}
 		}
-		inv, err = migrate.TakeInventory(ctx, migrate.InventoryOptions{Client: o.Client, Source: src, Resources: o.Resources, ConfigHash: o.Config.Hash, Clock: o.Clock, Metrics: o.Metrics})
+		inv, err = migrate.TakeInventory(ctx, migrate.InventoryOptions{Client: o.Client, Source: src, Resources: res.Resources, Wildcards: res.Wildcards, ConfigHash: o.Config.Hash, Clock: o.Clock, Metrics: o.Metrics})
 		if err != nil {
 			// Without counts every dropped key is still reported (unknown count).
 			o.Logger.Error(err, "Start-up inventory failed; checking the encryption configuration without object counts")

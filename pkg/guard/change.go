@@ -84,20 +84,34 @@ func checkChains(inv *migrate.Inventory, cur, nxt chains, fresh bool) []Violatio
 		}
 	}
 	if inv != nil {
+		// A wildcard rule is covered when the inventory scanned every resource it
+		// matched (the whole key space) and none of them is outdated.
+		wildcardOutdated := map[schema.GroupResource]bool{}
 		for _, ri := range inv.Resources {
 			gr := schema.ParseGroupResource(ri.Resource)
 			cc, nc := cur.lookup(gr), nxt.lookup(gr)
+			rule, _, _ := transformers.LookupRule(cur.byGR, gr)
 			// A rule whose writes are refused adds no object under any key, so an
 			// inventory of it stays as current as when it was taken.
 			if wp, ok := cc.writePrefix(); !fresh && ok && wp != ri.WritePrefix {
+				wildcardOutdated[rule] = true
 				continue // outdated for this resource; handled as not covered below
 			}
-			covered[gr] = true
+			// No object at a guessed location proves nothing: the objects found there
+			// count, but the resource stays uncovered.
+			if !ri.Guessed {
+				covered[gr] = true
+			}
 			for _, b := range ri.Buckets {
 				if b.Objects == 0 || !cc.canRead(b.Prefix) || nc.canReadAll(b.Prefix, cc) {
 					continue
 				}
 				add(Violation{Resource: ri.Resource, Bucket: b.Bucket, Objects: b.Objects, Reason: fmt.Sprintf("per the inventory taken at %s", inv.TakenAt.UTC().Format("2006-01-02T15:04:05Z"))})
+			}
+		}
+		for _, w := range inv.Wildcards {
+			if gr := schema.ParseGroupResource(w); !wildcardOutdated[gr] {
+				covered[gr] = true
 			}
 		}
 	}
@@ -136,12 +150,22 @@ func checkChains(inv *migrate.Inventory, cur, nxt chains, fresh bool) []Violatio
 		}
 		for _, e := range cc.entries {
 			if !nc.canReadAll(e.prefix, cc) {
-				add(Violation{Resource: name, Bucket: bucketOf(e.prefix), Objects: -1, Reason: "may still hold objects: no current inventory covers this resource; run `rekey inventory` (or let the apiserver take one) and retry"})
+				add(Violation{Resource: name, Bucket: bucketOf(e.prefix), Objects: -1, Reason: uncoveredReason(gr, inv)})
 			}
 		}
 	}
 	sort.SliceStable(out, func(i, j int) bool { return out[i].Resource < out[j].Resource })
 	return out
+}
+
+// uncoveredReason says why a resource's keys may still hold objects, and what to do.
+func uncoveredReason(gr schema.GroupResource, inv *migrate.Inventory) string {
+	if inv != nil {
+		if ri := inv.Find(config.GroupResourceString(gr)); ri != nil && ri.Guessed {
+			return fmt.Sprintf("may still hold objects: the inventory found none at %s, but nothing says this resource is stored there (no CustomResourceDefinition for it is stored, and it is no kube-apiserver resource); name its etcd path (--resources %s=/path/) and retry", ri.KeyPrefix, config.GroupResourceString(gr))
+		}
+	}
+	return "may still hold objects: no current inventory covers this resource; run `rekey inventory` (or let the apiserver take one) and retry"
 }
 
 func bucketOf(prefix string) migrate.Bucket {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/storagelayout"
 )
 
 // Encryption layers a binary can run with (--encryption-layer).
@@ -77,9 +78,10 @@ func KubeAPIServerDefaults() Defaults {
 		// A drop-in kube-apiserver: rewriting stored data is opt-in, turned on once
 		// every apiserver runs with the same configuration (docs/kube-apiserver.md).
 		StorageMigration: false,
-		// What upstream encrypts in practice; other resources and custom resources are
-		// named by the operator, each at the key prefix the storage factory uses.
-		StorageResources: []string{"secrets", "configmaps"},
+		// Nothing beyond the configuration's rules: every resource a rule names is
+		// scanned where the storage factory stores it, and a wildcard rule's resources
+		// are found in etcd. The flag adds resources a rule does not name.
+		StorageResources: []string{},
 		// kube-apiserver's own identity: the name of its Lease in kube-system, which
 		// operators already see.
 		APIServerIDDefault: "kube-apiserver's own identity, apiserver-<hash of the host name>, the name of its Lease in kube-system",
@@ -165,8 +167,9 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 		"Maximum objects re-encrypted per second by --storage-migration; 0 is unlimited.")
 	if f.defaults.StorageResources != nil {
 		fs.StringSliceVar(&f.StorageResources, FlagStorageMigrationResources, f.StorageResources,
-			"Resources the inventory, the migration and the start-up check scan: secrets, widgets.example.com, "+
-				"or deployments.apps=/registry/deployments/ for a built-in group stored elsewhere. Wildcards cannot be scanned.")
+			"Resources the inventory, the migration and the start-up check scan besides every resource the encryption configuration's rules cover "+
+				"(named resources where the storage factory stores them; a wildcard rule's resources as found in etcd): "+
+				"secrets, widgets.example.com, or name=/registry/path/ for a resource stored at a path of its own.")
 	}
 	fs.DurationVar(&f.StorageCheckInterval, "storage-migration-check-interval", f.StorageCheckInterval,
 		"How often write keys are compared (default 5s). For tests.")
@@ -239,7 +242,7 @@ func (f *Flags) Validate() []error {
 		}
 	}
 	for _, r := range f.StorageResources {
-		if _, err := migrate.ParseResource(migrate.DefaultEtcdPrefix, r); err != nil {
+		if _, err := migrate.ParseResource(storagelayout.Kube(migrate.DefaultEtcdPrefix), r); err != nil {
 			errs = append(errs, fmt.Errorf("--%s: %w", FlagStorageMigrationResources, err))
 		}
 	}
@@ -253,8 +256,9 @@ func (f *Flags) Validate() []error {
 func (f *Flags) ApplyTo(o *Options) error {
 	if f.defaults.StorageResources != nil {
 		o.Resources = nil
+		layout := o.layout()
 		for _, s := range f.StorageResources {
-			r, err := migrate.ParseResource(o.EtcdPrefix, s)
+			r, err := migrate.ParseResource(layout, s)
 			if err != nil {
 				return fmt.Errorf("--%s: %w", FlagStorageMigrationResources, err)
 			}

@@ -27,7 +27,7 @@ func TestFlagsValidate(t *testing.T) {
 		// The shim's migration is on by default; upstream's layer runs without it.
 		{"default migration on upstream's layer", shim, func(f *Flags) { f.EncryptionLayer = EncryptionLayerUpstream }, ""},
 		{"negative rate", shim, func(f *Flags) { f.StorageMigrationRate = -1 }, "--storage-migration-rate"},
-		{"wildcard resource", kube, func(f *Flags) { f.StorageResources = []string{"*.example.com"} }, "wildcards cannot be scanned"},
+		{"wildcard resource", kube, func(f *Flags) { f.StorageResources = []string{"*.example.com"} }, "a wildcard rule's resources are found in etcd"},
 		{"apiserver id with a slash", kube, func(f *Flags) { f.APIServerID = "node/a" }, "--apiserver-id"},
 		{"no coordination, any id", kube, func(f *Flags) { f.ClusterCoordination, f.APIServerID = false, "node/a" }, ""},
 	} {

@@ -43,6 +43,7 @@ import (
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/reload"
+	"github.com/rekey-io/rekey/pkg/storagelayout"
 	"github.com/rekey-io/rekey/pkg/transformers"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
@@ -85,10 +86,17 @@ type Options struct {
 	// Etcd is how the layer's etcd client reaches etcd: the storage backend's flags.
 	// Required by New when Path is set.
 	Etcd Etcd
-	// Resources are what the inventory, the migration and the start-up check scan.
+	// Resources are scanned by the inventory, the migration and the start-up check
+	// besides every resource the configuration's rules cover (found through Layout;
+	// a wildcard rule's resources by a scan of what is stored under EtcdPrefix).
 	Resources []migrate.Resource
-	// EtcdPrefix is the storage backend's --etcd-prefix (for logs and the cluster node).
+	// EtcdPrefix is the storage backend's --etcd-prefix.
 	EtcdPrefix string
+	// Layout says where each resource is stored under EtcdPrefix. The distribution
+	// feeds it from its storage factory as the servers build their storage; nil is
+	// kube-apiserver's table of built-in resources (storagelayout.Kube). Either way
+	// custom resources are added from the stored CustomResourceDefinitions.
+	Layout *storagelayout.Layout
 
 	// StorageMigration re-encrypts stored objects when a write key changes.
 	StorageMigration     bool
@@ -142,6 +150,13 @@ func (o *Options) Validate() error {
 }
 
 // coordinationPrefix is CoordinationPrefix or its default.
+func (o *Options) layout() *storagelayout.Layout {
+	if o.Layout == nil {
+		o.Layout = storagelayout.Kube(o.EtcdPrefix)
+	}
+	return o.Layout
+}
+
 func (o *Options) coordinationPrefix() string {
 	return cmp.Or(o.CoordinationPrefix, DefaultCoordinationPrefix(o.EtcdPrefix))
 }
@@ -181,6 +196,12 @@ type Layer struct {
 	done     chan struct{}
 }
 
+// resolver finds the stored resources a configuration's rules cover: through the
+// layout, plus Options.Resources; the coordination prefix holds none.
+func (l *Layer) resolver() *migrate.Resolver {
+	return &migrate.Resolver{Client: l.client, Layout: l.opts.layout(), Skip: []string{l.opts.coordinationPrefix()}, Extra: l.opts.Resources}
+}
+
 // New makes the layer's etcd client, builds the layer and loads the configuration.
 // With Cluster it first loads the member list from etcd, so that the write fence knows
 // the other apiservers before the agent applies its first configuration.
@@ -209,6 +230,7 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("encryption layer: %w", err)
 	}
+	o.layout() // set once, before any goroutine reads the options
 	l := &Layer{opts: o, client: cli, store: &migrate.InventoryStore{}, metrics: m, log: o.Logger}
 	defer func() {
 		if err != nil {
@@ -363,7 +385,7 @@ func (l *Layer) CheckStart(ctx context.Context) error {
 		Config:       agent.ActiveConfig(),
 		Client:       l.client,
 		Source:       migrate.FromRules(agent, agent.Rules),
-		Resources:    l.opts.Resources,
+		Resolve:      l.resolver().Resolve,
 		Transformers: agent,
 		Override:     l.opts.AllowDroppingKeysInUse,
 		Inventory:    l.store,
@@ -428,10 +450,13 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 	c.RESTOptionsGetter = WithRefusedWrites(c.RESTOptionsGetter)
 	return c.AddPostStartHook(StorageMigrationHookName, func(hc genericapiserver.PostStartHookContext) error {
 		cli, agent, o := l.client, l.agent, l.opts
+		resolver := l.resolver()
 		ctrl := migrate.NewController(migrate.ControllerOptions{
-			Client:    cli,
-			Source:    migrate.FromRules(agent, agent.Rules),
-			Resources: o.Resources,
+			Client: cli,
+			Source: migrate.FromRules(agent, agent.Rules),
+			Resolve: func(ctx context.Context) (migrate.Resolution, error) {
+				return resolver.Resolve(ctx, migrate.RuleNames(agent.Rules()))
+			},
 			// With coordination the elected cluster migrator migrates; this controller
 			// only keeps the local inventory current.
 			AutoMigrate:       o.StorageMigration && l.node == nil,
@@ -449,7 +474,7 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 		if l.node != nil && o.StorageMigration {
 			mig = cluster.NewMigrator(cluster.MigratorOptions{
 				Client: cli, Prefix: l.node.Prefix(), ID: l.node.ID(), SessionTTL: o.ClusterLeaseTTL,
-				Resources: o.Resources, Source: migrate.FromRules(agent, agent.Rules),
+				CurrentResources: ctrl.Resources, Source: migrate.FromRules(agent, agent.Rules),
 				Inventory: l.store, Metrics: l.metrics, Rate: o.StorageMigrationRate,
 				ConfigHash: func() string { return agent.ActiveConfig().Hash },
 				Members:    l.node.Members, MembersChanged: l.node.MembersChanged, Logger: l.log,

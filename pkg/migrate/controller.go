@@ -26,6 +26,11 @@ type ControllerOptions struct {
 	Client    *clientv3.Client
 	Source    Source
 	Resources []Resource
+	// Resolve, when set, replaces Resources: it is asked at every check which
+	// resources the rules cover now (Resolver.Resolve on the current rules), so a
+	// wildcard rule's resources stored since are seen. A failed resolution keeps the
+	// last list.
+	Resolve func(ctx context.Context) (Resolution, error)
 	// AutoMigrate starts a migration when a resource's write key changes (and at start
 	// when stale objects exist). When false the controller only takes inventories.
 	AutoMigrate bool
@@ -89,6 +94,8 @@ type Controller struct {
 
 	mu     sync.Mutex
 	status ControllerStatus
+	// resolved is Resolve's last good answer.
+	resolved Resolution
 }
 
 // NewController returns a controller; call Run to start it.
@@ -154,13 +161,14 @@ func (c *Controller) Run(ctx context.Context) {
 // check feeds the machine the current write targets and carries out what it asks for.
 // It returns true when it took an inventory or ran a migration.
 func (c *Controller) check(ctx context.Context) bool {
-	c.m.Step(checkEvent{now: c.opts.Clock.Now(), targets: c.currentTargets()})
+	res := c.resolve(ctx)
+	c.m.Step(checkEvent{now: c.opts.Clock.Now(), targets: c.currentTargets(res.Resources), resources: res.Resources})
 	worked := false
 	for acts := c.m.Ready(); len(acts) > 0; acts = c.m.Ready() {
 		for _, a := range acts {
 			switch a.kind {
 			case actTakeInventory:
-				inv, err := TakeInventory(ctx, InventoryOptions{Client: c.opts.Client, Source: c.opts.Source, Resources: c.opts.Resources, ConfigHash: c.opts.ConfigHash(), Metrics: c.opts.Metrics, Clock: c.opts.Clock})
+				inv, err := TakeInventory(ctx, InventoryOptions{Client: c.opts.Client, Source: c.opts.Source, Resources: res.Resources, Wildcards: res.Wildcards, ConfigHash: c.opts.ConfigHash(), Metrics: c.opts.Metrics, Clock: c.opts.Clock})
 				c.m.Step(inventoryEvent{now: c.opts.Clock.Now(), inv: inv, err: err})
 				c.publish(nil)
 				if err != nil {
@@ -170,7 +178,7 @@ func (c *Controller) check(ctx context.Context) bool {
 			case actRecordInventory:
 				inv := a.inventory
 				if a.merge {
-					inv = mergeInventories(c.opts.Inventory.Latest(), inv, c.opts.Resources)
+					inv = mergeInventories(c.opts.Inventory.Latest(), inv, res.Resources)
 				}
 				c.opts.Inventory.Set(inv)
 			case actMigrate:
@@ -182,9 +190,37 @@ func (c *Controller) check(ctx context.Context) bool {
 	return worked
 }
 
-func (c *Controller) currentTargets() map[string]writeTarget {
+// resolve returns the resources to cover now: Resources, or Resolve's answer (the
+// last good one when it fails).
+func (c *Controller) resolve(ctx context.Context) Resolution {
+	if c.opts.Resolve == nil {
+		return Resolution{Resources: c.opts.Resources}
+	}
+	res, err := c.opts.Resolve(ctx)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if err != nil {
+		c.log.Error(err, "Cannot list the stored resources the rules cover; keeping the last list")
+		return c.resolved
+	}
+	c.resolved = res
+	return res
+}
+
+// Resources are the resources the controller covers now: Resources, or Resolve's last
+// good answer.
+func (c *Controller) Resources() []Resource {
+	if c.opts.Resolve == nil {
+		return c.opts.Resources
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.resolved.Resources
+}
+
+func (c *Controller) currentTargets(resources []Resource) map[string]writeTarget {
 	t := map[string]writeTarget{}
-	for _, r := range c.opts.Resources {
+	for _, r := range resources {
 		t[r.String()] = targetOf(c.opts.Source.Rule(r.GroupResource))
 	}
 	return t
@@ -242,6 +278,10 @@ func mergeInventories(older, newer *Inventory, resources []Resource) *Inventory 
 	}
 	out := *newer
 	out.Resources = nil
+	if len(out.Wildcards) == 0 {
+		// A partial re-scan: older still covers the wildcard rules' other resources.
+		out.Wildcards = older.Wildcards
+	}
 	for _, r := range resources {
 		if ri := newer.Find(r.String()); ri != nil {
 			out.Resources = append(out.Resources, *ri)

@@ -66,6 +66,9 @@ type controllerEvent interface{ controllerEvent() }
 type checkEvent struct {
 	now     time.Time
 	targets map[string]writeTarget
+	// resources, when not nil, replaces the resources the controller covers: a wildcard
+	// rule's resources are found again at every check.
+	resources []Resource
 }
 
 // inventoryEvent: the inventory the machine asked for was taken (or failed) at now.
@@ -151,6 +154,9 @@ func (m *controllerMachine) hand(a controllerAction) {
 }
 
 func (m *controllerMachine) check(ev checkEvent) {
+	if ev.resources != nil {
+		m.cfg.resources = ev.resources
+	}
 	changed, ready := m.plan(ev.targets)
 	if r := m.retry; r != nil && m.cfg.autoMigrate && ready {
 		// A failed migration is retried, with the resources changed since, once its

@@ -34,13 +34,20 @@ type Inventory struct {
 	DecryptChecked bool `json:"decryptChecked"`
 	// Resources, in the order scanned.
 	Resources []ResourceInventory `json:"resources"`
+	// Wildcards are the wildcard rules ("*.*") whose every stored resource Resources
+	// holds (Resolution.Wildcards): the guard may judge those rules by these counts.
+	Wildcards []string `json:"wildcards,omitempty"`
 }
 
 // ResourceInventory is the inventory of one resource, read at one etcd revision.
 type ResourceInventory struct {
 	Resource  string `json:"resource"`
 	KeyPrefix string `json:"keyPrefix"`
-	Revision  int64  `json:"revision"`
+	// Guessed is true when KeyPrefix is only the custom-resource convention's guess
+	// (Resource.Guessed): no object there proves nothing, so the guard does not take
+	// this entry as the resource's count.
+	Guessed  bool  `json:"keyPrefixGuessed,omitempty"`
+	Revision int64 `json:"revision"`
 	// WritePrefix and WriteKeyIDHash are what the resource was being written with when
 	// it was scanned; a value not written with them is stale.
 	WritePrefix    string `json:"writePrefix"`
@@ -119,6 +126,9 @@ type InventoryOptions struct {
 	DecryptCheck bool
 	// ConfigHash is recorded in the inventory.
 	ConfigHash string
+	// Wildcards are recorded in the inventory: the wildcard rules Resources is the whole
+	// of (Resolution.Wildcards). Leave empty for a partial scan.
+	Wildcards []string
 	// Workers decrypt in parallel (decrypt check only); default GOMAXPROCS.
 	Workers int
 	Clock   clock.PassiveClock
@@ -138,7 +148,7 @@ func TakeInventory(ctx context.Context, opts InventoryOptions) (*Inventory, erro
 		opts.Workers = runtime.GOMAXPROCS(0)
 	}
 	start := opts.Clock.Now()
-	inv := &Inventory{TakenAt: start, ConfigHash: opts.ConfigHash, DecryptChecked: opts.DecryptCheck}
+	inv := &Inventory{TakenAt: start, ConfigHash: opts.ConfigHash, DecryptChecked: opts.DecryptCheck, Wildcards: opts.Wildcards}
 	for _, res := range opts.Resources {
 		var ri *ResourceInventory
 		var err error
@@ -163,7 +173,7 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*Res
 	rule := opts.Source.Rule(res.GroupResource)
 	cl := newClassifier(rule, opts.Source.KnownPrefixes())
 	tr := opts.Source.TransformerFor(res.GroupResource)
-	ri := &ResourceInventory{Resource: res.String(), KeyPrefix: res.KeyPrefix, WritePrefix: cl.target.Prefix, WriteKeyIDHash: cl.target.KeyIDHash}
+	ri := &ResourceInventory{Resource: res.String(), KeyPrefix: res.KeyPrefix, Guessed: res.Guessed, WritePrefix: cl.target.Prefix, WriteKeyIDHash: cl.target.KeyIDHash}
 	counts := map[Bucket]*Count{}
 	bound := newBucketBound(cl)
 	p := newPager(opts.Client, res, "", opts.PageSize, true).withPageBytes(opts.PageBytes)

@@ -7,46 +7,37 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
 
+	"github.com/rekey-io/rekey/pkg/storagelayout"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // DefaultEtcdPrefix is kube-apiserver's --etcd-prefix default.
-const DefaultEtcdPrefix = "/registry"
+const DefaultEtcdPrefix = storagelayout.DefaultEtcdPrefix
 
-// Resource is one stored resource and the etcd key range that holds it.
-type Resource struct {
-	// GroupResource names the resource, e.g. {"", "secrets"}.
-	GroupResource schema.GroupResource
-	// KeyPrefix is the etcd key prefix of its objects, ending in '/', e.g.
-	// "/registry/secrets/". The authenticated data of every value is its full key.
-	KeyPrefix string
-}
+// Resource is one stored resource and the etcd key range that holds it
+// (storagelayout owns where that is). KeyPrefix ends in '/', e.g. "/registry/secrets/";
+// the authenticated data of every value is its full key.
+type Resource = storagelayout.Location
 
-// String is the resource as written in a configuration ("secrets", "deployments.apps").
-func (r Resource) String() string { return r.GroupResource.String() }
-
-// ResourceFor returns where kube-apiserver stores gr under etcdPrefix: core resources at
-// <prefix>/<resource>/, other groups at <prefix>/<group>/<resource>/ (the layout of
-// custom resources and aggregated groups). Several built-in groups use other paths
-// (e.g. deployments live at /registry/deployments/); name those explicitly with
-// ParseResource's "gr=/path/" form.
+// ResourceFor returns where kube-apiserver stores gr under etcdPrefix: its table of
+// built-in resources (deployments.apps at /registry/deployments/), else the custom
+// resource convention <prefix>/<group>/<resource>/ marked Guessed. An apiserver or a
+// command that can see the stored CustomResourceDefinitions asks a storagelayout.Layout
+// instead.
 func ResourceFor(etcdPrefix string, gr schema.GroupResource) Resource {
-	p := strings.TrimSuffix(etcdPrefix, "/")
-	if gr.Group == "" {
-		return Resource{GroupResource: gr, KeyPrefix: p + "/" + gr.Resource + "/"}
-	}
-	return Resource{GroupResource: gr, KeyPrefix: p + "/" + gr.Group + "/" + gr.Resource + "/"}
+	return storagelayout.Kube(etcdPrefix).Locate(gr)
 }
 
-// ParseResource parses "secrets", "widgets.example.com" or "deployments.apps=/registry/deployments/".
-func ParseResource(etcdPrefix, s string) (Resource, error) {
+// ParseResource parses "secrets", "widgets.example.com" or
+// "deployments.apps=/registry/deployments/", locating a name without a path in layout.
+func ParseResource(layout *storagelayout.Layout, s string) (Resource, error) {
 	name, path, explicit := strings.Cut(strings.TrimSpace(s), "=")
 	if name == "" || strings.Contains(name, "*") {
-		return Resource{}, fmt.Errorf("resource %q: name a concrete resource such as secrets or widgets.example.com (wildcards cannot be scanned)", s)
+		return Resource{}, fmt.Errorf("resource %q: name a concrete resource such as secrets or widgets.example.com (a wildcard rule's resources are found in etcd, not named)", s)
 	}
 	gr := schema.ParseGroupResource(name)
 	if !explicit {
-		return ResourceFor(etcdPrefix, gr), nil
+		return layout.Locate(gr), nil
 	}
 	if !strings.HasPrefix(path, "/") {
 		return Resource{}, fmt.Errorf("resource %q: the etcd key prefix must start with '/'", s)

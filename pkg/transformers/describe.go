@@ -67,12 +67,19 @@ func SplitPrefix(p string) (provider, key string) {
 // else `<group>/*` (written `*.<group>`), else `*.*`. ok is false when none applies (the
 // resource is then stored as plaintext).
 func Lookup[V any](rules map[schema.GroupResource]V, gr schema.GroupResource) (v V, ok bool) {
+	_, v, ok = LookupRule(rules, gr)
+	return v, ok
+}
+
+// LookupRule is Lookup that also returns the rule's key: gr itself, or the wildcard
+// that applies to it.
+func LookupRule[V any](rules map[schema.GroupResource]V, gr schema.GroupResource) (rule schema.GroupResource, v V, ok bool) {
 	for _, k := range [...]schema.GroupResource{gr, {Group: gr.Group, Resource: "*"}, {Group: "*", Resource: "*"}} {
 		if v, ok = rules[k]; ok {
-			return v, true
+			return k, v, true
 		}
 	}
-	return v, false
+	return rule, v, false
 }
 
 // Entry is one entry of a configuration's `resources` list, or a description of one:
