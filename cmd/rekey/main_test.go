@@ -16,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
 
+	"github.com/rekey-io/rekey/internal/enctest"
 	"github.com/rekey-io/rekey/internal/etcdtest"
 	"github.com/rekey-io/rekey/internal/kmsplugin"
 	"github.com/rekey-io/rekey/pkg/config"
@@ -262,5 +263,54 @@ func TestCheckConfigKMSKeyring(t *testing.T) {
 	}
 	if out, err := run(t, append([]string{"check-config", "--encryption-provider-config", cur, "--new", moved}, etcd...)...); err != nil || !strings.Contains(out, "OK:") {
 		t.Fatalf("check-config to the same keyring at a new socket: %v\n%s", err, out)
+	}
+}
+
+// With "encrypt everything" (*.*), every command covers every stored resource — not
+// only secrets and configmaps: check-config counts Deployments (at kube's path) and
+// custom resources under the old key, migrate moves them all, and then the old key may
+// go.
+func TestWildcardCoversEveryStoredResource(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	etcd := []string{"--etcd-servers", srv.Endpoint}
+	dir := t.TempDir()
+	write := func(name string, keys ...string) string {
+		body := "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [\"*.*\"]\n    providers:\n      - aesgcm:\n          keys:\n"
+		for _, k := range keys {
+			body += fmt.Sprintf("            - {name: %s, secret: %s}\n", k, secret(k[len(k)-1]))
+		}
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	old, both, next := write("old.yaml", "key1"), write("both.yaml", "key2", "key1"), write("next.yaml", "key2")
+	cfg, err := config.Load(old, config.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	set := enctest.MustSet(t, cfg)
+	enctest.WriteObjects(t, cli, set, schema.GroupResource{Resource: "secrets"}, "/registry/secrets/", 4)
+	enctest.WriteObjects(t, cli, set, schema.GroupResource{Group: "apps", Resource: "deployments"}, "/registry/deployments/", 6)
+	enctest.WriteObjects(t, cli, set, schema.GroupResource{Group: "example.com", Resource: "widgets"}, "/registry/example.com/widgets/", 5)
+
+	_, err = run(t, append([]string{"check-config", "--encryption-provider-config", both, "--new", next}, etcd...)...)
+	for _, want := range []string{`deployments.apps: 6 objects are stored under aesgcm key "key1"`, `widgets.example.com: 5 objects`, `secrets: 4 objects`} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Fatalf("check-config before the migration: err = %v, want it to contain %q", err, want)
+		}
+	}
+	out, err := run(t, append([]string{"migrate", "--encryption-provider-config", both, "--progress", "none"}, etcd...)...)
+	if err != nil || !strings.Contains(out, "rewritten 15") || !strings.Contains(out, "verified") {
+		t.Fatalf("migrate: %v\n%s", err, out)
+	}
+	out, err = run(t, append([]string{"inventory", "--encryption-provider-config", both, "--decrypt-check"}, etcd...)...)
+	if err != nil || !strings.Contains(out, "deployments.apps") || !strings.Contains(out, "widgets.example.com") || strings.Contains(out, "key1") {
+		t.Fatalf("inventory after the migration: %v\n%s", err, out)
+	}
+	if out, err := run(t, append([]string{"check-config", "--encryption-provider-config", both, "--new", next}, etcd...)...); err != nil {
+		t.Fatalf("check-config after the migration: %v\n%s", err, out)
 	}
 }

@@ -114,6 +114,14 @@ func checkChains(inv *migrate.Inventory, cur, nxt chains, fresh bool) []Violatio
 				covered[gr] = true
 			}
 		}
+		// The scan behind a covered wildcard saw the whole key space: a resource it
+		// found at a guessed location has no objects anywhere else.
+		for _, ri := range inv.Resources {
+			gr := schema.ParseGroupResource(ri.Resource)
+			if rule, _, ok := transformers.LookupRule(cur.byGR, gr); ok && rule != gr && covered[rule] {
+				covered[gr] = true
+			}
+		}
 	}
 	// Resources to judge without counts: every rule of current and of next (wildcards
 	// as themselves) plus every resource the inventory covers.
