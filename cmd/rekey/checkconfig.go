@@ -31,7 +31,10 @@ object count, when a key or provider that still encrypts stored data is missing 
 different secret, when the current write key is dropped in one step, or when a resource
 cannot be judged. When the new configuration has KMS v2 providers, it is built and one
 stored object per KMS key id is decrypted with it: a provider that keeps its name but
-reaches another plugin or keyring fails the check. Run it before you install a new configuration; the apiserver shim
+reaches another plugin or keyring fails the check. Before anything else, every KMS v2
+plugin the new configuration names must answer a healthy Status with a key id and
+encrypt and decrypt a random test value within its timeout (--skip-preflight skips
+that, with a warning). Run it before you install a new configuration; the apiserver shim
 applies the same guard to every reload.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -43,6 +46,9 @@ applies the same guard to every reload.`,
 				return err
 			}
 			ctx := cmd.Context()
+			if err := c.preflight(ctx, cmd.ErrOrStderr(), nextCfg, next); err != nil {
+				return err
+			}
 			s, err := c.open(ctx, preamble{config: true})
 			if err != nil {
 				return err
@@ -76,6 +82,7 @@ applies the same guard to every reload.`,
 		},
 	}
 	c.addFlags(cmd.Flags())
+	c.addPreflightFlag(cmd.Flags())
 	cmd.Flags().StringVar(&next, "new", "", "The configuration to check. Required.")
 	cmd.Flags().BoolVar(&override, guard.OverrideFlag, false, "Report violations but succeed anyway (disaster recovery).")
 	return cmd
