@@ -168,4 +168,3 @@ func KMSv2Providers(cfg *config.Config) []*apiserver.KMSConfiguration {
 	}
 	return out
 }
-
