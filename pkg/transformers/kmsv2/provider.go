@@ -228,13 +228,13 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 		prefix: []byte(transformers.KeyPrefix(transformers.KMSv2Prefix, cfg.Name)),
 		opts:   o, clock: clk, log: log.WithValues("kmsProvider", cfg.Name), apiID: topts.APIServerID,
 		client: c, pm: pm,
-		dek:     newDEKCache(o.DEKCacheEntries, pm),
-		aeads:   newAEADCache(o.AEADCacheEntries),
+		dek:      newDEKCache(o.DEKCacheEntries, pm),
+		aeads:    newAEADCache(o.AEADCacheEntries),
 		changed:  make(chan struct{}),
 		kick:     make(chan struct{}, 1),
 		seedFull: make(chan struct{}, 1),
-		cancel:  cancel,
-		done:    make(chan struct{}),
+		cancel:   cancel,
+		done:     make(chan struct{}),
 	}
 	m := state.New(state.Config{
 		Provider: cfg.Name, WriteType: wire.SourceHKDFSeed,
