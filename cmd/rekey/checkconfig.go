@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 
 	"github.com/spf13/cobra"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -15,6 +14,7 @@ import (
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
 
 func newCheckConfigCommand() *cobra.Command {
@@ -112,14 +112,7 @@ func (c *common) checkKMSDecrypt(ctx context.Context, cmd *cobra.Command, cli *c
 	return nil
 }
 
-func hasKMSv2(cfg *config.Config) bool {
-	for _, e := range transformers.Describe(cfg) {
-		if slices.ContainsFunc(e.Items, func(k transformers.ConfigKey) bool { return k.Provider == transformers.ProviderKMSv2 }) {
-			return true
-		}
-	}
-	return false
-}
+func hasKMSv2(cfg *config.Config) bool { return len(kmsv2.KMSv2Providers(cfg)) > 0 }
 
 // setTransformers serves a built Set as value.ResourceTransformers.
 type setTransformers struct{ s *transformers.Set }

@@ -7,13 +7,14 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"time"
 
 	"github.com/google/uuid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"k8s.io/apiserver/pkg/apis/apiserver"
 
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/transformers"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
 )
@@ -70,17 +71,19 @@ func (s PreflightStage) advice() string {
 	return "the plugin cannot wrap and unwrap a DEK seed, so an apiserver with this configuration could not write; fix the plugin's key before installing it"
 }
 
-// Preflight checks the plugin cfg names the way an apiserver is about to use it: a
-// Status that is healthy ("ok", a v2 version, a non-empty key id), then an Encrypt and
-// Decrypt of a random test plaintext that returns the same bytes. Each call, and the
-// round trip as a whole, must finish within the provider's `timeout`. It returns nil or
-// a *PreflightError.
-func Preflight(ctx context.Context, cfg *apiserver.KMSConfiguration) error {
-	timeout := config.KMSTimeout(cfg)
-	fail := func(stage PreflightStage, detail string, err error) error {
-		return &PreflightError{Provider: cfg.Name, Endpoint: cfg.Endpoint, Stage: stage, Detail: detail, Err: err}
+// Preflight checks the plugin of KMS v2 provider name at endpoint the way an apiserver is
+// about to use it: a Status that is healthy ("ok", a v2 version, a non-empty key id),
+// then an Encrypt and Decrypt of a random test plaintext that returns the same bytes.
+// Each call, and the round trip as a whole, must finish within timeout (the provider's
+// `timeout`). It returns nil or a *PreflightError.
+func Preflight(ctx context.Context, name, endpoint string, timeout time.Duration) error {
+	if timeout <= 0 {
+		timeout = config.DefaultKMSTimeout
 	}
-	addr, err := client.ParseEndpoint(cfg.Endpoint)
+	fail := func(stage PreflightStage, detail string, err error) error {
+		return &PreflightError{Provider: name, Endpoint: endpoint, Stage: stage, Detail: detail, Err: err}
+	}
+	addr, err := client.ParseEndpoint(endpoint)
 	if err != nil {
 		return fail(PreflightDial, err.Error(), err)
 	}
@@ -92,7 +95,7 @@ func Preflight(ctx context.Context, cfg *apiserver.KMSConfiguration) error {
 		return fail(PreflightDial, err.Error(), err)
 	}
 	_ = conn.Close()
-	c, err := client.New(cfg.Endpoint, timeout, nil)
+	c, err := client.New(endpoint, timeout, nil)
 	if err != nil {
 		return fail(PreflightDial, err.Error(), err)
 	}
@@ -143,27 +146,23 @@ func Preflight(ctx context.Context, cfg *apiserver.KMSConfiguration) error {
 // returns every failure joined (nil when all pass).
 func PreflightConfig(ctx context.Context, cfg *config.Config) error {
 	var errs []error
-	for _, p := range KMSv2Providers(cfg) {
-		errs = append(errs, Preflight(ctx, p))
+	for _, k := range KMSv2Providers(cfg) {
+		errs = append(errs, Preflight(ctx, k.Name, k.Endpoint, k.Timeout))
 	}
 	return errors.Join(errs...)
 }
 
 // KMSv2Providers lists the KMS v2 providers of cfg once each (a name is unique in a
 // configuration, but one provider may serve several rules).
-func KMSv2Providers(cfg *config.Config) []*apiserver.KMSConfiguration {
-	var out []*apiserver.KMSConfiguration
+func KMSv2Providers(cfg *config.Config) []transformers.ConfigKey {
+	var out []transformers.ConfigKey
 	seen := map[string]bool{}
-	if cfg == nil || cfg.Encryption == nil {
-		return nil
-	}
-	for _, r := range cfg.Encryption.Resources {
-		for _, p := range r.Providers {
-			if p.KMS == nil || p.KMS.APIVersion != "v2" || seen[p.KMS.Name] {
-				continue
+	for _, e := range transformers.Describe(cfg) {
+		for _, k := range e.Items {
+			if k.Provider == transformers.ProviderKMSv2 && !seen[k.Name] {
+				seen[k.Name] = true
+				out = append(out, k)
 			}
-			seen[p.KMS.Name] = true
-			out = append(out, p.KMS)
 		}
 	}
 	return out

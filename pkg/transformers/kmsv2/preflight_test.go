@@ -8,8 +8,6 @@ import (
 	"testing"
 	"time"
 
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-
 	"github.com/rekey-io/rekey/internal/kmsplugin"
 )
 
@@ -38,11 +36,11 @@ func TestPreflight(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			tp.SetFaults(tc.faults)
 			defer tp.SetFaults(kmsplugin.Faults{})
-			cfg := kmsConfig("kms1", tc.endpoint)
+			timeout := 3 * time.Second
 			if tc.timeout > 0 {
-				cfg.Timeout = &metav1.Duration{Duration: tc.timeout}
+				timeout = tc.timeout
 			}
-			err := Preflight(context.Background(), cfg)
+			err := Preflight(context.Background(), "kms1", tc.endpoint, timeout)
 			if tc.stage == "" {
 				if err != nil {
 					t.Fatalf("a healthy plugin failed the preflight: %v", err)
