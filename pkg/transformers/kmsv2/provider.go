@@ -8,6 +8,10 @@
 //   - a write is one allocation and retains nothing;
 //   - the DEK cache is bounded and reads never depend on plugin health;
 //   - an unhealthy Status never extends the write window (kubernetes/kubernetes#138950).
+//   - a seed is replaced after SeedMaxAge or SeedMaxWrites under a stable key id, and a
+//     decrypted DEK source no read used for DEKCacheIdle leaves the cache
+//     (docs/kmsv2-crypto.md, "How long a seed lives");
+//   - Preflight checks a plugin before a configuration naming it is written.
 //
 // Use it through the factory:
 //
