@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 
 	"github.com/spf13/cobra"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -15,6 +14,7 @@ import (
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
 
 func newCheckConfigCommand() *cobra.Command {
@@ -31,7 +31,10 @@ object count, when a key or provider that still encrypts stored data is missing 
 different secret, when the current write key is dropped in one step, or when a resource
 cannot be judged. When the new configuration has KMS v2 providers, it is built and one
 stored object per KMS key id is decrypted with it: a provider that keeps its name but
-reaches another plugin or keyring fails the check. Run it before you install a new configuration; the apiserver shim
+reaches another plugin or keyring fails the check. Before anything else, every KMS v2
+plugin the new configuration names must answer a healthy Status with a key id and
+encrypt and decrypt a random test value within its timeout (--skip-preflight skips
+that, with a warning). Run it before you install a new configuration; the apiserver shim
 applies the same guard to every reload.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -43,6 +46,9 @@ applies the same guard to every reload.`,
 				return err
 			}
 			ctx := cmd.Context()
+			if err := c.preflight(ctx, cmd.ErrOrStderr(), nextCfg, next); err != nil {
+				return err
+			}
 			s, err := c.open(ctx, preamble{config: true})
 			if err != nil {
 				return err
@@ -76,6 +82,7 @@ applies the same guard to every reload.`,
 		},
 	}
 	c.addFlags(cmd.Flags())
+	c.addPreflightFlag(cmd.Flags())
 	cmd.Flags().StringVar(&next, "new", "", "The configuration to check. Required.")
 	cmd.Flags().BoolVar(&override, guard.OverrideFlag, false, "Report violations but succeed anyway (disaster recovery).")
 	return cmd
@@ -105,14 +112,7 @@ func (c *common) checkKMSDecrypt(ctx context.Context, cmd *cobra.Command, cli *c
 	return nil
 }
 
-func hasKMSv2(cfg *config.Config) bool {
-	for _, e := range transformers.Describe(cfg) {
-		if slices.ContainsFunc(e.Items, func(k transformers.ConfigKey) bool { return k.Provider == transformers.ProviderKMSv2 }) {
-			return true
-		}
-	}
-	return false
-}
+func hasKMSv2(cfg *config.Config) bool { return len(kmsv2.KMSv2Providers(cfg)) > 0 }
 
 // setTransformers serves a built Set as value.ResourceTransformers.
 type setTransformers struct{ s *transformers.Set }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"time"
 
 	"github.com/spf13/pflag"
@@ -29,6 +30,34 @@ type common struct {
 	pageSize   int64
 	kmsWait    time.Duration
 	timeout    time.Duration
+	// skipPreflight: --skip-preflight (check-config, rotate --provider kms).
+	skipPreflight bool
+}
+
+// addPreflightFlag adds --skip-preflight to the commands that accept or write a
+// configuration naming new KMS v2 plugins.
+func (c *common) addPreflightFlag(fs *pflag.FlagSet) {
+	fs.BoolVar(&c.skipPreflight, "skip-preflight", false, "Do not call the KMS v2 plugins of the new configuration (Status, then an Encrypt/Decrypt round trip) before accepting or writing it; for preparing a configuration where the plugins are not reachable (air-gapped). A warning is printed.")
+}
+
+// preflight calls every KMS v2 plugin next names, as an apiserver is about to
+// (kmsv2.PreflightConfig), unless --skip-preflight: then it says loudly on stderr
+// that nothing was checked. what names the configuration in those lines.
+func (c *common) preflight(ctx context.Context, stderr io.Writer, next *config.Config, what string) error {
+	providers := kmsv2.KMSv2Providers(next)
+	if len(providers) == 0 {
+		return nil
+	}
+	if c.skipPreflight {
+		for _, p := range providers {
+			fmt.Fprintf(stderr, "WARNING: --skip-preflight: KMS v2 provider %q at %s was not checked; %s may name a plugin that is down or cannot decrypt what it encrypts\n", p.Name, p.Endpoint, what)
+		}
+		return nil
+	}
+	if err := kmsv2.PreflightConfig(ctx, next); err != nil {
+		return fmt.Errorf("%s is refused: %w", what, err)
+	}
+	return nil
 }
 
 // addEtcdFlags adds how to reach etcd: the flags every command has, with

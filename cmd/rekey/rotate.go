@@ -14,6 +14,7 @@ import (
 	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/guard"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 func newRotateCommand() *cobra.Command {
@@ -29,7 +30,10 @@ func newRotateCommand() *cobra.Command {
 write provider is a local key (aesgcm, aescbc, secretbox); the key it replaces stays right
 behind it, so every apiserver can still read what it wrote. --provider changes the type:
 aesgcm, secretbox, aescbc (deprecated upstream; a warning is printed) or kms, which adds a
-KMS v2 provider (--kms-name, --kms-endpoint unix:///…) first. When no rule writes with a
+KMS v2 provider (--kms-name, --kms-endpoint unix:///…) first; before the file is written,
+every KMS v2 plugin of the new configuration must answer a healthy Status with a key id
+and encrypt and decrypt a random test value within its timeout (--skip-preflight skips
+that, with a warning, for preparing a file where the plugin is not reachable). When no rule writes with a
 local key or KMS v2, --provider aesgcm (or secretbox, or kms) encrypts the rules that
 write identity (first-time encryption). A KMS v2 name may appear once per file, so --provider kms rotates exactly one
 rule (--resources picks it). --resources keeps only the rules naming one of the given
@@ -73,6 +77,7 @@ continues it (no second new key). See docs/rotation.md.`,
 		},
 	}
 	c.addFlags(cmd.Flags())
+	c.addPreflightFlag(cmd.Flags())
 	fs := cmd.Flags()
 	fs.StringVar(&r.Provider, "provider", "", "Type of the new write key: aesgcm, secretbox, aescbc (deprecated) or kms. Default: the type each rule writes with now.")
 	fs.StringVar(&r.KMSName, "kms-name", "", "Name of the new KMS v2 provider (--provider kms).")
@@ -159,7 +164,8 @@ func (c *common) readConfigFile(invalid string) (*rotation.File, error) {
 	return f, nil
 }
 
-// addKey is the first edit of f: a new write key first; warnings go to stderr.
+// addKey is the first edit of f: a new write key first; warnings go to stderr. With
+// --provider kms every KMS v2 plugin of the result is called first (preflight).
 func (c *common) addKey(cmd *cobra.Command, f *rotation.File, r rotation.Request) (*rotation.Edit, error) {
 	e, err := rotation.Add(f, r)
 	if err != nil {
@@ -167,6 +173,11 @@ func (c *common) addKey(cmd *cobra.Command, f *rotation.File, r rotation.Request
 	}
 	for _, w := range e.Warnings {
 		fmt.Fprintln(cmd.ErrOrStderr(), w)
+	}
+	if r.Provider == transformers.ProviderKMSv2 {
+		if err := c.preflight(cmd.Context(), cmd.ErrOrStderr(), e.Config, "the new configuration"); err != nil {
+			return nil, fmt.Errorf("%w; nothing was written", err)
+		}
 	}
 	return e, nil
 }

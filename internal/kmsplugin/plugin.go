@@ -64,6 +64,11 @@ type Faults struct {
 	// StatusKeyID and EncryptKeyID replace the active key id in Status / Encrypt answers.
 	StatusKeyID  string `json:"statusKeyID,omitempty"`
 	EncryptKeyID string `json:"encryptKeyID,omitempty"`
+	// StatusNoKeyID makes Status report an empty key id (a plugin that lost its key).
+	StatusNoKeyID bool `json:"statusNoKeyID,omitempty"`
+	// DecryptWrongPlaintext makes Decrypt succeed with other bytes than were encrypted
+	// (a plugin that unwraps with the wrong key without noticing).
+	DecryptWrongPlaintext bool `json:"decryptWrongPlaintext,omitempty"`
 	// Annotations are returned by Encrypt.
 	Annotations map[string]string `json:"annotations,omitempty"`
 }
@@ -265,6 +270,9 @@ func (p *Plugin) Status(ctx context.Context) (*service.StatusResponse, error) {
 	if f.StatusKeyID != "" {
 		r.KeyID = f.StatusKeyID
 	}
+	if f.StatusNoKeyID {
+		r.KeyID = ""
+	}
 	return r, nil
 }
 
@@ -301,7 +309,8 @@ func (p *Plugin) Encrypt(ctx context.Context, _ string, plaintext []byte) (*serv
 // Decrypt implements service.Service.
 func (p *Plugin) Decrypt(ctx context.Context, _ string, req *service.DecryptRequest) ([]byte, error) {
 	p.stats.decrypt.Add(1)
-	if _, err := p.inject(ctx, p.faults.Load().FailDecrypt, "Decrypt"); err != nil {
+	f, err := p.inject(ctx, p.faults.Load().FailDecrypt, "Decrypt")
+	if err != nil {
 		return nil, err
 	}
 	ring, err := p.keys()
@@ -318,6 +327,9 @@ func (p *Plugin) Decrypt(ctx context.Context, _ string, req *service.DecryptRequ
 	pt, err := a.Open(nil, req.Ciphertext[:12], req.Ciphertext[12:], []byte(req.KeyID))
 	if err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "kms-plugin: ciphertext does not decrypt under key %q", req.KeyID)
+	}
+	if f.DecryptWrongPlaintext && len(pt) > 0 {
+		pt[0] ^= 0xff
 	}
 	return pt, nil
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/storagelayout"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
 
 // Encryption layers a binary can run with (--encryption-layer).
@@ -107,6 +108,11 @@ type Flags struct {
 	KMSRetryInterval  time.Duration
 	KMSWriteTTL       time.Duration
 	KMSFirstSeedHold  time.Duration
+	// KMSSeedMaxAge, KMSSeedMaxWrites and KMSDEKCacheIdle: 0 means no bound (the
+	// flags' own meaning of 0), unlike the other durations here.
+	KMSSeedMaxAge    time.Duration
+	KMSSeedMaxWrites int64
+	KMSDEKCacheIdle  time.Duration
 
 	StorageMigration         bool
 	StorageMigrationRate     float64
@@ -132,6 +138,9 @@ func NewFlags(d Defaults) Flags {
 		EncryptionLayer:          EncryptionLayerRekey,
 		KMSStatusInterval:        DefaultKMSStatusInterval,
 		KMSFirstSeedHold:         DefaultKMSFirstSeedHold,
+		KMSSeedMaxAge:            kmsv2.DefaultSeedMaxAge,
+		KMSSeedMaxWrites:         kmsv2.DefaultSeedMaxWrites,
+		KMSDEKCacheIdle:          kmsv2.DefaultDEKCacheIdle,
 		StorageMigration:         d.StorageMigration,
 		StorageResources:         d.StorageResources,
 		ClusterCoordination:      true,
@@ -156,6 +165,15 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 		"With --cluster-coordination, how long a KMS v2 provider that just started (or was built by a reload) holds writes under its first key id "+
 			"until every other apiserver's plugin reports that key id; it is not ready meanwhile. At the bound it writes under it anyway "+
 			"(error log, rekey_kms_first_seed_hold_expired_total). 0: no hold.")
+	fs.DurationVar(&f.KMSSeedMaxAge, "kms-seed-max-age", f.KMSSeedMaxAge,
+		"How long one KMS v2 DEK seed encrypts new values while the plugin's key id stays the same; then a new seed is made and wrapped "+
+			"by the plugin in the background (writes keep the old one until it is ready, and never fail for it). Upstream kube-apiserver "+
+			"only makes a new seed at start and on a key id change. 0: no bound.")
+	fs.Int64Var(&f.KMSSeedMaxWrites, "kms-seed-max-writes", f.KMSSeedMaxWrites,
+		"How many values one KMS v2 DEK seed encrypts before a new seed is made in the background, as for --kms-seed-max-age. 0: no bound.")
+	fs.DurationVar(&f.KMSDEKCacheIdle, "kms-dek-cache-idle", f.KMSDEKCacheIdle,
+		"Drop a decrypted KMS v2 DEK source from memory once no read has used it for this long; the next read of a value under it "+
+			"asks the plugin's Decrypt again (upstream keeps every entry 24h from when it was cached, used or not). 0: never.")
 	fs.DurationVar(&f.KMSRetryInterval, "kms-retry-interval", f.KMSRetryInterval, "KMS v2 Status period while unhealthy (default 10s). For tests.")
 	fs.DurationVar(&f.KMSWriteTTL, "kms-write-ttl", f.KMSWriteTTL, "How long KMS v2 writes continue after the last healthy Status (default 3m). For tests.")
 
@@ -233,6 +251,15 @@ func (f *Flags) Validate() []error {
 	if f.KMSFirstSeedHold < 0 {
 		errs = append(errs, fmt.Errorf("--kms-first-seed-hold=%s: must be 0 (no hold) or positive", f.KMSFirstSeedHold))
 	}
+	if f.KMSSeedMaxAge < 0 {
+		errs = append(errs, fmt.Errorf("--kms-seed-max-age=%s: must be 0 (no bound) or positive", f.KMSSeedMaxAge))
+	}
+	if f.KMSSeedMaxWrites < 0 {
+		errs = append(errs, fmt.Errorf("--kms-seed-max-writes=%d: must be 0 (no bound) or positive", f.KMSSeedMaxWrites))
+	}
+	if f.KMSDEKCacheIdle < 0 {
+		errs = append(errs, fmt.Errorf("--kms-dek-cache-idle=%s: must be 0 (never) or positive", f.KMSDEKCacheIdle))
+	}
 	if f.StorageMigrationRate < 0 {
 		errs = append(errs, fmt.Errorf("--storage-migration-rate=%v: must be 0 (unlimited) or positive", f.StorageMigrationRate))
 	}
@@ -270,6 +297,10 @@ func (f *Flags) ApplyTo(o *Options) error {
 	o.KMSRetryInterval = f.KMSRetryInterval
 	o.KMSWriteTTL = f.KMSWriteTTL
 	o.KMSFirstSeedHold = f.KMSFirstSeedHold
+	// A flag's 0 is "no bound"; the options' 0 is "the default".
+	o.KMSSeedMaxAge = noBoundIfZero(f.KMSSeedMaxAge)
+	o.KMSSeedMaxWrites = noBoundIfZero(f.KMSSeedMaxWrites)
+	o.KMSDEKCacheIdle = noBoundIfZero(f.KMSDEKCacheIdle)
 	o.StorageMigration = f.StorageMigration
 	o.StorageMigrationRate = f.StorageMigrationRate
 	o.StorageCheckInterval = f.StorageCheckInterval
@@ -299,4 +330,12 @@ func DefaultCoordinationPrefix(etcdPrefix string) string {
 		return cluster.DefaultPrefix
 	}
 	return cluster.DefaultPrefix + "-" + p
+}
+
+// noBoundIfZero maps a flag's 0 (no bound) to the options' "no bound" (negative).
+func noBoundIfZero[T time.Duration | int64](v T) T {
+	if v == 0 {
+		return -1
+	}
+	return v
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
 
 func TestFlagsValidate(t *testing.T) {
@@ -30,6 +31,10 @@ func TestFlagsValidate(t *testing.T) {
 		{"wildcard resource", kube, func(f *Flags) { f.StorageResources = []string{"*.example.com"} }, "a wildcard rule's resources are found in etcd"},
 		{"apiserver id with a slash", kube, func(f *Flags) { f.APIServerID = "node/a" }, "--apiserver-id"},
 		{"no coordination, any id", kube, func(f *Flags) { f.ClusterCoordination, f.APIServerID = false, "node/a" }, ""},
+		{"negative seed age", kube, func(f *Flags) { f.KMSSeedMaxAge = -time.Hour }, "--kms-seed-max-age"},
+		{"negative seed writes", kube, func(f *Flags) { f.KMSSeedMaxWrites = -1 }, "--kms-seed-max-writes"},
+		{"negative DEK idle", kube, func(f *Flags) { f.KMSDEKCacheIdle = -time.Hour }, "--kms-dek-cache-idle"},
+		{"no seed bounds", kube, func(f *Flags) { f.KMSSeedMaxAge, f.KMSSeedMaxWrites, f.KMSDEKCacheIdle = 0, 0, 0 }, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := NewFlags(tc.defaults)
@@ -92,6 +97,30 @@ func TestFlagsApplyTo(t *testing.T) {
 // The default coordination prefix follows --etcd-prefix: /rekey for kube's /registry
 // (where existing deployments keep their keys), a prefix of its own for any other, never
 // nested under /rekey/ and always outside the resource prefix.
+// The seed-lifetime flags default to kmsv2's figures; a flag's 0 ("no bound") reaches
+// the options as a negative value, since the options' zero keeps the default.
+func TestKMSSeedLifetimeFlags(t *testing.T) {
+	f := NewFlags(KubeAPIServerDefaults())
+	fs := pflag.NewFlagSet("t", pflag.ContinueOnError)
+	f.AddFlags(fs)
+	o := Options{}
+	if err := f.ApplyTo(&o); err != nil {
+		t.Fatal(err)
+	}
+	if o.KMSSeedMaxAge != kmsv2.DefaultSeedMaxAge || o.KMSSeedMaxWrites != kmsv2.DefaultSeedMaxWrites || o.KMSDEKCacheIdle != kmsv2.DefaultDEKCacheIdle {
+		t.Errorf("defaults: age %s, writes %d, idle %s", o.KMSSeedMaxAge, o.KMSSeedMaxWrites, o.KMSDEKCacheIdle)
+	}
+	if err := fs.Parse([]string{"--kms-seed-max-age=0", "--kms-seed-max-writes=1000", "--kms-dek-cache-idle=0"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.ApplyTo(&o); err != nil {
+		t.Fatal(err)
+	}
+	if o.KMSSeedMaxAge >= 0 || o.KMSSeedMaxWrites != 1000 || o.KMSDEKCacheIdle >= 0 {
+		t.Errorf("0 must mean no bound: age %s, writes %d, idle %s", o.KMSSeedMaxAge, o.KMSSeedMaxWrites, o.KMSDEKCacheIdle)
+	}
+}
+
 func TestDefaultCoordinationPrefix(t *testing.T) {
 	for etcdPrefix, want := range map[string]string{
 		"":              "/rekey",

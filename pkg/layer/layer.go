@@ -79,6 +79,12 @@ type Options struct {
 	KMSWriteTTL       time.Duration
 	// KMSFirstSeedHold, with Cluster: see kmsv2.FactoryOptions.FirstSeedHold.
 	KMSFirstSeedHold time.Duration
+	// KMSSeedMaxAge, KMSSeedMaxWrites and KMSDEKCacheIdle: see kmsv2.FactoryOptions
+	// (SeedMaxAge, SeedMaxWrites, DEKCacheIdle); zero keeps the default, negative means
+	// no bound.
+	KMSSeedMaxAge    time.Duration
+	KMSSeedMaxWrites int64
+	KMSDEKCacheIdle  time.Duration
 	// KMSv1Error replaces the agent's words for a rejected KMS v1 provider (see
 	// reload.Options.KMSv1Error; empty keeps the default).
 	KMSv1Error string
@@ -346,6 +352,9 @@ func (l *Layer) kmsFactory() transformers.KMSFactory {
 		StatusInterval: l.opts.KMSStatusInterval,
 		RetryInterval:  l.opts.KMSRetryInterval,
 		WriteTTL:       l.opts.KMSWriteTTL,
+		SeedMaxAge:     l.opts.KMSSeedMaxAge,
+		SeedMaxWrites:  l.opts.KMSSeedMaxWrites,
+		DEKCacheIdle:   l.opts.KMSDEKCacheIdle,
 	}
 	if l.node != nil {
 		// A new key id reaches the other apiservers at once, not at the next refresh, and

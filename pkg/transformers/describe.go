@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"strings"
+	"time"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/apis/apiserver"
@@ -117,8 +118,9 @@ type ConfigKey struct {
 	Prefix string
 	// Fingerprint is KeyFingerprint of a local key's secret; zero for identity and KMS.
 	Fingerprint [32]byte
-	// Endpoint is a KMS provider's plugin endpoint.
+	// Endpoint is a KMS provider's plugin endpoint, Timeout its call timeout.
 	Endpoint string
+	Timeout  time.Duration
 }
 
 // Info names the read path as a chain entry, as a Set built from it reports it:
@@ -172,7 +174,7 @@ func describeProvider(p apiserver.ProviderConfiguration) []ConfigKey {
 	case p.Secretbox != nil:
 		return local(ProviderSecretbox, SecretboxPrefix, p.Secretbox.Keys)
 	case p.KMS != nil: // always v2: config validation rejects KMS v1
-		return []ConfigKey{{Provider: ProviderKMSv2, Name: p.KMS.Name, Prefix: KeyPrefix(KMSv2Prefix, p.KMS.Name), Endpoint: p.KMS.Endpoint}}
+		return []ConfigKey{{Provider: ProviderKMSv2, Name: p.KMS.Name, Prefix: KeyPrefix(KMSv2Prefix, p.KMS.Name), Endpoint: p.KMS.Endpoint, Timeout: config.KMSTimeout(p.KMS)}}
 	}
 	return nil
 }

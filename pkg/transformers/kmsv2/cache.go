@@ -7,6 +7,7 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"sync"
+	"sync/atomic"
 
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/wire"
@@ -26,6 +27,18 @@ type dekEntry struct {
 	typ  wire.SourceType
 	seed state.Secret // SourceHKDFSeed
 	aead cipher.AEAD  // SourceAESGCMKey
+	// lastUsed is when a read last used the entry, in the provider's coarse clock
+	// (unix nanoseconds); the idle sweep drops entries unused for DEKCacheIdle. A
+	// pointer, so an entry can still be copied (Format) without copying an atomic.
+	lastUsed *atomic.Int64
+}
+
+// touch records a use at t. Most reads find t already stored and write nothing, so
+// readers on many cores do not contend for the cache line.
+func (e *dekEntry) touch(t int64) {
+	if e.lastUsed.Load() < t {
+		e.lastUsed.Store(t)
+	}
 }
 
 // Format implements fmt.Formatter: fmt prints unexported fields raw (their methods are
@@ -43,13 +56,13 @@ func newDEKEntry(typ wire.SourceType, plaintext []byte) (*dekEntry, error) {
 		if len(plaintext) != seedSize {
 			return nil, fmt.Errorf("invalid seed length %d used for key generation (want %d); the plugin's Decrypt returned a wrong plaintext — check that it decrypts with the key that encrypted the DEK seed", len(plaintext), seedSize)
 		}
-		return &dekEntry{typ: typ, seed: append([]byte(nil), plaintext...)}, nil
+		return &dekEntry{typ: typ, seed: append([]byte(nil), plaintext...), lastUsed: new(atomic.Int64)}, nil
 	case wire.SourceAESGCMKey:
 		a, err := newGCM(plaintext)
 		if err != nil {
 			return nil, err
 		}
-		return &dekEntry{typ: typ, aead: a}, nil
+		return &dekEntry{typ: typ, aead: a, lastUsed: new(atomic.Int64)}, nil
 	}
 	return nil, fmt.Errorf("unknown encryptedDEKSourceType: %d", typ)
 }
@@ -119,6 +132,29 @@ func (c *fifoCache[K, V]) put(k K, v V) V {
 		c.changed(len(c.m), evicted)
 	}
 	return v
+}
+
+// removeIf deletes every entry for which drop is true, keeping the insertion order of
+// the rest, and returns how many it deleted.
+func (c *fifoCache[K, V]) removeIf(drop func(K, V) bool) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	// Oldest first: once the ring is full, next points at the oldest key.
+	ordered := append(c.ring[c.next:len(c.ring):len(c.ring)], c.ring[:c.next]...)
+	kept := make([]K, 0, cap(c.ring))
+	for _, k := range ordered {
+		if drop(k, c.m[k]) {
+			delete(c.m, k)
+			continue
+		}
+		kept = append(kept, k)
+	}
+	removed := len(c.ring) - len(kept)
+	c.ring, c.next = kept, 0
+	if removed > 0 && c.changed != nil {
+		c.changed(len(c.m), false)
+	}
+	return removed
 }
 
 func (c *fifoCache[K, V]) len() int {

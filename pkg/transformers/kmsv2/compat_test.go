@@ -42,13 +42,20 @@ func loadUpstream(t testing.TB, tp *testPlugin, name string) value.Transformer {
 // loadOurs builds our Set through transformers.Build, as the agent does.
 func loadOurs(t testing.TB, tp *testPlugin, name string, o FactoryOptions) (value.Transformer, *Provider) {
 	t.Helper()
+	return loadOursWith(t, tp, name, transformers.Options{}, o)
+}
+
+// loadOursWith is loadOurs with the transformers' options (e.g. a fake clock).
+func loadOursWith(t testing.TB, tp *testPlugin, name string, topts transformers.Options, o FactoryOptions) (value.Transformer, *Provider) {
+	t.Helper()
 	cfg, err := config.Load(upstreamConfig(t, tp.dir, name+"-ours", tp.endpoint), config.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	cfg.Encryption.Resources[0].Providers[0].KMS.Name = name
 	o.Registry = metrics.NewKubeRegistry()
-	set, err := transformers.Build(context.Background(), cfg, transformers.Options{KMS: NewFactory(o)})
+	topts.KMS = NewFactory(o)
+	set, err := transformers.Build(context.Background(), cfg, topts)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,6 +16,12 @@ import (
 func (p *Provider) run(ctx context.Context, m *state.Machine) {
 	defer close(p.done)
 	for {
+		now := p.clock.Now()
+		p.coarseNow.Store(now.UnixNano())
+		if ws := p.write.Load(); ws != nil {
+			// Steps the count and ticks: a seed at a bound asks for its replacement now.
+			_ = m.Step(state.SeedWrites{At: now, Generation: ws.spec.Generation, Writes: ws.writes.Load()})
+		}
 		// A Status may ask for an Encrypt: run until the machine wants nothing more now.
 		p.checkFence(m)
 		for acts := m.Ready(); len(acts) > 0 && ctx.Err() == nil; acts = m.Ready() {
@@ -43,10 +49,15 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 		// apiserver, or every plugin reports the key id) writes never see the hold.
 		p.checkFence(m)
 		v := m.View()
+		// Before publish: a caller that waits for the view (Check) then sees the sweep done.
+		p.sweepIdleDEKs(p.clock.Now())
 		p.publish(v)
 		wait := v.NextWake.Sub(p.clock.Now())
 		if v.Held != "" || v.FirstSeedHeld {
 			wait = min(wait, p.opts.FenceRecheckInterval)
+		}
+		if p.opts.DEKCacheIdle > 0 {
+			wait = min(wait, p.nextSweep.Sub(p.clock.Now()))
 		}
 		if wait < 0 {
 			wait = 0
@@ -57,6 +68,8 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 			t.Stop()
 			return
 		case <-t.C():
+		case <-p.seedFull:
+			t.Stop() // the loop's top reads the count
 		case <-p.kick:
 			t.Stop()
 			// A request that a Status already answered (callers that asked while it ran)

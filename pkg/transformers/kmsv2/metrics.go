@@ -9,6 +9,7 @@ import (
 	"k8s.io/utils/lru"
 
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
 )
 
 // Metrics are the KMS v2 metrics of one registry, shared by every provider a factory
@@ -28,6 +29,13 @@ type Metrics struct {
 	// firstSeedHoldExpired counts first DEK seeds written under after their hold's
 	// bound, not because every apiserver's plugin reported the key id.
 	firstSeedHoldExpired *metrics.CounterVec
+	// seedCreated, seedWrites and seedRefreshes describe the write seed's lifetime
+	// (FactoryOptions.SeedMaxAge, SeedMaxWrites); dekIdleExpired counts cache entries
+	// dropped by FactoryOptions.DEKCacheIdle.
+	seedCreated    *metrics.GaugeVec
+	seedWrites     *metrics.GaugeVec
+	seedRefreshes  *metrics.CounterVec
+	dekIdleExpired *metrics.CounterVec
 
 	// live counts the open Providers per name. When the last one of a name closes (a
 	// reload removed the provider), its health and write-expiry series are deleted: left
@@ -75,6 +83,22 @@ func NewMetrics(reg metrics.KubeRegistry) *Metrics {
 			Help:           "First DEK seeds of a KMS v2 provider written under after --kms-first-seed-hold expired, before every apiserver's KMS plugin reported their key id.",
 			StabilityLevel: metrics.ALPHA,
 		}, []string{"provider_name"}),
+		seedCreated: metrics.NewGaugeVec(&metrics.GaugeOpts{
+			Name: "rekey_kmsv2_seed_created_timestamp_seconds", Help: "Unix time the current write DEK seed was made (its age is time() minus this; --kms-seed-max-age bounds it).",
+			StabilityLevel: metrics.ALPHA,
+		}, []string{"provider_name"}),
+		seedWrites: metrics.NewGaugeVec(&metrics.GaugeOpts{
+			Name: "rekey_kmsv2_seed_writes", Help: "Values encrypted with the current write DEK seed, as of the provider loop's last wake (--kms-seed-max-writes bounds it).",
+			StabilityLevel: metrics.ALPHA,
+		}, []string{"provider_name"}),
+		seedRefreshes: metrics.NewCounterVec(&metrics.CounterOpts{
+			Name: "rekey_kmsv2_seed_refreshes_total", Help: "New write DEK seeds made under an unchanged key id, by the bound that asked for them (age, writes).",
+			StabilityLevel: metrics.ALPHA,
+		}, []string{"provider_name", "reason"}),
+		dekIdleExpired: metrics.NewCounterVec(&metrics.CounterOpts{
+			Name: "rekey_kmsv2_dek_cache_idle_expirations_total", Help: "Decrypted DEK sources dropped from the cache after --kms-dek-cache-idle without a read.",
+			StabilityLevel: metrics.ALPHA,
+		}, []string{"provider_name"}),
 		invalidKeyID: metrics.NewCounterVec(&metrics.CounterOpts{
 			Namespace: "apiserver", Subsystem: "envelope_encryption", Name: "invalid_key_id_from_status_total",
 			Help:           "Number of times an invalid keyID is returned by the Status RPC call split by error.",
@@ -116,7 +140,8 @@ func NewMetrics(reg metrics.KubeRegistry) *Metrics {
 	})
 	if reg != nil {
 		reg.MustRegister(m.rpcLatency, m.cacheMisses, m.cacheSize, m.invalidKeyID, m.statusKeyIDTS,
-			m.hits, m.misses, m.cacheEvictions, m.rotations, m.healthy, m.writeExpiry, m.firstSeedHoldExpired)
+			m.hits, m.misses, m.cacheEvictions, m.rotations, m.healthy, m.writeExpiry, m.firstSeedHoldExpired,
+			m.seedCreated, m.seedWrites, m.seedRefreshes, m.dekIdleExpired)
 	}
 	return m
 }
@@ -141,6 +166,17 @@ func (m *Metrics) closed(provider string) {
 	m.healthy.DeleteLabelValues(provider)
 	m.writeExpiry.DeleteLabelValues(provider)
 	m.cacheSize.DeleteLabelValues(provider)
+	m.seedCreated.DeleteLabelValues(provider)
+	m.seedWrites.DeleteLabelValues(provider)
+}
+
+// newSeed records a new write DEK seed of provider.
+func (m *Metrics) newSeed(provider string, w *state.WriteState) {
+	m.seedCreated.WithLabelValues(provider).Set(float64(w.Created.UnixNano()) / float64(time.Second))
+	m.seedWrites.WithLabelValues(provider).Set(0)
+	if w.Refresh != "" {
+		m.seedRefreshes.WithLabelValues(provider, w.Refresh).Inc()
+	}
 }
 
 // statusKeyID records when provider's Status last returned a key id, keeping at most

@@ -8,6 +8,10 @@
 //   - a write is one allocation and retains nothing;
 //   - the DEK cache is bounded and reads never depend on plugin health;
 //   - an unhealthy Status never extends the write window (kubernetes/kubernetes#138950).
+//   - a seed is replaced after SeedMaxAge or SeedMaxWrites under a stable key id, and a
+//     decrypted DEK source no read used for DEKCacheIdle leaves the cache
+//     (docs/kmsv2-crypto.md, "How long a seed lives");
+//   - Preflight checks a plugin before a configuration naming it is written.
 //
 // Use it through the factory:
 //
@@ -16,6 +20,7 @@ package kmsv2
 
 import (
 	"context"
+	"crypto/cipher"
 	"errors"
 	"fmt"
 	"sync"
@@ -44,6 +49,19 @@ const (
 	// Check serves a health result from cache this long after a success / a failure.
 	DefaultHealthyTTL   = 20 * time.Second
 	DefaultUnhealthyTTL = 3 * time.Second
+	// DefaultSeedMaxAge: a DEK seed writes for at most a day while the key id is stable.
+	// Upstream never replaces a seed without a key id change; a day is its DEK cache's
+	// lifetime, and costs every other apiserver one Decrypt per seed per day.
+	DefaultSeedMaxAge = 24 * time.Hour
+	// DefaultSeedMaxWrites: at most 2^32 values per seed, the NIST SP 800-38D bound
+	// for one AES-GCM key under random nonces that upstream cites, and the values one
+	// derived key encrypts here (maxWritesPerGeneration): one seed never protects more
+	// than one derived key's worth. See docs/kmsv2-crypto.md.
+	DefaultSeedMaxWrites = 1 << 32
+	// DefaultDEKCacheIdle: a decrypted DEK source no read used for a day leaves the
+	// cache. Upstream drops every entry a day after it was cached, used or not; an
+	// idle bound of the same length never drops an entry sooner than upstream would.
+	DefaultDEKCacheIdle = 24 * time.Hour
 )
 
 // FactoryOptions configure every provider a factory builds.
@@ -64,6 +82,16 @@ type FactoryOptions struct {
 	HealthyTTL, UnhealthyTTL time.Duration
 	// WritesPerGeneration bounds writes per derived key (default 2^32); for tests.
 	WritesPerGeneration uint64
+	// SeedMaxAge and SeedMaxWrites bound how long and for how many values one DEK seed
+	// writes while the plugin's key id is stable (DefaultSeedMaxAge,
+	// DefaultSeedMaxWrites); then a new seed is made off the request path, as for a key
+	// id change. Zero keeps the default, negative means no bound.
+	SeedMaxAge    time.Duration
+	SeedMaxWrites int64
+	// DEKCacheIdle drops a decrypted DEK source from the cache once no read has used
+	// it for this long (DefaultDEKCacheIdle); zero keeps the default, negative never.
+	// The next read of a value under it asks the plugin's Decrypt again.
+	DEKCacheIdle time.Duration
 	// OnKeyIDChange, when set, is called with the provider name and the new key id's
 	// "sha256:<hex>" hash whenever a provider starts writing under another key id than
 	// before (including its first). It runs on the provider's loop and must only
@@ -116,6 +144,13 @@ type Provider struct {
 
 	write atomic.Pointer[writeState]
 	view  atomic.Pointer[state.View]
+	// coarseNow is the loop's clock as of its last wake (unix nanoseconds): reads stamp
+	// the DEK entries they use with it instead of reading the clock per read.
+	coarseNow atomic.Int64
+	// seedFull wakes the loop when the write seed reached SeedMaxWrites.
+	seedFull chan struct{}
+	// nextSweep is when the loop next drops idle DEK entries; only the loop touches it.
+	nextSweep time.Time
 	// reported is the key id last passed to OnKeyIDChange as reported by the plugin;
 	// only the loop (and New, before it) touches it.
 	reported string
@@ -168,6 +203,15 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 	if o.FenceRecheckInterval <= 0 {
 		o.FenceRecheckInterval = DefaultFenceRecheckInterval
 	}
+	if o.SeedMaxAge == 0 {
+		o.SeedMaxAge = DefaultSeedMaxAge
+	}
+	if o.SeedMaxWrites == 0 {
+		o.SeedMaxWrites = DefaultSeedMaxWrites
+	}
+	if o.DEKCacheIdle == 0 {
+		o.DEKCacheIdle = DefaultDEKCacheIdle
+	}
 	clk := topts.Clock
 	if clk == nil {
 		clk = clock.RealClock{}
@@ -188,18 +232,21 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 		prefix: []byte(transformers.KeyPrefix(transformers.KMSv2Prefix, cfg.Name)),
 		opts:   o, clock: clk, log: log.WithValues("kmsProvider", cfg.Name), apiID: topts.APIServerID,
 		client: c, pm: pm,
-		dek:     newDEKCache(o.DEKCacheEntries, pm),
-		aeads:   newAEADCache(o.AEADCacheEntries),
-		changed: make(chan struct{}),
-		kick:    make(chan struct{}, 1),
-		cancel:  cancel,
-		done:    make(chan struct{}),
+		dek:      newDEKCache(o.DEKCacheEntries, pm),
+		aeads:    newAEADCache(o.AEADCacheEntries),
+		changed:  make(chan struct{}),
+		kick:     make(chan struct{}, 1),
+		seedFull: make(chan struct{}, 1),
+		cancel:   cancel,
+		done:     make(chan struct{}),
 	}
 	m := state.New(state.Config{
 		Provider: cfg.Name, WriteType: wire.SourceHKDFSeed,
 		StatusInterval: o.StatusInterval, RetryInterval: o.RetryInterval, WriteTTL: o.WriteTTL,
 		Fenced: o.MayWriteKeyID != nil, FirstSeedHold: o.FirstSeedHold,
+		SeedMaxAge: max(o.SeedMaxAge, 0), SeedMaxWrites: uint64(max(o.SeedMaxWrites, 0)),
 	}, clk.Now())
+	p.coarseNow.Store(clk.Now().UnixNano())
 	o.Metrics.opened(cfg.Name)
 	p.publish(m.View())
 	go p.run(ctx, m)
@@ -273,6 +320,7 @@ func (p *Provider) Open(ctx context.Context, data []byte, dataCtx value.Context)
 			}
 			p.rememberTail(o.Tail, e)
 		}
+		e.touch(p.coarseNow.Load())
 	}
 	out, err := p.decrypt(e, o.Data, dataCtx.AuthenticatedData(), ws)
 	if err != nil {
@@ -474,22 +522,32 @@ func (p *Provider) publish(v state.View) {
 	if w := v.Write; w != nil {
 		cur := p.write.Load()
 		if cur == nil || cur.spec.Generation != w.Generation {
-			ws, err := newWriteState(w, p.opts.WritesPerGeneration)
+			ws, err := newWriteState(w, p.opts.WritesPerGeneration, uint64(max(p.opts.SeedMaxWrites, 0)), p.signalSeedFull)
 			if err != nil {
 				p.log.Error(err, "Cannot use the new DEK seed; keeping the previous one")
 			} else {
+				ws.entry.touch(p.coarseNow.Load())
 				p.dek.put(ws.cacheKey, ws.entry)
+				if cur != nil {
+					// Its idle time starts now: reads of what it wrote went through the
+					// write state, not the cache, and never stamped it.
+					cur.entry.touch(p.coarseNow.Load())
+				}
 				p.write.Store(ws)
+				p.opts.Metrics.newSeed(p.name, w)
 				if p.opts.OnKeyIDChange != nil && (cur == nil || cur.spec.KeyID != w.KeyID) {
 					defer p.opts.OnKeyIDChange(p.name, state.KeyIDHash(w.KeyID))
 				}
 				p.opts.Metrics.rotations.WithLabelValues(p.name).Inc()
-				p.log.V(2).Info("New DEK seed for writes", "keyIDHash", state.KeyIDHash(w.KeyID), "generation", w.Generation)
+				p.log.V(2).Info("New DEK seed for writes", "keyIDHash", state.KeyIDHash(w.KeyID), "generation", w.Generation, "refresh", w.Refresh)
 			}
 		} else {
 			cur.expiry.Store(w.Expiry.UnixNano())
 		}
 		p.opts.Metrics.writeExpiry.WithLabelValues(p.name).Set(float64(w.Expiry.Unix()))
+		if ws := p.write.Load(); ws != nil {
+			p.opts.Metrics.seedWrites.WithLabelValues(p.name).Set(float64(ws.writes.Load()))
+		}
 	}
 	if v.Reported != p.reported {
 		p.reported = v.Reported
@@ -518,4 +576,53 @@ func (p *Provider) publish(v state.View) {
 	close(p.changed)
 	p.changed = make(chan struct{})
 	p.mu.Unlock()
+}
+
+// signalSeedFull wakes the loop for a seed that reached SeedMaxWrites. It never blocks
+// (a write calls it): one pending signal is enough, the loop reads the count itself.
+func (p *Provider) signalSeedFull() {
+	select {
+	case p.seedFull <- struct{}{}:
+	default:
+	}
+}
+
+// sweepInterval is how often the loop looks for idle DEK entries: an entry leaves
+// between DEKCacheIdle and an eighth more after its last use.
+func (p *Provider) sweepInterval() time.Duration { return p.opts.DEKCacheIdle / 8 }
+
+// sweepIdleDEKs drops every cached DEK source whose last read is DEKCacheIdle or more
+// before now, with what refers to it (the derived keys, the recent tails), so its
+// plaintext is no longer held. The write seed is never dropped. It runs on the loop.
+func (p *Provider) sweepIdleDEKs(now time.Time) {
+	if p.opts.DEKCacheIdle <= 0 || now.Before(p.nextSweep) {
+		return
+	}
+	p.nextSweep = now.Add(p.sweepInterval())
+	cutoff := now.Add(-p.opts.DEKCacheIdle).UnixNano()
+	var current *dekEntry
+	if ws := p.write.Load(); ws != nil {
+		current = ws.entry
+	}
+	// Entries reach the derived keys and the recent tails through the cache, but a read
+	// racing the sweep may put one back there: judge every holder by the same stamp.
+	idle := func(e *dekEntry) bool { return e != current && e.lastUsed.Load() <= cutoff }
+	dropped := p.dek.removeIf(func(_ wire.CacheKey, e *dekEntry) bool { return idle(e) })
+	p.aeads.removeIf(func(k aeadKey, _ cipher.AEAD) bool { return idle(k.e) })
+	p.recentMu.Lock()
+	if old := p.recent.Load(); old != nil {
+		next := make(map[string]*dekEntry, len(*old))
+		for k, e := range *old {
+			if !idle(e) {
+				next[k] = e
+			}
+		}
+		p.recent.Store(&next)
+	}
+	p.recentMu.Unlock()
+	if dropped == 0 {
+		return
+	}
+	p.opts.Metrics.dekIdleExpired.WithLabelValues(p.name).Add(float64(dropped))
+	p.log.V(2).Info("Dropped idle DEK sources from the cache", "count", dropped, "idle", p.opts.DEKCacheIdle)
 }

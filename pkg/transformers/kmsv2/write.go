@@ -40,9 +40,16 @@ type writeState struct {
 	genMu sync.Mutex
 	gen   atomic.Pointer[generation]
 	limit uint64
+
+	// writes counts the values sealed with this seed; reaching maxWrites (0: no
+	// bound) calls full once, which asks the driver for a new seed. Writes go on with
+	// this one until it is published.
+	writes    atomic.Uint64
+	maxWrites uint64
+	full      func()
 }
 
-func newWriteState(spec *state.WriteState, limit uint64) (*writeState, error) {
+func newWriteState(spec *state.WriteState, limit, maxWrites uint64, full func()) (*writeState, error) {
 	if spec.Type != wire.SourceHKDFSeed {
 		return nil, fmt.Errorf("kms v2: writing DEK source type %s is not supported; rekey writes %s", spec.Type, wire.SourceHKDFSeed)
 	}
@@ -58,7 +65,9 @@ func newWriteState(spec *state.WriteState, limit uint64) (*writeState, error) {
 		entry: entry,
 		cacheKey: wire.ComputeCacheKey(spec.Type, spec.Ciphertext, []byte(spec.KeyID),
 			append([]wire.Annotation(nil), spec.Annotations...)),
-		limit: limit,
+		limit:     limit,
+		maxWrites: maxWrites,
+		full:      full,
 	}
 	ws.expiry.Store(spec.Expiry.UnixNano())
 	if _, err := ws.rotate(nil); err != nil {
@@ -109,6 +118,9 @@ func (ws *writeState) seal(prefix, plaintext, aad []byte) ([]byte, error) {
 	g, ctr, err := ws.next()
 	if err != nil {
 		return nil, err
+	}
+	if ws.writes.Add(1) == ws.maxWrites {
+		ws.full()
 	}
 	dataLen := infoSize + nonceSize + len(plaintext) + tagSize
 	head := len(prefix) + protowire.SizeTag(1) + protowire.SizeVarint(uint64(dataLen))

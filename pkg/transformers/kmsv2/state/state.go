@@ -27,6 +27,15 @@
 //     it). The first write state cannot be fenced that way (there is no older one to
 //     write with): with Config.FirstSeedHold it is taken, but writes wait until
 //     WriteAllowed names its key id, for at most FirstSeedHold.
+//   - A DEK seed is refreshed while the key id is stable: once it is SeedMaxAge old
+//     (counted from its Encrypt answer) or has encrypted SeedMaxWrites values (the
+//     driver reports the count with SeedWrites), a new one is asked for under the same
+//     key id, exactly as for a key id change. Writes keep the old seed meanwhile and a
+//     bound never stops a write; a refresh waits for a healthy plugin, for a write state
+//     that can still write, and for no key id held by the fence. A failed refresh is a
+//     failed rotation (unhealthy, old seed kept) and is asked again after the next
+//     healthy Status. The new seed's expiry counts from the last healthy Status, so a
+//     refresh never lengthens the write window.
 package state
 
 import (
@@ -64,7 +73,17 @@ type Config struct {
 	// key id, for at most this long; then writes go ahead under it (View.
 	// FirstSeedHoldExpired). Zero: the first DEK source writes at once.
 	FirstSeedHold time.Duration
+	// SeedMaxAge and SeedMaxWrites bound how long and for how many values one DEK seed
+	// is used while the key id is stable (see the package rules). Zero: no bound.
+	SeedMaxAge    time.Duration
+	SeedMaxWrites uint64
 }
+
+// Why a new DEK seed was made under an unchanged key id (WriteState.Refresh).
+const (
+	RefreshAge    = "age"
+	RefreshWrites = "writes"
+)
 
 // Kind is an RPC the machine asks the driver to run.
 type Kind int
@@ -103,6 +122,7 @@ func (StatusResult) isEvent()         {}
 func (EncryptResult) isEvent()        {}
 func (HealthCheckRequested) isEvent() {}
 func (WriteAllowed) isEvent()         {}
+func (SeedWrites) isEvent()           {}
 
 // StatusResult is the outcome of a Status RPC. At is when it was asked: the answer describes
 // the plugin as of then, and a later stamp would let a slow answer look fresher than it is.
@@ -141,6 +161,14 @@ type WriteAllowed struct {
 	KeyID string
 }
 
+// SeedWrites reports how many values the write state of Generation has encrypted so far
+// (Config.SeedMaxWrites). A count for another generation is ignored.
+type SeedWrites struct {
+	At         time.Time
+	Generation uint64
+	Writes     uint64
+}
+
 // WriteState is what new values are written with. It is immutable once published (the
 // machine never changes one it has handed out, nor the slices in it); a new expiry
 // produces a new WriteState value with the same Generation.
@@ -153,6 +181,12 @@ type WriteState struct {
 	Annotations []wire.Annotation
 	Source      Secret
 	Expiry      time.Time
+	// Created is when the plugin's Encrypt of this DEK source answered (its age counts
+	// from then).
+	Created time.Time
+	// Refresh is why it replaced a DEK source of the same key id (RefreshAge,
+	// RefreshWrites); empty for the first one and after a key id change.
+	Refresh string
 }
 
 // View is the read-only outcome: what may be written with, until when, and why not.
@@ -191,6 +225,11 @@ type View struct {
 	// FirstSeedHoldExpired: the first DEK source's hold ended at its bound, not by
 	// WriteAllowed (writes go ahead under a key id not every plugin reported).
 	FirstSeedHoldExpired bool
+	// SeedWrites is the last count of values Write has encrypted (SeedWrites events).
+	SeedWrites uint64
+	// RefreshDue is why Write's DEK seed is due for a refresh (RefreshAge,
+	// RefreshWrites), empty when it is not.
+	RefreshDue string
 }
 
 // Machine is the lifecycle state. Not safe for concurrent use; one driver owns it.
@@ -229,6 +268,11 @@ type Machine struct {
 	// firstExpired records that the hold ended at its bound.
 	firstHeldUntil time.Time
 	firstExpired   bool
+
+	// seedWrites is the last SeedWrites count of the current write state; rotReason
+	// is why the queued or running Encrypt was asked for when it is a refresh.
+	seedWrites uint64
+	rotReason  string
 }
 
 // New returns a machine that asks for a Status at once.
@@ -245,14 +289,53 @@ func New(cfg Config, now time.Time) *Machine {
 	return &Machine{cfg: cfg, now: now, nextStatus: now, err: errors.New("no Status response from the KMS plugin yet")}
 }
 
-// Tick advances the machine's clock. Time never goes backwards.
+// Tick advances the machine's clock (time never goes backwards) and asks for a DEK
+// seed refresh that has come due.
 func (m *Machine) Tick(now time.Time) {
+	m.advance(now)
+	m.maybeRefresh()
+}
+
+// advance is Tick without the refresh: an event looks at the refresh after it changed
+// the state (a Status may report another key id, which then rotates instead).
+func (m *Machine) advance(now time.Time) {
 	if now.After(m.now) {
 		m.now = now
 	}
 	if !m.firstHeldUntil.IsZero() && !m.now.Before(m.firstHeldUntil) {
 		m.firstHeldUntil, m.firstExpired = time.Time{}, true
 	}
+}
+
+// refreshDue says why the current DEK seed has reached a bound, or "".
+func (m *Machine) refreshDue() string {
+	w := m.write
+	switch {
+	case w == nil:
+		return ""
+	case m.cfg.SeedMaxAge > 0 && !m.now.Before(w.Created.Add(m.cfg.SeedMaxAge)):
+		return RefreshAge
+	case m.cfg.SeedMaxWrites > 0 && m.seedWrites >= m.cfg.SeedMaxWrites:
+		return RefreshWrites
+	}
+	return ""
+}
+
+// refreshBlocked: a due refresh waits (see the package rules). A key id the plugin no
+// longer reports is replaced by the key id change itself.
+func (m *Machine) refreshBlocked() bool {
+	w := m.write
+	return !m.healthy || m.encryptInFlight || m.rotQueued || m.held != "" ||
+		w == nil || m.reported != w.KeyID || !m.now.Before(w.Expiry)
+}
+
+// maybeRefresh queues a new DEK seed under the current key id when one is due.
+func (m *Machine) maybeRefresh() {
+	reason := m.refreshDue()
+	if reason == "" || m.refreshBlocked() {
+		return
+	}
+	m.rotKeyID, m.rotStatus, m.rotQueued, m.rotReason = m.write.KeyID, m.lastHealthy, true, reason
 }
 
 // Ready returns the RPCs to run now and marks them in flight. The slice is the
@@ -276,15 +359,20 @@ func (m *Machine) Ready() []Action {
 func (m *Machine) Step(ev Event) error {
 	switch e := ev.(type) {
 	case StatusResult:
-		m.Tick(e.At)
+		m.advance(e.At)
 		m.stepStatus(e)
 	case EncryptResult:
-		m.Tick(e.At)
+		m.advance(e.At)
 		m.stepEncrypt(e)
 	case HealthCheckRequested:
 		if m.nextStatus.After(m.now) {
 			m.nextStatus = m.now
 		}
+	case SeedWrites:
+		if m.write != nil && e.Generation == m.write.Generation && e.Writes > m.seedWrites {
+			m.seedWrites = e.Writes
+		}
+		m.Tick(e.At)
 	case WriteAllowed:
 		m.Tick(e.At)
 		if !m.firstHeldUntil.IsZero() && m.write != nil && e.KeyID == m.write.KeyID {
@@ -356,6 +444,7 @@ func (m *Machine) stepStatus(e StatusResult) {
 		nw.Expiry = e.At.Add(m.cfg.WriteTTL)
 		m.write = &nw
 		m.setHealth(e.At, nil)
+		m.maybeRefresh()
 		return
 	}
 	// Key id changed, or no write state yet: rotate. Health is decided
@@ -363,6 +452,7 @@ func (m *Machine) stepStatus(e StatusResult) {
 	m.rotKeyID = e.KeyID
 	m.rotStatus = e.At
 	m.rotQueued = true
+	m.rotReason = ""
 	m.nextStatus = e.At.Add(m.cfg.StatusInterval)
 }
 
@@ -371,6 +461,8 @@ func (m *Machine) stepEncrypt(e EncryptResult) {
 		return // a result for an abandoned request
 	}
 	m.encryptInFlight = false
+	reason := m.rotReason
+	m.rotReason = ""
 	if err := m.checkEncrypt(e); err != nil {
 		w := "<none>"
 		exp := "<none>"
@@ -394,8 +486,11 @@ func (m *Machine) stepEncrypt(e EncryptResult) {
 		Annotations: wire.SortedAnnotations(e.Annotations),
 		Source:      e.Source,
 		// Counted from the healthy Status, not from the Encrypt answer.
-		Expiry: m.rotStatus.Add(m.cfg.WriteTTL),
+		Expiry:  m.rotStatus.Add(m.cfg.WriteTTL),
+		Created: e.At,
+		Refresh: reason,
 	}
+	m.seedWrites = 0
 	m.setHealth(m.rotStatus, nil)
 	m.healthAt = e.At
 }
@@ -446,6 +541,15 @@ func (m *Machine) View() View {
 		}
 	}
 	v.FirstSeedHoldExpired = m.firstExpired
+	v.SeedWrites = m.seedWrites
+	v.RefreshDue = m.refreshDue()
+	// Wake for the age bound when it can be acted on then; a blocked refresh is looked
+	// at again after the Status that unblocks it.
+	if w := m.write; w != nil && m.cfg.SeedMaxAge > 0 {
+		if due := w.Created.Add(m.cfg.SeedMaxAge); due.After(m.now) && due.Before(v.NextWake) {
+			v.NextWake = due
+		}
+	}
 	return v
 }
 

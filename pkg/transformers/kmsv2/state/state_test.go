@@ -20,8 +20,12 @@ var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 //
 // Commands:
 //
-//	reset [fenced [first-seed-hold=<d>]]   a new machine at +0s; the plugin is healthy with key id 1;
-//	                                       fenced: Config.Fenced, and the view gains a fence line
+//	reset [fenced [first-seed-hold=<d>]] [seed-max-age=<d>] [seed-max-writes=N]
+//	                                       a new machine at +0s; the plugin is healthy with key id 1;
+//	                                       fenced: Config.Fenced, and the view gains a fence line;
+//	                                       a seed bound: the view gains a seed line
+//	writes n=N [gen=G]                     Steps SeedWrites: the current write state (or generation
+//	                                       G) encrypted N values
 //	allow key=K                            Steps WriteAllowed for K (the cluster's write fence opened)
 //	status [healthz=ok] [version=v2] [key=1] [key-len=N] [err=msg]
 //	                                       what the plugin's Status answers from now on
@@ -51,6 +55,7 @@ type harness struct {
 	status  StatusResult
 	encrypt EncryptResult
 	fenced  bool
+	seed    bool
 }
 
 func newHarness() *harness {
@@ -66,20 +71,33 @@ func (h *harness) run(t *testing.T, d *datadriven.TestData) string {
 	switch d.Cmd {
 	case "reset":
 		*h = *newHarness()
+		cfg := Config{Provider: "kms1", WriteType: wire.SourceHKDFSeed}
 		if d.HasArg("fenced") {
 			h.fenced = true
-			cfg := Config{Provider: "kms1", WriteType: wire.SourceHKDFSeed, Fenced: true}
-			if d.HasArg("first-seed-hold") {
-				var hold string
-				d.ScanArgs(t, "first-seed-hold", &hold)
-				var err error
-				if cfg.FirstSeedHold, err = time.ParseDuration(hold); err != nil {
-					d.Fatalf(t, "%v", err)
-				}
-			}
-			h.m = New(cfg, t0)
+			cfg.Fenced = true
+			cfg.FirstSeedHold = durationArg(t, d, "first-seed-hold")
 		}
+		if cfg.SeedMaxAge = durationArg(t, d, "seed-max-age"); cfg.SeedMaxAge > 0 {
+			h.seed = true
+		}
+		if d.MaybeScanArgs(t, "seed-max-writes", &cfg.SeedMaxWrites) {
+			h.seed = true
+		}
+		h.m = New(cfg, t0)
 		return h.view()
+	case "writes":
+		ev := SeedWrites{At: h.now}
+		d.ScanArgs(t, "n", &ev.Writes)
+		if w := h.m.View().Write; w != nil {
+			ev.Generation = w.Generation
+		}
+		d.MaybeScanArgs(t, "gen", &ev.Generation)
+		if err := h.m.Step(ev); err != nil {
+			d.Fatalf(t, "%v", err)
+		}
+		var b strings.Builder
+		h.advance(&b, 0)
+		return b.String() + h.view()
 	case "allow":
 		if err := h.m.Step(WriteAllowed{At: h.now, KeyID: keyArg(t, d)}); err != nil {
 			d.Fatalf(t, "%v", err)
@@ -158,6 +176,19 @@ func (h *harness) run(t *testing.T, d *datadriven.TestData) string {
 	return ""
 }
 
+// durationArg is the duration argument key, zero when absent.
+func durationArg(t *testing.T, d *datadriven.TestData, key string) time.Duration {
+	var s string
+	if !d.MaybeScanArgs(t, key, &s) {
+		return 0
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		d.Fatalf(t, "%s: %v", key, err)
+	}
+	return v
+}
+
 func keyArg(t *testing.T, d *datadriven.TestData) string {
 	key := "1"
 	d.MaybeScanArgs(t, "key", &key)
@@ -233,6 +264,9 @@ func (h *harness) view() string {
 		if v.FirstSeedHoldExpired {
 			b.WriteString(" first-seed-hold-expired")
 		}
+	}
+	if h.seed && v.Write != nil {
+		fmt.Fprintf(&b, "\nseed: created=%s writes=%d refresh=%s due=%s", rel(v.Write.Created), v.SeedWrites, orNone(v.Write.Refresh), orNone(v.RefreshDue))
 	}
 	if v.Err != nil {
 		fmt.Fprintf(&b, "\nerr: %v", v.Err)
