@@ -4,7 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
+	"slices"
 	"time"
 
 	"github.com/spf13/pflag"
@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/klog/v2"
 
+	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/layer"
 	"github.com/rekey-io/rekey/pkg/migrate"
@@ -210,11 +211,16 @@ func (c *common) inventory(ctx context.Context, cli *clientv3.Client, l *loaded,
 	if err != nil {
 		return nil, nil, err
 	}
-	inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{
+	inv, err := c.inventoryOf(ctx, cli, l, decryptCheck, res)
+	return inv, res, err
+}
+
+// inventoryOf is inventory of the resources res.
+func (c *common) inventoryOf(ctx context.Context, cli *clientv3.Client, l *loaded, decryptCheck bool, res []migrate.Resource) (*migrate.Inventory, error) {
+	return migrate.TakeInventory(ctx, migrate.InventoryOptions{
 		Client: cli, Source: migrate.FromSet(l.set), Resources: res, PageSize: c.pageSize,
 		DecryptCheck: decryptCheck, ConfigHash: l.cfg.Hash,
 	})
-	return inv, res, err
 }
 
 // resourceList resolves --resources, defaulting to the explicit rules of cfgs (all of
@@ -228,13 +234,11 @@ func (c *common) resourceList(cfgs ...*config.Config) ([]migrate.Resource, error
 			entries = append(entries, transformers.Describe(cfg)...)
 		}
 		for _, e := range entries {
-			for _, r := range e.Resources {
-				gr := schema.ParseGroupResource(r)
-				if strings.Contains(r, "*") || seen[gr.String()] {
-					continue
+			for _, r := range storedResources(e.Resources) {
+				if !seen[r] {
+					seen[r] = true
+					names = append(names, r)
 				}
-				seen[gr.String()] = true
-				names = append(names, gr.String())
 			}
 		}
 		if len(names) == 0 {
@@ -248,6 +252,34 @@ func (c *common) resourceList(cfgs ...*config.Config) ([]migrate.Resource, error
 			return nil, fmt.Errorf("--resources: %w", err)
 		}
 		out = append(out, r)
+	}
+	return out, nil
+}
+
+// storedResources are the resources stored under a rule naming ruleResources (as
+// written in the file): the one place the commands resolve a rule into what they scan.
+// A wildcard rule stands for nothing here, since a guessed prefix proves nothing.
+func storedResources(ruleResources []string) []string {
+	var out []string
+	for _, r := range rotation.NamedResources(ruleResources) {
+		out = append(out, schema.ParseGroupResource(r).String())
+	}
+	return out
+}
+
+// withResources parses names (resources of rules) and adds every --resources entry,
+// which wins for its resource (it may give the etcd path): for decisions about rules,
+// --resources only adds to what is scanned.
+func (c *common) withResources(names []string) ([]migrate.Resource, error) {
+	var out []migrate.Resource
+	for _, n := range append(slices.Clone(c.resources), names...) {
+		r, err := migrate.ParseResource(c.etcdPrefix, n)
+		if err != nil {
+			return nil, fmt.Errorf("--resources: %w", err)
+		}
+		if !slices.ContainsFunc(out, func(o migrate.Resource) bool { return o.GroupResource == r.GroupResource }) {
+			out = append(out, r)
+		}
 	}
 	return out, nil
 }

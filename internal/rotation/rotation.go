@@ -255,6 +255,7 @@ type Machine struct {
 	cluster  *ClusterObserved
 	stored   *Inventoried // the inventory decide works from; nil until taken
 	target   []Rule       // rotated rules: Entries[0] the new write key, the rest to remove
+	before   []Rule       // the file's rules the first edit was decided on
 	inflight bool         // an action was handed out and its result has not come back
 	edited   bool         // the first edit was written
 	retryAt  time.Time
@@ -406,11 +407,11 @@ func (m *Machine) advance() {
 			m.waiting = "writing the first edit"
 			return
 		}
-		pending := oldKeyRules(m.file.Rules)
+		pending := changedRules(m.before, m.file.Rules)
 		if len(pending) == 0 {
-			// The write happened but the file read back has no key behind the write key:
+			// The write happened but the file read back writes every rule as before:
 			// someone else replaced it meanwhile.
-			m.fail("the file read back after the first edit has no old key behind its write key (was it replaced meanwhile?); check it and run `rekey rotate --wait` again")
+			m.fail("the file read back after the first edit has no new write key (was it replaced meanwhile?); check it and run `rekey rotate --wait` again")
 			return
 		}
 		if m.target == nil {
@@ -490,7 +491,7 @@ func (m *Machine) decide() bool {
 	if !m.migratorsFor(m.file.Rotates) {
 		return true
 	}
-	m.stage, m.inflight = StageEdit, false
+	m.stage, m.inflight, m.before = StageEdit, false, m.file.Rules
 	if len(m.file.Rules) == 0 {
 		m.linef("no rule of the file writes with a key: starting with the first edit (first-time encryption)")
 	} else {
@@ -633,6 +634,19 @@ func storedOf(rules []Rule) []string {
 			if !slices.Contains(out, res) {
 				out = append(out, res)
 			}
+		}
+	}
+	return out
+}
+
+// changedRules are the rules of after whose write key is not the one the same rule
+// had in before (a rule absent from before wrote identity: first-time encryption).
+func changedRules(before, after []Rule) []Rule {
+	var out []Rule
+	for _, r := range after {
+		i := slices.IndexFunc(before, func(b Rule) bool { return slices.Equal(b.Resources, r.Resources) })
+		if i < 0 || !before[i].Entries[0].SameKey(r.Entries[0]) {
+			out = append(out, r)
 		}
 	}
 	return out
