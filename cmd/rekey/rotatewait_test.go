@@ -171,9 +171,7 @@ func TestRotateWait(t *testing.T) {
 	if s := cfg.Encryption.Resources[0].Providers[0].AESGCM.Keys[0].Secret; strings.Contains(out, s) || strings.Contains(out, secret('1')) {
 		t.Fatal("rotate --wait printed key material")
 	}
-	if out, err := run(t, "inventory", "--encryption-provider-config", path, "--etcd-servers", srv.Endpoint); err != nil || !strings.Contains(out, "0 stale") {
-		t.Fatalf("inventory after rotate --wait: %v\n%s", err, out)
-	}
+	noStaleLeft(t, path, srv.Endpoint, "inventory after rotate --wait")
 }
 
 // TestRotateWaitResume: a wait that times out in stage 1 (an apiserver does not follow
@@ -255,9 +253,7 @@ func TestRotateWaitFirstTimeEncryption(t *testing.T) {
 	if p := cfg.Encryption.Resources[0].Providers; len(p) != 1 || p[0].AESGCM == nil || len(p[0].AESGCM.Keys) != 1 {
 		t.Fatalf("providers after first-time encryption: %d, want one aesgcm key only", len(p))
 	}
-	if out, err := run(t, "inventory", "--encryption-provider-config", path, "--etcd-servers", srv.Endpoint); err != nil || !strings.Contains(out, "0 stale") {
-		t.Fatalf("inventory after first-time encryption: %v\n%s", err, out)
-	}
+	noStaleLeft(t, path, srv.Endpoint, "inventory after first-time encryption")
 }
 
 // An edit is written only to the file the decision was taken on: when someone else wrote
@@ -389,9 +385,7 @@ func TestRotateWaitKeepsTheIdentityFallback(t *testing.T) {
 	if got := secretsProviders(t, path); len(keys) != 1 || !strings.HasPrefix(keys[0], "key-") || got != "aesgcm("+keys[0]+"), identity" {
 		t.Fatalf("providers after the rotation: %s, want aesgcm(<new key>), identity", got)
 	}
-	if out, err := run(t, "inventory", "--encryption-provider-config", path, "--etcd-servers", srv.Endpoint); err != nil || !strings.Contains(out, "0 stale") {
-		t.Fatalf("inventory after rotate --wait: %v\n%s", err, out)
-	}
+	noStaleLeft(t, path, srv.Endpoint, "inventory after rotate --wait")
 }
 
 // TestRotateWaitRefusesARotationNobodyMigrates: no live apiserver migrates secrets (a
@@ -424,5 +418,14 @@ func TestRotateWaitRemoveIdentityFallbackNeedsWait(t *testing.T) {
 	path := writeConfig(t, "enc.yaml", "key1")
 	if _, err := run(t, "rotate", "--encryption-provider-config", path, "--remove-identity-fallback", "-o", "-"); err == nil || !strings.Contains(err.Error(), "--remove-old identity") {
 		t.Fatalf("--remove-identity-fallback without --wait: %v, want a refusal pointing at --remove-old identity", err)
+	}
+}
+
+// noStaleLeft fails unless `rekey inventory` counts no stale object under the file at
+// path (after says after what).
+func noStaleLeft(t *testing.T, path, endpoint, after string) {
+	t.Helper()
+	if out, err := run(t, "inventory", "--encryption-provider-config", path, "--etcd-servers", endpoint); err != nil || !strings.Contains(out, "0 stale") {
+		t.Fatalf("%s: %v\n%s", after, err, out)
 	}
 }

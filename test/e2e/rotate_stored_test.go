@@ -62,14 +62,7 @@ func TestRotateWaitKeepsIdentity(t *testing.T) {
 		t.Fatal(err)
 	}
 	noSecretsIn(t, "rotate --wait", out, append(fileSecrets(t, source), b.key1.Secret))
-	for _, r := range follow.Rounds() {
-		if _, err := r.Round.Wait(ctx); err != nil {
-			t.Errorf("syncing the source file: %v", err)
-		}
-	}
-	cancel()
-	follow.Stop()
-	b.finish(l)
+	b.finishFollowing(ctx, cancel, follow, l)
 }
 
 // TestRotateWaitKMSKeyIDKeepsIdentity: [kms v2 provider, identity] whose plugin

@@ -70,6 +70,20 @@ func followedSource(ctx context.Context, t *testing.T, b *clusterBed, initial []
 	return source, testbed.FollowSource(ctx, source, initial, b.syncer)
 }
 
+// finishFollowing waits for every sync round of the source file, stops following it
+// (cancel ends the follower's context) and finishes the load with the bed's checks.
+func (b *clusterBed) finishFollowing(ctx context.Context, cancel context.CancelFunc, follow *testbed.SourceFollower, l *clusterLoad) {
+	b.t.Helper()
+	for _, r := range follow.Rounds() {
+		if _, err := r.Round.Wait(ctx); err != nil {
+			b.t.Errorf("syncing the source file: %v", err)
+		}
+	}
+	cancel()
+	follow.Stop()
+	b.finish(l)
+}
+
 // rotateWaitArgs are the arguments of `rekey rotate --wait` on source for the bed.
 func rotateWaitArgs(b *clusterBed, source string, extra ...string) []string {
 	return append([]string{"rotate", "--encryption-provider-config", source, "--wait",
@@ -162,12 +176,5 @@ func TestRotateWait(t *testing.T) {
 	if err := testbed.AllStoredUnder(ctx, b.cli, b.secretsKey, "k8s:enc:aesgcm:v1:"+mid[0]+":"); err != nil {
 		t.Fatal(err)
 	}
-	for _, r := range follow.Rounds() {
-		if _, err := r.Round.Wait(ctx); err != nil {
-			t.Errorf("syncing the source file: %v", err)
-		}
-	}
-	cancel()
-	follow.Stop()
-	b.finish(l)
+	b.finishFollowing(ctx, cancel, follow, l)
 }
