@@ -742,8 +742,12 @@ func (m *Machine) promoteOK() bool {
 				switch {
 				case want.KeyIDHash != "" && rule.Write.SameKey(want) && rule.Write.KeyIDHash != want.KeyIDHash:
 					ok = false
-					missing = append(missing, fmt.Sprintf("%s writes %s under the KMS key id %s, not yet %s (its key-id fence waits until every apiserver's plugin reports it)",
-						mem.APIServerID, res, dash(rule.Write.KeyIDHash), want.KeyIDHash))
+					why := "its plugin has not reported it yet"
+					if rule.Held != nil && rule.Held.KeyIDHash == want.KeyIDHash {
+						why = "its key-id fence waits until every apiserver's plugin reports it"
+					}
+					missing = append(missing, fmt.Sprintf("%s writes %s under the KMS key id %s, not yet %s (%s)",
+						mem.APIServerID, res, dash(rule.Write.KeyIDHash), want.KeyIDHash, why))
 				case rule.Held != nil && rule.Held.SameKey(t.Entries[0]) && !rule.Write.SameKey(t.Entries[0]):
 					ok = false
 					missing = append(missing, fmt.Sprintf("%s holds %s back for %s (its fence waits for the apiservers that cannot read it yet)", mem.APIServerID, rule.Held, res))
