@@ -504,8 +504,12 @@ func (m *Machine) decide() bool {
 	}
 	for _, r := range m.file.Rules {
 		if slices.ContainsFunc(r.Entries[1:], isIdentity) {
-			m.linef("identity stays behind %s as the fallback for values written before encryption (nothing of %s is stored as plaintext)%s",
-				describe([]Rule{r}), r.name(), m.identityAdvice())
+			counted := fmt.Sprintf("nothing of %s is stored as plaintext", r.name())
+			if len(m.counts(r.Stored)) == 0 {
+				counted = "the inventory does not cover " + r.name()
+			}
+			m.linef("identity stays behind %s as the fallback for values written before encryption (%s)%s",
+				describe([]Rule{r}), counted, m.identityAdvice())
 		}
 	}
 	return true
