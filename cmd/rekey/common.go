@@ -239,11 +239,16 @@ func (c *common) inventory(ctx context.Context, cli *clientv3.Client, l *loaded,
 	if err != nil {
 		return nil, nil, err
 	}
-	inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{
+	inv, err := c.inventoryOf(ctx, cli, l, decryptCheck, res)
+	return inv, res.Resources, err
+}
+
+// inventoryOf is inventory of the resources res; it covers res's wildcard rules.
+func (c *common) inventoryOf(ctx context.Context, cli *clientv3.Client, l *loaded, decryptCheck bool, res migrate.Resolution) (*migrate.Inventory, error) {
+	return migrate.TakeInventory(ctx, migrate.InventoryOptions{
 		Client: cli, Source: migrate.FromSet(l.set), Resources: res.Resources, Wildcards: res.Wildcards,
 		PageSize: c.pageSize, DecryptCheck: decryptCheck, ConfigHash: l.cfg.Hash,
 	})
-	return inv, res.Resources, err
 }
 
 // resolve lists the stored resources the rules of cfgs cover (all of them:
@@ -254,6 +259,23 @@ func (c *common) inventory(ctx context.Context, cli *clientv3.Client, l *loaded,
 // narrows what the rules cover, since a key a rule reads may be in use by any of them.
 // With no rule and no --resources, secrets and configmaps.
 func (c *common) resolve(ctx context.Context, cli *clientv3.Client, cfgs ...*config.Config) (migrate.Resolution, error) {
+	var rules []string
+	for _, cfg := range cfgs {
+		for _, e := range transformers.Describe(cfg) {
+			rules = append(rules, e.Resources...)
+		}
+	}
+	if len(rules) == 0 && len(c.resources) == 0 {
+		rules = []string{"secrets", "configmaps"}
+	}
+	return c.withResources(ctx, cli, rules)
+}
+
+// withResources resolves rules (resources of rules as written in a file, wildcards
+// included) into the stored resources they cover, plus every --resources entry (which
+// may give a resource's etcd path): for decisions about rules, --resources only adds
+// to what is scanned.
+func (c *common) withResources(ctx context.Context, cli *clientv3.Client, rules []string) (migrate.Resolution, error) {
 	layout := storagelayout.Kube(c.etcdPrefix)
 	var extra []migrate.Resource
 	for _, n := range c.resources {
@@ -263,21 +285,56 @@ func (c *common) resolve(ctx context.Context, cli *clientv3.Client, cfgs ...*con
 		}
 		extra = append(extra, r)
 	}
-	var rules []string
+	var names []string
 	seen := map[string]bool{}
-	for _, cfg := range cfgs {
-		for _, e := range transformers.Describe(cfg) {
-			for _, r := range e.Resources {
-				if name := config.GroupResourceString(schema.ParseGroupResource(r)); !seen[name] {
-					seen[name] = true
-					rules = append(rules, name)
-				}
+	for _, r := range rules {
+		if name := config.GroupResourceString(schema.ParseGroupResource(r)); !seen[name] {
+			seen[name] = true
+			names = append(names, name)
+		}
+	}
+	r := &migrate.Resolver{Client: cli, Layout: layout, Skip: []string{layer.DefaultCoordinationPrefix(c.etcdPrefix)}, Extra: extra}
+	return r.Resolve(ctx, names)
+}
+
+// storedIndex is what is stored under the etcd prefix, by resource: it resolves a
+// rule into the resources stored under it without a request (the rotation machine's
+// rotation.StoredFunc), a wildcard rule into every stored resource it matches.
+type storedIndex struct{ stored []migrate.Resource }
+
+// scanStored takes a storedIndex: the stored definitions, then a skip scan.
+func (c *common) scanStored(ctx context.Context, cli *clientv3.Client) (storedIndex, error) {
+	layout := storagelayout.Kube(c.etcdPrefix)
+	if err := layout.AddStoredCRDs(ctx, cli); err != nil {
+		return storedIndex{}, err
+	}
+	stored, _, err := layout.Stored(ctx, cli, layer.DefaultCoordinationPrefix(c.etcdPrefix))
+	return storedIndex{stored: stored}, err
+}
+
+// resources are the resources stored under a rule naming ruleResources: each named
+// one (stored or not: the inventory looks where it would be), and for a wildcard every
+// stored resource of the groups it matches.
+func (x storedIndex) resources(ruleResources []string) []string {
+	var out []string
+	seen := map[string]bool{}
+	add := func(name string) {
+		if !seen[name] {
+			seen[name] = true
+			out = append(out, name)
+		}
+	}
+	for _, r := range ruleResources {
+		gr := schema.ParseGroupResource(r)
+		if gr.Resource != "*" {
+			add(gr.String())
+			continue
+		}
+		for _, loc := range x.stored {
+			if gr.Group == "*" || gr.Group == loc.GroupResource.Group {
+				add(loc.String())
 			}
 		}
 	}
-	if len(rules) == 0 && len(extra) == 0 {
-		rules = []string{"secrets", "configmaps"}
-	}
-	r := &migrate.Resolver{Client: cli, Layout: layout, Skip: []string{layer.DefaultCoordinationPrefix(c.etcdPrefix)}, Extra: extra}
-	return r.Resolve(ctx, rules)
+	return out
 }

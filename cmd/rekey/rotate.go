@@ -28,7 +28,8 @@ func newRotateCommand() *cobra.Command {
 		Short: "Put a new write key first in the encryption configuration, or remove the key it replaced",
 		Long: `rotate generates a new random 32-byte key and writes it first in every rule whose
 write provider is a local key (aesgcm, aescbc, secretbox); the key it replaces stays right
-behind it, so every apiserver can still read what it wrote. --provider changes the type:
+behind it, so every apiserver can still read what it wrote. identity behind a write key
+(the fallback for values written before encryption) stays there. --provider changes the type:
 aesgcm, secretbox, aescbc (deprecated upstream; a warning is printed) or kms, which adds a
 KMS v2 provider (--kms-name, --kms-endpoint unix:///…) first; before the file is written,
 every KMS v2 plugin of the new configuration must answer a healthy Status with a key id
@@ -37,7 +38,9 @@ that, with a warning, for preparing a file where the plugin is not reachable). W
 local key or KMS v2, --provider aesgcm (or secretbox, or kms) encrypts the rules that
 write identity (first-time encryption). A KMS v2 name may appear once per file, so --provider kms rotates exactly one
 rule (--resources picks it). --resources keeps only the rules naming one of the given
-resources as written in the file.
+resources as written in the file; it picks rules, never part of one: the inventories
+rotate takes for its decisions and for the guard always cover every resource of the
+rules it changes, and --resources only adds to them.
 
 The file is replaced atomically (temporary file in the same directory, fsync, rename)
 with its mode and owner kept, and only after pkg/config validated the result; comments
@@ -54,8 +57,14 @@ when any stored object still needs that key.
 migration leader verified every stored object; the old key removed behind the same guard;
 every apiserver runs the final file. It exits 0 only then, and non-zero after
 --wait-timeout, naming the stage and what it waits for. Run again after an
-interruption, it finds the rotation in progress from the file and the cluster and
-continues it (no second new key). See docs/rotation.md.`,
+interruption, it finds the rotation in progress from what is stored (an inventory, the
+migration leader's records) and the file, and continues it (no second new key): a
+rule with an old key behind its write key, objects stored under a key behind it
+(plaintext under identity, an older KMS key id), or a migration running. identity
+behind the write key stays unless --remove-identity-fallback. It refuses, before any
+edit, a rotation whose resources no live apiserver migrates (--storage-migration,
+--storage-migration-resources), and fails a wait during which none does any more.
+See docs/rotation.md.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if c.configPath == "" {
@@ -66,6 +75,9 @@ continues it (no second new key). See docs/rotation.md.`,
 				return err
 			}
 			r.Resources = c.resources
+			if w.removeIdentity && !w.wait {
+				return errors.New("--remove-identity-fallback goes with --wait; step by step, remove identity with --remove-old identity")
+			}
 			if w.wait {
 				if output != "" || removeOld != "" {
 					return errors.New("--wait runs the whole rotation (both edits) on the file; it does not combine with -o or --remove-old")
@@ -189,15 +201,21 @@ func (c *common) removeKeys(ctx context.Context, f *rotation.File, names, resour
 	if err != nil {
 		return nil, err
 	}
-	if err := c.guardRemoval(ctx, f.Config, e.Config); err != nil {
+	var changed []string
+	for _, rule := range f.RuleResources(e.Rules) {
+		changed = append(changed, rule...) // wildcards too: resolved against what is stored
+	}
+	if err := c.guardRemoval(ctx, f.Config, e.Config, changed); err != nil {
 		return nil, err
 	}
 	return e, nil
 }
 
-// guardRemoval takes a fresh inventory with cur and refuses next when it would leave a
-// stored object unreadable (guard.CheckChange, the reload guard's rule).
-func (c *common) guardRemoval(ctx context.Context, cur, next *config.Config) error {
+// guardRemoval takes a fresh inventory with cur of every resource stored under the
+// rules the edit changes (changed) and of --resources, and refuses next when it would
+// leave a stored object unreadable (guard.CheckChange, the reload guard's rule).
+// --resources picks rules; it never narrows this scan to part of a rule.
+func (c *common) guardRemoval(ctx context.Context, cur, next *config.Config, changed []string) error {
 	if len(c.etcd.Servers) == 0 {
 		return errors.New("--remove-old needs --etcd-servers: the guard counts the objects that still use the old key before it goes")
 	}
@@ -208,7 +226,11 @@ func (c *common) guardRemoval(ctx context.Context, cur, next *config.Config) err
 		return err
 	}
 	defer s.Close()
-	inv, _, err := c.inventory(ctx, s.etcd, s.cur, false, cur, next)
+	res, err := c.withResources(ctx, s.etcd, changed)
+	if err != nil {
+		return err
+	}
+	inv, err := c.inventoryOf(ctx, s.etcd, s.cur, false, res)
 	if err != nil {
 		return err
 	}

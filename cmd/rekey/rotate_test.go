@@ -229,3 +229,34 @@ func TestRotateProviderSwitches(t *testing.T) {
 		})
 	}
 }
+
+// --resources picks rules; it never narrows the guard's scan to part of one: removing
+// key1 from the rule for secrets and configmaps, picked with --resources secrets,
+// still counts the ConfigMaps under key1 and is refused.
+func TestRotateRemoveOldScansEveryResourceOfTheRule(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	dir := t.TempDir()
+	rule := func(name string, keys ...string) string {
+		var b strings.Builder
+		b.WriteString("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets, configmaps]\n    providers:\n      - aesgcm:\n          keys:\n")
+		for _, k := range keys {
+			fmt.Fprintf(&b, "            - {name: %s, secret: %s}\n", k, secret(k[len(k)-1]))
+		}
+		path := filepath.Join(dir, name)
+		if err := os.WriteFile(path, []byte(b.String()), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return path
+	}
+	seedResource(t, cli, rule("old.yaml", "key1"), "configmaps", "ns", 3)
+	path := rule("enc.yaml", "key2", "key1")
+	seed(t, cli, path, 5) // Secrets under key2: nothing of secrets needs key1
+	out, err := run(t, "rotate", "--encryption-provider-config", path, "--remove-old", "key1", "--resources", "secrets", "--etcd-servers", srv.Endpoint)
+	if err == nil || !strings.Contains(err.Error(), "configmaps") || !strings.Contains(err.Error(), "key1") {
+		t.Fatalf("rotate --remove-old key1 --resources secrets: %v, want a refusal naming the ConfigMaps under key1\n%s", err, out)
+	}
+	if data, _ := os.ReadFile(path); !strings.Contains(string(data), "key1") {
+		t.Fatal("key1 was removed although ConfigMaps are stored under it")
+	}
+}

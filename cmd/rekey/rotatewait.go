@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 	"github.com/rekey-io/rekey/internal/progress"
 	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // waitOptions are rotate's --wait flags.
@@ -22,6 +24,8 @@ type waitOptions struct {
 	prefix   string
 	timeout  time.Duration
 	progress *progress.Flag
+	// removeIdentity removes identity from behind the new write key too.
+	removeIdentity bool
 	// interval is how often the file and etcd are read.
 	interval time.Duration
 }
@@ -32,6 +36,7 @@ func (w *waitOptions) addFlags(fs *pflag.FlagSet) {
 	fs.StringVar(&w.prefix, "coordination-prefix", "", "The apiservers' --coordination-prefix (--wait). Default: the apiservers' default for --etcd-prefix ("+cluster.DefaultPrefix+" for /registry).")
 	fs.DurationVar(&w.timeout, "wait-timeout", 30*time.Minute, "Give up --wait after this long, saying which stage is missing what.")
 	fs.Var(w.progress, "progress", "Output of --wait: bar (one updating line), plain (a timestamped line per stage, for CI logs), or auto (bar on a terminal).")
+	fs.BoolVar(&w.removeIdentity, "remove-identity-fallback", false, "With --wait: also remove identity from behind the new write key in the second edit, once no object is stored in plaintext. By default identity stays as the fallback for values written before encryption.")
 	fs.DurationVar(&w.interval, "wait-interval", 500*time.Millisecond, "How often --wait reads the file and etcd.")
 	_ = fs.MarkHidden("wait-interval")
 }
@@ -59,7 +64,16 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation.Request, w waitOption
 	start := time.Now()
 	out := &waitOutput{p: progress.New(cmd.OutOrStdout(), w.progress.Mode()), start: start}
 	defer out.p.Done()
-	m := rotation.New(rotation.Config{Timeout: w.timeout}, start)
+	m := rotation.New(rotation.Config{Timeout: w.timeout, RemoveIdentity: w.removeIdentity}, start)
+	// kmsKeyIDs are the key id hashes this command's own KMS plugins report, by
+	// provider name, from the last inventory: the key id a KMS rule's rotation waits for.
+	var kmsKeyIDs map[string]string
+	// stored resolves the file's rules into the resources stored under them (a wildcard
+	// rule into what is stored), refreshed at every inventory.
+	stored, err := c.scanStored(ctx, s.etcd)
+	if err != nil {
+		return err
+	}
 	out.linef("following the rotation of %s through %s under %s (timeout %s)", c.configPath, strings.Join(c.etcd.Servers, ","), w.prefix, w.timeout)
 	ticker := time.NewTicker(w.interval)
 	defer ticker.Stop()
@@ -69,7 +83,7 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation.Request, w waitOption
 		if err != nil {
 			return err
 		}
-		fr := f.Read(r.Resources)
+		fr := withKeyIDs(f.Read(r, stored.resources), kmsKeyIDs)
 		m.Step(fr)
 		sctx, cancel := context.WithTimeout(ctx, c.timeout)
 		snap, err := cluster.ReadSnapshot(sctx, s.etcd, w.prefix)
@@ -87,6 +101,20 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation.Request, w waitOption
 			return nil
 		case rotation.ActionFail:
 			return fmt.Errorf("rotate --wait: %s", rd.Err)
+		case rotation.ActionTakeInventory:
+			if x, err := c.scanStored(ctx, s.etcd); err == nil {
+				stored = x
+				fr = withKeyIDs(f.Read(r, stored.resources), kmsKeyIDs)
+			}
+			counts, ids, err := c.storedCounts(ctx, s, f, fr)
+			if err != nil {
+				m.Step(rotation.InventoryFailed{Reason: oneLine(err.Error())})
+				continue
+			}
+			kmsKeyIDs = ids
+			m.Step(withKeyIDs(fr, kmsKeyIDs))
+			m.Step(rotation.Inventoried{Resources: counts})
+			continue
 		case rotation.ActionWriteFirstEdit, rotation.ActionRemoveOld:
 			if err := c.waitEdit(cmd, m, rd, f, r, out); err != nil {
 				return err
@@ -99,6 +127,53 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation.Request, w waitOption
 		case <-ticker.C:
 		}
 	}
+}
+
+// storedCounts takes the inventory the machine decides from: every resource stored
+// under the file's rules and under the rules the first edit would change, and
+// --resources, read with the file's own transformers. It also returns the key id hash
+// each KMS v2 provider's plugin reports.
+func (c *common) storedCounts(ctx context.Context, s *session, f *rotation.File, fr rotation.FileRead) ([]rotation.StoredCount, map[string]string, error) {
+	names := slices.Clone(fr.Rotates)
+	for _, rule := range fr.Rules {
+		names = append(names, rule.Stored...)
+	}
+	res, err := c.withResources(ctx, s.etcd, names)
+	if err != nil {
+		return nil, nil, err
+	}
+	l, err := c.build(ctx, f.Config, false)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer l.set.Close()
+	inv, err := c.inventoryOf(ctx, s.etcd, l, false, res)
+	if err != nil {
+		return nil, nil, err
+	}
+	var counts []rotation.StoredCount
+	for _, ri := range inv.Resources {
+		counts = append(counts, rotation.StoredCount{Resource: ri.Resource, Objects: ri.Objects, Stale: ri.Stale, Plaintext: ri.Plaintext})
+	}
+	ids := map[string]string{}
+	for _, k := range l.set.KMSProviders() {
+		ids[k.Name()] = k.Status().KeyIDHash
+	}
+	return counts, ids, nil
+}
+
+// withKeyIDs is fr with the key id hash their plugin reports (ids, by provider name) on
+// its KMS v2 write entries: the file names a provider, the plugin the key id.
+func withKeyIDs(fr rotation.FileRead, ids map[string]string) rotation.FileRead {
+	fr.Rules = slices.Clone(fr.Rules)
+	for i, rule := range fr.Rules {
+		if w := rule.Entries[0]; w.Provider == transformers.ProviderKMSv2 && w.KeyIDHash == "" && ids[w.Key] != "" {
+			rule.Entries = slices.Clone(rule.Entries)
+			rule.Entries[0].KeyIDHash = ids[w.Key]
+			fr.Rules[i] = rule
+		}
+	}
+	return fr
 }
 
 // waitEdit makes the edit rd asks for on f, the file as read for this decision, and

@@ -5,8 +5,10 @@ import (
 	"crypto/rand"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -33,13 +35,22 @@ type fakeApiservers struct {
 	path   string
 	etcd   string
 	follow atomic.Bool
+	// migrates is what a publishes it migrates (b migrates nothing).
+	migrates []string
+	// paused keeps the fake leader from migrating.
+	paused atomic.Bool
 	wg     sync.WaitGroup
 	stop   context.CancelFunc
 }
 
-func startFakeApiservers(t *testing.T, cli *clientv3.Client, path, endpoint string) *fakeApiservers {
+// startFakeApiservers starts them; a publishes that it migrates migrates (default:
+// secrets).
+func startFakeApiservers(t *testing.T, cli *clientv3.Client, path, endpoint string, migrates ...string) *fakeApiservers {
 	ctx, cancel := context.WithCancel(context.Background())
-	f := &fakeApiservers{t: t, cli: cli, path: path, etcd: endpoint, stop: cancel}
+	if len(migrates) == 0 {
+		migrates = []string{"secrets"}
+	}
+	f := &fakeApiservers{t: t, cli: cli, path: path, etcd: endpoint, stop: cancel, migrates: migrates}
 	f.follow.Store(true)
 	f.wg.Go(func() { f.run(ctx) })
 	t.Cleanup(f.Stop)
@@ -79,13 +90,17 @@ func (f *fakeApiservers) run(ctx context.Context) {
 				running["b"] = cur
 			}
 			for id, s := range running {
-				m := cluster.MemberState{APIServerID: id, ConfigHash: s.hash, Resources: s.rules, PublishedAt: time.Now()}
+				m := cluster.MemberState{APIServerID: id, ConfigHash: s.hash, Resources: s.rules, PublishedAt: time.Now(),
+					StorageMigration: &cluster.StorageMigrationState{}}
+				if id == "a" {
+					m.StorageMigration.Resources = f.migrates
+				}
 				v, _ := m.Marshal()
 				if err := putMember(ctx, f.cli, id, string(v)); err != nil && ctx.Err() == nil {
 					f.t.Errorf("fake apiservers: %v", err)
 				}
 			}
-			if w := running["a"].rules[0].Write; w == running["b"].rules[0].Write && w != migrated {
+			if w := running["a"].rules[0].Write; w == running["b"].rules[0].Write && w != migrated && slices.Contains(f.migrates, "secrets") && !f.paused.Load() {
 				if out, err := run(f.t, "migrate", "--encryption-provider-config", f.path, "--etcd-servers", f.etcd, "--progress", "none"); err != nil {
 					f.t.Errorf("fake leader: migrate: %v\n%s", err, out)
 					return
@@ -156,9 +171,7 @@ func TestRotateWait(t *testing.T) {
 	if s := cfg.Encryption.Resources[0].Providers[0].AESGCM.Keys[0].Secret; strings.Contains(out, s) || strings.Contains(out, secret('1')) {
 		t.Fatal("rotate --wait printed key material")
 	}
-	if out, err := run(t, "inventory", "--encryption-provider-config", path, "--etcd-servers", srv.Endpoint); err != nil || !strings.Contains(out, "0 stale") {
-		t.Fatalf("inventory after rotate --wait: %v\n%s", err, out)
-	}
+	noStaleLeft(t, path, srv.Endpoint, "inventory after rotate --wait")
 }
 
 // TestRotateWaitResume: a wait that times out in stage 1 (an apiserver does not follow
@@ -212,7 +225,8 @@ func TestRotateWaitResume(t *testing.T) {
 }
 
 // TestRotateWaitFirstTimeEncryption: --wait --provider aesgcm on a file that writes
-// secrets in plaintext encrypts them, migrates, and removes identity at the end.
+// secrets in plaintext encrypts them, migrates, and with --remove-identity-fallback
+// removes identity at the end.
 func TestRotateWaitFirstTimeEncryption(t *testing.T) {
 	srv := etcdtest.Start(t)
 	cli := srv.Client(t)
@@ -224,11 +238,12 @@ func TestRotateWaitFirstTimeEncryption(t *testing.T) {
 	seed(t, cli, path, 10)
 	startFakeApiservers(t, cli, path, srv.Endpoint)
 	out, err := run(t, "rotate", "--encryption-provider-config", path, "--wait", "--provider", "aesgcm", "--etcd-servers", srv.Endpoint,
-		"--progress", "plain", "--wait-interval", "50ms", "--wait-timeout", "1m")
+		"--progress", "plain", "--wait-interval", "50ms", "--wait-timeout", "1m", "--remove-identity-fallback")
 	if err != nil {
 		t.Fatalf("rotate --wait --provider aesgcm: %v\n%s", err, out)
 	}
-	if !strings.Contains(out, "first-time encryption") || !strings.Contains(out, `removed the read key "identity"`) {
+	if !strings.Contains(out, "first-time encryption") || !strings.Contains(out, "the inventory counts 10 of 10 objects of secrets stored as plaintext") ||
+		!strings.Contains(out, `removed the read key "identity"`) {
 		t.Errorf("output lacks the first-time encryption or the removal of identity:\n%s", out)
 	}
 	cfg, err := config.Load(path, config.Options{Reload: true})
@@ -238,9 +253,7 @@ func TestRotateWaitFirstTimeEncryption(t *testing.T) {
 	if p := cfg.Encryption.Resources[0].Providers; len(p) != 1 || p[0].AESGCM == nil || len(p[0].AESGCM.Keys) != 1 {
 		t.Fatalf("providers after first-time encryption: %d, want one aesgcm key only", len(p))
 	}
-	if out, err := run(t, "inventory", "--encryption-provider-config", path, "--etcd-servers", srv.Endpoint); err != nil || !strings.Contains(out, "0 stale") {
-		t.Fatalf("inventory after first-time encryption: %v\n%s", err, out)
-	}
+	noStaleLeft(t, path, srv.Endpoint, "inventory after first-time encryption")
 }
 
 // An edit is written only to the file the decision was taken on: when someone else wrote
@@ -284,5 +297,135 @@ func TestRotateWaitEditsOnlyTheFileItRead(t *testing.T) {
 	}
 	if got, _ := os.ReadFile(path); string(got) != theirs {
 		t.Fatalf("the file was written over:\n%s", got)
+	}
+}
+
+// identityConfig writes a configuration whose secrets rule writes with aesgcm keys, in
+// order, and has identity behind them (none: identity only).
+func identityConfig(t *testing.T, path string, keys ...string) {
+	t.Helper()
+	var b strings.Builder
+	b.WriteString("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n")
+	if len(keys) > 0 {
+		b.WriteString("      - aesgcm:\n          keys:\n")
+		for _, k := range keys {
+			fmt.Fprintf(&b, "            - {name: %s, secret: %s}\n", k, secret(k[len(k)-1]))
+		}
+	}
+	b.WriteString("      - identity: {}\n")
+	if err := os.WriteFile(path, []byte(b.String()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// secretsProviders describes the secrets rule of the file at path: "aesgcm(<keys>)",
+// "identity", in order.
+func secretsProviders(t *testing.T, path string) string {
+	t.Helper()
+	cfg, err := config.Load(path, config.Options{Reload: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, p := range cfg.Encryption.Resources[0].Providers {
+		switch {
+		case p.AESGCM != nil:
+			var names []string
+			for _, k := range p.AESGCM.Keys {
+				names = append(names, k.Name)
+			}
+			out = append(out, "aesgcm("+strings.Join(names, ",")+")")
+		case p.Identity != nil:
+			out = append(out, "identity")
+		default:
+			out = append(out, "other")
+		}
+	}
+	return strings.Join(out, ", ")
+}
+
+// TestRotateWaitKeepsTheIdentityFallback: [aesgcm key1, identity], the shape upstream's
+// documentation shows. While plaintext Secrets are stored, rotate --wait finishes the
+// first-time encryption (no new key); once none is, it runs a new rotation that ends
+// with [<new>, identity], identity kept as the fallback.
+func TestRotateWaitKeepsTheIdentityFallback(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	path := filepath.Join(t.TempDir(), "enc.yaml")
+	identityConfig(t, path)
+	seed(t, cli, path, 10) // 10 plaintext Secrets
+	identityConfig(t, path, "key1")
+	seed(t, cli, path, 4) // 4 of them now under key1: 6 plaintext left
+	f := startFakeApiservers(t, cli, path, srv.Endpoint)
+	f.paused.Store(true) // the leader waits until rotate --wait has taken its inventory
+	time.AfterFunc(time.Second, func() { f.paused.Store(false) })
+	args := []string{"rotate", "--encryption-provider-config", path, "--wait", "--etcd-servers", srv.Endpoint,
+		"--progress", "plain", "--wait-interval", "50ms", "--wait-timeout", "1m"}
+	out, err := run(t, args...)
+	if err != nil {
+		t.Fatalf("rotate --wait with plaintext left: %v\n%s", err, out)
+	}
+	if !strings.Contains(out, "resuming the first-time encryption in progress: the inventory counts 6 objects of secrets still stored as plaintext") ||
+		!strings.Contains(out, "identity stays behind it as the fallback") {
+		t.Errorf("output does not say it finishes the first-time encryption and keeps identity:\n%s", out)
+	}
+	if got := secretsProviders(t, path); got != "aesgcm(key1), identity" {
+		t.Fatalf("providers after the first-time encryption: %s, want aesgcm(key1), identity (no new key, identity kept)", got)
+	}
+
+	out, err = run(t, args...)
+	if err != nil {
+		t.Fatalf("rotate --wait with nothing stale: %v\n%s", err, out)
+	}
+	t.Logf("rotate --wait output:\n%s", out)
+	if !strings.Contains(out, "starting a new rotation") || strings.Contains(out, "resuming") {
+		t.Errorf("[key1, identity] with nothing stale is not a new rotation:\n%s", out)
+	}
+	keys := fileKeys(t, path)
+	if got := secretsProviders(t, path); len(keys) != 1 || !strings.HasPrefix(keys[0], "key-") || got != "aesgcm("+keys[0]+"), identity" {
+		t.Fatalf("providers after the rotation: %s, want aesgcm(<new key>), identity", got)
+	}
+	noStaleLeft(t, path, srv.Endpoint, "inventory after rotate --wait")
+}
+
+// TestRotateWaitRefusesARotationNobodyMigrates: no live apiserver migrates secrets (a
+// migrates configmaps only, b nothing), so the rotation could never finish: refused
+// before the first edit, naming the flags to set.
+func TestRotateWaitRefusesARotationNobodyMigrates(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	path := writeConfig(t, "enc.yaml", "key1")
+	seed(t, cli, path, 5)
+	startFakeApiservers(t, cli, path, srv.Endpoint, "configmaps")
+	start := time.Now()
+	out, err := run(t, "rotate", "--encryption-provider-config", path, "--wait", "--etcd-servers", srv.Endpoint,
+		"--progress", "plain", "--wait-interval", "50ms", "--wait-timeout", "1m")
+	if err == nil || !strings.Contains(err.Error(), "no live apiserver migrates secrets") || !strings.Contains(err.Error(), "--storage-migration=true") ||
+		!strings.Contains(err.Error(), "--storage-migration-resources") || !strings.Contains(err.Error(), "nothing was edited") {
+		t.Fatalf("rotate --wait nobody migrates: err %v, want the refusal naming --storage-migration\n%s", err, out)
+	}
+	if time.Since(start) > 20*time.Second {
+		t.Errorf("the refusal took %s: it must come up front, not at the timeout", time.Since(start))
+	}
+	if keys := fileKeys(t, path); len(keys) != 1 || keys[0] != "key1" {
+		t.Fatalf("keys after the refusal: %v, want the file untouched", keys)
+	}
+}
+
+// TestRotateWaitRemoveIdentityFallbackNeedsWait: the flag belongs to --wait's second
+// edit; step by step, --remove-old identity does it.
+func TestRotateWaitRemoveIdentityFallbackNeedsWait(t *testing.T) {
+	path := writeConfig(t, "enc.yaml", "key1")
+	if _, err := run(t, "rotate", "--encryption-provider-config", path, "--remove-identity-fallback", "-o", "-"); err == nil || !strings.Contains(err.Error(), "--remove-old identity") {
+		t.Fatalf("--remove-identity-fallback without --wait: %v, want a refusal pointing at --remove-old identity", err)
+	}
+}
+
+// noStaleLeft fails unless `rekey inventory` counts no stale object under the file at
+// path (after says after what).
+func noStaleLeft(t *testing.T, path, endpoint, after string) {
+	t.Helper()
+	if out, err := run(t, "inventory", "--encryption-provider-config", path, "--etcd-servers", endpoint); err != nil || !strings.Contains(out, "0 stale") {
+		t.Fatalf("%s: %v\n%s", after, err, out)
 	}
 }

@@ -82,7 +82,6 @@ func TestRekeyFlagsAreTheLayers(t *testing.T) {
 	}
 
 	documented := map[string]string{
-		rekeylayer.FlagStorageMigration:          layertest.Default,
 		rekeylayer.FlagStorageMigrationResources: layertest.OnlyInGot,
 		rekeylayer.FlagAPIServerID:               layertest.Help,
 	}

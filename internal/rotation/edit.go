@@ -284,17 +284,58 @@ func (e *Edit) render(cfg *apiserverv1.EncryptionConfiguration, source string) e
 	return nil
 }
 
-// Read is f as the machine sees it: its hash and the rules a rotation may concern,
-// those writing with a local key or KMS v2 and naming one of resources (every such rule
-// when resources is empty).
-func (f *File) Read(resources []string) FileRead {
+// StoredFunc resolves a rule's resources as written in the file into the resources
+// stored under it (a wildcard rule into what is actually stored).
+type StoredFunc func(ruleResources []string) []string
+
+// NamedResources is the StoredFunc that knows no layout: a rule's resources as
+// written, without wildcards.
+func NamedResources(ruleResources []string) []string {
+	var out []string
+	for _, r := range ruleResources {
+		if !strings.Contains(r, "*") {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// Read is f as the machine sees it for the rotation r: its hash, the rules a rotation
+// may concern (those writing with a local key or KMS v2 and naming one of r.Resources,
+// every such rule when it is empty), and the resources the first edit would change.
+// stored resolves the resources of a rule (nil: NamedResources).
+func (f *File) Read(r Request, stored StoredFunc) FileRead {
+	if stored == nil {
+		stored = NamedResources
+	}
 	fr := FileRead{Hash: f.Config.Hash}
 	for i, e := range f.rules {
-		if kind := f.writeType(i); (isLocal(kind) || kind == transformers.ProviderKMSv2) && namesAny(e.Resources, resources) {
-			fr.Rules = append(fr.Rules, rule(e))
+		if kind := f.writeType(i); (isLocal(kind) || kind == transformers.ProviderKMSv2) && namesAny(e.Resources, r.Resources) {
+			ru := rule(e)
+			ru.Stored = stored(e.Resources)
+			fr.Rules = append(fr.Rules, ru)
+		}
+	}
+	// No rule to change is the first edit's error to report, not the machine's.
+	changed, _ := f.selectRules(r)
+	for _, res := range f.RuleResources(changed) {
+		for _, s := range stored(res) {
+			if !slices.Contains(fr.Rotates, s) {
+				fr.Rotates = append(fr.Rotates, s)
+			}
 		}
 	}
 	return fr
+}
+
+// RuleResources are the resources, as written, of the resources entries at indexes
+// (Edit.Rules).
+func (f *File) RuleResources(indexes []int) [][]string {
+	var out [][]string
+	for _, i := range indexes {
+		out = append(out, slices.Clone(f.rules[i].Resources))
+	}
+	return out
 }
 
 // Rules lists cfg's resources entries with their chains as the apiservers publish them.

@@ -294,7 +294,7 @@ func TestRemoveKeepsToTheNamedResources(t *testing.T) {
 // publish their chains: a rule writing identity is left out, --resources narrows.
 func TestFileRead(t *testing.T) {
 	f := readFile(t, "aesgcm.in.yaml")
-	fr := f.Read(nil)
+	fr := f.Read(Request{}, nil)
 	if fr.Hash != f.Config.Hash || len(fr.Rules) != 1 {
 		t.Fatalf("Read = %+v, want the aesgcm rule only, with the file's hash", fr)
 	}
@@ -304,7 +304,21 @@ func TestFileRead(t *testing.T) {
 	if got := Rules(f.Config); len(got) != 2 {
 		t.Fatalf("Rules = %v, want both rules", got)
 	}
-	if fr := f.Read([]string{"events"}); len(fr.Rules) != 0 {
+	if fr := f.Read(Request{Resources: []string{"events"}}, nil); len(fr.Rules) != 0 {
 		t.Fatalf("Read(events) = %v, want no rule (events writes identity)", fr.Rules)
+	}
+	// What is stored under a rule: every resource it names, whatever --resources
+	// picked it by, and what the first edit would change.
+	if fr := f.Read(Request{Resources: []string{"secrets"}}, nil); len(fr.Rules) != 1 || !slices.Equal(fr.Rules[0].Stored, []string{"secrets", "configmaps"}) ||
+		!slices.Equal(fr.Rotates, []string{"secrets", "configmaps"}) {
+		t.Fatalf("Read(--resources secrets) = %+v, want the rule with secrets and configmaps stored under it, both rotated", fr)
+	}
+	resolve := func(res []string) []string { return append(slices.Clone(res), "resolved") }
+	if fr := f.Read(Request{}, resolve); !slices.Equal(fr.Rules[0].Stored, []string{"secrets", "configmaps", "resolved"}) {
+		t.Fatalf("Read with a resolver: stored %v, want its answer", fr.Rules[0].Stored)
+	}
+	// First-time encryption: the first edit would change the identity rule.
+	if fr := readFile(t, "identity.in.yaml").Read(Request{Provider: "aesgcm"}, nil); len(fr.Rules) != 0 || !slices.Equal(fr.Rotates, []string{"secrets"}) {
+		t.Fatalf("Read(identity file, --provider aesgcm) = %+v, want no rule and secrets rotated", fr)
 	}
 }

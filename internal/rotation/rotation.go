@@ -18,17 +18,26 @@
 //  4. ack     — every live apiserver runs the file as it is now (its published
 //     configuration hash equals the file's).
 //
-// The file is the only record of a rotation in progress; the machine keeps no state
-// anywhere else. On start (and so on a resume after an interruption) it decides from the
-// file and the cluster:
+// The machine keeps no state anywhere else: on start (and so on a resume after an
+// interruption) it decides from the file, the cluster and what is stored (an inventory
+// the driver takes when Ready asks for it, and the migration leader's records):
 //
-//   - a rotated rule holds a key behind its write key: that write key is the rotation in
-//     progress, continued from the first stage whose condition does not hold yet (a
-//     passed stage is checked again and passes at once), never a second new key;
-//   - no key behind, but a live apiserver does not run the file yet: the old key was
+//   - a rule holds an old key (not identity) behind its write key, objects of its
+//     resources are stored under a key behind its write key (plaintext under identity,
+//     an older KMS key id), or the leader is migrating one of them: that write key is the
+//     rotation in progress, continued from the first stage whose condition does not hold
+//     yet (a passed stage is checked again and passes at once), never a second new key;
+//   - otherwise, when a live apiserver does not run the file yet: the old key was
 //     already removed, so only the acknowledgements are waited for;
 //   - otherwise the previous rotation is complete (or the file has no rule writing with a
 //     key: first-time encryption) and a new one starts with the first edit.
+//
+// identity behind a write key is the fallback for values written before encryption, as
+// upstream's documentation shows it, not an old key: it stays in the file unless
+// Config.RemoveIdentity asks for its removal, which the guard allows once no plaintext
+// object is left. A rotation whose resources no live apiserver migrates could never
+// finish: the machine refuses it before the first edit and fails a wait during which
+// the last such apiserver went away.
 package rotation
 
 import (
@@ -49,8 +58,14 @@ type Key = cluster.Key
 type Rule struct {
 	// Resources are the rule's resource names as written in the file.
 	Resources []string
-	// Entries are its providers' keys in file order; Entries[0] writes.
+	// Entries are its providers' keys in file order; Entries[0] writes. A KMS v2
+	// write entry carries the key id hash the driver's own plugin reports, when known:
+	// the key id the rotation waits for.
 	Entries []Key
+	// Stored are the resources stored under the rule, as the driver resolves them (a
+	// wildcard rule to what is actually stored): what the inventory counts and the
+	// migration covers.
+	Stored []string
 }
 
 func (r Rule) name() string { return strings.Join(r.Resources, ",") }
@@ -101,6 +116,9 @@ const (
 	// ActionRemoveOld: run the guard for removing Ready.Remove and, when it allows,
 	// write the second edit; report RemoveWritten or RemoveRefused, then the file.
 	ActionRemoveOld
+	// ActionTakeInventory: count what is stored under the resources of the file's
+	// rules and of FileRead.Rotates; report Inventoried or InventoryFailed.
+	ActionTakeInventory
 	// ActionDone: the rotation is complete (exit 0).
 	ActionDone
 	// ActionFail: give up with Ready.Err (exit non-zero).
@@ -108,7 +126,7 @@ const (
 )
 
 var actionNames = map[Action]string{ActionWait: "wait", ActionWriteFirstEdit: "write-first-edit", ActionRemoveOld: "remove-old",
-	ActionDone: "done", ActionFail: "fail"}
+	ActionTakeInventory: "take-inventory", ActionDone: "done", ActionFail: "fail"}
 
 func (a Action) String() string { return actionNames[a] }
 
@@ -120,7 +138,27 @@ type Event interface{ event() }
 type FileRead struct {
 	Hash  string
 	Rules []Rule
+	// Rotates are the resources stored under the rules the first edit would change
+	// (rotation.Add's choice, which includes rules writing identity for a first-time
+	// encryption).
+	Rotates []string
 }
+
+// StoredCount is what an inventory counted for one resource.
+type StoredCount struct {
+	Resource string
+	// Objects are all stored objects; Stale those under a key behind the write key
+	// (plaintext, an older key, an older KMS key id); Plaintext those under identity.
+	Objects, Stale, Plaintext int64
+}
+
+// Inventoried reports the inventory ActionTakeInventory asked for: one count per
+// resource of the file's rules and of FileRead.Rotates.
+type Inventoried struct{ Resources []StoredCount }
+
+// InventoryFailed reports that the inventory could not be taken; it is asked for again
+// after Config.GuardRetry.
+type InventoryFailed struct{ Reason string }
 
 // ClusterObserved is what etcd holds: the live members and the migration leader's state
 // (nil when none was written).
@@ -149,6 +187,8 @@ type EditSkipped struct{}
 type Tick struct{ Now time.Time }
 
 func (FileRead) event()         {}
+func (Inventoried) event()      {}
+func (InventoryFailed) event()  {}
 func (ClusterObserved) event()  {}
 func (FirstEditWritten) event() {}
 func (RemoveWritten) event()    {}
@@ -160,12 +200,22 @@ func (Tick) event()             {}
 type Config struct {
 	// Timeout bounds the whole wait (--wait-timeout).
 	Timeout time.Duration
-	// GuardRetry is how long to wait after a refused second edit before asking again.
+	// GuardRetry is how long to wait after a refused second edit (or a failed
+	// inventory) before asking again.
 	GuardRetry time.Duration
+	// RemoveIdentity makes the second edit also remove identity from behind the new
+	// write key (--remove-identity-fallback); by default it stays as the fallback.
+	RemoveIdentity bool
+	// MigratorGrace is how long a wait tolerates that no live apiserver migrates a
+	// rotated resource (a leader restarting) before it fails.
+	MigratorGrace time.Duration
 }
 
-// DefaultGuardRetry is Config.GuardRetry's default.
-const DefaultGuardRetry = 5 * time.Second
+// Defaults of Config.
+const (
+	DefaultGuardRetry    = 5 * time.Second
+	DefaultMigratorGrace = 30 * time.Second
+)
 
 // Progress is what the progress bar shows.
 type Progress struct {
@@ -203,21 +253,29 @@ type Machine struct {
 	stage    Stage
 	file     *FileRead
 	cluster  *ClusterObserved
-	target   []Rule // rotated rules: Entries[0] the new write key, the rest to remove
-	inflight bool   // an action was handed out and its result has not come back
-	edited   bool   // the first edit was written
+	stored   *Inventoried // the inventory decide works from; nil until taken
+	target   []Rule       // rotated rules: Entries[0] the new write key, the rest to remove
+	before   []Rule       // the file's rules the first edit was decided on
+	inflight bool         // an action was handed out and its result has not come back
+	edited   bool         // the first edit was written
 	retryAt  time.Time
 	refused  string
-	waiting  string
-	progress Progress
-	lines    []string
-	err      string
+	// noMigratorSince is when a rotated resource was first seen with no live apiserver
+	// migrating it (zero while every one has one).
+	noMigratorSince time.Time
+	waiting         string
+	progress        Progress
+	lines           []string
+	err             string
 }
 
 // New returns a machine started at now.
 func New(cfg Config, now time.Time) *Machine {
 	if cfg.GuardRetry <= 0 {
 		cfg.GuardRetry = DefaultGuardRetry
+	}
+	if cfg.MigratorGrace <= 0 {
+		cfg.MigratorGrace = DefaultMigratorGrace
 	}
 	return &Machine{cfg: cfg, start: now, now: now}
 }
@@ -230,6 +288,16 @@ func (m *Machine) Step(ev Event) {
 		m.file = &e
 	case ClusterObserved:
 		m.cluster = &e
+	case Inventoried:
+		if m.inflight && m.stage == StageStart {
+			m.inflight, m.stored = false, &e
+		}
+	case InventoryFailed:
+		if m.inflight && m.stage == StageStart {
+			m.inflight = false
+			m.retryAt = m.now.Add(m.cfg.GuardRetry)
+			m.linef("taking the inventory failed; asking again in %s: %s", m.cfg.GuardRetry, e.Reason)
+		}
 	case FirstEditWritten:
 		if m.stage == StageEdit {
 			// The file read before the edit is stale: wait for it to be read again.
@@ -255,8 +323,9 @@ func (m *Machine) Step(ev Event) {
 			m.inflight, m.file = false, nil
 			if m.stage == StageEdit {
 				// The first edit was decided on a file that is gone: decide from the
-				// new one (it may hold someone else's rotation).
-				m.stage = StageStart
+				// new one (it may hold someone else's rotation) and what is stored
+				// under it.
+				m.stage, m.stored = StageStart, nil
 			}
 		}
 	case Tick:
@@ -278,6 +347,8 @@ func (m *Machine) Ready() Ready {
 	case m.stage == StageFailed:
 		r.Action, r.Err = ActionFail, m.err
 	case m.inflight, m.file == nil:
+	case m.stage == StageStart && m.stored == nil && m.cluster != nil && len(m.cluster.Members) > 0 && !m.now.Before(m.retryAt):
+		r.Action, m.inflight = ActionTakeInventory, true
 	case m.stage == StageEdit && !m.edited:
 		r.Action, m.inflight = ActionWriteFirstEdit, true
 	case m.stage == StageRemove && len(m.removeNames()) > 0 && !m.now.Before(m.retryAt):
@@ -336,11 +407,11 @@ func (m *Machine) advance() {
 			m.waiting = "writing the first edit"
 			return
 		}
-		pending := pendingRules(m.file.Rules)
+		pending := changedRules(m.before, m.file.Rules)
 		if len(pending) == 0 {
-			// The write happened but the file read back has no key behind the write key:
+			// The write happened but the file read back writes every rule as before:
 			// someone else replaced it meanwhile.
-			m.fail("the file read back after the first edit has no old key behind its write key (was it replaced meanwhile?); check it and run `rekey rotate --wait` again")
+			m.fail("the file read back after the first edit has no new write key (was it replaced meanwhile?); check it and run `rekey rotate --wait` again")
 			return
 		}
 		if m.target == nil {
@@ -349,7 +420,7 @@ func (m *Machine) advance() {
 			m.enter(StagePromote)
 		}
 	}
-	if !m.fileFollowsTarget() {
+	if !m.fileFollowsTarget() || !m.migratorsStay() {
 		return
 	}
 	for {
@@ -360,10 +431,11 @@ func (m *Machine) advance() {
 		case StageMigrate:
 			ok = m.migrateOK()
 		case StageRemove:
-			ok = len(pendingRules(m.targetRulesInFile())) == 0
-			m.waiting = "the guard and the second edit (removing " + strings.Join(m.removeNames(), ", ") + ")"
+			names := m.removeNames()
+			ok = len(names) == 0
+			m.waiting = "the guard and the second edit (removing " + strings.Join(names, ", ") + ")"
 			if m.refused != "" {
-				m.waiting = "the guard refused removing " + strings.Join(m.removeNames(), ", ") + ": " + m.refused
+				m.waiting = "the guard refused removing " + strings.Join(names, ", ") + ": " + m.refused
 			}
 		case StageAck:
 			ok = m.ackOK()
@@ -374,7 +446,11 @@ func (m *Machine) advance() {
 		m.waiting = ""
 		if m.stage == StageAck {
 			m.stage = StageDone
-			m.linef("rotation complete: every apiserver runs %s, which writes %s and holds no old key", m.file.Hash, describe(m.target))
+			kept := ""
+			if m.identityKept() {
+				kept = "; identity stays behind it as the fallback for values written before encryption"
+			}
+			m.linef("rotation complete: every apiserver runs %s, which writes %s and holds no old key%s", m.file.Hash, describe(m.target), kept)
 			if !m.edited {
 				// A scheduled job that resumed must not read this as "rotated today".
 				m.linef("this run finished an earlier rotation and added no key; run rekey rotate --wait again for a new key")
@@ -393,38 +469,215 @@ func (m *Machine) decide() bool {
 		m.waiting = fmt.Sprintf("no live apiserver publishes its state under %s (do the apiservers run with --cluster-coordination and this --coordination-prefix?)", cluster.MembersPrefix(m.cluster.Prefix))
 		return false
 	}
-	if pending := pendingRules(m.file.Rules); len(pending) > 0 {
+	if m.stored == nil {
+		m.waiting = "taking an inventory of what is stored under the file's rules"
+		return false
+	}
+	if pending, lines := m.inProgress(); len(pending) > 0 {
+		if !m.migratorsFor(storedOf(pending)) {
+			return true
+		}
 		m.target = pending
-		m.linef("resuming the rotation in progress: the file already writes %s with an old key behind it; no new key is added", describe(pending))
+		m.lines = append(m.lines, lines...)
 		m.enter(StagePromote)
 		return true
 	}
-	// With no rule writing with a key (first-time encryption, or nothing to rotate: the
-	// first edit says which), there is no earlier rotation to finish.
 	if acked, _ := m.acked(); len(m.file.Rules) > 0 && acked < len(m.cluster.Members) {
 		m.target = slices.Clone(m.file.Rules)
 		m.linef("resuming the rotation in progress: the old key is already out of the file, but not every apiserver runs it yet; no new key is added")
 		m.enter(StageAck)
 		return true
 	}
-	m.stage, m.inflight = StageEdit, false
+	if !m.migratorsFor(m.file.Rotates) {
+		return true
+	}
+	m.stage, m.inflight, m.before = StageEdit, false, m.file.Rules
 	if len(m.file.Rules) == 0 {
 		m.linef("no rule of the file writes with a key: starting with the first edit (first-time encryption)")
 	} else {
 		m.linef("every apiserver runs %s and no old key is left: starting a new rotation", m.file.Hash)
 	}
+	for _, c := range m.counts(m.file.Rotates) {
+		if c.Plaintext > 0 {
+			m.linef("the inventory counts %d of %d objects of %s stored as plaintext", c.Plaintext, c.Objects, c.Resource)
+		}
+	}
+	for _, r := range m.file.Rules {
+		if slices.ContainsFunc(r.Entries[1:], isIdentity) {
+			counted := fmt.Sprintf("nothing of %s is stored as plaintext", r.name())
+			if len(m.counts(r.Stored)) == 0 {
+				counted = "the inventory does not cover " + r.name()
+			}
+			m.linef("identity stays behind %s as the fallback for values written before encryption (%s)%s",
+				describe([]Rule{r}), counted, m.identityAdvice())
+		}
+	}
 	return true
 }
 
-// pendingRules are the rules with a key behind their write key.
-func pendingRules(rules []Rule) []Rule {
-	var out []Rule
+func (m *Machine) identityAdvice() string {
+	if m.cfg.RemoveIdentity {
+		return "; --remove-identity-fallback removes it with the old key"
+	}
+	return "; --remove-identity-fallback would remove it"
+}
+
+// inProgress are the file's rules with a rotation in progress, in file order, and the
+// lines saying why: an old key behind the write key in the file, objects stored under a
+// key behind it (m.stored), or the leader migrating one of their resources.
+func (m *Machine) inProgress() ([]Rule, []string) {
+	var out, byFile []Rule
+	var lines []string
+	for _, r := range m.file.Rules {
+		if len(oldKeyRules([]Rule{r})) > 0 {
+			out, byFile = append(out, r), append(byFile, r)
+			continue
+		}
+		var stale, plaintext int64
+		for _, c := range m.counts(r.Stored) {
+			stale, plaintext = stale+c.Stale, plaintext+c.Plaintext
+		}
+		switch {
+		case stale > 0 && stale == plaintext && slices.ContainsFunc(r.Entries[1:], isIdentity):
+			lines = append(lines, fmt.Sprintf("resuming the first-time encryption in progress: the inventory counts %d objects of %s still stored as plaintext behind %s; no new key is added",
+				plaintext, r.name(), describe([]Rule{r})))
+		case stale > 0:
+			lines = append(lines, fmt.Sprintf("resuming the rotation in progress: the inventory counts %d objects of %s stored under a key behind %s (%d of them plaintext); no new key is added",
+				stale, r.name(), describe([]Rule{r}), plaintext))
+		case m.migrating(r):
+			lines = append(lines, fmt.Sprintf("resuming the rotation in progress: the migration leader is migrating %s to %s; no new key is added",
+				m.cluster.Migration.Running.Resource, m.cluster.Migration.Running.Target))
+		default:
+			continue
+		}
+		out = append(out, r)
+	}
+	if len(byFile) > 0 {
+		lines = append([]string{fmt.Sprintf("resuming the rotation in progress: the file already writes %s with an old key behind it; no new key is added", describe(byFile))}, lines...)
+	}
+	return out, lines
+}
+
+// migrating reports whether the leader runs a migration of one of r's resources.
+func (m *Machine) migrating(r Rule) bool {
+	mig := m.cluster.Migration
+	return mig != nil && mig.Running != nil && slices.Contains(r.Stored, mig.Running.Resource)
+}
+
+// counts are the inventory's counts of resources.
+func (m *Machine) counts(resources []string) []StoredCount {
+	var out []StoredCount
+	for _, c := range m.stored.Resources {
+		if slices.Contains(resources, c.Resource) {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+// migratorsFor checks up front that a live apiserver migrates each of resources, and
+// fails the rotation otherwise: it could never finish. A member whose record does not
+// say (an older version) may migrate them, so the check is left to the wait.
+func (m *Machine) migratorsFor(resources []string) bool {
+	missing, known := m.unmigrated(resources)
+	if !known || len(missing) == 0 {
+		return true
+	}
+	m.fail("%s; nothing was edited", m.noMigratorText(missing))
+	return false
+}
+
+// migratorsStay fails a wait during which no live apiserver migrates a rotated
+// resource for longer than Config.MigratorGrace: stage 2 would wait for a migration
+// nobody runs.
+func (m *Machine) migratorsStay() bool {
+	if m.stage != StagePromote && m.stage != StageMigrate {
+		return true
+	}
+	missing, known := m.unmigrated(storedOf(m.target))
+	if !known || len(missing) == 0 {
+		m.noMigratorSince = time.Time{}
+		return true
+	}
+	if m.noMigratorSince.IsZero() {
+		m.noMigratorSince = m.now
+	}
+	if m.now.Sub(m.noMigratorSince) < m.cfg.MigratorGrace {
+		return true
+	}
+	m.fail("at stage %d/%d (%s): %s; once one does, run `rekey rotate --wait` again to continue", m.stage.Number(), Stages, m.stage, m.noMigratorText(missing))
+	return false
+}
+
+// unmigrated are the resources no live member migrates; known is false when a live
+// member's record does not say what it migrates.
+func (m *Machine) unmigrated(resources []string) (missing []string, known bool) {
+	for _, mem := range m.cluster.Members {
+		if mem.StorageMigration == nil {
+			return nil, false
+		}
+	}
+	for _, res := range resources {
+		if !slices.ContainsFunc(m.cluster.Members, func(mem cluster.MemberState) bool { ok, _ := mem.Migrates(res); return ok }) {
+			missing = append(missing, res)
+		}
+	}
+	return missing, true
+}
+
+func (m *Machine) noMigratorText(missing []string) string {
+	return fmt.Sprintf("no live apiserver migrates %s, so the rotation could never finish: run the apiservers with --storage-migration=true and %s in --storage-migration-resources (or migrate with `rekey migrate` and rotate step by step: `rekey rotate`, then `rekey rotate --remove-old`)",
+		strings.Join(missing, ", "), strings.Join(missing, ","))
+}
+
+// storedOf are the resources stored under rules.
+func storedOf(rules []Rule) []string {
+	var out []string
 	for _, r := range rules {
-		if len(r.Entries) > 1 {
+		for _, res := range r.Stored {
+			if !slices.Contains(out, res) {
+				out = append(out, res)
+			}
+		}
+	}
+	return out
+}
+
+// changedRules are the rules of after whose write key is not the one the same rule
+// had in before (a rule absent from before wrote identity: first-time encryption).
+func changedRules(before, after []Rule) []Rule {
+	var out []Rule
+	for _, r := range after {
+		i := slices.IndexFunc(before, func(b Rule) bool { return slices.Equal(b.Resources, r.Resources) })
+		if i < 0 || !before[i].Entries[0].SameKey(r.Entries[0]) {
 			out = append(out, r)
 		}
 	}
 	return out
+}
+
+// oldKeyRules are the rules with an old key behind their write key: any key but the
+// identity fallback.
+func oldKeyRules(rules []Rule) []Rule {
+	var out []Rule
+	for _, r := range rules {
+		if slices.ContainsFunc(r.Entries[min(1, len(r.Entries)):], func(k Key) bool { return !isIdentity(k) }) {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+func isIdentity(k Key) bool { return k.Provider == transformers.ProviderIdentity }
+
+// identityKept reports whether identity stays behind a rotated rule's write key.
+func (m *Machine) identityKept() bool {
+	for _, r := range m.targetRulesInFile() {
+		if slices.ContainsFunc(r.Entries[1:], isIdentity) {
+			return true
+		}
+	}
+	return false
 }
 
 // targetRulesInFile are the file's current versions of the rotated rules.
@@ -457,13 +710,17 @@ func (m *Machine) fileFollowsTarget() bool {
 	return true
 }
 
-// removeNames names the keys behind the new write keys, as --remove-old takes them.
+// removeNames names the keys behind the new write keys, as --remove-old takes them:
+// identity only with Config.RemoveIdentity.
 func (m *Machine) removeNames() []string {
 	var out []string
 	for _, r := range m.targetRulesInFile() {
 		for _, k := range r.Entries[1:] {
 			n := k.Key
-			if k.Provider == transformers.ProviderIdentity {
+			if isIdentity(k) {
+				if !m.cfg.RemoveIdentity {
+					continue
+				}
 				n = transformers.ProviderIdentity
 			}
 			if !slices.Contains(out, n) {
@@ -485,7 +742,16 @@ func (m *Machine) promoteOK() bool {
 		for _, t := range m.target {
 			for _, res := range t.Resources {
 				rule, _ := mem.Rule(res)
+				want := t.Entries[0]
 				switch {
+				case want.KeyIDHash != "" && rule.Write.SameKey(want) && rule.Write.KeyIDHash != want.KeyIDHash:
+					ok = false
+					why := "its plugin has not reported it yet"
+					if rule.Held != nil && rule.Held.KeyIDHash == want.KeyIDHash {
+						why = "its key-id fence waits until every apiserver's plugin reports it"
+					}
+					missing = append(missing, fmt.Sprintf("%s writes %s under the KMS key id %s, not yet %s (%s)",
+						mem.APIServerID, res, dash(rule.Write.KeyIDHash), want.KeyIDHash, why))
 				case rule.Held != nil && rule.Held.SameKey(t.Entries[0]) && !rule.Write.SameKey(t.Entries[0]):
 					ok = false
 					missing = append(missing, fmt.Sprintf("%s holds %s back for %s (its fence waits for the apiservers that cannot read it yet)", mem.APIServerID, rule.Held, res))
@@ -514,9 +780,8 @@ func (m *Machine) promoteOK() bool {
 	return len(missing) == 0
 }
 
-// migrateOK: the leader verified every rotated resource (rules naming concrete
-// resources; a wildcard rule is left to the guard's inventory) on the key every member
-// writes it with.
+// migrateOK: the leader verified every rotated resource (what is stored under the
+// rotated rules, Rule.Stored) on the key every member writes it with.
 func (m *Machine) migrateOK() bool {
 	mig := m.cluster.Migration
 	m.progress = Progress{Members: len(m.cluster.Members), Acked: len(m.cluster.Members)}
@@ -526,10 +791,7 @@ func (m *Machine) migrateOK() bool {
 	}
 	var missing []string
 	for _, t := range m.target {
-		for _, res := range t.Resources {
-			if strings.Contains(res, "*") {
-				continue
-			}
+		for _, res := range t.Stored {
 			common, ok, why := cluster.CommonWriteKey(byID, res)
 			if !ok {
 				missing = append(missing, res+": "+why)

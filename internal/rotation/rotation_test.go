@@ -18,12 +18,23 @@ var epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 
 // TestTranscripts steps the machine through testdata/stages/*.txt. Every command prints Ready.
 //
-//	start [timeout=<d>] [reset]          a new machine that sees the cluster as it is
-//	                                     (reset: no members, no migration state)
-//	file hash=<h>                        input: "<resources>: <key>, <key>…" per rule (first writes)
-//	member id=<id> hash=<h> [gone] [error=<text>]
+//	start [timeout=<d>] [reset] [remove-identity] [grace=<d>] [manual-inventory]
+//	                                     a new machine that sees the cluster as it is
+//	                                     (reset: no members, no migration state, nothing
+//	                                     stored; remove-identity: Config.RemoveIdentity;
+//	                                     grace: Config.MigratorGrace; manual-inventory:
+//	                                     take-inventory is printed and answered by the
+//	                                     inventoried command, not at once)
+//	file hash=<h> [rotates=<res>,…]      input: "<resources>: <key>, <key>…" per rule (first
+//	                                     writes); rotates: FileRead.Rotates (default: every
+//	                                     resource of the rules)
+//	member id=<id> hash=<h> [gone] [error=<text>] [migrates=<res>,…|none]
 //	                                     input: "<resource>: <key>, …" with * on the writing
-//	                                     entry (a * not on the first entry: the first is held)
+//	                                     entry (a * not on the first entry: the first is held);
+//	                                     without migrates the record does not say (older)
+//	stored                               input: "<resource> objects=<n> stale=<n> plaintext=<n>";
+//	                                     what the next inventory counts (default: nothing)
+//	inventoried / inventory-failed reason=<text>
 //	migration                            input: none | record <res> <key> verified|error=<text> |
 //	                                     running <res> <key> <done>/<total> | plan <res> <state>
 //	first-edit-written / remove-written / remove-refused reason=<text> / edit-skipped
@@ -36,6 +47,19 @@ func TestTranscripts(t *testing.T) {
 		now := epoch
 		members := map[string]cluster.MemberState{}
 		var mig *cluster.MigrationState
+		var stored []StoredCount
+		manual := false
+		// ready answers take-inventory with the stored counts, unless manual.
+		ready := func() Ready {
+			r := m.Ready()
+			if r.Action != ActionTakeInventory || manual {
+				return r
+			}
+			m.Step(Inventoried{Resources: slices.Clone(stored)})
+			next := m.Ready()
+			next.Lines = append(r.Lines, next.Lines...)
+			return next
+		}
 		observe := func() {
 			var list []cluster.MemberState
 			for _, mem := range members {
@@ -57,7 +81,14 @@ func TestTranscripts(t *testing.T) {
 					cfg.Timeout = mustDuration(t, d, s)
 				}
 				if d.HasArg("reset") {
-					members, mig = map[string]cluster.MemberState{}, nil
+					members, mig, stored = map[string]cluster.MemberState{}, nil, nil
+				}
+				cfg.RemoveIdentity = d.HasArg("remove-identity")
+				manual = d.HasArg("manual-inventory")
+				if d.HasArg("grace") {
+					var s string
+					d.ScanArgs(t, "grace", &s)
+					cfg.MigratorGrace = mustDuration(t, d, s)
 				}
 				m = New(cfg, now)
 				observe()
@@ -71,12 +102,19 @@ func TestTranscripts(t *testing.T) {
 						d.Fatalf(t, "rule line %q: want <resources>: <keys>", line)
 					}
 					r := Rule{Resources: strings.Split(strings.TrimSpace(res), ",")}
+					r.Stored = NamedResources(r.Resources)
 					for _, k := range strings.Split(keys, ",") {
 						r.Entries = append(r.Entries, parseKey(k))
 					}
 					rules = append(rules, r)
 				}
-				m.Step(FileRead{Hash: hash, Rules: rules})
+				fr := FileRead{Hash: hash, Rules: rules, Rotates: storedOf(rules)}
+				if d.HasArg("rotates") {
+					var list string
+					d.ScanArgs(t, "rotates", &list)
+					fr.Rotates = strings.Split(list, ",")
+				}
+				m.Step(fr)
 			case "member":
 				var id string
 				d.ScanArgs(t, "id", &id)
@@ -87,6 +125,14 @@ func TestTranscripts(t *testing.T) {
 					d.ScanArgs(t, "hash", &mem.ConfigHash)
 					if d.HasArg("error") {
 						d.ScanArgs(t, "error", &mem.LastReloadError)
+					}
+					if d.HasArg("migrates") {
+						var list string
+						d.ScanArgs(t, "migrates", &list)
+						mem.StorageMigration = &cluster.StorageMigrationState{}
+						if list != "none" {
+							mem.StorageMigration.Resources = strings.Split(list, ",")
+						}
 					}
 					for _, line := range lines(d.Input) {
 						res, keys, _ := strings.Cut(line, ":")
@@ -133,6 +179,33 @@ func TestTranscripts(t *testing.T) {
 					}
 				}
 				observe()
+			case "stored":
+				stored = nil
+				for _, line := range lines(d.Input) {
+					f := strings.Fields(line)
+					c := StoredCount{Resource: f[0]}
+					for _, kv := range f[1:] {
+						k, v, _ := strings.Cut(kv, "=")
+						n := atoi(t, d, v)
+						switch k {
+						case "objects":
+							c.Objects = n
+						case "stale":
+							c.Stale = n
+						case "plaintext":
+							c.Plaintext = n
+						default:
+							d.Fatalf(t, "stored line %q", line)
+						}
+					}
+					stored = append(stored, c)
+				}
+			case "inventoried":
+				m.Step(Inventoried{Resources: slices.Clone(stored)})
+			case "inventory-failed":
+				var reason string
+				d.ScanArgs(t, "reason", &reason)
+				m.Step(InventoryFailed{Reason: reason})
 			case "first-edit-written":
 				m.Step(FirstEditWritten{})
 			case "remove-written":
@@ -152,7 +225,7 @@ func TestTranscripts(t *testing.T) {
 			default:
 				d.Fatalf(t, "unknown command %q", d.Cmd)
 			}
-			return render(m.Ready())
+			return render(ready())
 		})
 	})
 }

@@ -34,6 +34,11 @@ type MemberState struct {
 	Resources []ResourceState `json:"resources"`
 	// KMS reports the health and key id hash of every KMS v2 provider.
 	KMS []KMSState `json:"kms,omitempty"`
+	// StorageMigration says what this apiserver migrates once it is the elected
+	// migration leader, so `rekey rotate --wait` can refuse a rotation no live
+	// apiserver would migrate instead of waiting for it forever. Nil in the records of
+	// versions that did not publish it: they do not say.
+	StorageMigration *StorageMigrationState `json:"storageMigration,omitempty"`
 	// LastReloadError is the latest refused configuration, if it is newer than the one
 	// in use.
 	LastReloadError   string    `json:"lastReloadError,omitempty"`
@@ -65,6 +70,26 @@ type ResourceState struct {
 	Held *Key `json:"held,omitempty"`
 	// HeldSince is when the fence started holding it.
 	HeldSince time.Time `json:"heldSince,omitzero"`
+}
+
+// StorageMigrationState is what a member migrates (--storage-migration and
+// --storage-migration-resources).
+type StorageMigrationState struct {
+	// Resources are the resources it migrates as leader ("secrets",
+	// "deployments.apps"); empty when --storage-migration is off (it only takes
+	// inventories).
+	Resources []string `json:"resources,omitempty"`
+}
+
+// Migrates reports whether the member migrates resource (as a rule or a resource list
+// names it: "secrets", "deployments.apps"); known is false for a record that does not
+// say (an older version).
+func (s MemberState) Migrates(resource string) (migrates, known bool) {
+	if s.StorageMigration == nil {
+		return false, false
+	}
+	want := schema.ParseGroupResource(resource)
+	return slices.ContainsFunc(s.StorageMigration.Resources, func(r string) bool { return schema.ParseGroupResource(r) == want }), true
 }
 
 // KMSState is one KMS v2 provider of a member.

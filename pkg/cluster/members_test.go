@@ -305,3 +305,43 @@ func TestReadinessFailsWhenPublishingFailsLongerThanTheLease(t *testing.T) {
 		t.Fatalf("readiness with a closed client: %v", err)
 	}
 }
+
+// TestMemberRecordSaysWhatItMigrates: a member publishes the resources it migrates as
+// leader (none with --storage-migration off), so `rekey rotate --wait` can refuse a
+// rotation nobody would migrate; a record of an older version, without the field,
+// still decodes and does not say.
+func TestMemberRecordSaysWhatItMigrates(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	startMember(t, cli, "migrating", secretsConfig("k1"), func(o *Options) { o.MigratesResources = []string{"secrets", "deployments.apps"} })
+	startMember(t, cli, "inventory-only", secretsConfig("k1"))
+	published := func(id string) MemberState {
+		t.Helper()
+		var st MemberState
+		eventually(t, id+" published", func() bool {
+			resp, err := cli.Get(context.Background(), MemberKey(DefaultPrefix, id))
+			if err != nil || len(resp.Kvs) != 1 {
+				return false
+			}
+			st, err = ParseMemberState(resp.Kvs[0].Value)
+			return err == nil && st.StorageMigration != nil
+		})
+		return st
+	}
+	m := published("migrating")
+	for res, want := range map[string]bool{"secrets": true, "deployments.apps": true, "configmaps": false} {
+		if got, known := m.Migrates(res); got != want || !known {
+			t.Errorf("migrating member: Migrates(%s) = %v, %v; want %v, true", res, got, known, want)
+		}
+	}
+	if got, known := published("inventory-only").Migrates("secrets"); got || !known {
+		t.Errorf("member with --storage-migration off: Migrates(secrets) = %v, %v; want false, true", got, known)
+	}
+	old, err := ParseMemberState([]byte(`{"apiserverID":"old","configHash":"sha256:00","resources":[{"resource":"secrets","write":{"provider":"identity"},"read":[{"provider":"identity"}]}],"publishedAt":"2026-01-01T00:00:00Z"}`))
+	if err != nil {
+		t.Fatalf("a record without storageMigration: %v", err)
+	}
+	if got, known := old.Migrates("secrets"); got || known {
+		t.Errorf("older record: Migrates(secrets) = %v, %v; want false, false (it does not say)", got, known)
+	}
+}

@@ -55,6 +55,10 @@ type Options struct {
 	RefreshInterval time.Duration
 	// Version is the rekey version published (default: the main module's).
 	Version string
+	// MigratesResources are the resources this apiserver migrates when it is the
+	// elected migration leader; nil with --storage-migration off. Published in the
+	// member record (MemberState.StorageMigration).
+	MigratesResources []string
 	// Inventory is the latest local inventory (for readiness and the guard); may be nil.
 	Inventory *migrate.InventoryStore
 	Metrics   *Metrics
@@ -368,6 +372,7 @@ func (n *Node) state(now time.Time) MemberState {
 	status := agent.OwnStatus()
 	st := stateFromStatus(n.opts.ID, n.opts.Version, status, held, now)
 	st.DisagreeingSince, st.ClusterID = since, clusterID
+	st.StorageMigration = &StorageMigrationState{Resources: slices.Clone(n.opts.MigratesResources)}
 	return n.announced(st, status.ActiveConfigHash, status.LastAttemptAt, status.LastErrorAt)
 }
 

@@ -76,9 +76,13 @@ func ShimDefaults() Defaults {
 // KubeAPIServerDefaults are dist/kube-apiserver's.
 func KubeAPIServerDefaults() Defaults {
 	return Defaults{
-		// A drop-in kube-apiserver: rewriting stored data is opt-in, turned on once
-		// every apiserver runs with the same configuration (docs/kube-apiserver.md).
-		StorageMigration: false,
+		// On, as in the shim: with cluster coordination one elected leader migrates,
+		// with compare-and-swap, and only once every live member writes with the same
+		// key; the others only take inventories. Off, a rotation's stored data never
+		// moves and `rekey rotate --wait` refuses to start one. While upstream
+		// kube-apiservers still share the etcd (a rollout), they do not take part in the
+		// fence: turn it off until every node runs this build (docs/kube-apiserver.md).
+		StorageMigration: true,
 		// Nothing beyond the configuration's rules: every resource a rule names is
 		// scanned where the storage factory stores it, and a wildcard rule's resources
 		// are found in etcd. The flag adds resources a rule does not name.
@@ -243,7 +247,7 @@ func (f *Flags) Validate() []error {
 		errs = append(errs, fmt.Errorf("--encryption-layer=%q: must be %q or %q", f.EncryptionLayer, EncryptionLayerRekey, EncryptionLayerUpstream))
 	}
 	// Where migration is opt-in, asking for it with upstream's layer is a mistake to
-	// report; where it is on by default (the shim), upstream's layer simply runs
+	// report; where it is on by default (both binaries now), upstream's layer simply runs
 	// without it.
 	if f.EncryptionLayer == EncryptionLayerUpstream && f.StorageMigration && !f.defaults.StorageMigration {
 		errs = append(errs, fmt.Errorf("--%s needs --encryption-layer=%s: upstream's layer has no storage migration", FlagStorageMigration, EncryptionLayerRekey))

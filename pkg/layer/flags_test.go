@@ -14,6 +14,10 @@ import (
 
 func TestFlagsValidate(t *testing.T) {
 	kube, shim := KubeAPIServerDefaults(), ShimDefaults()
+	// Both binaries migrate by default; the refusal below is for a binary where
+	// migration is opt-in.
+	optIn := kube
+	optIn.StorageMigration = false
 	for _, tc := range []struct {
 		name     string
 		defaults Defaults
@@ -24,9 +28,10 @@ func TestFlagsValidate(t *testing.T) {
 		{"shim defaults", shim, func(*Flags) {}, ""},
 		{"unknown layer", kube, func(f *Flags) { f.EncryptionLayer = "other" }, `--encryption-layer="other"`},
 		{"empty layer", kube, func(f *Flags) { f.EncryptionLayer = "" }, `--encryption-layer=""`},
-		{"migration asked for on upstream's layer", kube, func(f *Flags) { f.EncryptionLayer, f.StorageMigration = EncryptionLayerUpstream, true }, "--storage-migration needs --encryption-layer=rekey"},
-		// The shim's migration is on by default; upstream's layer runs without it.
+		{"migration asked for on upstream's layer", optIn, func(f *Flags) { f.EncryptionLayer, f.StorageMigration = EncryptionLayerUpstream, true }, "--storage-migration needs --encryption-layer=rekey"},
+		// Migration on by default; upstream's layer runs without it.
 		{"default migration on upstream's layer", shim, func(f *Flags) { f.EncryptionLayer = EncryptionLayerUpstream }, ""},
+		{"default migration on upstream's layer (kube-apiserver)", kube, func(f *Flags) { f.EncryptionLayer = EncryptionLayerUpstream }, ""},
 		{"negative rate", shim, func(f *Flags) { f.StorageMigrationRate = -1 }, "--storage-migration-rate"},
 		{"wildcard resource", kube, func(f *Flags) { f.StorageResources = []string{"*.example.com"} }, "a wildcard rule's resources are found in etcd"},
 		{"apiserver id with a slash", kube, func(f *Flags) { f.APIServerID = "node/a" }, "--apiserver-id"},

@@ -329,7 +329,8 @@ func (l *Layer) startClusterNode(ctx context.Context) error {
 	node, err := cluster.New(cluster.Options{
 		Client: l.client, ID: o.MemberID, Prefix: o.CoordinationPrefix, ResourcePrefix: o.EtcdPrefix,
 		LeaseTTL: o.ClusterLeaseTTL, DisagreementAlarm: o.ClusterDisagreementAlarm,
-		Inventory: l.store, Metrics: cm, Logger: o.Logger,
+		MigratesResources: migratedResources(o),
+		Inventory:         l.store, Metrics: cm, Logger: o.Logger,
 	})
 	if err == nil {
 		err = node.Start(ctx)
@@ -341,6 +342,19 @@ func (l *Layer) startClusterNode(ctx context.Context) error {
 		"prefix", o.CoordinationPrefix, "members", len(node.Members()))
 	l.node = node
 	return nil
+}
+
+// migratedResources names what this apiserver migrates as the elected migration leader
+// (its Migrator's resources; none with --storage-migration off), for its member record.
+func migratedResources(o Options) []string {
+	if !o.StorageMigration {
+		return nil
+	}
+	names := make([]string, len(o.Resources))
+	for i, r := range o.Resources {
+		names[i] = r.String()
+	}
+	return names
 }
 
 func (l *Layer) kmsFactory() transformers.KMSFactory {

@@ -59,6 +59,47 @@ func sourceKeys(t *testing.T, path string) []string {
 	return names
 }
 
+// followedSource writes initial to a source file that the bed's syncer copies to every
+// shim's own file whenever it changes, as kubelets refresh a mounted Secret.
+func followedSource(ctx context.Context, t *testing.T, b *clusterBed, initial []byte) (string, *testbed.SourceFollower) {
+	t.Helper()
+	source := filepath.Join(t.TempDir(), "encryption.yaml")
+	if err := os.WriteFile(source, initial, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return source, testbed.FollowSource(ctx, source, initial, b.syncer)
+}
+
+// finishFollowing waits for every sync round of the source file, stops following it
+// (cancel ends the follower's context) and finishes the load with the bed's checks.
+func (b *clusterBed) finishFollowing(ctx context.Context, cancel context.CancelFunc, follow *testbed.SourceFollower, l *clusterLoad) {
+	b.t.Helper()
+	for _, r := range follow.Rounds() {
+		if _, err := r.Round.Wait(ctx); err != nil {
+			b.t.Errorf("syncing the source file: %v", err)
+		}
+	}
+	cancel()
+	follow.Stop()
+	b.finish(l)
+}
+
+// rotateWaitArgs are the arguments of `rekey rotate --wait` on source for the bed.
+func rotateWaitArgs(b *clusterBed, source string, extra ...string) []string {
+	return append([]string{"rotate", "--encryption-provider-config", source, "--wait",
+		"--etcd-servers", strings.Join(b.etcd.Endpoints(), ","), "--etcd-prefix", b.prefix,
+		"--coordination-prefix", b.coord, "--wait-timeout", "3m", "--progress", "plain"}, extra...)
+}
+
+// runRotateWait runs the built rekey with args and logs its output and duration.
+func runRotateWait(ctx context.Context, t *testing.T, bin string, args []string) (string, error) {
+	t.Helper()
+	start := time.Now()
+	out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
+	t.Logf("rekey rotate --wait (%v):\n%s", time.Since(start).Round(time.Millisecond), out)
+	return string(out), err
+}
+
 // TestRotateWait runs the built `rekey rotate --wait` against a source file while
 // writers and a sampler run on three shims: it exits 0 with only the new key in the
 // file and every Secret stored under it, nothing failed and nothing unreadable. Then a
@@ -71,22 +112,13 @@ func TestRotateWait(t *testing.T) {
 		minDelay: 500 * time.Millisecond, maxDelay: 4 * time.Second})
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
-	source := filepath.Join(t.TempDir(), "encryption.yaml")
-	initial := testbed.SecretsConfig(testbed.AESGCM(b.key1)).Render()
-	if err := os.WriteFile(source, initial, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	follow := testbed.FollowSource(ctx, source, initial, b.syncer)
+	source, follow := followedSource(ctx, t, b, testbed.SecretsConfig(testbed.AESGCM(b.key1)).Render())
 	defer follow.Stop()
 	defer cancel()
 	l := b.startLoad()
-	args := []string{"rotate", "--encryption-provider-config", source, "--wait",
-		"--etcd-servers", strings.Join(b.etcd.Endpoints(), ","), "--etcd-prefix", b.prefix,
-		"--coordination-prefix", b.coord, "--wait-timeout", "3m", "--progress", "plain"}
+	args := rotateWaitArgs(b, source)
 
-	start := time.Now()
-	out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
-	t.Logf("rekey rotate --wait (%v):\n%s", time.Since(start).Round(time.Millisecond), out)
+	out, err := runRotateWait(ctx, t, bin, args)
 	if err != nil {
 		t.Fatalf("rekey rotate --wait: %v", err)
 	}
@@ -97,11 +129,11 @@ func TestRotateWait(t *testing.T) {
 	if err := testbed.AllStoredUnder(ctx, b.cli, b.secretsKey, "k8s:enc:aesgcm:v1:"+keys[0]+":"); err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(string(out), "stage 4/4 ack") {
+	if !strings.Contains(out, "stage 4/4 ack") {
 		t.Fatalf("output lacks the stages")
 	}
 	// No key material: neither the old key nor the one rotate generated.
-	noSecretsIn(t, "rotate --wait", string(out), append(fileSecrets(t, source), b.key1.Secret))
+	noSecretsIn(t, "rotate --wait", out, append(fileSecrets(t, source), b.key1.Secret))
 
 	// Resume: the first run is killed once it has written its first edit.
 	cmd := exec.CommandContext(ctx, bin, args...)
@@ -130,27 +162,19 @@ func TestRotateWait(t *testing.T) {
 	if len(mid) != 2 || mid[1] != keys[0] {
 		t.Fatalf("keys after the killed run: %v, want [<new> %s]", mid, keys[0])
 	}
-	out, err = exec.CommandContext(ctx, bin, args...).CombinedOutput()
-	t.Logf("rekey rotate --wait, resumed:\n%s", out)
+	out, err = runRotateWait(ctx, t, bin, args)
 	if err != nil {
 		t.Fatalf("resumed rekey rotate --wait: %v", err)
 	}
-	if !strings.Contains(string(out), "resuming the rotation in progress") {
+	if !strings.Contains(out, "resuming the rotation in progress") {
 		t.Errorf("the resumed run does not say it resumes")
 	}
-	noSecretsIn(t, "the resumed rotate --wait", killed.String()+string(out), append(fileSecrets(t, source), keysSeen...))
+	noSecretsIn(t, "the resumed rotate --wait", killed.String()+out, append(fileSecrets(t, source), keysSeen...))
 	if got := sourceKeys(t, source); len(got) != 1 || got[0] != mid[0] {
 		t.Fatalf("keys after the resumed run: %v, want only %s (no second new key)", got, mid[0])
 	}
 	if err := testbed.AllStoredUnder(ctx, b.cli, b.secretsKey, "k8s:enc:aesgcm:v1:"+mid[0]+":"); err != nil {
 		t.Fatal(err)
 	}
-	for _, r := range follow.Rounds() {
-		if _, err := r.Round.Wait(ctx); err != nil {
-			t.Errorf("syncing the source file: %v", err)
-		}
-	}
-	cancel()
-	follow.Stop()
-	b.finish(l)
+	b.finishFollowing(ctx, cancel, follow, l)
 }
