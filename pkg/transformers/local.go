@@ -15,7 +15,11 @@ import (
 	"k8s.io/apiserver/pkg/storage/value"
 
 	"github.com/rekey-io/rekey/pkg/transformers/internal/aescbc"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv1"
 )
+
+// KMSv1APIVersion is the `apiVersion` of a KMS v1 provider in the configuration.
+const KMSv1APIVersion = "v1"
 
 // Stored prefixes of the local providers, as kube-apiserver writes them.
 const (
@@ -23,6 +27,8 @@ const (
 	AESCBCPrefix    = "k8s:enc:aescbc:v1:"
 	SecretboxPrefix = "k8s:enc:secretbox:v1:"
 	KMSv2Prefix     = "k8s:enc:kms:v2:"
+	// KMSv1Prefix is only ever read: rekey never writes KMS v1 values.
+	KMSv1Prefix = kmsv1.Prefix
 	// EncryptedMarker starts every encrypted value; identity refuses to read such data.
 	EncryptedMarker = "k8s:enc:"
 )
