@@ -118,8 +118,14 @@ func StoredObject(raw string) []byte {
 // etcd key), in transactions of 100 puts. It returns their keys.
 func WriteObjects(t testing.TB, cli *clientv3.Client, set *transformers.Set, gr schema.GroupResource, keyPrefix string, n int) []string {
 	t.Helper()
+	return WriteObjectsWith(t, cli, set.TransformerFor(gr), keyPrefix, n)
+}
+
+// WriteObjectsWith is WriteObjects through any transformer: upstream's (UpstreamKMSv1)
+// to store what a kube-apiserver wrote.
+func WriteObjectsWith(t testing.TB, cli *clientv3.Client, tr value.Transformer, keyPrefix string, n int) []string {
+	t.Helper()
 	ctx := context.Background()
-	tr := set.TransformerFor(gr)
 	var keys []string
 	var ops []clientv3.Op
 	flush := func() {
