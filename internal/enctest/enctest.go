@@ -197,6 +197,13 @@ func (e *KMS) start(t testing.TB, socket string) {
 	e.Server = srv
 }
 
+// Restart starts the plugin again on its socket after Server.Stop (a plugin that
+// crashed and came back), with the same keys and API version.
+func (e *KMS) Restart(t testing.TB) {
+	t.Helper()
+	e.start(t, e.Socket)
+}
+
 // SetKeys writes the plugin's keys file; the first key id is the active one. The
 // plugin picks the change up as an operator's edit.
 func (e *KMS) SetKeys(t testing.TB, keyIDs ...string) {
