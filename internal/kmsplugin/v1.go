@@ -39,12 +39,9 @@ func (s v1Service) Version(ctx context.Context, _ *kmsv1api.VersionRequest) (*km
 
 func (s v1Service) Encrypt(ctx context.Context, req *kmsv1api.EncryptRequest) (*kmsv1api.EncryptResponse, error) {
 	s.p.stats.encrypt.Add(1)
-	if _, err := s.p.inject(ctx, s.p.faults.Load().FailEncrypt, "Encrypt"); err != nil {
-		return nil, err
-	}
-	ring, err := s.p.keys()
+	ring, err := s.begin(ctx, s.p.faults.Load().FailEncrypt, "Encrypt")
 	if err != nil {
-		return nil, status.Errorf(codes.FailedPrecondition, "kms-plugin: %v", err)
+		return nil, err
 	}
 	head := ring.active + ":"
 	out := make([]byte, len(head)+12, len(head)+12+len(req.Plain)+16)
@@ -58,12 +55,9 @@ func (s v1Service) Encrypt(ctx context.Context, req *kmsv1api.EncryptRequest) (*
 
 func (s v1Service) Decrypt(ctx context.Context, req *kmsv1api.DecryptRequest) (*kmsv1api.DecryptResponse, error) {
 	s.p.stats.decrypt.Add(1)
-	if _, err := s.p.inject(ctx, s.p.faults.Load().FailDecrypt, "Decrypt"); err != nil {
-		return nil, err
-	}
-	ring, err := s.p.keys()
+	ring, err := s.begin(ctx, s.p.faults.Load().FailDecrypt, "Decrypt")
 	if err != nil {
-		return nil, status.Errorf(codes.FailedPrecondition, "kms-plugin: %v", err)
+		return nil, err
 	}
 	i := bytes.IndexByte(req.Cipher, ':')
 	if i <= 0 {
@@ -82,4 +76,16 @@ func (s v1Service) Decrypt(ctx context.Context, req *kmsv1api.DecryptRequest) (*
 		return nil, status.Errorf(codes.InvalidArgument, "kms-plugin: ciphertext does not decrypt under key %q", name)
 	}
 	return &kmsv1api.DecryptResponse{Plain: pt}, nil
+}
+
+// begin applies the faults of method and returns the keyring it answers with.
+func (s v1Service) begin(ctx context.Context, fail bool, method string) (*keyring, error) {
+	if _, err := s.p.inject(ctx, fail, method); err != nil {
+		return nil, err
+	}
+	ring, err := s.p.keys()
+	if err != nil {
+		return nil, status.Errorf(codes.FailedPrecondition, "kms-plugin: %v", err)
+	}
+	return ring, nil
 }

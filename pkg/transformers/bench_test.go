@@ -55,17 +55,7 @@ func BenchmarkLocalProviders(b *testing.B) {
 									b.Fatal(err)
 								}
 							}
-							if mode == "serial" {
-								for b.Loop() {
-									run()
-								}
-								return
-							}
-							b.RunParallel(func(pb *testing.PB) {
-								for pb.Next() {
-									run()
-								}
-							})
+							loop(b, mode, run)
 						})
 					}
 				}
@@ -113,19 +103,24 @@ func BenchmarkKMSv1Read(b *testing.B) {
 							b.Fatal(err)
 						}
 					}
-					if mode == "serial" {
-						for b.Loop() {
-							read()
-						}
-						return
-					}
-					b.RunParallel(func(pb *testing.PB) {
-						for pb.Next() {
-							read()
-						}
-					})
+					loop(b, mode, read)
 				})
 			}
 		}
 	}
+}
+
+// loop runs op b.N times, in one goroutine (mode "serial") or in GOMAXPROCS of them.
+func loop(b *testing.B, mode string, op func()) {
+	if mode == "serial" {
+		for b.Loop() {
+			op()
+		}
+		return
+	}
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			op()
+		}
+	})
 }

@@ -4,14 +4,11 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"k8s.io/apiserver/pkg/features"
-	"k8s.io/apiserver/pkg/server/options/encryptionconfig"
 	"k8s.io/apiserver/pkg/storage/value"
 	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	featuregatetesting "k8s.io/component-base/featuregate/testing"
@@ -30,17 +27,8 @@ func upstreamKMSv1(t testing.TB) {
 // loadUpstream is kube-apiserver's transformer for secrets under yaml.
 func loadUpstream(t testing.TB, yaml string) value.Transformer {
 	t.Helper()
-	path := filepath.Join(t.TempDir(), "upstream.yaml")
-	if err := os.WriteFile(path, []byte(yaml), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
-	ec, err := encryptionconfig.LoadEncryptionConfig(ctx, path, false, "compat")
-	if err != nil {
-		t.Fatalf("upstream: %v", err)
-	}
-	return encryptionconfig.StaticTransformers(ec.Transformers).TransformerForResource(secrets)
+	_, up := loadUpstreamFile(t, "upstream", yaml)
+	return up.TransformerForResource(secrets)
 }
 
 func kmsv1YAML(p *enctest.KMS, name string) string {

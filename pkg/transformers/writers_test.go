@@ -114,21 +114,13 @@ func TestWithWritersRefusal(t *testing.T) {
 // the cases apart.
 func TestCheckValues(t *testing.T) {
 	cfgFor := func(secret string) *config.Config {
-		cfg, err := config.Parse([]byte(`apiVersion: apiserver.config.k8s.io/v1
-kind: EncryptionConfiguration
-resources:
-- resources: ["secrets"]
-  providers:
+		return parseSecretsRule(t, `
   - aesgcm:
       keys:
       - name: k1
         secret: `+secret+`
   - identity: {}
-`), "test", config.Options{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return cfg
+`)
 	}
 	a := cfgFor("MTIzNDU2Nzg5MDEyMzQ1Ng==")
 	b := cfgFor("YWJjZGVmZ2hpamtsbW5vcA==")
@@ -170,20 +162,12 @@ resources:
 // only and never the writer, and identified by name and endpoint (it has no key id).
 func TestKMSv1Identity(t *testing.T) {
 	cfgFor := func(endpoint string) *config.Config {
-		cfg, err := config.Parse([]byte(`apiVersion: apiserver.config.k8s.io/v1
-kind: EncryptionConfiguration
-resources:
-- resources: ["secrets"]
-  providers:
+		return parseSecretsRule(t, `
   - aesgcm:
       keys:
       - {name: k1, secret: MTIzNDU2Nzg5MDEyMzQ1Ng==}
   - kms: {name: old, endpoint: "`+endpoint+`"}
-`), "test", config.Options{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return cfg
+`)
 	}
 	a := cfgFor("unix:///tmp/kmsv1-a.sock")
 	set, err := transformers.Build(context.Background(), a, transformers.Options{})
@@ -218,4 +202,15 @@ resources:
 	if p, k := transformers.SplitPrefix("k8s:enc:kms:v1:old:"); p != transformers.ProviderKMSv1 || k != "old" {
 		t.Errorf("SplitPrefix = %s, %s", p, k)
 	}
+}
+
+// parseSecretsRule parses a configuration with one rule for secrets whose providers
+// are providers (YAML list items, indented by two spaces).
+func parseSecretsRule(t *testing.T, providers string) *config.Config {
+	t.Helper()
+	cfg, err := config.Parse([]byte("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n- resources: [\"secrets\"]\n  providers:"+providers), "test", config.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cfg
 }
