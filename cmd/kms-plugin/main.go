@@ -18,6 +18,7 @@ func main() {
 	flag.StringVar(&o.ListenAddr, "listen-addr", "", "gRPC socket: unix:///path.sock (its directory must be private: not a symlink, ours or root's, not group/world-writable) or unix:///@abstract-name (default "+kmsplugin.DefaultListenAddr()+", directory created 0700)")
 	flag.StringVar(&o.KeysFile, "keys-file", "", "YAML or JSON file `keys: [{name: <key id>, secret: <base64 of 32 bytes>}]`; the first key is active; edits rotate")
 	flag.StringVar(&o.ControlAddr, "control-addr", "", "fault-injection API: unix:///path.sock or 127.0.0.1:port (empty: disabled)")
+	flag.StringVar(&o.APIVersion, "api-version", "v2", "KMS API to serve: v2, or v1 (k8s.io/kms/apis/v1beta1) for KMS v1 data that rekey reads and migrates off")
 	flag.Parse()
 	if o.KeysFile == "" {
 		fmt.Fprintln(os.Stderr, "kms-plugin: --keys-file is required")

@@ -22,7 +22,6 @@ import (
 	utilversion "k8s.io/component-base/version"
 	"k8s.io/klog/v2"
 
-	"github.com/rekey-io/rekey/pkg/config"
 	rekeylayer "github.com/rekey-io/rekey/pkg/layer"
 	"github.com/rekey-io/rekey/pkg/storagelayout"
 )
@@ -115,7 +114,6 @@ func (l *layer) install(c *genericapiserver.Config, factory *serverstorage.Defau
 	o := rekeylayer.Options{
 		Path:            l.path,
 		AutomaticReload: l.autoReload,
-		KMSv1Error:      config.KMSv1UnsupportedError,
 		Etcd:            rekeylayer.Etcd{Servers: tr.ServerList, CAFile: tr.TrustedCAFile, CertFile: tr.CertFile, KeyFile: tr.KeyFile},
 		EtcdPrefix:      etcd.StorageConfig.Prefix,
 		Layout:          l.layout,

@@ -12,7 +12,9 @@ package enctest
 import (
 	"bytes"
 	"context"
+	"crypto/cipher"
 	"encoding/base64"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -24,6 +26,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
+	aestransformer "k8s.io/apiserver/pkg/storage/value/encrypt/aes"
+	"k8s.io/apiserver/pkg/storage/value/encrypt/envelope"
 
 	"github.com/rekey-io/rekey/internal/kmsplugin"
 	"github.com/rekey-io/rekey/pkg/config"
@@ -114,8 +118,14 @@ func StoredObject(raw string) []byte {
 // etcd key), in transactions of 100 puts. It returns their keys.
 func WriteObjects(t testing.TB, cli *clientv3.Client, set *transformers.Set, gr schema.GroupResource, keyPrefix string, n int) []string {
 	t.Helper()
+	return WriteObjectsWith(t, cli, set.TransformerFor(gr), keyPrefix, n)
+}
+
+// WriteObjectsWith is WriteObjects through any transformer: upstream's (UpstreamKMSv1)
+// to store what a kube-apiserver wrote.
+func WriteObjectsWith(t testing.TB, cli *clientv3.Client, tr value.Transformer, keyPrefix string, n int) []string {
+	t.Helper()
 	ctx := context.Background()
-	tr := set.TransformerFor(gr)
 	var keys []string
 	var ops []clientv3.Op
 	flush := func() {
@@ -150,6 +160,8 @@ type KMS struct {
 	Socket   string
 	Server   *kmsplugin.Server
 	Factory  transformers.KMSFactory
+	// apiVersion is the KMS API the plugin serves: "" (v2) or kmsplugin.APIVersionV1.
+	apiVersion string
 }
 
 // StartKMS starts a plugin holding keyIDs (the first is the active one) and stops it
@@ -177,12 +189,19 @@ func StartPlugin(t testing.TB, keysFile string) *KMS {
 func (e *KMS) start(t testing.TB, socket string) {
 	t.Helper()
 	e.Socket = socket
-	srv, err := kmsplugin.Start(kmsplugin.Options{ListenAddr: "unix://" + e.Socket, KeysFile: e.KeysFile})
+	srv, err := kmsplugin.Start(kmsplugin.Options{ListenAddr: "unix://" + e.Socket, KeysFile: e.KeysFile, APIVersion: e.apiVersion})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(srv.Stop)
 	e.Server = srv
+}
+
+// Restart starts the plugin again on its socket after Server.Stop (a plugin that
+// crashed and came back), with the same keys and API version.
+func (e *KMS) Restart(t testing.TB) {
+	t.Helper()
+	e.start(t, e.Socket)
 }
 
 // SetKeys writes the plugin's keys file; the first key id is the active one. The
@@ -204,9 +223,55 @@ func (e *KMS) SetKeys(t testing.TB, keyIDs ...string) {
 	}
 }
 
-// ProviderYAML is a KMS v2 provider named name that reaches this plugin.
+// ProviderYAML is a KMS provider named name that reaches this plugin: apiVersion v2,
+// or v1 for a StartKMSv1 plugin.
 func (e *KMS) ProviderYAML(name string) string {
-	return fmt.Sprintf("      - kms: {apiVersion: v2, name: %s, endpoint: %q, timeout: 3s}\n", name, "unix://"+e.Socket)
+	if e.apiVersion == kmsplugin.APIVersionV1 {
+		return fmt.Sprintf("      - kms: {apiVersion: v1, name: %s, endpoint: %q, timeout: 3s}\n", name, e.Endpoint())
+	}
+	return fmt.Sprintf("      - kms: {apiVersion: v2, name: %s, endpoint: %q, timeout: 3s}\n", name, e.Endpoint())
+}
+
+// Endpoint is the plugin's unix:// endpoint.
+func (e *KMS) Endpoint() string { return "unix://" + e.Socket }
+
+// StartKMSv1 starts a KMS v1 plugin (k8s.io/kms/apis/v1beta1) holding keyIDs (the
+// first wraps new DEKs) and stops it when the test ends. rekey only reads through it:
+// write KMS v1 values with UpstreamKMSv1.
+func StartKMSv1(t testing.TB, keyIDs ...string) *KMS {
+	t.Helper()
+	dir := t.TempDir()
+	e := &KMS{KeysFile: filepath.Join(dir, "keys.yaml"), apiVersion: kmsplugin.APIVersionV1}
+	e.SetKeys(t, keyIDs...)
+	e.start(t, filepath.Join(dir, "kmsv1.sock"))
+	return e
+}
+
+// UpstreamKMSv1 is kube-apiserver's own KMS v1 transformer for provider name at
+// endpoint (k8s.io/apiserver's gRPC v1 client and envelope transformer behind the
+// k8s:enc:kms:v1:<name>: prefix): what a cluster with a KMS v1 provider first wrote.
+// cbc selects the data cipher of Kubernetes 1.24 and earlier (AES-CBC) instead of
+// AES-GCM (1.25 and later); both read either, as upstream does.
+func UpstreamKMSv1(t testing.TB, endpoint, name string, cbc bool) value.Transformer {
+	t.Helper()
+	svc, err := envelope.NewGRPCService(t.Context(), endpoint, 3*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := func(block cipher.Block) (value.Transformer, error) {
+		gcm, err := aestransformer.NewGCMTransformer(block)
+		if err != nil {
+			return nil, err
+		}
+		if cbc {
+			return aestransformer.NewCBCTransformer(block), nil
+		}
+		return gcm, nil
+	}
+	return value.NewPrefixTransformers(errors.New("no matching prefix found"), value.PrefixTransformer{
+		Prefix:      []byte(transformers.KeyPrefix(transformers.KMSv1Prefix, name)),
+		Transformer: envelope.NewEnvelopeTransformer(svc, 1000, base),
+	})
 }
 
 // BuildReady builds a Set and waits until its KMS providers can write.

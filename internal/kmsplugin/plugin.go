@@ -1,4 +1,4 @@
-// Package kmsplugin is a local KMS v2 plugin for tests, the testbed and benchmarks. It
+// Package kmsplugin is a local KMS v2 (or, with Options.APIVersion, KMS v1) plugin for tests, the testbed and benchmarks. It
 // serves k8s.io/kms/pkg/service over a unix socket, wraps DEK sources with AES-256-GCM
 // key-encryption keys read from a keys file (rotated by editing the file), and exposes a
 // control endpoint that injects faults at run time.
@@ -28,6 +28,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	kmsv1api "k8s.io/kms/apis/v1beta1"
 	kmsapi "k8s.io/kms/apis/v2"
 	"k8s.io/kms/pkg/service"
 	"sigs.k8s.io/yaml"
@@ -107,6 +108,8 @@ type Options struct {
 	// ControlAddr, when set, serves the control API: unix:///path.sock or host:port
 	// (loopback only).
 	ControlAddr string
+	// APIVersion is the KMS API served: "" or "v2" for KMS v2, APIVersionV1 for KMS v1.
+	APIVersion string
 }
 
 type keyring struct {
@@ -375,7 +378,15 @@ func Start(o Options) (*Server, error) {
 		return nil, fmt.Errorf("kms-plugin: cannot listen on %s: %w", listen, err)
 	}
 	gs := grpc.NewServer()
-	kmsapi.RegisterKeyManagementServiceServer(gs, service.NewGRPCService(addr, 0, p))
+	switch o.APIVersion {
+	case "", "v2":
+		kmsapi.RegisterKeyManagementServiceServer(gs, service.NewGRPCService(addr, 0, p))
+	case APIVersionV1:
+		kmsv1api.RegisterKeyManagementServiceServer(gs, v1Service{p: p})
+	default:
+		_ = lis.Close()
+		return nil, fmt.Errorf("kms-plugin: API version %q is not served; use v2 (default) or v1", o.APIVersion)
+	}
 	s := &Server{Plugin: p, grpc: gs, lis: lis, addr: addr, done: make(chan struct{})}
 	go func() {
 		defer close(s.done)

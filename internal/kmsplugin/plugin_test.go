@@ -10,6 +10,11 @@ import (
 	"strings"
 	"testing"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+	kmsv1api "k8s.io/kms/apis/v1beta1"
 	"k8s.io/kms/pkg/service"
 )
 
@@ -109,5 +114,46 @@ func TestBadOptions(t *testing.T) {
 	writeKeys(t, keys, "a")
 	if _, err := Start(Options{ListenAddr: "unix://" + dir + "/s", KeysFile: keys, ControlAddr: "10.1.2.3:80"}); err == nil {
 		t.Fatal("non-loopback control address accepted")
+	}
+}
+
+// The KMS v1 mode speaks v1beta1: Version, and Decrypt of what Encrypt wrapped; an API
+// version it does not serve is refused at start.
+func TestKMSv1Mode(t *testing.T) {
+	dir := t.TempDir()
+	keys := filepath.Join(dir, "keys.yaml")
+	if err := os.WriteFile(keys, []byte("keys:\n- {name: k1, secret: "+base64.StdEncoding.EncodeToString(make([]byte, 32))+"}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Start(Options{ListenAddr: "unix://" + filepath.Join(dir, "x.sock"), KeysFile: keys, APIVersion: "v3"}); err == nil {
+		t.Fatal("API version v3 served")
+	}
+	s, err := Start(Options{ListenAddr: "unix://" + filepath.Join(dir, "v1.sock"), KeysFile: keys, APIVersion: APIVersionV1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Stop()
+	conn, err := grpc.NewClient("unix://"+filepath.Join(dir, "v1.sock"), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	api := kmsv1api.NewKeyManagementServiceClient(conn)
+	ctx := context.Background()
+	v, err := api.Version(ctx, &kmsv1api.VersionRequest{Version: "v1beta1"})
+	if err != nil || v.Version != "v1beta1" {
+		t.Fatalf("Version: %v %v", v, err)
+	}
+	enc, err := api.Encrypt(ctx, &kmsv1api.EncryptRequest{Version: "v1beta1", Plain: []byte("dek")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dec, err := api.Decrypt(ctx, &kmsv1api.DecryptRequest{Version: "v1beta1", Cipher: enc.Cipher})
+	if err != nil || string(dec.Plain) != "dek" {
+		t.Fatalf("Decrypt: %v %v", dec, err)
+	}
+	enc.Cipher[len(enc.Cipher)-1] ^= 1
+	if _, err := api.Decrypt(ctx, &kmsv1api.DecryptRequest{Version: "v1beta1", Cipher: enc.Cipher}); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("Decrypt of a corrupted ciphertext: %v", err)
 	}
 }

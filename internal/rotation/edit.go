@@ -437,7 +437,8 @@ func (f *File) names() (keys, kms []string) {
 			switch {
 			case isLocal(k.Provider):
 				keys = append(keys, k.Name)
-			case k.Provider == transformers.ProviderKMSv2:
+			case k.Provider == transformers.ProviderKMSv2 || k.Provider == transformers.ProviderKMSv1:
+				// KMS v1 names count too: upstream wants every KMS provider name unique.
 				kms = append(kms, k.Name)
 			}
 		}

@@ -33,6 +33,9 @@ func TestEveryConsumerSeesTheSameChain(t *testing.T) {
 	configs["kms"] = compatconfigs.ConfigFor("secrets, '*.apps'", "identity") +
 		"  - resources: [secrets]\n    providers:\n" + vault + compatconfigs.ProviderYAML["aesgcm"] +
 		"  - resources: ['*.*']\n    providers:\n" + strings.ReplaceAll(vault, "vault", "hsm")
+	// KMS v1 is read behind a writer, never written.
+	configs["kmsv1"] = compatconfigs.ConfigFor("secrets, '*.apps'", "aesgcm") + "      - kms: {name: old, endpoint: 'unix:///tmp/old.sock'}\n" +
+		"  - resources: ['*.*']\n    providers:\n" + compatconfigs.ProviderYAML["secretbox"] + "      - kms: {name: older, endpoint: 'unix:///tmp/older.sock'}\n"
 	queries := []string{"secrets", "configmaps", "pods", "deployments.apps", "*.apps", "jobs.batch", "*.batch", "*.", "*.*"}
 
 	ctx := context.Background()

@@ -38,6 +38,11 @@ type tableCase struct {
 	wantErr string
 	// reload selects upstream's reload validation (KMS v1 names must be unique too).
 	reload bool
+	// rekeyDiffers marks a case where rekey's rule is not upstream's (KMS v1, which
+	// upstream refuses with its feature gate off and rekey reads): wantErr is then only
+	// upstream's, and rekeyErr is the fragment our error must contain ("" means valid).
+	rekeyDiffers bool
+	rekeyErr     string
 }
 
 // validationTable covers every rule of upstream's decoding and validation
@@ -108,7 +113,10 @@ var validationTable = []tableCase{
 	{name: "kms v2 with cachesize", data: doc("  - resources: [secrets]\n    providers:\n" + kmsV2("cs", "          cachesize: 10\n")), wantErr: "cachesize is not supported in v2"},
 	{name: "kms v3", data: doc("  - resources: [secrets]\n    providers:\n      - kms:\n          apiVersion: v3\n          name: v3\n          endpoint: unix:///tmp/x.sock\n"), wantErr: "unsupported apiVersion apiVersion for KMS provider, only v1 and v2 are supported"},
 	{name: "kms v1 zero cachesize", data: doc("  - resources: [secrets]\n    providers:\n      - kms:\n          name: v1zero\n          endpoint: unix:///tmp/x.sock\n          cachesize: 0\n"), wantErr: "cachesize should be a positive value, or negative to disable"},
-	{name: "kms v1 is deprecated (feature gate off)", data: doc("  - resources: [secrets]\n    providers:\n      - kms:\n          name: v1\n          endpoint: unix:///tmp/x.sock\n"), wantErr: "KMSv1 is deprecated and will only receive security updates going forward"},
+	{name: "kms v1 is deprecated (feature gate off)", data: doc("  - resources: [secrets]\n    providers:\n      - kms:\n          name: v1\n          endpoint: unix:///tmp/x.sock\n"), wantErr: "KMSv1 is deprecated and will only receive security updates going forward",
+		rekeyDiffers: true, rekeyErr: config.KMSv1ReadOnlyError},
+	{name: "kms v1 behind a writer (feature gate off)", data: doc("  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys: [{name: k, secret: " + key32 + "}]\n      - kms:\n          name: v1behind\n          endpoint: unix:///tmp/x.sock\n"), wantErr: "KMSv1 is deprecated and will only receive security updates going forward",
+		rekeyDiffers: true},
 	{name: "kms v1 duplicate names with reload", reload: true, data: doc("  - resources: [secrets]\n    providers:\n      - kms:\n          name: v1dup\n          endpoint: unix:///tmp/x.sock\n      - kms:\n          name: v1dup\n          endpoint: unix:///tmp/x.sock\n"), wantErr: "duplicate KMS provider name v1dup, names must be unique"},
 
 	// --- wildcard masking (upstream finds these while constructing transformers) ---
@@ -135,6 +143,20 @@ func TestValidationMatchesUpstream(t *testing.T) {
 			defer cancel()
 			_, upErr := encryptionconfig.LoadEncryptionConfig(ctx, path, tc.reload, "compat-test")
 			cfg, ourErr := config.Load(path, config.Options{Reload: tc.reload})
+			if tc.rekeyDiffers {
+				if upErr == nil || !strings.Contains(upErr.Error(), tc.wantErr) {
+					t.Fatalf("upstream's error %v does not contain %q (fix the table)", upErr, tc.wantErr)
+				}
+				switch {
+				case tc.rekeyErr == "" && ourErr != nil:
+					t.Fatalf("rekey refused a configuration it reads: %v", ourErr)
+				case tc.rekeyErr != "" && (ourErr == nil || !strings.Contains(ourErr.Error(), tc.rekeyErr)):
+					t.Fatalf("rekey's error %v does not contain %q", ourErr, tc.rekeyErr)
+				case ourErr != nil && strings.Contains(ourErr.Error(), "--feature-gates"):
+					t.Fatalf("rekey's error %q points to a feature gate", ourErr)
+				}
+				return
+			}
 
 			if tc.wantErr == "" {
 				if upErr != nil {

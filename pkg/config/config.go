@@ -1,7 +1,8 @@
 // Package config reads, hashes, strictly decodes, defaults and validates an
 // EncryptionConfiguration file exactly as kube-apiserver does, using the types and
 // validation from k8s.io/apiserver, and additionally rejects at validation time what
-// upstream only discovers while building transformers (masked wildcard rules, KMS v1).
+// upstream only discovers while building transformers (masked wildcard rules) and what
+// rekey does not do (write with KMS v1: it only reads KMS v1 values).
 //
 // Nothing in this package prints key material: errors carry the file name, the field
 // path or line and what is wrong, never a value from under `providers` (see redact.go).
@@ -27,15 +28,12 @@ import (
 // HashPrefix starts every content hash, as in upstream's last_config_info metric.
 const HashPrefix = "sha256:"
 
-// KMSv1DeprecatedError is the text upstream returns when a KMS v1 provider is configured
-// while the KMSv1 feature gate is off (its default since Kubernetes 1.29). rekey does not
-// build KMS v1 providers, so such a config is rejected at validation time with these words.
-const KMSv1DeprecatedError = "KMSv1 is deprecated and will only receive security updates going forward. Use KMSv2 instead.  Set --feature-gates=KMSv1=true to use the deprecated KMSv1 feature."
-
-// KMSv1UnsupportedError is for binaries that also accept kube-apiserver's --feature-gates
-// (dist/kube-apiserver): there upstream's words would send the operator to a KMSv1 gate
-// that does not bring KMS v1 back, because rekey has no KMS v1 provider at all.
-const KMSv1UnsupportedError = "KMS v1 is not supported by this apiserver's encryption layer (rekey), whatever --feature-gates says. Use a KMS v2 plugin (apiVersion: v2)."
+// KMSv1ReadOnlyError is why a KMS v1 provider may not be first in a resource's
+// providers. rekey reads KMS v1 values, so clusters created before KMS v2 can migrate
+// off it, and never writes them. Upstream's refusal (KMSv1 feature gate off) sends the
+// operator to --feature-gates=KMSv1=true, which no rekey binary has or needs; these
+// words say what to do instead.
+const KMSv1ReadOnlyError = "KMS v1 can only be read: put a KMS v2 provider (apiVersion: v2) or a local key (aesgcm, aescbc, secretbox) first, keep the KMS v1 provider after it so existing values stay readable, then run `rekey rotate` or `rekey migrate` to move its values to the new key"
 
 // Config is a loaded, defaulted and validated encryption configuration.
 type Config struct {
@@ -52,9 +50,6 @@ type Options struct {
 	// Reload mirrors upstream's reload argument: when true, KMS v1 provider names must be
 	// unique too (v2 names always must be). An agent that reloads passes true.
 	Reload bool
-	// KMSv1Error is the text a KMS v1 provider is rejected with; empty means upstream's
-	// (KMSv1DeprecatedError).
-	KMSv1Error string
 }
 
 // decoder is immutable after construction; it is built once because building a scheme is
@@ -166,7 +161,7 @@ func Parse(data []byte, source string, opts Options) (*Config, error) {
 	if len(errs) == 0 {
 		// The checks below assume a structurally valid config (parsable resource names).
 		errs = append(errs, validateMasking(enc)...)
-		errs = append(errs, validateNoKMSv1(enc, opts.KMSv1Error)...)
+		errs = append(errs, validateKMSv1ReadOnly(enc)...)
 	}
 	if len(errs) > 0 {
 		return nil, fmt.Errorf("invalid encryption provider configuration file %q: %w", source, redactErrors(errs).ToAggregate())
@@ -203,17 +198,23 @@ func validateMasking(c *apiserver.EncryptionConfiguration) field.ErrorList {
 	return errs
 }
 
-func validateNoKMSv1(c *apiserver.EncryptionConfiguration, msg string) field.ErrorList {
-	if msg == "" {
-		msg = KMSv1DeprecatedError
-	}
+// validateKMSv1ReadOnly reports a KMS v1 provider in the write position: first in the
+// providers of the first entry that names a resource (a later entry naming the same
+// resource only appends readers). Behind a provider that writes it is valid: rekey
+// reads it.
+func validateKMSv1ReadOnly(c *apiserver.EncryptionConfiguration) field.ErrorList {
 	var errs field.ErrorList
+	named := map[schema.GroupResource]bool{}
 	for i, rc := range c.Resources {
-		for j, p := range rc.Providers {
-			if p.KMS != nil && p.KMS.APIVersion == "v1" {
-				path := field.NewPath("resources").Index(i).Child("providers").Index(j).Child("kms", "apiVersion")
-				errs = append(errs, field.Invalid(path, p.KMS.APIVersion, msg))
-			}
+		writes := false
+		for _, r := range rc.Resources {
+			gr := schema.ParseGroupResource(r)
+			writes = writes || !named[gr]
+			named[gr] = true
+		}
+		if writes && len(rc.Providers) > 0 && rc.Providers[0].KMS != nil && rc.Providers[0].KMS.APIVersion == "v1" {
+			path := field.NewPath("resources").Index(i).Child("providers").Index(0).Child("kms", "apiVersion")
+			errs = append(errs, field.Invalid(path, "v1", KMSv1ReadOnlyError))
 		}
 	}
 	return errs

@@ -35,7 +35,11 @@ func TestCheckChange(t *testing.T) {
 		k2  = "k8s:enc:aesgcm:v1:key2:"
 		cbc = "k8s:enc:aescbc:v1:old:"
 		kms = "k8s:enc:kms:v2:plug:"
+		v1  = "k8s:enc:kms:v1:old:"
 	)
+	kmsv1YAML := func(endpoint string) string {
+		return "      - kms: {name: old, endpoint: '" + endpoint + "'}\n"
+	}
 	kmsYAML := func(name string) string {
 		return "      - kms: {apiVersion: v2, name: " + name + ", endpoint: unix:///tmp/x.sock}\n"
 	}
@@ -97,6 +101,29 @@ func TestCheckChange(t *testing.T) {
 				return inv
 			}(),
 			want: []string{`kms provider "plug2"`},
+		},
+		{
+			name: "drop a kms v1 provider that still holds objects",
+			cur:  enctest.ConfigYAML("secrets", "aesgcm:key1") + kmsv1YAML("unix:///tmp/v1.sock"), next: enctest.ConfigYAML("secrets", "aesgcm:key1"),
+			inv:  guardInventory(k1, map[string]int64{v1: 12, k1: 3}),
+			want: []string{`secrets: 12 objects are stored under kms v1 provider "old"`},
+		},
+		{
+			name: "drop a kms v1 provider after its values were migrated",
+			cur:  enctest.ConfigYAML("secrets", "aesgcm:key1") + kmsv1YAML("unix:///tmp/v1.sock"), next: enctest.ConfigYAML("secrets", "aesgcm:key1"),
+			inv: guardInventory(k1, map[string]int64{v1: 0, k1: 15}),
+		},
+		{
+			// KMS v1 has no key id: another endpoint may be a plugin with another key.
+			name: "move a kms v1 provider to another endpoint while it holds objects",
+			cur:  enctest.ConfigYAML("secrets", "aesgcm:key1") + kmsv1YAML("unix:///tmp/v1.sock"), next: enctest.ConfigYAML("secrets", "aesgcm:key1") + kmsv1YAML("unix:///tmp/elsewhere.sock"),
+			inv:  guardInventory(k1, map[string]int64{v1: 4, k1: 1}),
+			want: []string{`4 objects are stored under kms v1 provider "old"`},
+		},
+		{
+			name: "kms v1 provider kept at its endpoint",
+			cur:  enctest.ConfigYAML("secrets", "aesgcm:key1") + kmsv1YAML("unix:///tmp/v1.sock"), next: enctest.ConfigYAML("secrets", "aesgcm:key2,key1") + kmsv1YAML("unix:///tmp/v1.sock"),
+			inv: guardInventory(k1, map[string]int64{v1: 4, k1: 1}),
 		},
 		{
 			name: "no inventory: every dropped key is refused",

@@ -85,9 +85,6 @@ type Options struct {
 	KMSSeedMaxAge    time.Duration
 	KMSSeedMaxWrites int64
 	KMSDEKCacheIdle  time.Duration
-	// KMSv1Error replaces the agent's words for a rejected KMS v1 provider (see
-	// reload.Options.KMSv1Error; empty keeps the default).
-	KMSv1Error string
 
 	// Etcd is how the layer's etcd client reaches etcd: the storage backend's flags.
 	// Required by New when Path is set.
@@ -174,7 +171,7 @@ func (o *Options) CheckFile() error {
 	if o.Path == "" {
 		return nil
 	}
-	_, err := config.Load(o.Path, config.Options{Reload: o.AutomaticReload, KMSv1Error: o.KMSv1Error})
+	_, err := config.Load(o.Path, config.Options{Reload: o.AutomaticReload})
 	return err
 }
 
@@ -280,7 +277,6 @@ func (l *Layer) agentOptions(running *runningRules) reload.Options {
 		},
 		Registry:    o.Registry,
 		APIServerID: o.APIServerID,
-		KMSv1Error:  o.KMSv1Error,
 		Logger:      o.Logger,
 		// The guard judges against what the agent writes with now (a write fence may
 		// hold the configuration's first key back), once the agent exists.

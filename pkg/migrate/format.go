@@ -43,6 +43,9 @@ func (b Bucket) Describe() string {
 			return fmt.Sprintf("kms provider %q key id %s", b.Key, b.KeyIDHash)
 		}
 		return fmt.Sprintf("kms provider %q (undecodable EncryptedObject)", b.Key)
+	case ProviderKMSv1:
+		// KMS v1 values carry no key id: the provider name is all they say.
+		return fmt.Sprintf("kms v1 provider %q", b.Key)
 	}
 	if b.Key == "" {
 		return fmt.Sprintf("%s with an unreadable key name (prefix %q)", b.Provider, b.Prefix)

@@ -13,6 +13,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/klog/v2/ktesting"
 
+	"github.com/rekey-io/rekey/internal/enctest"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -332,3 +333,52 @@ func currentRev(t testing.TB, cli *clientv3.Client) int64 {
 }
 
 func testLogger(t testing.TB) klog.Logger { return ktesting.NewLogger(t, ktesting.NewConfig()) }
+
+// TestMigrateKMSv1ToTheWriteKey: values a kube-apiserver wrote with KMS v1 (AES-GCM data,
+// and AES-CBC data of clusters before 1.25) are counted stale under a configuration
+// that keeps the v1 provider behind a new write key, and migration rewrites every one
+// of them under the write key.
+func TestMigrateKMSv1ToTheWriteKey(t *testing.T) {
+	ctx := context.Background()
+	cli := startEtcd(t)
+	plugin := enctest.StartKMSv1(t, "kek1")
+	prefix := ResourceFor(DefaultEtcdPrefix, secrets).KeyPrefix
+	gcmKeys := enctest.WriteObjectsWith(t, cli, enctest.UpstreamKMSv1(t, plugin.Endpoint(), "old", false), prefix+"gcm-", 40)
+	cbcKeys := enctest.WriteObjectsWith(t, cli, enctest.UpstreamKMSv1(t, plugin.Endpoint(), "old", true), prefix+"cbc-", 20)
+
+	cfg := mustConfig(t, configYAML("secrets, configmaps", "aesgcm:key2")+plugin.ProviderYAML("old"))
+	next := mustSet(t, cfg)
+	inv, err := TakeInventory(ctx, InventoryOptions{Client: cli, Source: FromSet(next), Resources: testResources(), ConfigHash: cfg.Hash})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := inv.Find("secrets")
+	if n := bucketCount(s, "k8s:enc:kms:v1:old:", true); n != 60 || inv.TotalStale() != 60 {
+		t.Fatalf("inventory: %d stale KMS v1 values (total stale %d), want 60: %+v", n, inv.TotalStale(), s.Buckets)
+	}
+	for _, b := range s.Buckets {
+		if b.Provider == ProviderKMSv1 && (!b.KnownKey || b.Describe() != `kms v1 provider "old"`) {
+			t.Fatalf("KMS v1 bucket %+v (%q)", b, b.Describe())
+		}
+	}
+
+	store := &InventoryStore{}
+	res, err := Migrate(ctx, Options{Client: cli, Source: FromSet(next), Resources: testResources(), Inventory: store, ConfigHash: cfg.Hash})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Rewritten != 60 || res.Unreadable != 0 {
+		t.Fatalf("result = %+v, want 60 rewritten", res)
+	}
+	// Readable without the v1 provider: nothing is left under it.
+	_, writer := setFor(t, "secrets, configmaps", "aesgcm:key2")
+	for _, k := range append(gcmKeys, cbcKeys...) {
+		plain, stale, _ := readPlain(t, cli, writer, secrets, k)
+		if stale || !bytes.Equal(plain, plaintextFor(k, 0)) {
+			t.Fatalf("%s: stale=%v plaintext changed=%v", k, stale, !bytes.Equal(plain, plaintextFor(k, 0)))
+		}
+	}
+	if inv := store.Latest(); inv == nil || inv.TotalStale() != 0 {
+		t.Fatalf("verifying inventory = %+v", inv)
+	}
+}

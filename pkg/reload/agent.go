@@ -93,9 +93,6 @@ type Options struct {
 	Registry metrics.KubeRegistry
 	// APIServerID is hashed into the metrics' apiserver_id_hash label.
 	APIServerID string
-	// KMSv1Error replaces upstream's words for a rejected KMS v1 provider; see
-	// config.Options.KMSv1Error.
-	KMSv1Error string
 	// Logger defaults to klog's background logger.
 	Logger klog.Logger
 	// Clock defaults to the real clock.
@@ -230,7 +227,7 @@ func NewAgent(ctx context.Context, opts Options) (*Agent, error) {
 	}
 	a.closeCtx, a.closeCancel = context.WithCancel(context.Background())
 
-	cfg, err := config.Load(opts.Path, config.Options{Reload: opts.AutomaticReload, KMSv1Error: opts.KMSv1Error})
+	cfg, err := config.Load(opts.Path, config.Options{Reload: opts.AutomaticReload})
 	if err != nil {
 		a.closeCancel()
 		return nil, err
@@ -330,7 +327,7 @@ func (a *Agent) reloadOnce(ctx context.Context) (string, error) {
 		a.log.V(4).Info("Encryption provider configuration unchanged", "hash", hash)
 		return hash, nil
 	}
-	cfg, err := config.Parse(data, a.opts.Path, config.Options{Reload: true, KMSv1Error: a.opts.KMSv1Error})
+	cfg, err := config.Parse(data, a.opts.Path, config.Options{Reload: true})
 	if err != nil {
 		return hash, a.fail(ctx, hash, err)
 	}

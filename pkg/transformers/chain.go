@@ -189,14 +189,14 @@ func describe(s Sealer) (provider, key string) { return SplitPrefix(string(s.Pre
 
 // outerPrefixLabel is the transformer_prefix label upstream records: the provider prefix
 // without the key name for local providers (k8s:enc:aesgcm:v1:), the full prefix for KMS
-// (k8s:enc:kms:v2:<name>:), "identity" for identity.
+// (k8s:enc:kms:v2:<name>:, k8s:enc:kms:v1:<name>:), "identity" for identity.
 func outerPrefixLabel(s Sealer) string {
 	p := string(s.Prefix())
 	if p == "" {
 		return ProviderIdentity
 	}
 	provider, _ := describe(s)
-	if provider == ProviderKMSv2 {
+	if provider == ProviderKMSv2 || provider == ProviderKMSv1 {
 		return p
 	}
 	return fmt.Sprintf("k8s:enc:%s:v1:", provider)

@@ -38,6 +38,25 @@ func (p pair) our(gr schema.GroupResource) value.Transformer { return p.ours.Tra
 
 func loadPair(t testing.TB, name, yaml string) pair {
 	t.Helper()
+	path, up := loadUpstreamFile(t, name, yaml)
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	cfg, err := config.Load(path, config.Options{})
+	if err != nil {
+		t.Fatalf("%s: config: %v", name, err)
+	}
+	set, err := transformers.Build(ctx, cfg, transformers.Options{})
+	if err != nil {
+		t.Fatalf("%s: build: %v", name, err)
+	}
+	t.Cleanup(set.Close)
+	return pair{name: name, upstream: up, ours: set}
+}
+
+// loadUpstreamFile writes yaml to a file and loads it with kube-apiserver's loader; the
+// transformers stop with the test.
+func loadUpstreamFile(t testing.TB, name, yaml string) (string, encryptionconfig.StaticTransformers) {
+	t.Helper()
 	path := filepath.Join(t.TempDir(), "config.yaml")
 	if err := os.WriteFile(path, []byte(yaml), 0o600); err != nil {
 		t.Fatal(err)
@@ -48,16 +67,7 @@ func loadPair(t testing.TB, name, yaml string) pair {
 	if err != nil {
 		t.Fatalf("%s: upstream: %v", name, err)
 	}
-	cfg, err := config.Load(path, config.Options{})
-	if err != nil {
-		t.Fatalf("%s: config: %v", name, err)
-	}
-	set, err := transformers.Build(ctx, cfg, transformers.Options{})
-	if err != nil {
-		t.Fatalf("%s: build: %v", name, err)
-	}
-	t.Cleanup(set.Close)
-	return pair{name: name, upstream: up.Transformers, ours: set}
+	return path, up.Transformers
 }
 
 var secrets = schema.GroupResource{Resource: "secrets"}

@@ -110,13 +110,14 @@ func ByResource[T any](entries []Entry[T]) (rules map[schema.GroupResource][]T, 
 // ConfigKey is one read path of a rule as the configuration states it: a key, identity
 // or a KMS provider. It holds no key material.
 type ConfigKey struct {
-	// Provider is identity, aesgcm, aescbc, secretbox or kms (v2).
+	// Provider is identity, aesgcm, aescbc, secretbox, kms (v2) or kmsv1 (read only).
 	Provider string
 	// Name is the key name or the KMS provider name.
 	Name string
 	// Prefix is the stored prefix of the values it writes ("" for identity).
 	Prefix string
-	// Fingerprint is KeyFingerprint of a local key's secret; zero for identity and KMS.
+	// Fingerprint is KeyFingerprint of a local key's secret, KMSv1Fingerprint of a KMS v1
+	// provider; zero for identity and KMS v2.
 	Fingerprint [32]byte
 	// Endpoint is a KMS provider's plugin endpoint, Timeout its call timeout.
 	Endpoint string
@@ -173,7 +174,9 @@ func describeProvider(p apiserver.ProviderConfiguration) []ConfigKey {
 		return local(ProviderAESCBC, AESCBCPrefix, p.AESCBC.Keys)
 	case p.Secretbox != nil:
 		return local(ProviderSecretbox, SecretboxPrefix, p.Secretbox.Keys)
-	case p.KMS != nil: // always v2: config validation rejects KMS v1
+	case p.KMS != nil && p.KMS.APIVersion == KMSv1APIVersion:
+		return []ConfigKey{{Provider: ProviderKMSv1, Name: p.KMS.Name, Prefix: KeyPrefix(KMSv1Prefix, p.KMS.Name), Endpoint: p.KMS.Endpoint, Fingerprint: KMSv1Fingerprint(p.KMS.Name, p.KMS.Endpoint)}}
+	case p.KMS != nil:
 		return []ConfigKey{{Provider: ProviderKMSv2, Name: p.KMS.Name, Prefix: KeyPrefix(KMSv2Prefix, p.KMS.Name), Endpoint: p.KMS.Endpoint, Timeout: config.KMSTimeout(p.KMS)}}
 	}
 	return nil
@@ -210,6 +213,18 @@ const checkValueSize = 8
 // is not key material.
 func CheckValue(providerPrefix string, secret []byte) string {
 	return checkOf(KeyFingerprint(providerPrefix, secret))
+}
+
+// KMSv1Fingerprint identifies a KMS v1 provider's key by its name and endpoint, the
+// way KeyFingerprint identifies a local key by its secret. KMS v1 has no key id: the
+// plugin never says which key-encryption key it holds, and the stored prefix names
+// only the provider. The name says which values it reads; the endpoint says which
+// plugin unwraps their DEKs. Two configurations naming one provider at two endpoints
+// may reach two plugins with different keys, and nothing can prove otherwise, so they
+// are different keys (the guard then refuses to move values' provider to a plugin that
+// may not decrypt them). Neither part is secret.
+func KMSv1Fingerprint(name, endpoint string) [32]byte {
+	return KeyFingerprint(KMSv1Prefix, []byte(name+"\x00"+endpoint))
 }
 
 func checkOf(fp [32]byte) string { return hex.EncodeToString(fp[:checkValueSize]) }

@@ -15,7 +15,11 @@ import (
 	"k8s.io/apiserver/pkg/storage/value"
 
 	"github.com/rekey-io/rekey/pkg/transformers/internal/aescbc"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv1"
 )
+
+// KMSv1APIVersion is the `apiVersion` of a KMS v1 provider in the configuration.
+const KMSv1APIVersion = "v1"
 
 // Stored prefixes of the local providers, as kube-apiserver writes them.
 const (
@@ -23,6 +27,8 @@ const (
 	AESCBCPrefix    = "k8s:enc:aescbc:v1:"
 	SecretboxPrefix = "k8s:enc:secretbox:v1:"
 	KMSv2Prefix     = "k8s:enc:kms:v2:"
+	// KMSv1Prefix is only ever read: rekey never writes KMS v1 values.
+	KMSv1Prefix = kmsv1.Prefix
 	// EncryptedMarker starts every encrypted value; identity refuses to read such data.
 	EncryptedMarker = "k8s:enc:"
 )
@@ -36,7 +42,7 @@ const (
 )
 
 var (
-	errShortData         = errors.New("the stored data was shorter than the required size")
+	errShortData         = aescbc.ErrShortData
 	errIdentityEncrypted = errors.New("identity transformer tried to read encrypted data")
 )
 
@@ -206,29 +212,8 @@ func (c *cbcSealer) Seal(_ context.Context, plaintext []byte, _ value.Context) (
 }
 
 func (c *cbcSealer) Open(_ context.Context, data []byte, _ value.Context) ([]byte, bool, error) {
-	if len(data) < cbcIVSize {
-		return nil, false, errShortData
-	}
-	body := data[cbcIVSize:]
-	if len(body)%aes.BlockSize != 0 {
-		return nil, false, errors.New("the stored data is not a multiple of the block size")
-	}
-	if len(body) == 0 {
-		// Upstream panics here (index out of range); an IV with no ciphertext is simply corrupt.
-		return nil, false, errors.New("invalid PKCS7 data (empty or not padded)")
-	}
-	out := make([]byte, len(body))
-	c.cbc.Decrypt(data[:cbcIVSize], out, body)
-	pad := int(out[len(out)-1])
-	if pad == 0 || pad > aes.BlockSize || pad > len(out) {
-		return nil, false, errors.New("invalid PKCS7 data (empty or not padded)")
-	}
-	for _, b := range out[len(out)-pad:] {
-		if int(b) != pad {
-			return nil, false, errors.New("invalid padding on input (wrong key or corrupted value)")
-		}
-	}
-	return out[:len(out)-pad], false, nil
+	out, err := c.cbc.Open(data)
+	return out, false, err
 }
 
 // ---- secretbox ----

@@ -21,6 +21,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv1"
 )
 
 // Options are the dependencies a Set is built with. Everything is passed in; nothing is
@@ -79,6 +80,8 @@ type Set struct {
 	// fallback serves resources no rule names: identity that refuses encrypted data.
 	fallback *Chain
 	kms      []KMSProvider
+	// kmsv1 are the KMS v1 readers, closed with the KMS v2 providers.
+	kmsv1 []*kmsv1.Provider
 
 	// shared holds the KMS providers for every Set derived from one Build (WithWriters):
 	// they are closed when the last of those Sets is closed.
@@ -93,7 +96,7 @@ type sharedProviders struct {
 }
 
 // Build constructs a Set from a configuration that config.Load or config.Parse validated
-// (so every kms provider is KMS v2). On error every provider already started is closed.
+// (so no KMS v1 provider writes). On error every provider already started is closed.
 func Build(ctx context.Context, cfg *config.Config, opts Options) (set *Set, err error) {
 	if cfg == nil || cfg.Encryption == nil {
 		return nil, errors.New("transformers: no configuration to build from")
@@ -142,7 +145,14 @@ func (s *Set) buildProvider(ctx context.Context, p apiserver.ProviderConfigurati
 		return newAESCBCSealers(p.AESCBC.Keys)
 	case p.Secretbox != nil:
 		return newSecretboxSealers(p.Secretbox.Keys)
-	case p.KMS != nil: // always v2: config validation rejects KMS v1
+	case p.KMS != nil && p.KMS.APIVersion == KMSv1APIVersion:
+		v1, err := kmsv1.New(p.KMS)
+		if err != nil {
+			return nil, err
+		}
+		s.kmsv1 = append(s.kmsv1, v1)
+		return []Sealer{kmsv1Sealer{Provider: v1, check: checkOf(KMSv1Fingerprint(p.KMS.Name, p.KMS.Endpoint))}}, nil
+	case p.KMS != nil:
 		if opts.KMS == nil {
 			return nil, fmt.Errorf("kms provider %q: this Set was built without a KMS v2 factory (set transformers.Options.KMS, e.g. to kmsv2.NewFactory)", p.KMS.Name)
 		}
@@ -195,6 +205,9 @@ func (s *Set) Close() {
 		for _, k := range s.kms {
 			k.Close()
 		}
+		for _, k := range s.kmsv1 {
+			k.Close()
+		}
 	})
 }
 
@@ -236,7 +249,7 @@ func (s *Set) WithWriters(writers map[string]Writer) (*Set, error) {
 	s.shared.refs++
 	s.shared.mu.Unlock()
 	d := &Set{hash: s.hash, rules: make(map[schema.GroupResource]*Chain, len(s.rules)), order: s.order,
-		fallback: s.fallback, kms: s.kms, shared: s.shared}
+		fallback: s.fallback, kms: s.kms, kmsv1: s.kmsv1, shared: s.shared}
 	for gr, c := range s.rules {
 		d.rules[gr] = c.withWriter(writers[c.resource])
 	}
@@ -257,7 +270,7 @@ type RuleInfo struct {
 	// Resource is the rule as written in the config (`secrets`, `*.apps`, `*.*`).
 	Resource string `json:"resource"`
 	// WriteProvider is the provider type that writes: identity, aesgcm, aescbc,
-	// secretbox or kms.
+	// secretbox or kms (never kmsv1: KMS v1 is only read).
 	WriteProvider string `json:"writeProvider"`
 	// WriteKey is the key name (aes*, secretbox) or the KMS provider name.
 	WriteKey string `json:"writeKey,omitempty"`
@@ -292,13 +305,15 @@ func (r RuleInfo) Writer() (k KeyInfo, ok bool) {
 
 // KeyInfo names one entry of a chain: a provider and key, never key material.
 type KeyInfo struct {
-	// Provider is identity, aesgcm, aescbc, secretbox or kms.
+	// Provider is identity, aesgcm, aescbc, secretbox, kms or kmsv1.
 	Provider string `json:"provider"`
 	// Key is the key name (aes*, secretbox) or the KMS provider name.
 	Key string `json:"key,omitempty"`
 	// Check is a local key's check value (CheckValue): equal secrets have equal check
 	// values, so two apiservers can tell whether a key of the same name is the same
-	// key. Empty for identity and KMS, and in records of rekey versions before it.
+	// key. For kmsv1 it is the check value of its endpoint (KMSv1Fingerprint): KMS v1
+	// has no key id, so name and endpoint are all that identify its key. Empty for
+	// identity and KMS v2, and in records of rekey versions before it.
 	Check string `json:"check,omitempty"`
 	// KeyIDHash is, for kms, "sha256:<hex>" of the key id the plugin reports now
 	// (empty until its first healthy Status).
@@ -346,7 +361,7 @@ func (k KeyInfo) Match(o KeyInfo) KeyMatch {
 	switch {
 	case !k.SameEntry(o):
 		return KeysDiffer
-	case !isLocal(k.Provider):
+	case !hasCheck(k.Provider):
 		return KeysSame
 	case k.Check == "" || o.Check == "":
 		return KeysUnverified
@@ -359,7 +374,16 @@ func (k KeyInfo) Match(o KeyInfo) KeyMatch {
 // SameKey reports whether k and o are provably the same key (Match is KeysSame).
 func (k KeyInfo) SameKey(o KeyInfo) bool { return k.Match(o) == KeysSame }
 
-// isLocal reports whether provider holds its secret in the configuration.
-func isLocal(provider string) bool {
-	return provider == ProviderAESGCM || provider == ProviderAESCBC || provider == ProviderSecretbox
+// hasCheck reports whether provider's keys are told apart by their check value: local
+// keys (the secret is in the configuration) and KMS v1 (its endpoint; it has no key id).
+func hasCheck(provider string) bool {
+	return provider == ProviderAESGCM || provider == ProviderAESCBC || provider == ProviderSecretbox || provider == ProviderKMSv1
 }
+
+// kmsv1Sealer is a KMS v1 reader in a chain, with the check value of its identity.
+type kmsv1Sealer struct {
+	*kmsv1.Provider
+	check string
+}
+
+func (k kmsv1Sealer) checkValue() string { return k.check }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -113,21 +114,13 @@ func TestWithWritersRefusal(t *testing.T) {
 // the cases apart.
 func TestCheckValues(t *testing.T) {
 	cfgFor := func(secret string) *config.Config {
-		cfg, err := config.Parse([]byte(`apiVersion: apiserver.config.k8s.io/v1
-kind: EncryptionConfiguration
-resources:
-- resources: ["secrets"]
-  providers:
+		return parseSecretsRule(t, `
   - aesgcm:
       keys:
       - name: k1
         secret: `+secret+`
   - identity: {}
-`), "test", config.Options{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return cfg
+`)
 	}
 	a := cfgFor("MTIzNDU2Nzg5MDEyMzQ1Ng==")
 	b := cfgFor("YWJjZGVmZ2hpamtsbW5vcA==")
@@ -163,4 +156,61 @@ resources:
 	if id := set.Rules()[0].ReadKeys[1]; id.Check != "" {
 		t.Errorf("identity has check value %q", id.Check)
 	}
+}
+
+// TestKMSv1Identity: a KMS v1 provider is described as a running Set reports it, read
+// only and never the writer, and identified by name and endpoint (it has no key id).
+func TestKMSv1Identity(t *testing.T) {
+	cfgFor := func(endpoint string) *config.Config {
+		return parseSecretsRule(t, `
+  - aesgcm:
+      keys:
+      - {name: k1, secret: MTIzNDU2Nzg5MDEyMzQ1Ng==}
+  - kms: {name: old, endpoint: "`+endpoint+`"}
+`)
+	}
+	a := cfgFor("unix:///tmp/kmsv1-a.sock")
+	set, err := transformers.Build(context.Background(), a, transformers.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer set.Close()
+	built, described := set.Rules(), transformers.DescribeRules(a)
+	if !reflect.DeepEqual(built, described) {
+		t.Fatalf("Set.Rules %+v\nDescribeRules %+v", built, described)
+	}
+	v1 := built[0].ReadKeys[1]
+	if v1.Provider != transformers.ProviderKMSv1 || v1.Key != "old" || v1.Check == "" || built[0].ReadPrefixes[1] != "k8s:enc:kms:v1:old:" {
+		t.Fatalf("KMS v1 entry %+v, prefix %q", v1, built[0].ReadPrefixes[1])
+	}
+	if w, _ := built[0].Writer(); w.Provider != transformers.ProviderAESGCM {
+		t.Fatalf("writer %+v", w)
+	}
+	moved := transformers.DescribeRules(cfgFor("unix:///tmp/kmsv1-b.sock"))[0].ReadKeys[1]
+	for _, c := range []struct {
+		a, b transformers.KeyInfo
+		want transformers.KeyMatch
+	}{
+		{v1, described[0].ReadKeys[1], transformers.KeysSame},
+		{v1, moved, transformers.KeysConflict},
+		{v1, transformers.KeyInfo{Provider: transformers.ProviderKMSv2, Key: "old"}, transformers.KeysDiffer},
+	} {
+		if got := c.a.Match(c.b); got != c.want {
+			t.Errorf("%+v.Match(%+v) = %d, want %d", c.a, c.b, got, c.want)
+		}
+	}
+	if p, k := transformers.SplitPrefix("k8s:enc:kms:v1:old:"); p != transformers.ProviderKMSv1 || k != "old" {
+		t.Errorf("SplitPrefix = %s, %s", p, k)
+	}
+}
+
+// parseSecretsRule parses a configuration with one rule for secrets whose providers
+// are providers (YAML list items, indented by two spaces).
+func parseSecretsRule(t *testing.T, providers string) *config.Config {
+	t.Helper()
+	cfg, err := config.Parse([]byte("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n- resources: [\"secrets\"]\n  providers:"+providers), "test", config.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cfg
 }

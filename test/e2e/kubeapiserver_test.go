@@ -478,8 +478,9 @@ func TestKubeAPIServerInteropWithUpstream(t *testing.T) {
 	}
 }
 
-// --version names the upstream version and rekey; a KMS v1 provider is refused with an
-// error that does not send the operator to the KMSv1 feature gate.
+// --version names the upstream version and rekey; a KMS v1 provider in the write
+// position is refused with an error that says how to keep it readable and does not send
+// the operator to the KMSv1 feature gate.
 func TestKubeAPIServerVersionAndKMSv1(t *testing.T) {
 	bins := kubeAPIServers(t)
 	out, err := exec.CommandContext(t.Context(), bins.Rekey, "--version").CombinedOutput()
@@ -505,7 +506,7 @@ func TestKubeAPIServerVersionAndKMSv1(t *testing.T) {
 	if err == nil {
 		t.Fatal("started with a KMS v1 provider")
 	}
-	if !strings.Contains(string(out), "KMS v1 is not supported") || strings.Contains(string(out), "--feature-gates=KMSv1=true to use") {
+	if !strings.Contains(string(out), "KMS v1 can only be read") || strings.Contains(string(out), "--feature-gates=KMSv1=true to use") {
 		t.Errorf("KMS v1 error: %s", tail(string(out), 2000))
 	}
 }

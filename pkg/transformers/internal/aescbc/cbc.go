@@ -9,6 +9,7 @@ import (
 	"crypto/aes"
 	"crypto/cipher"
 	"crypto/subtle"
+	"errors"
 	"fmt"
 )
 
@@ -64,4 +65,43 @@ func (c *Cipher) Decrypt(iv, dst, src []byte) {
 	if len(src) > BlockSize {
 		subtle.XORBytes(dst[BlockSize:len(src)], dst[BlockSize:len(src)], src[:len(src)-BlockSize])
 	}
+}
+
+// Errors of Open, in upstream's words (k8s.io/apiserver's aes CBC transformer), so a
+// value fails the same way whichever provider stores it.
+var (
+	ErrShortData    = errors.New("the stored data was shorter than the required size")
+	ErrBlockSize    = errors.New("the stored data is not a multiple of the block size")
+	ErrInvalidPKCS7 = errors.New("invalid PKCS7 data (empty or not padded)")
+	ErrPadding      = errors.New("invalid padding on input (wrong key or corrupted value)")
+)
+
+// Open decrypts data = IV(16) ‖ ciphertext and removes its PKCS#7 padding, the stored
+// form of upstream's CBC transformer (the aescbc provider, and the data of KMS v1
+// values written before Kubernetes 1.25). CBC has no MAC: a wrong key or a corrupted
+// value fails only when the garbage it decrypts to is not validly padded.
+func (c *Cipher) Open(data []byte) ([]byte, error) {
+	if len(data) < BlockSize {
+		return nil, ErrShortData
+	}
+	body := data[BlockSize:]
+	if len(body)%BlockSize != 0 {
+		return nil, ErrBlockSize
+	}
+	if len(body) == 0 {
+		// Upstream panics here (index out of range); an IV with no ciphertext is simply corrupt.
+		return nil, ErrInvalidPKCS7
+	}
+	out := make([]byte, len(body))
+	c.Decrypt(data[:BlockSize], out, body)
+	pad := int(out[len(out)-1])
+	if pad == 0 || pad > BlockSize || pad > len(out) {
+		return nil, ErrInvalidPKCS7
+	}
+	for _, b := range out[len(out)-pad:] {
+		if int(b) != pad {
+			return nil, ErrPadding
+		}
+	}
+	return out[:len(out)-pad], nil
 }

@@ -48,20 +48,20 @@ type Client struct {
 // keeps its leading '@' (Go's net package maps it to the abstract namespace).
 func ParseEndpoint(endpoint string) (string, error) {
 	if endpoint == "" {
-		return "", errors.New("kms v2 endpoint is empty; set it to unix:///path/to/plugin.sock")
+		return "", errors.New("kms endpoint is empty; set it to unix:///path/to/plugin.sock")
 	}
 	u, err := url.Parse(endpoint)
 	if err != nil {
-		return "", fmt.Errorf("kms v2 endpoint %q is not a URL (%v); use unix:///path/to/plugin.sock", endpoint, err)
+		return "", fmt.Errorf("kms endpoint %q is not a URL (%v); use unix:///path/to/plugin.sock", endpoint, err)
 	}
 	if u.Scheme != "unix" {
-		return "", fmt.Errorf("kms v2 endpoint %q has scheme %q; only unix:// sockets are supported", endpoint, u.Scheme)
+		return "", fmt.Errorf("kms endpoint %q has scheme %q; only unix:// sockets are supported", endpoint, u.Scheme)
 	}
 	if strings.HasPrefix(u.Path, "/@") {
 		return strings.TrimPrefix(u.Path, "/"), nil
 	}
 	if u.Path == "" {
-		return "", fmt.Errorf("kms v2 endpoint %q has no socket path", endpoint)
+		return "", fmt.Errorf("kms endpoint %q has no socket path", endpoint)
 	}
 	return u.Path, nil
 }
@@ -69,12 +69,24 @@ func ParseEndpoint(endpoint string) (string, error) {
 // New creates a client for endpoint. It does not connect; the first call does.
 // timeout bounds each call (the config's `timeout`); rec may be nil.
 func New(endpoint string, timeout time.Duration, rec LatencyRecorder) (*Client, error) {
-	addr, err := ParseEndpoint(endpoint)
+	if timeout <= 0 {
+		timeout = config.DefaultKMSTimeout
+	}
+	conn, addr, err := Dial(endpoint, timeout, rec)
 	if err != nil {
 		return nil, err
 	}
-	if timeout <= 0 {
-		timeout = config.DefaultKMSTimeout
+	return &Client{conn: conn, api: kmsapi.NewKeyManagementServiceClient(conn), timeout: timeout, addr: addr}, nil
+}
+
+// Dial is the gRPC connection of a KMS plugin at endpoint, of either API version: it
+// does not connect (the first call does), waits for the plugin up to each call's
+// deadline, and reconnects within a second of a plugin restart. timeout is the call
+// timeout; rec, when set, observes every call. addr is the socket address.
+func Dial(endpoint string, timeout time.Duration, rec LatencyRecorder) (conn *grpc.ClientConn, addr string, err error) {
+	addr, err = ParseEndpoint(endpoint)
+	if err != nil {
+		return nil, "", err
 	}
 	opts := []grpc.DialOption{
 		grpc.WithAuthority("localhost"),
@@ -100,11 +112,11 @@ func New(endpoint string, timeout time.Duration, rec LatencyRecorder) (*Client, 
 			return err
 		}))
 	}
-	conn, err := grpc.NewClient("passthrough:///localhost", opts...)
+	conn, err = grpc.NewClient("passthrough:///localhost", opts...)
 	if err != nil {
-		return nil, fmt.Errorf("kms v2: cannot create a gRPC client for %s: %w", endpoint, err)
+		return nil, "", fmt.Errorf("kms: cannot create a gRPC client for %s: %w", endpoint, err)
 	}
-	return &Client{conn: conn, api: kmsapi.NewKeyManagementServiceClient(conn), timeout: timeout, addr: addr}, nil
+	return conn, addr, nil
 }
 
 // Close closes the connection; calls in flight fail with codes.Canceled.
