@@ -204,6 +204,7 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 	tr := opts.Source.TransformerFor(res.GroupResource)
 	ri := &ResourceInventory{Resource: res.String(), KeyPrefix: res.KeyPrefix, WritePrefix: cl.target.Prefix, WriteKeyIDHash: cl.target.KeyIDHash}
 	counts := map[Bucket]*Count{}
+	unreadableSample := map[Bucket]bool{}
 	bound := newBucketBound(cl)
 	p := newPager(opts.Client, res, "", opts.PageSize, true).withPageBytes(opts.PageBytes)
 	var results []checkResult
@@ -251,8 +252,11 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 			}
 			c.Objects++
 			c.Bytes += int64(len(kv.Value))
-			if c.SampleKey == "" && b.Provider == ProviderKMSv2 && b.KeyIDHash != "" {
+			if b.Provider == ProviderKMSv2 && b.KeyIDHash != "" && (c.SampleKey == "" || unreadableSample[b] && !unreadable) {
+				// A readable sample is preferred: an unreadable one (acknowledged, say)
+				// would make the decrypt guard blame a plugin for what no plugin reads.
 				c.SampleKey = string(kv.Key)
+				unreadableSample[b] = unreadable
 			}
 			ri.Objects++
 			if b.Stale && !unreadable {
