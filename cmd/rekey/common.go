@@ -29,6 +29,9 @@ type common struct {
 	pageSize   int64
 	kmsWait    time.Duration
 	timeout    time.Duration
+	// acknowledgedUnder is the coordination prefix whose acknowledged unreadable objects
+	// an inventory counts apart ("" counts none).
+	acknowledgedUnder string
 }
 
 // addEtcdFlags adds how to reach etcd: the flags every command has, with
@@ -212,7 +215,7 @@ func (c *common) inventory(ctx context.Context, cli *clientv3.Client, l *loaded,
 	}
 	inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{
 		Client: cli, Source: migrate.FromSet(l.set), Resources: res, PageSize: c.pageSize,
-		DecryptCheck: decryptCheck, ConfigHash: l.cfg.Hash,
+		DecryptCheck: decryptCheck, ConfigHash: l.cfg.Hash, CoordinationPrefix: c.acknowledgedUnder,
 	})
 	return inv, res, err
 }
