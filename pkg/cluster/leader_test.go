@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/cockroachdb/datadriven"
+
+	"github.com/rekey-io/rekey/pkg/migrate"
 )
 
 // TestLeaderTranscripts steps the migration leader through testdata/leader*.txt.
@@ -160,4 +162,26 @@ func durationArgNamed(t *testing.T, d *datadriven.TestData, name string) time.Du
 		d.Fatalf(t, "%s: %s: %v", d.Cmd, name, err)
 	}
 	return v
+}
+
+// TestInventoryEventsLeaveAcknowledgedObjectsOut: acknowledged unreadable objects stay
+// where they are, so they never count as objects off the target, and the event carries
+// the inventory's etcd revision.
+func TestInventoryEventsLeaveAcknowledgedObjectsOut(t *testing.T) {
+	inv := &migrate.Inventory{Resources: []migrate.ResourceInventory{{Resource: "secrets", Revision: 42, Buckets: []migrate.Count{
+		{Bucket: migrate.Bucket{Provider: "aesgcm", Key: "k2"}, Objects: 10},
+		{Bucket: migrate.Bucket{Provider: "aesgcm", Key: "k1"}, Objects: 1, Unreadable: 1, Acknowledged: 1},
+		{Bucket: migrate.Bucket{Provider: "aesgcm", Key: "k0"}, Objects: 3, Unreadable: 2, Acknowledged: 1},
+	}}}}
+	evs := inventoryEvents(inv)
+	if len(evs) != 1 {
+		t.Fatalf("events = %v", evs)
+	}
+	ev := evs[0].(inventoryTaken)
+	if ev.Revision != 42 {
+		t.Fatalf("revision = %d, want 42", ev.Revision)
+	}
+	if n := offTarget(ev, Key{Provider: "aesgcm", Key: "k2"}); n != 2 {
+		t.Fatalf("off target = %d, want the 2 objects under k0 that are not acknowledged", n)
+	}
 }
