@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"strings"
 	"testing"
@@ -11,9 +10,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/enctest"
 	"github.com/rekey-io/rekey/internal/etcdtest"
-	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/migrate"
-	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // TestAcknowledgeUnreadableFlags drives rekey inventory and rekey migrate's
@@ -86,14 +83,6 @@ func TestAcknowledgeUnreadableFlags(t *testing.T) {
 // plaintext is a Kubernetes object, so a migration rewrites them.
 func seedObjects(t *testing.T, cli *clientv3.Client, cfgPath string, n int) {
 	t.Helper()
-	cfg, err := config.Load(cfgPath, config.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	set, err := transformers.Build(context.Background(), cfg, transformers.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer set.Close()
+	set := loadSet(t, cfgPath)
 	enctest.WriteObjects(t, cli, set, schema.GroupResource{Resource: "secrets"}, "/registry/secrets/", n)
 }
