@@ -30,6 +30,9 @@ type common struct {
 	pageSize   int64
 	kmsWait    time.Duration
 	timeout    time.Duration
+	// acknowledgedUnder is the coordination prefix whose acknowledged unreadable objects
+	// an inventory counts apart ("" counts none).
+	acknowledgedUnder string
 	// skipPreflight: --skip-preflight (check-config, rotate --provider kms).
 	skipPreflight bool
 }
@@ -247,7 +250,7 @@ func (c *common) inventory(ctx context.Context, cli *clientv3.Client, l *loaded,
 func (c *common) inventoryOf(ctx context.Context, cli *clientv3.Client, l *loaded, decryptCheck bool, res migrate.Resolution) (*migrate.Inventory, error) {
 	return migrate.TakeInventory(ctx, migrate.InventoryOptions{
 		Client: cli, Source: migrate.FromSet(l.set), Resources: res.Resources, Wildcards: res.Wildcards,
-		PageSize: c.pageSize, DecryptCheck: decryptCheck, ConfigHash: l.cfg.Hash,
+		PageSize: c.pageSize, DecryptCheck: decryptCheck, ConfigHash: l.cfg.Hash, CoordinationPrefix: c.acknowledgedUnder,
 	})
 }
 

@@ -14,6 +14,7 @@ func newInventoryCommand() *cobra.Command {
 	var c common
 	var output outputFormat
 	var decrypt bool
+	var prefix string
 	cmd := &cobra.Command{
 		Use:   "inventory",
 		Short: "Count stored objects per resource, provider, key and state (current or stale)",
@@ -22,7 +23,13 @@ counts objects per provider and key: the aes/secretbox key name, or the KMS v2 p
 name and the sha256 hash of the key id read from the stored EncryptedObject (no plugin
 call). An object is stale when it was not written with the resource's current write key;
 rekey migrate rewrites those. --decrypt-check also decrypts every value to find the
-ones that cannot be read.`,
+ones that cannot be read.
+
+Unreadable objects are listed (the first 1000 per resource) with their namespace,
+name, stored prefix and why they cannot be read: unknown-key (no key of the configuration
+has the prefix), decrypt-failed (a key has it but does not decrypt the value), corrupt (a
+KMS v2 envelope that does not decode) or not-a-kubernetes-object. Those acknowledged with
+rekey migrate --acknowledge-unreadable are marked so.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
@@ -31,6 +38,7 @@ ones that cannot be read.`,
 				return err
 			}
 			defer s.Close()
+			c.acknowledgedUnder = c.coordinationPrefix(prefix)
 			inv, _, err := c.inventory(ctx, s.etcd, s.cur, decrypt, s.cur.cfg)
 			if err != nil {
 				return err
@@ -40,6 +48,7 @@ ones that cannot be read.`,
 	}
 	c.addFlags(cmd.Flags())
 	addOutputFlag(cmd.Flags(), &output)
+	addCoordinationPrefixFlag(cmd.Flags(), &prefix)
 	cmd.Flags().BoolVar(&decrypt, "decrypt-check", false, "Also decrypt every value (KMS v2: calls the plugin for each DEK not cached) to count unreadable objects exactly.")
 	return cmd
 }
@@ -80,11 +89,39 @@ func writeTable(w io.Writer, inv *migrate.Inventory) {
 	for _, r := range inv.Resources {
 		printLine(w, "%s: %d objects at revision %d, %d stale, %d plaintext, %d unreadable; written with %s",
 			r.Resource, r.Objects, r.Revision, r.Stale, r.Plaintext, r.Unreadable, writeDesc(r))
-		if len(r.UnreadableKeys) > 0 {
-			printLine(w, "  unreadable, e.g.: %v", r.UnreadableKeys)
+		if r.Acknowledged > 0 {
+			printLine(w, "  %d of the unreadable are acknowledged", r.Acknowledged)
 		}
 	}
+	writeUnreadable(w, inv)
 	fmt.Fprintf(w, "inventory took %s\n", inv.Duration.Round(1e6))
+}
+
+// writeUnreadable lists the unreadable objects the inventory names: etcd keys and
+// prefixes come from the stored data, so they go out through row and printLine only.
+func writeUnreadable(w io.Writer, inv *migrate.Inventory) {
+	if inv.TotalUnreadable() == 0 {
+		return
+	}
+	fmt.Fprintln(w)
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	row(tw, "RESOURCE", "NAMESPACE", "NAME", "STORED PREFIX", "CLASS", "ACKNOWLEDGED")
+	for _, r := range inv.Resources {
+		for _, o := range r.UnreadableObjects {
+			ack := "no"
+			if o.Acknowledged {
+				ack = "yes"
+			}
+			row(tw, r.Resource, orDash(o.Namespace), o.Name, o.Prefix, o.Class, ack)
+		}
+	}
+	_ = tw.Flush()
+	for _, r := range inv.Resources {
+		if more := r.Unreadable - int64(len(r.UnreadableObjects)); more > 0 {
+			printLine(w, "%s: %d more unreadable objects not listed (an inventory lists the first %d)", r.Resource, more, migrate.MaxUnreadableListed)
+		}
+	}
+	fmt.Fprintln(w, "acknowledge the ones that may stay unreadable: rekey migrate --acknowledge-unreadable <resource>/<namespace>/<name>[,...] --reason \"...\"")
 }
 
 func orDash(s string) string {

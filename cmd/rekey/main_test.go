@@ -153,7 +153,8 @@ func TestCheckConfigJudgesNewRules(t *testing.T) {
 	}
 }
 
-func seedResource(t *testing.T, cli *clientv3.Client, cfgPath, resource, ns string, n int) {
+// loadSet builds the transformers of the configuration at cfgPath; the test closes them.
+func loadSet(t *testing.T, cfgPath string) *transformers.Set {
 	t.Helper()
 	cfg, err := config.Load(cfgPath, config.Options{})
 	if err != nil {
@@ -163,7 +164,13 @@ func seedResource(t *testing.T, cli *clientv3.Client, cfgPath, resource, ns stri
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer set.Close()
+	t.Cleanup(set.Close)
+	return set
+}
+
+func seedResource(t *testing.T, cli *clientv3.Client, cfgPath, resource, ns string, n int) {
+	t.Helper()
+	set := loadSet(t, cfgPath)
 	group, res, ok := strings.Cut(resource, "/")
 	if !ok {
 		group, res = "", resource

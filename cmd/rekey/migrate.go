@@ -14,6 +14,7 @@ import (
 func newMigrateCommand() *cobra.Command {
 	var c common
 	var o migrate.Options
+	var ack acknowledgeFlags
 	mode := progress.NewFlag(progress.Auto, progress.Bar, progress.Plain, progress.None)
 	cmd := &cobra.Command{
 		Use:   "migrate",
@@ -28,13 +29,24 @@ and no unreadable object.
 
 Every apiserver must already run a configuration that can read the new write key before
 you start (see docs/migration.md). With --checkpoint, a stopped run can be continued with
---resume.`,
+--resume.
+
+An object no key can read any more (rekey inventory lists them) keeps the migration
+unverified, and with it every later removal of a key. If it may stay unreadable,
+acknowledge it with --acknowledge-unreadable <resource>/<namespace>/<name> --reason "...":
+the acknowledgement is recorded in etcd under --coordination-prefix, for the value stored
+now (a rewrite of the object voids it), and the migration then verifies except it.
+--list-acknowledged shows them, --remove-acknowledgement takes one back.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if o.Resume && o.CheckpointPath == "" {
 				return errors.New("--resume needs --checkpoint: the file the stopped run wrote")
 			}
 			ctx := cmd.Context()
+			if ack.active() {
+				return ack.run(ctx, cmd.OutOrStdout(), &c)
+			}
+			o.CoordinationPrefix = c.coordinationPrefix(ack.prefix)
 			s, err := c.open(ctx, preamble{config: true, requireKMS: true})
 			if err != nil {
 				return err
@@ -53,7 +65,10 @@ you start (see docs/migration.md). With --checkpoint, a stopped run can be conti
 			if res != nil {
 				fmt.Fprintf(cmd.OutOrStdout(), "scanned %d, rewritten %d, already current %d, conflicts %d, deleted meanwhile %d, unreadable %d in %s (%d passes)\n",
 					res.Scanned, res.Rewritten, res.Current, res.Conflicts, res.Gone, res.Unreadable, res.Duration.Round(time.Millisecond), res.Passes)
-				if res.Verified != nil && err == nil {
+				switch {
+				case res.Verified != nil && err == nil && res.Acknowledged > 0:
+					fmt.Fprintf(cmd.OutOrStdout(), "verified except %d acknowledged: a re-scan with decryption found no stale object and no unreadable one that is not acknowledged\n", res.Acknowledged)
+				case res.Verified != nil && err == nil:
 					fmt.Fprintln(cmd.OutOrStdout(), "verified: a re-scan with decryption found no stale and no unreadable object")
 				}
 			}
@@ -71,6 +86,7 @@ you start (see docs/migration.md). With --checkpoint, a stopped run can be conti
 	fs.IntVar(&o.BatchSize, "batch-size", migrate.DefaultBatchSize, "Rewrites per etcd transaction (etcd allows 128 operations by default).")
 	fs.IntVar(&o.Workers, "workers", 0, "Parallel re-encryption workers (default 2 × CPUs).")
 	fs.IntVar(&o.MaxPasses, "max-passes", migrate.DefaultMaxPasses, "Migrate-and-verify rounds before giving up on objects that keep turning stale.")
+	ack.addFlags(fs)
 	fs.Var(mode, "progress", "Progress display: auto (a bar on a terminal, periodic lines otherwise), bar, plain (periodic lines; also spelled lines) or none.")
 	return cmd
 }

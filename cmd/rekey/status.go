@@ -64,7 +64,7 @@ The exit code is 0 only when the cluster has converged.`,
 	fs := cmd.Flags()
 	c.addEtcdFlags(fs)
 	c.addEtcdPrefixFlag(fs)
-	fs.StringVar(&prefix, "coordination-prefix", "", "The apiservers' --coordination-prefix. Default: the apiservers' default for --etcd-prefix ("+cluster.DefaultPrefix+" for /registry).")
+	addCoordinationPrefixFlag(fs, &prefix)
 	fs.DurationVar(&alarm, "disagreement-alarm", cluster.DefaultDisagreementAlarm, "Report an alarm when a member has seen the others disagree for longer than this.")
 	addOutputFlag(fs, &output)
 	return cmd
@@ -111,6 +111,9 @@ func writeStatusTable(w io.Writer, snap *cluster.Snapshot, v cluster.Verdict, no
 			line := fmt.Sprintf("  %s: %s %s", p.Resource, p.State, p.Target)
 			if p.Detail != "" {
 				line += " (" + p.Detail + ")"
+			}
+			if rec, ok := mig.Records[p.Resource]; ok && rec.Verified && rec.Acknowledged > 0 {
+				line += fmt.Sprintf(" [verified except %d acknowledged unreadable]", rec.Acknowledged)
 			}
 			printLine(w, "%s", line)
 		}

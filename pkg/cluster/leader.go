@@ -23,7 +23,8 @@ import (
 //     when the write key changed meanwhile, the record differs from the new common key
 //     and that key is migrated next — never skipped;
 //   - R is migrated again when an inventory newer than its record counts objects not
-//     under T (a straggler wrote with an old key);
+//     under T (a straggler wrote with an old key); "newer" compares etcd revisions,
+//     never the members' clocks, which may disagree;
 //   - a failed migration is retried with exponential backoff (2 s doubling to 1 min).
 type leader struct {
 	resources []string
@@ -46,9 +47,14 @@ type Record struct {
 	StartedAt  time.Time `json:"startedAt"`
 	FinishedAt time.Time `json:"finishedAt"`
 	Error      string    `json:"error,omitempty"`
-	// Revision is the etcd revision of the verifying re-scan: an inventory read at an
-	// older revision predates the migration (each apiserver then takes a fresh one).
+	// Revision is the etcd revision of the verifying re-scan (for a migration that
+	// failed before it, the revision when it failed): an inventory read at an older
+	// revision predates the migration (each apiserver then takes a fresh one). A record
+	// of an older rekey has none and counts as older than any inventory.
 	Revision int64 `json:"revision,omitempty"`
+	// Acknowledged is how many unreadable objects the verifying re-scan found
+	// acknowledged: the migration is verified except them.
+	Acknowledged int64 `json:"acknowledged,omitempty"`
 }
 
 // Migration is one migration to start or running.
@@ -74,6 +80,9 @@ type resourcesChanged struct{ Resources []string }
 // inventoryTaken reports what is stored for a resource, by key.
 type inventoryTaken struct {
 	Resource string
+	// Revision is the etcd revision the inventory read at: what orders it against
+	// records and other inventories. TakenAt is for people.
+	Revision int64
 	TakenAt  time.Time
 	Objects  []keyCount
 }
@@ -94,8 +103,11 @@ type migrationFinished struct {
 	Resource string
 	Target   Key
 	Err      string
-	// Revision is the verifying re-scan's etcd revision (0 when unknown).
+	// Revision is the verifying re-scan's etcd revision, else the revision when the
+	// migration ended (0 when unknown).
 	Revision int64
+	// Acknowledged is how many acknowledged unreadable objects the re-scan found.
+	Acknowledged int64
 }
 
 func (leadership) leaderEvent()        {}
@@ -127,12 +139,12 @@ func (l *leader) Step(ev leaderEvent) {
 		l.leading = e.Leading
 	case recordsLoaded:
 		for r, rec := range e.Records {
-			if cur, ok := l.records[r]; !ok || rec.FinishedAt.After(cur.FinishedAt) {
+			if cur, ok := l.records[r]; !ok || rec.Revision > cur.Revision {
 				l.records[r] = rec
 			}
 		}
 	case inventoryTaken:
-		if cur, ok := l.inventory[e.Resource]; !ok || !e.TakenAt.Before(cur.TakenAt) {
+		if cur, ok := l.inventory[e.Resource]; !ok || e.Revision >= cur.Revision {
 			l.inventory[e.Resource] = e
 		}
 	case resourcesChanged:
@@ -156,7 +168,8 @@ func (l *leader) Step(ev leaderEvent) {
 		if l.running == nil || l.running.Resource != e.Resource {
 			return
 		}
-		rec := Record{Target: l.running.Target, StartedAt: l.running.StartedAt, FinishedAt: l.now, Error: e.Err, Verified: e.Err == "", Revision: e.Revision}
+		rec := Record{Target: l.running.Target, StartedAt: l.running.StartedAt, FinishedAt: l.now, Error: e.Err, Verified: e.Err == "",
+			Revision: e.Revision, Acknowledged: e.Acknowledged}
 		l.running = nil
 		if e.Err != "" {
 			l.failures[e.Resource]++
@@ -260,7 +273,7 @@ func (l *leader) plan(r string) Plan {
 	} else if sameTarget(rec.Target, target) && !rec.Verified {
 		why = "the last migration to it was not verified"
 	}
-	if inv, ok := l.inventory[r]; ok && (!hasRec || inv.TakenAt.After(rec.FinishedAt)) {
+	if inv, ok := l.inventory[r]; ok && (!hasRec || inventoryAfter(inv, rec)) {
 		if n := offTarget(inv, target); n > 0 {
 			due, why = true, fmt.Sprintf("an inventory counts %d objects under other keys", n)
 		} else if !due || !hasRec {
@@ -278,6 +291,14 @@ func (l *leader) plan(r string) Plan {
 		return Plan{Resource: r, State: PlanFollowing, Target: target, Detail: why}
 	}
 	return Plan{Resource: r, State: PlanMigrate, Target: target, Detail: why}
+}
+
+// inventoryAfter reports whether inv read etcd after rec's migration ended, by etcd
+// revision: the members' clocks may disagree by minutes, revisions cannot. A record
+// without a revision (an older rekey's) counts as older than any inventory that has one,
+// so a fresh inventory still decides; an inventory without one proves nothing.
+func inventoryAfter(inv inventoryTaken, rec Record) bool {
+	return inv.Revision > 0 && inv.Revision > rec.Revision
 }
 
 // sameTarget reports whether a record's target is the key target: the same key, and

@@ -5,19 +5,28 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/cockroachdb/datadriven"
+
+	"github.com/rekey-io/rekey/pkg/migrate"
 )
 
 // TestLeaderTranscripts steps the migration leader through testdata/leader*.txt.
 //
 //	leading / not-leading
 //	member id=<id> [gone]          input: the member's rules, as in the fence transcripts
-//	inventory resource=<r>         input: "<key>: <objects>" lines, taken now
+//	inventory resource=<r> [rev=<n>] [at=<duration>]
+//	                               input: "<key>: <objects>" lines, read at etcd revision
+//	                               n (default: the next one) and taken at this member's
+//	                               clock plus at (default: now)
+//	records                        input: "<r>: <key> verified|failed finished=<duration>
+//	                               [rev=<n>]" lines: the records a new leader reads from
+//	                               etcd (finished is the writer's clock, offset from epoch)
 //	ready                          what the leader would start now (Ready; nothing changes)
 //	started                        the driver started what ready said (migrationStarted)
 //	next                           ready, then started
-//	finished resource=<r> [error=<text>]
+//	finished resource=<r> [error=<text>]   the record gets the next etcd revision
 //	tick <duration>
 //	plans                          every resource's plan
 func TestLeaderTranscripts(t *testing.T) {
@@ -26,6 +35,7 @@ func TestLeaderTranscripts(t *testing.T) {
 		l := newLeader([]string{"secrets", "configmaps"}, now)
 		members := liveMembers{}
 		var ready Migration // what the latest ready or next said
+		var rev int64       // etcd's revision: every inventory and finished migration reads a newer one
 		return func(t *testing.T, d *datadriven.TestData) string {
 			switch d.Cmd {
 			case "leading", "not-leading":
@@ -38,7 +48,17 @@ func TestLeaderTranscripts(t *testing.T) {
 			case "inventory":
 				var res string
 				d.ScanArgs(t, "resource", &res)
-				ev := inventoryTaken{Resource: res, TakenAt: now}
+				rev++
+				at := rev
+				if d.HasArg("rev") {
+					// An explicit revision never moves etcd's own back.
+					d.ScanArgs(t, "rev", &at)
+					rev = max(rev, at)
+				}
+				ev := inventoryTaken{Resource: res, Revision: at, TakenAt: now}
+				if d.HasArg("at") {
+					ev.TakenAt = now.Add(durationArgNamed(t, d, "at"))
+				}
 				for _, line := range strings.Split(strings.TrimSpace(d.Input), "\n") {
 					k, n, _ := strings.Cut(line, ":")
 					c, err := strconv.ParseInt(strings.TrimSpace(n), 10, 64)
@@ -49,6 +69,37 @@ func TestLeaderTranscripts(t *testing.T) {
 				}
 				l.Step(ev)
 				return "ok"
+			case "records":
+				recs := map[string]Record{}
+				for _, line := range strings.Split(strings.TrimSpace(d.Input), "\n") {
+					res, rest, _ := strings.Cut(line, ":")
+					f := strings.Fields(rest)
+					if len(f) < 3 {
+						d.Fatalf(t, "records line %q: want <r>: <key> verified|failed finished=<d> [rev=<n>]", line)
+					}
+					rec := Record{Target: parseKey(f[0]), Verified: f[1] == "verified"}
+					for _, kv := range f[2:] {
+						k, v, _ := strings.Cut(kv, "=")
+						switch k {
+						case "finished":
+							dur, err := time.ParseDuration(v)
+							if err != nil {
+								d.Fatalf(t, "records line %q: %v", line, err)
+							}
+							rec.FinishedAt = epoch.Add(dur)
+						case "rev":
+							n, err := strconv.ParseInt(v, 10, 64)
+							if err != nil {
+								d.Fatalf(t, "records line %q: %v", line, err)
+							}
+							rec.Revision = n
+							rev = max(rev, n)
+						}
+					}
+					recs[strings.TrimSpace(res)] = rec
+				}
+				l.Step(recordsLoaded{Records: recs})
+				return renderPlans(l)
 			case "ready", "next":
 				m, ok := l.Ready()
 				if !ok {
@@ -69,7 +120,8 @@ func TestLeaderTranscripts(t *testing.T) {
 					d.ScanArgs(t, "error", &errText)
 				}
 				m, _ := l.Running()
-				l.Step(migrationFinished{Resource: res, Target: m.Target, Err: errText})
+				rev++
+				l.Step(migrationFinished{Resource: res, Target: m.Target, Err: errText, Revision: rev})
 				rec := l.Records()[res]
 				return fmt.Sprintf("record %s: target %s verified=%v", res, rec.Target, rec.Verified)
 			case "tick":
@@ -98,4 +150,38 @@ func renderPlans(l *leader) string {
 		b.WriteString("\n")
 	}
 	return b.String()
+}
+
+// durationArgNamed is the duration argument name=<duration>.
+func durationArgNamed(t *testing.T, d *datadriven.TestData, name string) time.Duration {
+	t.Helper()
+	var s string
+	d.ScanArgs(t, name, &s)
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		d.Fatalf(t, "%s: %s: %v", d.Cmd, name, err)
+	}
+	return v
+}
+
+// TestInventoryEventsLeaveAcknowledgedObjectsOut: acknowledged unreadable objects stay
+// where they are, so they never count as objects off the target, and the event carries
+// the inventory's etcd revision.
+func TestInventoryEventsLeaveAcknowledgedObjectsOut(t *testing.T) {
+	inv := &migrate.Inventory{Resources: []migrate.ResourceInventory{{Resource: "secrets", Revision: 42, Buckets: []migrate.Count{
+		{Bucket: migrate.Bucket{Provider: "aesgcm", Key: "k2"}, Objects: 10},
+		{Bucket: migrate.Bucket{Provider: "aesgcm", Key: "k1"}, Objects: 1, Unreadable: 1, Acknowledged: 1},
+		{Bucket: migrate.Bucket{Provider: "aesgcm", Key: "k0"}, Objects: 3, Unreadable: 2, Acknowledged: 1},
+	}}}}
+	evs := inventoryEvents(inv)
+	if len(evs) != 1 {
+		t.Fatalf("events = %v", evs)
+	}
+	ev := evs[0].(inventoryTaken)
+	if ev.Revision != 42 {
+		t.Fatalf("revision = %d, want 42", ev.Revision)
+	}
+	if n := offTarget(ev, Key{Provider: "aesgcm", Key: "k2"}); n != 2 {
+		t.Fatalf("off target = %d, want the 2 objects under k0 that are not acknowledged", n)
+	}
 }

@@ -120,9 +120,10 @@ func (m *Migrator) setLeading(leading bool) {
 }
 
 type migrationResult struct {
-	mig      Migration
-	err      error
-	revision int64
+	mig          Migration
+	err          error
+	revision     int64
+	acknowledged int64
 }
 
 // term is the leader's work during one term of leadership: the leader machine fed from
@@ -220,8 +221,9 @@ func (t *term) start(ctx context.Context, mig Migration) {
 	t.running = true
 	t.m.log.Info("Every live apiserver writes with the same key; migrating stored objects", "resource", mig.Resource, "target", mig.Target.String())
 	go func() {
-		rev, err := t.m.migrate(ctx, mig, t.guard, func(p Progress) { t.progress.Store(&p) })
-		t.results <- migrationResult{mig: mig, err: err, revision: rev}
+		out := t.m.migrate(ctx, mig, t.guard, func(p Progress) { t.progress.Store(&p) })
+		out.mig = mig
+		t.results <- out
 	}()
 }
 
@@ -236,7 +238,7 @@ func (t *term) finished(r migrationResult) {
 		t.m.log.Info("Storage migration verified", "resource", r.mig.Resource, "target", r.mig.Target.String())
 	}
 	t.leader.Step(tick{Now: t.m.opts.Clock.Now()})
-	t.leader.Step(migrationFinished{Resource: r.mig.Resource, Target: r.mig.Target, Err: errText, Revision: r.revision})
+	t.leader.Step(migrationFinished{Resource: r.mig.Resource, Target: r.mig.Target, Err: errText, Revision: r.revision, Acknowledged: r.acknowledged})
 }
 
 // awaitRunning waits for the running migration (its context is cancelled) to return.
@@ -270,7 +272,7 @@ func (m *Migrator) refreshInventory(ctx context.Context, records map[string]Reco
 		return true
 	}
 	inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{Client: m.opts.Client, Source: m.opts.Source, Resources: stale,
-		ConfigHash: m.opts.ConfigHash(), Metrics: m.opts.Metrics, Clock: m.opts.Clock})
+		ConfigHash: m.opts.ConfigHash(), CoordinationPrefix: m.opts.Prefix, Metrics: m.opts.Metrics, Clock: m.opts.Clock})
 	if err != nil {
 		m.log.V(2).Info("Inventory after a cluster migration failed; retrying", "err", err)
 		return false
@@ -279,9 +281,10 @@ func (m *Migrator) refreshInventory(ctx context.Context, records map[string]Reco
 	return true
 }
 
-// migrate runs one resource's migration with its checkpoint in etcd; it returns the
-// etcd revision of the verifying re-scan.
-func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.Cmp, report func(Progress)) (int64, error) {
+// migrate runs one resource's migration with its checkpoint in etcd; its result has the
+// etcd revision of the verifying re-scan, or, when it ended before one, the revision
+// when it ended: what orders the record against inventories.
+func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.Cmp, report func(Progress)) migrationResult {
 	var resource migrate.Resource
 	for _, r := range m.resources() {
 		if r.String() == mig.Resource {
@@ -294,6 +297,7 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.
 		Client: m.opts.Client, Source: m.opts.Source, Resources: []migrate.Resource{resource}, Rate: m.opts.Rate,
 		Checkpoints: &etcdCheckpoints{Client: m.opts.Client, Key: checkpointKey(m.opts.Prefix), Guard: guard},
 		Resume:      true, Inventory: verified, Metrics: m.opts.Metrics, ConfigHash: m.opts.ConfigHash(), Logger: m.opts.Logger,
+		CoordinationPrefix: m.opts.Prefix,
 		Progress: func(p migrate.Progress) {
 			pr := Progress{Resource: mig.Resource, Phase: p.Phase, Pass: p.Pass, Done: p.Done, Total: p.Total}
 			if el := m.opts.Clock.Since(start).Seconds(); el > 0 {
@@ -305,14 +309,17 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.
 			report(pr)
 		},
 	})
-	var rev int64
+	var out migrationResult
 	if inv := verified.Latest(); inv != nil {
 		m.opts.Inventory.Set(mergeInventory(m.opts.Inventory.Latest(), inv))
 		if ri := inv.Find(mig.Resource); ri != nil {
-			rev = ri.Revision
+			out.revision, out.acknowledged = ri.Revision, ri.Acknowledged
 		}
 	}
-	rec := &migrate.MigrationRecord{Resources: []string{mig.Resource}, Finished: m.opts.Clock.Now()}
+	if out.revision == 0 {
+		out.revision = m.currentRevision(ctx)
+	}
+	rec := &migrate.MigrationRecord{Resources: []string{mig.Resource}, Finished: m.opts.Clock.Now(), Acknowledged: out.acknowledged}
 	if res != nil {
 		rec.Duration, rec.Counters = res.Duration, res.Counters
 	}
@@ -323,9 +330,21 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.
 	m.last = rec
 	m.mu.Unlock()
 	if err != nil {
-		return rev, fmt.Errorf("migrating %s to %s: %w", mig.Resource, mig.Target, err)
+		out.err = fmt.Errorf("migrating %s to %s: %w", mig.Resource, mig.Target, err)
 	}
-	return rev, nil
+	return out
+}
+
+// currentRevision is etcd's revision now, or 0 when etcd does not answer (the record
+// then counts as older than any inventory, the conservative side).
+func (m *Migrator) currentRevision(ctx context.Context) int64 {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), etcdTimeout)
+	defer cancel()
+	resp, err := m.opts.Client.Get(ctx, MigrationStateKey(m.opts.Prefix), clientv3.WithCountOnly())
+	if err != nil {
+		return 0
+	}
+	return resp.Header.Revision
 }
 
 // mergeInventory replaces older's resources that newer covers.
@@ -360,9 +379,13 @@ func inventoryEvents(inv *migrate.Inventory) []leaderEvent {
 	}
 	var out []leaderEvent
 	for _, ri := range inv.Resources {
-		ev := inventoryTaken{Resource: ri.Resource, TakenAt: inv.TakenAt}
+		ev := inventoryTaken{Resource: ri.Resource, Revision: ri.Revision, TakenAt: inv.TakenAt}
 		for _, c := range ri.Buckets {
-			ev.Objects = append(ev.Objects, keyCount{Key: Key{Provider: c.Provider, Key: c.Key, KeyIDHash: c.KeyIDHash}, Objects: c.Objects})
+			// Acknowledged unreadable objects stay where they are: no migration moves
+			// them, so they must not make one due.
+			if n := c.Objects - c.Acknowledged; n > 0 {
+				ev.Objects = append(ev.Objects, keyCount{Key: Key{Provider: c.Provider, Key: c.Key, KeyIDHash: c.KeyIDHash}, Objects: n})
+			}
 		}
 		out = append(out, ev)
 	}

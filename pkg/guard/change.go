@@ -103,10 +103,13 @@ func checkChains(inv *migrate.Inventory, cur, nxt chains, fresh bool) []Violatio
 				covered[gr] = true
 			}
 			for _, b := range ri.Buckets {
-				if b.Objects == 0 || !cc.canRead(b.Prefix) || nc.canReadAll(b.Prefix, cc) {
+				if b.Objects == 0 || !cc.canRead(b.Prefix) || nc.canReadAll(b.Prefix, cc) || b.AllAcknowledged() {
+					// A bucket of acknowledged unreadable objects only: an operator
+					// accepted that nothing reads them, with or without the key.
 					continue
 				}
-				add(Violation{Resource: ri.Resource, Bucket: b.Bucket, Objects: b.Objects, Reason: fmt.Sprintf("per the inventory taken at %s", inv.TakenAt.UTC().Format("2006-01-02T15:04:05Z"))})
+				reason := fmt.Sprintf("per the inventory taken at %s", inv.TakenAt.UTC().Format("2006-01-02T15:04:05Z"))
+				add(Violation{Resource: ri.Resource, Bucket: b.Bucket, Objects: b.Objects, Reason: reason + unreadableNote(ri.Resource, b)})
 			}
 		}
 		for _, w := range inv.Wildcards {
@@ -174,6 +177,22 @@ func uncoveredReason(gr schema.GroupResource, inv *migrate.Inventory) string {
 		}
 	}
 	return "may still hold objects: no current inventory covers this resource; run `rekey inventory` (or let the apiserver take one) and retry"
+}
+
+// unreadableNote tells, for a bucket holding unreadable objects, how many are
+// acknowledged and how to acknowledge the rest; "" when it holds none.
+func unreadableNote(resource string, b migrate.Count) string {
+	if b.Unreadable == 0 && b.Acknowledged == 0 {
+		return ""
+	}
+	note := fmt.Sprintf("; %d of them are acknowledged unreadable objects", b.Acknowledged)
+	if rest := b.Unreadable - b.Acknowledged; rest > 0 {
+		note += fmt.Sprintf(" and %d more are unreadable: if they may stay so, acknowledge them (rekey inventory lists them) with `rekey migrate --acknowledge-unreadable %s/<namespace>/<name>[,...] --reason \"...\"`", rest, resource)
+	}
+	if readable := b.Objects - b.Unreadable; readable > 0 {
+		note += fmt.Sprintf("; %d are readable and need a migration to the new key first", readable)
+	}
+	return note
 }
 
 func bucketOf(prefix string) migrate.Bucket {

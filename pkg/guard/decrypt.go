@@ -128,6 +128,9 @@ func CheckDecrypt(ctx context.Context, inv *migrate.Inventory, cli *clientv3.Cli
 			if c.Provider != transformers.ProviderKMSv2 || c.KeyIDHash == "" || c.Objects == 0 || !nc.canRead(c.Prefix) {
 				continue // not KMS v2, or dropped: CheckChange reports a dropped provider
 			}
+			if c.AllAcknowledged() {
+				continue // nothing under this key id is meant to be read again
+			}
 			id := bucketID{c.Prefix, c.KeyIDHash}
 			if _, ok := samples[id]; !ok && c.SampleKey != "" {
 				samples[id] = sample{gr: gr, key: c.SampleKey}
@@ -136,7 +139,7 @@ func CheckDecrypt(ctx context.Context, inv *migrate.Inventory, cli *clientv3.Cli
 			if _, ok := counts[rb]; !ok {
 				order = append(order, rb)
 			}
-			counts[rb] += c.Objects
+			counts[rb] += c.Objects - c.Acknowledged
 		}
 	}
 	failed := map[bucketID]error{}

@@ -483,9 +483,12 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 			InventoryInterval: o.StorageInventoryInterval,
 			Rate:              o.StorageMigrationRate,
 			ConfigHash:        func() string { return agent.ActiveConfig().Hash },
-			Inventory:         l.store,
-			Metrics:           l.metrics,
-			Logger:            l.log,
+			// Operators acknowledge unreadable objects there (rekey migrate
+			// --acknowledge-unreadable); the inventory counts them apart.
+			CoordinationPrefix: o.coordinationPrefix(),
+			Inventory:          l.store,
+			Metrics:            l.metrics,
+			Logger:             l.log,
 		})
 		ctx, cancel := context.WithCancel(hc.Context)
 		done := make(chan struct{})

@@ -42,9 +42,12 @@ type ControllerOptions struct {
 	Rate float64
 	// ConfigHash returns the active configuration's hash (recorded in inventories).
 	ConfigHash func() string
-	Inventory  *InventoryStore
-	Metrics    *Metrics
-	Logger     klog.Logger
+	// CoordinationPrefix, when set, is where acknowledged unreadable objects are read
+	// from (see Acknowledge).
+	CoordinationPrefix string
+	Inventory          *InventoryStore
+	Metrics            *Metrics
+	Logger             klog.Logger
 	// Clock drives checks, retries and backoff; tests pass a fake clock.
 	Clock clock.Clock
 	// RetryBackoff and MaxRetryBackoff override the first and the longest wait before a
@@ -76,7 +79,10 @@ type MigrationRecord struct {
 	Finished  time.Time     `json:"finished"`
 	Duration  time.Duration `json:"duration"`
 	Counters  Counters      `json:"counters"`
-	Error     string        `json:"error,omitempty"`
+	// Acknowledged is how many unreadable objects the verifying re-scan found
+	// acknowledged: the migration is verified except them.
+	Acknowledged int64  `json:"acknowledged,omitempty"`
+	Error        string `json:"error,omitempty"`
 }
 
 // Controller migrates stored data inside an apiserver: it watches the write target
@@ -168,7 +174,8 @@ func (c *Controller) check(ctx context.Context) bool {
 		for _, a := range acts {
 			switch a.kind {
 			case actTakeInventory:
-				inv, err := TakeInventory(ctx, InventoryOptions{Client: c.opts.Client, Source: c.opts.Source, Resources: res.Resources, Wildcards: res.Wildcards, ConfigHash: c.opts.ConfigHash(), Metrics: c.opts.Metrics, Clock: c.opts.Clock})
+				inv, err := TakeInventory(ctx, InventoryOptions{Client: c.opts.Client, Source: c.opts.Source, Resources: res.Resources, Wildcards: res.Wildcards, ConfigHash: c.opts.ConfigHash(),
+					CoordinationPrefix: c.opts.CoordinationPrefix, Metrics: c.opts.Metrics, Clock: c.opts.Clock})
 				c.m.Step(inventoryEvent{now: c.opts.Clock.Now(), inv: inv, err: err})
 				c.publish(nil)
 				if err != nil {
@@ -237,12 +244,13 @@ func (c *Controller) migrate(ctx context.Context, rs []Resource) {
 	c.log.Info("Write key changed; migrating stored objects", "resources", names)
 	verified := &InventoryStore{}
 	res, err := Migrate(ctx, Options{Client: c.opts.Client, Source: c.opts.Source, Resources: rs, Rate: c.opts.Rate,
-		Inventory: verified, Metrics: c.opts.Metrics, ConfigHash: c.opts.ConfigHash(), Logger: c.opts.Logger, Clock: c.opts.Clock})
+		Inventory: verified, Metrics: c.opts.Metrics, ConfigHash: c.opts.ConfigHash(), CoordinationPrefix: c.opts.CoordinationPrefix,
+		Logger: c.opts.Logger, Clock: c.opts.Clock})
 	now := c.opts.Clock.Now()
 	c.m.Step(migrationEvent{now: now, verified: verified.Latest(), err: err})
 	rec := &MigrationRecord{Resources: names, Finished: now}
 	if res != nil {
-		rec.Duration, rec.Counters = res.Duration, res.Counters
+		rec.Duration, rec.Counters, rec.Acknowledged = res.Duration, res.Counters, res.Acknowledged
 	}
 	view := c.publish(rec)
 	switch {

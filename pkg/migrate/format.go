@@ -10,11 +10,34 @@ import (
 func unreadableSample(inv *Inventory) string {
 	var parts []string
 	for _, r := range inv.Resources {
-		if r.Unreadable > 0 {
-			parts = append(parts, fmt.Sprintf("%s: %d, e.g. %s", r.Resource, r.Unreadable, strings.Join(r.UnreadableKeys, ", ")))
+		if r.Blocking() > 0 {
+			parts = append(parts, fmt.Sprintf("%s: %d, e.g. %s", r.Resource, r.Blocking(), strings.Join(unacknowledgedKeys(r), ", ")))
 		}
 	}
 	return strings.Join(parts, "; ")
+}
+
+// unacknowledgedKeys names up to maxUnreadableSamples unreadable objects of r that are
+// not acknowledged.
+func unacknowledgedKeys(r ResourceInventory) []string {
+	if r.Acknowledged == 0 {
+		return r.UnreadableKeys
+	}
+	var keys []string
+	for _, o := range r.UnreadableObjects {
+		if !o.Acknowledged && len(keys) < maxUnreadableSamples {
+			keys = append(keys, o.Key)
+		}
+	}
+	return keys
+}
+
+// acknowledgedNote says how many unreadable objects were acknowledged, if any.
+func acknowledgedNote(n int64) string {
+	if n == 0 {
+		return ""
+	}
+	return fmt.Sprintf(" (%d more are acknowledged and do not count)", n)
 }
 
 func staleSample(inv *Inventory) string {

@@ -62,7 +62,12 @@ type ResourceInventory struct {
 	Unreadable int64 `json:"unreadable"`
 	// UnreadableKeys names up to ten of them (etcd keys, which are not secret).
 	UnreadableKeys []string `json:"unreadableKeys,omitempty"`
-	Buckets        []Count  `json:"buckets"`
+	// UnreadableObjects describes the first MaxUnreadableListed of them.
+	UnreadableObjects []UnreadableObject `json:"unreadableObjects,omitempty"`
+	// Acknowledged is how many unreadable objects an operator acknowledged (for the
+	// value stored now): they no longer keep a migration unverified or a key in use.
+	Acknowledged int64   `json:"acknowledged,omitempty"`
+	Buckets      []Count `json:"buckets"`
 	// OtherBuckets is how many distinct buckets beyond MaxBucketsPerResource were
 	// counted in "other" buckets (Bucket.Other); exact up to 10,000.
 	OtherBuckets int64 `json:"otherBuckets,omitempty"`
@@ -74,6 +79,8 @@ type Count struct {
 	Objects int64 `json:"objects"`
 	// Unreadable is how many of them failed to decrypt (decrypt check only).
 	Unreadable int64 `json:"unreadable,omitempty"`
+	// Acknowledged is how many of the unreadable ones are acknowledged.
+	Acknowledged int64 `json:"acknowledged,omitempty"`
 	// Bytes is the total stored size.
 	Bytes int64 `json:"bytes"`
 	// SampleKey is the etcd key of one object of a KMS v2 bucket (one per bucket): the
@@ -112,6 +119,23 @@ func (inv *Inventory) TotalUnreadable() int64 {
 	return n
 }
 
+// TotalAcknowledged is the number of acknowledged unreadable objects across all resources.
+func (inv *Inventory) TotalAcknowledged() int64 {
+	var n int64
+	for _, r := range inv.Resources {
+		n += r.Acknowledged
+	}
+	return n
+}
+
+// Blocking is how many unreadable objects are not acknowledged: what keeps a migration
+// unverified.
+func (ri *ResourceInventory) Blocking() int64 { return ri.Unreadable - ri.Acknowledged }
+
+// AllAcknowledged reports whether every object of the bucket is an acknowledged
+// unreadable one: nothing readable is left under its key.
+func (c Count) AllAcknowledged() bool { return c.Objects > 0 && c.Acknowledged == c.Objects }
+
 // InventoryOptions configure TakeInventory.
 type InventoryOptions struct {
 	Client    *clientv3.Client
@@ -129,6 +153,9 @@ type InventoryOptions struct {
 	// Wildcards are recorded in the inventory: the wildcard rules Resources is the whole
 	// of (Resolution.Wildcards). Leave empty for a partial scan.
 	Wildcards []string
+	// CoordinationPrefix, when set, is where acknowledgements of unreadable objects are
+	// read from (AcknowledgedPrefix); without it none is counted.
+	CoordinationPrefix string
 	// Workers decrypt in parallel (decrypt check only); default GOMAXPROCS.
 	Workers int
 	Clock   clock.PassiveClock
@@ -147,13 +174,17 @@ func TakeInventory(ctx context.Context, opts InventoryOptions) (*Inventory, erro
 	if opts.Workers <= 0 {
 		opts.Workers = runtime.GOMAXPROCS(0)
 	}
+	acks, err := loadAcknowledgements(ctx, opts.Client, opts.CoordinationPrefix)
+	if err != nil {
+		return nil, err
+	}
 	start := opts.Clock.Now()
 	inv := &Inventory{TakenAt: start, ConfigHash: opts.ConfigHash, DecryptChecked: opts.DecryptCheck, Wildcards: opts.Wildcards}
 	for _, res := range opts.Resources {
 		var ri *ResourceInventory
 		var err error
 		for attempt := 0; ; attempt++ {
-			ri, err = inventoryOf(ctx, opts, res)
+			ri, err = inventoryOf(ctx, opts, res, acks)
 			if errors.Is(err, errCompacted) && attempt < compactedRetries {
 				continue
 			}
@@ -169,12 +200,21 @@ func TakeInventory(ctx context.Context, opts InventoryOptions) (*Inventory, erro
 	return inv, nil
 }
 
-func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*ResourceInventory, error) {
+// loadAcknowledgements is LoadAcknowledgements, or none without a coordination prefix.
+func loadAcknowledgements(ctx context.Context, cli *clientv3.Client, coordinationPrefix string) (Acknowledgements, error) {
+	if coordinationPrefix == "" {
+		return nil, nil
+	}
+	return LoadAcknowledgements(ctx, cli, coordinationPrefix)
+}
+
+func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks Acknowledgements) (*ResourceInventory, error) {
 	rule := opts.Source.Rule(res.GroupResource)
 	cl := newClassifier(rule, opts.Source.KnownPrefixes())
 	tr := opts.Source.TransformerFor(res.GroupResource)
 	ri := &ResourceInventory{Resource: res.String(), KeyPrefix: res.KeyPrefix, Guessed: res.Guessed, WritePrefix: cl.target.Prefix, WriteKeyIDHash: cl.target.KeyIDHash}
 	counts := map[Bucket]*Count{}
+	unreadableSample := map[Bucket]bool{}
 	bound := newBucketBound(cl)
 	p := newPager(opts.Client, res, "", opts.PageSize, true).withPageBytes(opts.PageBytes)
 	var results []checkResult
@@ -198,15 +238,22 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*Res
 		for i, kv := range kvs {
 			b := cl.classify(kv.Value)
 			unreadable := !b.KnownKey
+			var decryptErr error
 			if opts.DecryptCheck {
 				r := results[i]
-				unreadable = r.err != nil
+				unreadable, decryptErr = r.err != nil, r.err
 				if !unreadable {
 					// The transformers' verdict wins: it also sees providers that share
 					// a prefix, which the prefix alone cannot tell apart.
 					b.Stale = r.stale
 				}
 			}
+			class := ""
+			if unreadable {
+				// Classified before admit: a collapsed bucket no longer has its prefix.
+				class = unreadableClass(b, cl.readable[b.Prefix], decryptErr)
+			}
+			listedPrefix := storedPrefixName(b)
 			b = bound.admit(b)
 			c := counts[b]
 			if c == nil {
@@ -215,8 +262,11 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*Res
 			}
 			c.Objects++
 			c.Bytes += int64(len(kv.Value))
-			if c.SampleKey == "" && b.Provider == ProviderKMSv2 && b.KeyIDHash != "" {
+			if b.Provider == ProviderKMSv2 && b.KeyIDHash != "" && (c.SampleKey == "" || unreadableSample[b] && !unreadable) {
+				// A readable sample is preferred: an unreadable one (acknowledged, say)
+				// would make the decrypt guard blame a plugin for what no plugin reads.
 				c.SampleKey = string(kv.Key)
+				unreadableSample[b] = unreadable
 			}
 			ri.Objects++
 			if b.Stale && !unreadable {
@@ -230,8 +280,18 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource) (*Res
 					c.Unreadable++
 				}
 				ri.Unreadable++
+				acked := acks.Covers(string(kv.Key), kv.ModRevision)
+				if acked {
+					ri.Acknowledged++
+					c.Acknowledged++
+				}
 				if len(ri.UnreadableKeys) < maxUnreadableSamples {
 					ri.UnreadableKeys = append(ri.UnreadableKeys, string(kv.Key))
+				}
+				if len(ri.UnreadableObjects) < MaxUnreadableListed {
+					ns, name := ObjectName(res, string(kv.Key))
+					ri.UnreadableObjects = append(ri.UnreadableObjects, UnreadableObject{Key: string(kv.Key), Namespace: ns, Name: name,
+						Prefix: listedPrefix, Class: class, ModRevision: kv.ModRevision, Acknowledged: acked})
 				}
 			}
 		}
@@ -264,16 +324,21 @@ func checkAll(ctx context.Context, tr value.Transformer, kvs []*mvccpb.KeyValue,
 	results = append(results[:0], make([]checkResult, len(kvs))...)
 	_ = fanOut(len(kvs), workers, func(lo, hi int) error {
 		for i := lo; i < hi; i++ {
-			plain, stale, err := tr.TransformFromStorage(ctx, kvs[i].Value, value.DefaultContext(kvs[i].Key))
-			if err == nil && stale {
-				// What a migration would refuse to rewrite is unreadable here too.
-				err = checkStoredObject(plain)
-			}
-			results[i] = checkResult{stale: stale, err: err}
+			results[i] = checkOne(ctx, tr, kvs[i].Key, kvs[i].Value)
 		}
 		return nil
 	})
 	return results
+}
+
+// checkOne decrypts one stored value as the inventory's decrypt check does.
+func checkOne(ctx context.Context, tr value.Transformer, key, stored []byte) checkResult {
+	plain, stale, err := tr.TransformFromStorage(ctx, stored, value.DefaultContext(key))
+	if err == nil && stale {
+		// What a migration would refuse to rewrite is unreadable here too.
+		err = checkStoredObject(plain)
+	}
+	return checkResult{stale: stale, err: err}
 }
 
 // InventoryStore holds the latest inventory for the guard, the status document and

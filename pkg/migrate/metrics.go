@@ -20,6 +20,7 @@ const (
 type Metrics struct {
 	objects            *metrics.GaugeVec
 	unreadable         *metrics.GaugeVec
+	acknowledged       *metrics.GaugeVec
 	inventoryTimestamp *metrics.Gauge
 	inventoryDuration  *metrics.Gauge
 	migrated           *metrics.CounterVec
@@ -49,6 +50,11 @@ func NewMetrics(reg metrics.KubeRegistry) (*Metrics, error) {
 			Help:           "Stored objects the current configuration cannot read, per resource, from the latest inventory.",
 			StabilityLevel: metrics.ALPHA,
 		}, []string{"resource"}),
+		acknowledged: metrics.NewGaugeVec(&metrics.GaugeOpts{
+			Namespace: "rekey", Subsystem: "storage", Name: "unreadable_acknowledged_objects",
+			Help:           "Unreadable stored objects an operator acknowledged, per resource, from the latest inventory: they no longer keep a migration unverified or a key in use.",
+			StabilityLevel: metrics.ALPHA,
+		}, []string{"resource"}),
 		inventoryTimestamp: gauge("inventory_last_timestamp_seconds", "When the latest inventory of stored objects was taken."),
 		inventoryDuration:  gauge("inventory_duration_seconds", "How long the latest inventory took."),
 		migrated: metrics.NewCounterVec(&metrics.CounterOpts{
@@ -67,7 +73,7 @@ func NewMetrics(reg metrics.KubeRegistry) (*Metrics, error) {
 		guardRefusals: metrics.NewCounter(&metrics.CounterOpts{Namespace: "rekey", Subsystem: "storage", Name: "guard_refusals_total", Help: "Configuration changes refused because they would drop a key that still encrypts stored data.", StabilityLevel: metrics.ALPHA}),
 		buckets:       map[string][][]string{},
 	}
-	cs := []metrics.Registerable{m.objects, m.unreadable, m.inventoryTimestamp, m.inventoryDuration, m.migrated, m.remaining, m.running, m.lastSuccess, m.failures, m.guardRefusals}
+	cs := []metrics.Registerable{m.objects, m.unreadable, m.acknowledged, m.inventoryTimestamp, m.inventoryDuration, m.migrated, m.remaining, m.running, m.lastSuccess, m.failures, m.guardRefusals}
 	for i, c := range cs {
 		if err := reg.Register(c); err != nil {
 			for _, done := range cs[:i] {
@@ -108,6 +114,7 @@ func (m *Metrics) recordInventory(inv *Inventory) {
 		}
 		m.buckets[r.Resource] = lvs
 		m.unreadable.WithLabelValues(r.Resource).Set(float64(r.Unreadable))
+		m.acknowledged.WithLabelValues(r.Resource).Set(float64(r.Acknowledged))
 	}
 	m.inventoryTimestamp.Set(float64(inv.TakenAt.UnixNano()) / 1e9)
 	m.inventoryDuration.Set(inv.Duration.Seconds())

@@ -63,8 +63,11 @@ type Options struct {
 	Inventory *InventoryStore
 	// ConfigHash is recorded in the verifying inventory.
 	ConfigHash string
-	Logger     klog.Logger
-	Clock      clock.PassiveClock
+	// CoordinationPrefix, when set, is where acknowledged unreadable objects are read
+	// from: the verifying re-scan does not count them against the migration.
+	CoordinationPrefix string
+	Logger             klog.Logger
+	Clock              clock.PassiveClock
 }
 
 // Counters count what a migration did to objects.
@@ -107,6 +110,9 @@ type Result struct {
 	Duration time.Duration
 	// Verified is the final re-scan (with decrypt check).
 	Verified *Inventory
+	// Acknowledged is how many unreadable objects the final re-scan found acknowledged:
+	// the migration is "verified except Acknowledged".
+	Acknowledged int64
 }
 
 // ErrNotFinished reports that a verifying re-scan still found stale or unreadable
@@ -146,7 +152,8 @@ type migrator struct {
 
 // Migrate rewrites every stale object of opts.Resources through the current
 // transformers, then re-scans with a decrypt check; it returns nil only when that
-// re-scan finds no stale and no unreadable object.
+// re-scan finds no stale object and no unreadable one that is not acknowledged (see
+// Acknowledge): "verified except N acknowledged".
 //
 // Each rewrite is a compare-and-swap on the object's etcd ModRevision: a concurrent
 // update always wins, and the object is then re-read and rewritten from its new value
@@ -227,22 +234,23 @@ func (m *migrator) run(ctx context.Context) (*Result, error) {
 		inv, err := TakeInventory(ctx, InventoryOptions{
 			Client: m.opts.Client, Source: m.opts.Source, Resources: m.opts.Resources,
 			PageSize: m.opts.PageSize, PageBytes: m.opts.PageBytes, DecryptCheck: true, ConfigHash: m.opts.ConfigHash,
-			Clock: m.opts.Clock, Metrics: m.opts.Metrics,
+			CoordinationPrefix: m.opts.CoordinationPrefix, Clock: m.opts.Clock, Metrics: m.opts.Metrics,
 		})
 		if err != nil {
 			return m.result(res), fmt.Errorf("verifying re-scan: %w", err)
 		}
 		m.opts.Inventory.setIfNotNil(inv)
 		res.Verified = inv
-		stale, unreadable := inv.TotalStale(), inv.TotalUnreadable()
+		acknowledged := inv.TotalAcknowledged()
+		stale, unreadable := inv.TotalStale(), inv.TotalUnreadable()-acknowledged
 		if stale == 0 && unreadable == 0 {
 			m.ckpt.Completed = true
 			m.saveCheckpoint(true)
-			m.log.Info("Storage migration verified: no stale object left", "passes", pass, "rewritten", m.c.rewritten.Load(), "duration", m.opts.Clock.Since(m.start))
+			m.log.Info("Storage migration verified: no stale object left", "passes", pass, "rewritten", m.c.rewritten.Load(), "acknowledgedUnreadable", acknowledged, "duration", m.opts.Clock.Since(m.start))
 			return m.result(res), nil
 		}
 		if unreadable > 0 {
-			return m.result(res), fmt.Errorf("%w: %d objects cannot be decrypted with the current configuration, or decrypt to something that is not a Kubernetes object (%s), and were left unchanged; restore the key they need or delete them, then run the migration again", ErrNotFinished, unreadable, unreadableSample(inv))
+			return m.result(res), fmt.Errorf("%w: %d objects cannot be decrypted with the current configuration, or decrypt to something that is not a Kubernetes object (%s), and were left unchanged%s; restore the key they need or delete them, or, if they may stay unreadable, acknowledge them (rekey inventory lists them; rekey migrate --acknowledge-unreadable <resource>/<namespace>/<name> --reason ...), then run the migration again", ErrNotFinished, unreadable, unreadableSample(inv), acknowledgedNote(acknowledged))
 		}
 		m.log.Info("Verifying re-scan still found stale objects; starting another pass", "stale", stale, "pass", pass)
 		m.ckpt = &Checkpoint{Targets: m.targets(), Counters: m.c.snapshot()}
@@ -254,6 +262,9 @@ func (m *migrator) run(ctx context.Context) (*Result, error) {
 func (m *migrator) result(r *Result) *Result {
 	r.Counters = m.c.snapshot()
 	r.Duration = m.opts.Clock.Since(m.start)
+	if r.Verified != nil {
+		r.Acknowledged = r.Verified.TotalAcknowledged()
+	}
 	return r
 }
 

@@ -1,0 +1,179 @@
+package migrate
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"k8s.io/utils/clock"
+)
+
+// acknowledgedDir is where acknowledgements live under the coordination prefix, beside
+// the cluster's records (pkg/cluster/keys.go) and the applied state (pkg/guard).
+const acknowledgedDir = "/acknowledged/"
+
+// DefaultAcknowledgedBy is who an acknowledgement is from when no apiserver id is given.
+const DefaultAcknowledgedBy = "rekey-cli"
+
+// AcknowledgedPrefix is the directory of acknowledgements: <coordination-prefix>/acknowledged/.
+func AcknowledgedPrefix(coordinationPrefix string) string {
+	return coordinationPrefix + acknowledgedDir
+}
+
+// AcknowledgementKey is where the acknowledgement of the object at etcd key key of res
+// lives: <coordination-prefix>/acknowledged/<resource>/<ns>/<name>, or
+// .../<resource>/<name> for a cluster-scoped resource.
+func AcknowledgementKey(coordinationPrefix string, res Resource, key string) string {
+	ns, name := ObjectName(res, key)
+	if ns == "" {
+		return AcknowledgedPrefix(coordinationPrefix) + res.String() + "/" + name
+	}
+	return AcknowledgedPrefix(coordinationPrefix) + res.String() + "/" + ns + "/" + name
+}
+
+// Acknowledgement records that an operator knows one stored object is unreadable and
+// accepts that it stays so: a migration verifies except it, and the guard lets its key
+// go. It holds for the value at ModRevision only: a rewrite of the object voids it.
+type Acknowledgement struct {
+	Resource string `json:"resource"`
+	UnreadableObject
+	At     time.Time `json:"at"`
+	Reason string    `json:"reason"`
+	// By is the --apiserver-id of whoever recorded it, or DefaultAcknowledgedBy.
+	By string `json:"by"`
+}
+
+// Acknowledgements are the recorded acknowledgements by etcd key of the object.
+type Acknowledgements map[string]Acknowledgement
+
+// Covers reports whether the value at key with modRevision is acknowledged.
+func (a Acknowledgements) Covers(key string, modRevision int64) bool {
+	ack, ok := a[key]
+	return ok && ack.ModRevision == modRevision
+}
+
+// Sorted returns the acknowledgements by resource and etcd key.
+func (a Acknowledgements) Sorted() []Acknowledgement {
+	out := make([]Acknowledgement, 0, len(a))
+	for _, ack := range a {
+		out = append(out, ack)
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Resource != out[j].Resource {
+			return out[i].Resource < out[j].Resource
+		}
+		return out[i].Key < out[j].Key
+	})
+	return out
+}
+
+// LoadAcknowledgements reads every acknowledgement under coordinationPrefix. There are
+// as many as operators named, one by one, so one range read holds them.
+func LoadAcknowledgements(ctx context.Context, cli *clientv3.Client, coordinationPrefix string) (Acknowledgements, error) {
+	resp, err := cli.Get(ctx, AcknowledgedPrefix(coordinationPrefix), clientv3.WithPrefix())
+	if err != nil {
+		return nil, fmt.Errorf("reading the acknowledged unreadable objects under %s: %w", AcknowledgedPrefix(coordinationPrefix), err)
+	}
+	out := Acknowledgements{}
+	for _, kv := range resp.Kvs {
+		var ack Acknowledgement
+		if err := json.Unmarshal(kv.Value, &ack); err != nil || ack.Key == "" {
+			// Ignoring it only makes its object block again, which is the safe side.
+			continue
+		}
+		out[ack.Key] = ack
+	}
+	return out, nil
+}
+
+// AcknowledgeOptions name the object to acknowledge and why.
+type AcknowledgeOptions struct {
+	Client *clientv3.Client
+	// Source is the configuration in use: only an object it cannot read is acknowledged.
+	Source             Source
+	CoordinationPrefix string
+	Resource           Resource
+	// Namespace is "" for a cluster-scoped resource.
+	Namespace, Name string
+	Reason          string
+	By              string
+	Clock           clock.PassiveClock
+}
+
+// ErrReadable refuses to acknowledge an object the configuration can read.
+var ErrReadable = errors.New("the object is readable with the current configuration")
+
+// Acknowledge checks that the object is unreadable now and records an acknowledgement
+// of its current value. The record is written only while the value is still the one
+// checked (a compare on its mod revision).
+func Acknowledge(ctx context.Context, o AcknowledgeOptions) (Acknowledgement, error) {
+	if o.Client == nil || o.Source == nil {
+		return Acknowledgement{}, errors.New("migrate: acknowledging needs an etcd client and the transformers' source")
+	}
+	if o.Reason == "" {
+		return Acknowledgement{}, errors.New("an acknowledgement needs a reason (--reason): say why the object may stay unreadable")
+	}
+	if o.Clock == nil {
+		o.Clock = clock.RealClock{}
+	}
+	if o.By == "" {
+		o.By = DefaultAcknowledgedBy
+	}
+	key := ObjectKey(o.Resource, o.Namespace, o.Name)
+	what := fmt.Sprintf("%s %s", o.Resource, key)
+	resp, err := o.Client.Get(ctx, key)
+	if err != nil {
+		return Acknowledgement{}, fmt.Errorf("reading %s: %w", what, err)
+	}
+	if len(resp.Kvs) == 0 {
+		return Acknowledgement{}, fmt.Errorf("%s: no object is stored there; check the namespace and name (rekey inventory lists the unreadable ones)", what)
+	}
+	kv := resp.Kvs[0]
+	rule := o.Source.Rule(o.Resource.GroupResource)
+	cl := newClassifier(rule, o.Source.KnownPrefixes())
+	b := cl.classify(kv.Value)
+	r := checkOne(ctx, o.Source.TransformerFor(o.Resource.GroupResource), kv.Key, kv.Value)
+	if isTransient(r.err) {
+		return Acknowledgement{}, fmt.Errorf("%s: cannot tell whether it is readable: %w; retry when the KMS plugin answers", what, r.err)
+	}
+	if r.err == nil {
+		return Acknowledgement{}, fmt.Errorf("%s: %w, so there is nothing to acknowledge; a migration rewrites it", what, ErrReadable)
+	}
+	ns, name := ObjectName(o.Resource, key)
+	ack := Acknowledgement{
+		Resource: o.Resource.String(),
+		UnreadableObject: UnreadableObject{Key: key, Namespace: ns, Name: name, Prefix: storedPrefixName(b),
+			Class: unreadableClass(b, cl.readable[b.Prefix], r.err), ModRevision: kv.ModRevision, Acknowledged: true},
+		At: o.Clock.Now().UTC(), Reason: o.Reason, By: o.By,
+	}
+	data, err := json.Marshal(ack)
+	if err != nil {
+		return Acknowledgement{}, err
+	}
+	txn, err := o.Client.Txn(ctx).
+		If(clientv3.Compare(clientv3.ModRevision(key), "=", kv.ModRevision)).
+		Then(clientv3.OpPut(AcknowledgementKey(o.CoordinationPrefix, o.Resource, key), string(data))).
+		Commit()
+	if err != nil {
+		return Acknowledgement{}, fmt.Errorf("recording the acknowledgement of %s: %w", what, err)
+	}
+	if !txn.Succeeded {
+		return Acknowledgement{}, fmt.Errorf("%s changed while it was checked; run the command again", what)
+	}
+	return ack, nil
+}
+
+// RemoveAcknowledgement deletes the acknowledgement of the object at ns/name of res; it
+// reports whether there was one.
+func RemoveAcknowledgement(ctx context.Context, cli *clientv3.Client, coordinationPrefix string, res Resource, namespace, name string) (bool, error) {
+	key := ObjectKey(res, namespace, name)
+	resp, err := cli.Delete(ctx, AcknowledgementKey(coordinationPrefix, res, key))
+	if err != nil {
+		return false, fmt.Errorf("removing the acknowledgement of %s %s: %w", res, key, err)
+	}
+	return resp.Deleted > 0, nil
+}
