@@ -1,5 +1,7 @@
 package kmsv1
 
+//lint:file-ignore SA1019 KMS v1 (k8s.io/kms/apis/v1beta1) is deprecated upstream; this file speaks it on purpose, so clusters still holding v1 values can be read and moved off it.
+
 import (
 	"context"
 	"fmt"
