@@ -76,8 +76,8 @@ type ResourceState struct {
 // --storage-migration-resources).
 type StorageMigrationState struct {
 	// Resources are the resources it migrates as leader ("secrets",
-	// "deployments.apps"); empty when --storage-migration is off (it only takes
-	// inventories).
+	// "deployments.apps", or a wildcard: "*.*" is every resource its rules cover);
+	// empty when --storage-migration is off (it only takes inventories).
 	Resources []string `json:"resources,omitempty"`
 }
 
@@ -89,7 +89,11 @@ func (s MemberState) Migrates(resource string) (migrates, known bool) {
 		return false, false
 	}
 	want := schema.ParseGroupResource(resource)
-	return slices.ContainsFunc(s.StorageMigration.Resources, func(r string) bool { return schema.ParseGroupResource(r) == want }), true
+	return slices.ContainsFunc(s.StorageMigration.Resources, func(r string) bool {
+		got := schema.ParseGroupResource(r)
+		// A wildcard ("*.*": every resource its rules cover) migrates what it matches.
+		return got == want || got.Resource == "*" && (got.Group == "*" || got.Group == want.Group)
+	}), true
 }
 
 // KMSState is one KMS v2 provider of a member.

@@ -315,6 +315,7 @@ func TestMemberRecordSaysWhatItMigrates(t *testing.T) {
 	cli := srv.Client(t)
 	startMember(t, cli, "migrating", secretsConfig("k1"), func(o *Options) { o.MigratesResources = []string{"secrets", "deployments.apps"} })
 	startMember(t, cli, "inventory-only", secretsConfig("k1"))
+	startMember(t, cli, "apps-wildcard", secretsConfig("k1"), func(o *Options) { o.MigratesResources = []string{"*.apps"} })
 	published := func(id string) MemberState {
 		t.Helper()
 		var st MemberState
@@ -332,6 +333,12 @@ func TestMemberRecordSaysWhatItMigrates(t *testing.T) {
 	for res, want := range map[string]bool{"secrets": true, "deployments.apps": true, "configmaps": false} {
 		if got, known := m.Migrates(res); got != want || !known {
 			t.Errorf("migrating member: Migrates(%s) = %v, %v; want %v, true", res, got, known, want)
+		}
+	}
+	w := published("apps-wildcard")
+	for res, want := range map[string]bool{"deployments.apps": true, "statefulsets.apps": true, "secrets": false} {
+		if got, known := w.Migrates(res); got != want || !known {
+			t.Errorf("member migrating *.apps: Migrates(%s) = %v, %v; want %v, true", res, got, known, want)
 		}
 	}
 	if got, known := published("inventory-only").Migrates("secrets"); got || !known {

@@ -346,9 +346,12 @@ func migratedResources(o Options) []string {
 	if !o.StorageMigration {
 		return nil
 	}
-	names := make([]string, len(o.Resources))
-	for i, r := range o.Resources {
-		names[i] = r.String()
+	// Every resource the configuration's rules cover is migrated (the resolver finds
+	// them at each check, whatever the rules become), so the record says "*.*", then
+	// the resources named besides the rules.
+	names := []string{"*.*"}
+	for _, r := range o.Resources {
+		names = append(names, r.String())
 	}
 	return names
 }
