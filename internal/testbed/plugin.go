@@ -48,6 +48,16 @@ func PluginSocket(sockDir string) string { return filepath.Join(sockDir, "kms.so
 // and waits until the socket exists. With no keys it reuses dir's keys file, as a
 // restarted plugin would.
 func StartPlugin(ctx context.Context, bin, dir, sockDir string, keys ...PluginKey) (*Plugin, error) {
+	return startPlugin(ctx, bin, dir, sockDir, nil, keys)
+}
+
+// StartPluginV1 is StartPlugin for a plugin serving the KMS v1 API (--api-version v1):
+// the plugin of a cluster that still holds KMS v1 values.
+func StartPluginV1(ctx context.Context, bin, dir, sockDir string, keys ...PluginKey) (*Plugin, error) {
+	return startPlugin(ctx, bin, dir, sockDir, []string{"--api-version", "v1"}, keys)
+}
+
+func startPlugin(ctx context.Context, bin, dir, sockDir string, args []string, keys []PluginKey) (*Plugin, error) {
 	keysFile := filepath.Join(dir, "kms-keys.json")
 	if len(keys) > 0 {
 		if err := WritePluginKeys(keysFile, keys...); err != nil {
@@ -61,8 +71,8 @@ func StartPlugin(ctx context.Context, bin, dir, sockDir string, keys ...PluginKe
 	sock := PluginSocket(sockDir)
 	pl := &Plugin{Endpoint: "unix://" + sock, Socket: sock, KeysFile: keysFile,
 		ControlURL: "http://127.0.0.1:" + strconv.Itoa(port)}
-	p, err := Start("kms-plugin", dir, bin, "--listen-addr", pl.Endpoint, "--keys-file", keysFile,
-		"--control-addr", "127.0.0.1:"+strconv.Itoa(port))
+	p, err := Start("kms-plugin", dir, bin, append([]string{"--listen-addr", pl.Endpoint, "--keys-file", keysFile,
+		"--control-addr", "127.0.0.1:" + strconv.Itoa(port)}, args...)...)
 	if err != nil {
 		return nil, err
 	}
