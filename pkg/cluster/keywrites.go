@@ -45,9 +45,9 @@ const keyWritesDir = "/keywrites/"
 // KeyWritesPrefix is the directory of the per-key totals: <prefix>/keywrites/.
 func KeyWritesPrefix(prefix string) string { return prefix + keyWritesDir }
 
-// keyWritesKey is where k's total lives: a hash of its identity names the etcd key, so
+// KeyWritesKey is where k's total lives: a hash of its identity names the etcd key, so
 // key names with any characters fit; the value repeats the identity.
-func keyWritesKey(prefix string, k Key) string {
+func KeyWritesKey(prefix string, k Key) string {
 	sum := sha256.Sum256([]byte(k.Provider + "\x00" + k.Key + "\x00" + k.Check + "\x00" + k.KeyIDHash))
 	return KeyWritesPrefix(prefix) + hex.EncodeToString(sum[:16])
 }
@@ -131,7 +131,7 @@ func (f *keyWritesFlusher) flush(ctx context.Context, counts []transformers.KeyW
 const maxCASAttempts = 16
 
 func (f *keyWritesFlusher) add(ctx context.Context, k Key, delta uint64, now time.Time) error {
-	key := keyWritesKey(f.prefix, k)
+	key := KeyWritesKey(f.prefix, k)
 	for range maxCASAttempts {
 		resp, err := f.cli.Get(ctx, key)
 		if err != nil {
