@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/spf13/pflag"
+	"golang.org/x/text/language"
+	"golang.org/x/text/message"
 
 	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/cluster"
@@ -115,17 +117,7 @@ func decideRotation(rc rotateCondition, keys []writeKeyUse, now time.Time) (bool
 }
 
 // thousands is n with commas: 212,345.
-func thousands(n uint64) string {
-	s := strconv.FormatUint(n, 10)
-	var b strings.Builder
-	for i, c := range s {
-		if i > 0 && (len(s)-i)%3 == 0 {
-			b.WriteByte(',')
-		}
-		b.WriteRune(c)
-	}
-	return b.String()
-}
+func thousands(n uint64) string { return message.NewPrinter(language.English).Sprintf("%d", n) }
 
 // rotationDue reads the cluster's totals and decides rc for the write keys of the
 // rules rotate would change (--resources picks rules).
