@@ -23,6 +23,7 @@ func newRotateCommand() *cobra.Command {
 	var output string
 	var removeOld string
 	var w waitOptions
+	var cond rotateCondition
 	cmd := &cobra.Command{
 		Use:   "rotate",
 		Short: "Put a new write key first in the encryption configuration, or remove the key it replaced",
@@ -64,7 +65,12 @@ rule with an old key behind its write key, objects stored under a key behind it
 behind the write key stays unless --remove-identity-fallback. It refuses, before any
 edit, a rotation whose resources no live apiserver migrates (--storage-migration,
 --storage-migration-resources), and fails a wait during which none does any more.
-See docs/rotation.md.`,
+
+--if-writes-over N and --if-older-than D make the rotation conditional (a scheduled
+job): it happens only when a write key of the rules it would rotate sealed more than N
+values over the cluster's lifetime, or was first configured longer than D ago (either,
+when both are given), as the apiservers' per-key totals in etcd say. rotate prints why
+it did or did not rotate and exits 0 in both cases. See docs/rotation.md.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if c.configPath == "" {
@@ -75,6 +81,19 @@ See docs/rotation.md.`,
 				return err
 			}
 			r.Resources = c.resources
+			if cond.active() && removeOld != "" {
+				return errors.New("--if-writes-over and --if-older-than decide whether to add a new write key; --remove-old is not conditional (its guard decides)")
+			}
+			if cond.active() {
+				due, why, err := c.rotationDue(cmd.Context(), f, cond, w.prefix)
+				if err != nil {
+					return err
+				}
+				fmt.Fprintln(cmd.OutOrStdout(), why)
+				if !due {
+					return nil
+				}
+			}
 			if w.removeIdentity && !w.wait {
 				return errors.New("--remove-identity-fallback goes with --wait; step by step, remove identity with --remove-old identity")
 			}
@@ -97,6 +116,7 @@ See docs/rotation.md.`,
 	fs.DurationVar(&r.KMSTimeout, "kms-timeout", 0, "Timeout of the new KMS v2 provider (--provider kms); default: the apiserver's (3s).")
 	fs.StringVarP(&output, "output", "o", "", "- prints the new configuration to stdout and leaves the file alone.")
 	w.addFlags(fs)
+	cond.addFlags(fs)
 	fs.StringVar(&removeOld, "remove-old", "", "Remove this read key (a local key name, a KMS provider name, or identity) from every rule that writes with another key (narrowed by --resources), after the guard allows it. Needs --etcd-servers.")
 	return cmd
 }

@@ -46,13 +46,21 @@ The exit code is 0 only when the cluster has converged.`,
 			if err != nil {
 				return err
 			}
+			totals, err := cluster.ReadKeyTotals(ctx, s.etcd, c.coordinationPrefix(prefix))
+			if err != nil {
+				return err
+			}
 			now := time.Now()
 			v := cluster.Evaluate(snap.Members, snap.Migration, now, alarm)
 			doc := struct {
 				*cluster.Snapshot
-				Verdict cluster.Verdict `json:"verdict"`
-			}{snap, v}
-			if err := output.write(cmd.OutOrStdout(), doc, func(w io.Writer) { writeStatusTable(w, snap, v, now) }); err != nil {
+				KeyWrites []cluster.KeyTotal `json:"keyWrites"`
+				Verdict   cluster.Verdict    `json:"verdict"`
+			}{snap, totals, v}
+			if err := output.write(cmd.OutOrStdout(), doc, func(w io.Writer) {
+				writeStatusTable(w, snap, v, now)
+				writeKeyWritesTable(w, totals, snap.Members, now)
+			}); err != nil {
 				return err
 			}
 			if !v.Converged {

@@ -39,6 +39,11 @@ type MemberState struct {
 	// apiserver would migrate instead of waiting for it forever. Nil in the records of
 	// versions that did not publish it: they do not say.
 	StorageMigration *StorageMigrationState `json:"storageMigration,omitempty"`
+	// KeyWrites counts, per key, the values this member sealed since it started (at
+	// most MaxPublishedKeyWrites keys, those with the most writes). The cluster's
+	// lifetime totals are KeyTotal, under KeyWritesPrefix. Records of versions that did
+	// not count leave it out.
+	KeyWrites []transformers.KeyWrites `json:"keyWrites,omitempty"`
 	// LastReloadError is the latest refused configuration, if it is newer than the one
 	// in use.
 	LastReloadError   string    `json:"lastReloadError,omitempty"`
@@ -193,9 +198,12 @@ func configState(id string, cfg *config.Config) MemberState {
 	return m
 }
 
-// sameContent compares two states ignoring PublishedAt.
+// sameContent compares two states ignoring PublishedAt and the write counts: a count
+// changes with every write, and a new count alone must not republish the record (it
+// rides along with the next publication; the totals in etcd are the exact ones).
 func sameContent(a, b MemberState) bool {
 	a.PublishedAt, b.PublishedAt = time.Time{}, time.Time{}
+	a.KeyWrites, b.KeyWrites = nil, nil
 	x, _ := json.Marshal(a)
 	y, _ := json.Marshal(b)
 	return string(x) == string(y)

@@ -14,6 +14,9 @@ type Metrics struct {
 	migrationObj *metrics.GaugeVec
 	leader       *metrics.Gauge
 	refusals     *metrics.Counter
+	keyWrites    *metrics.GaugeVec
+	keyWriting   *metrics.GaugeVec
+	keyFirstSeen *metrics.GaugeVec
 }
 
 // NewMetrics creates the metrics and registers them in reg (nil: none).
@@ -41,7 +44,8 @@ func NewMetrics(reg metrics.KubeRegistry) (*Metrics, error) {
 			Help:           "Configuration changes refused because they would drop a key another live apiserver still writes with or the cluster's storage migration still needs.",
 			StabilityLevel: metrics.ALPHA}),
 	}
-	for _, c := range []metrics.Registerable{m.members, m.converged, m.alarm, m.fenceHeld, m.migrationObj, m.leader, m.refusals} {
+	m.keyWrites, m.keyWriting, m.keyFirstSeen = newKeyTotalMetrics()
+	for _, c := range []metrics.Registerable{m.members, m.converged, m.alarm, m.fenceHeld, m.migrationObj, m.leader, m.refusals, m.keyWrites, m.keyWriting, m.keyFirstSeen} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}

@@ -59,6 +59,10 @@ type Options struct {
 	// elected migration leader; nil with --storage-migration off. Published in the
 	// member record (MemberState.StorageMigration).
 	MigratesResources []string
+	// KeyWritesFlushInterval is how often this member adds its per-key write counts to
+	// the cluster's totals in etcd (default DefaultKeyWritesFlushInterval); it adds
+	// them once more on Close.
+	KeyWritesFlushInterval time.Duration
 	// Inventory is the latest local inventory (for readiness and the guard); may be nil.
 	Inventory *migrate.InventoryStore
 	Metrics   *Metrics
@@ -96,6 +100,12 @@ type Node struct {
 	// can never overwrite a drop announced in between.
 	publishMu sync.Mutex
 
+	// keyWrites adds this member's write counts to the cluster's totals; keyTotals is
+	// what it last read back, at lastKeyWritesFlush.
+	keyWrites          *keyWritesFlusher
+	keyTotals          []KeyTotal
+	lastKeyWritesFlush time.Time
+
 	notify chan struct{}
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -127,6 +137,9 @@ func New(opts Options) (*Node, error) {
 	if opts.RefreshInterval <= 0 {
 		opts.RefreshInterval = DefaultRefreshInterval
 	}
+	if opts.KeyWritesFlushInterval <= 0 {
+		opts.KeyWritesFlushInterval = DefaultKeyWritesFlushInterval
+	}
 	if opts.Version == "" {
 		opts.Version = moduleVersion()
 	}
@@ -147,6 +160,7 @@ func New(opts Options) (*Node, error) {
 		fence:     fence,
 		handshake: handshake,
 		alarm:     newDisagreementAlarm(opts.DisagreementAlarm, opts.Clock.Now()),
+		keyWrites: newKeyWritesFlusher(opts.Client, opts.Prefix),
 		notify:    make(chan struct{}, 1),
 	}, nil
 }
@@ -361,6 +375,7 @@ func (n *Node) tick(ctx context.Context) {
 	if stale || due {
 		n.publish(ctx, due)
 	}
+	n.flushKeyWrites(ctx, false)
 	n.evaluate()
 }
 
@@ -373,6 +388,7 @@ func (n *Node) state(now time.Time) MemberState {
 	st := stateFromStatus(n.opts.ID, n.opts.Version, status, held, now)
 	st.DisagreeingSince, st.ClusterID = since, clusterID
 	st.StorageMigration = &StorageMigrationState{Resources: slices.Clone(n.opts.MigratesResources)}
+	st.KeyWrites = boundKeyWrites(status.KeyWrites, MaxPublishedKeyWrites)
 	return n.announced(st, status.ActiveConfigHash, status.LastAttemptAt, status.LastErrorAt)
 }
 
@@ -478,6 +494,8 @@ func (n *Node) Close() {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), etcdTimeout)
 	defer cancel()
+	// The writes since the last flush, so a clean restart loses none of the total.
+	n.flushKeyWrites(ctx, true)
 	if err := n.pub.Close(ctx); err != nil {
 		n.log.Error(err, "Could not revoke the member lease; the member key expires with it")
 	}

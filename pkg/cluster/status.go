@@ -1,6 +1,9 @@
 package cluster
 
-import "time"
+import (
+	"slices"
+	"time"
+)
 
 // Status is the `cluster` section of the agent's status document. Names, hashes and
 // times only.
@@ -25,6 +28,9 @@ type Status struct {
 	Migration       *MigrationState `json:"migration,omitempty"`
 	// DisagreeingSince is when this member saw the members start to disagree.
 	DisagreeingSince time.Time `json:"disagreeingSince,omitzero"`
+	// KeyWrites are the cluster's lifetime totals per key and when each was first seen
+	// (KeyTotal), as this member last read them.
+	KeyWrites []KeyTotal `json:"keyWrites,omitempty"`
 	// Conditions is "DisagreementAlarm" while the alarm is raised.
 	Conditions   []string `json:"conditions,omitempty"`
 	PublishError string   `json:"publishError,omitempty"`
@@ -35,6 +41,7 @@ func (n *Node) Status() Status {
 	now := n.opts.Clock.Now()
 	st := Status{APIServerID: n.opts.ID, Prefix: n.opts.Prefix, Members: n.view.Members(), UnknownMembers: n.view.Unknown(), Holds: n.Holds()}
 	n.mu.Lock()
+	st.KeyWrites = slices.Clone(n.keyTotals)
 	st.ClusterID = n.clusterID
 	agent, mig := n.agent, n.migrator
 	st.DisagreeingSince, st.PublishError = n.alarm.Since(), n.publishErr

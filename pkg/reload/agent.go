@@ -219,6 +219,11 @@ func NewAgent(ctx context.Context, opts Options) (*Agent, error) {
 	if opts.Transformers.APIServerID == "" {
 		opts.Transformers.APIServerID = opts.APIServerID
 	}
+	if opts.Transformers.WriteCounts == nil {
+		// One set of counters for the agent's lifetime: every Set it builds, on start
+		// and on each reload, continues the counts of the keys it keeps.
+		opts.Transformers.WriteCounts = transformers.NewWriteCounts()
+	}
 	a := &Agent{
 		opts:   opts,
 		log:    opts.Logger.WithName("encryption-config-reload"),
@@ -236,6 +241,10 @@ func NewAgent(ctx context.Context, opts Options) (*Agent, error) {
 		if a.metrics, err = newReloadMetrics(opts.Registry, opts.APIServerID); err != nil {
 			a.closeCancel()
 			return nil, fmt.Errorf("reload: registering metrics: %w", err)
+		}
+		if err := opts.Registry.CustomRegister(newKeyWritesCollector(opts.Transformers.WriteCounts)); err != nil {
+			a.closeCancel()
+			return nil, fmt.Errorf("reload: registering %s: %w", KeyWritesMetric, err)
 		}
 	}
 	set, err := transformers.Build(ctx, cfg, opts.Transformers)

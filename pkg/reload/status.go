@@ -45,6 +45,9 @@ type Status struct {
 	Resources []transformers.RuleInfo `json:"resources"`
 	// KMSProviders lists every KMS provider of the active configuration in file order.
 	KMSProviders []transformers.KMSStatus `json:"kmsProviders"`
+	// KeyWrites counts, per key, the values this apiserver sealed since it started,
+	// over every configuration it served (transformers.WriteCounts).
+	KeyWrites []transformers.KeyWrites `json:"keyWrites"`
 	// Extras are the sections Options.StatusExtras added. They are marshalled as
 	// top-level members after the ones above (sorted by key); a key that names one of
 	// the members above is left out. Unmarshalling leaves Extras empty.
@@ -72,6 +75,9 @@ func (s Status) MarshalJSON() ([]byte, error) {
 			r.KMS = &k
 		}
 		f.Resources[i] = r
+	}
+	if f.KeyWrites == nil {
+		f.KeyWrites = []transformers.KeyWrites{}
 	}
 	f.KMSProviders = make([]transformers.KMSStatus, len(s.KMSProviders))
 	for i, k := range s.KMSProviders {
@@ -148,6 +154,7 @@ func (a *Agent) OwnStatus() Status {
 		ReplacedPendingClose: a.pending.Load(),
 		Resources:            g.set.Rules(),
 		KMSProviders:         []transformers.KMSStatus{},
+		KeyWrites:            a.opts.Transformers.WriteCounts.Snapshot(),
 	}
 	for _, k := range g.set.KMSProviders() {
 		st.KMSProviders = append(st.KMSProviders, k.Status())

@@ -70,6 +70,10 @@ func exampleStatus() reload.Status {
 				ReadKeys:     []transformers.KeyInfo{{Provider: "aesgcm", Key: "key2"}, {Provider: "identity"}}},
 		},
 		KMSProviders: []transformers.KMSStatus{kms},
+		KeyWrites: []transformers.KeyWrites{
+			{KeyInfo: transformers.KeyInfo{Provider: "aesgcm", Key: "key2", Check: "5c1f0e9a7b3d2c48"}, Writes: 310},
+			{KeyInfo: transformers.KeyInfo{Provider: "kms", Key: "vault", KeyIDHash: kms.KeyIDHash}, Writes: 1_832},
+		},
 		Extras: map[string]any{"storage": migrate.ControllerStatus{
 			AutoMigrate: true,
 			LastMigration: &migrate.MigrationRecord{

@@ -10,6 +10,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/compatconfigs"
 	"github.com/rekey-io/rekey/internal/enctest"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // BenchmarkLocalProviders runs ours and upstream's transformers side by side, in one run
@@ -24,10 +25,14 @@ func BenchmarkLocalProviders(b *testing.B) {
 	var aad value.Context = value.DefaultContext("/registry/secrets/default/benchmark-secret")
 	for _, provider := range []string{"identity", "aesgcm", "aescbc", "secretbox"} {
 		p := loadPair(b, provider, configFor("secrets", provider))
+		// impl=rekey-counted is impl=rekey with the per-key write counter on
+		// (transformers.Options.WriteCounts, as every apiserver runs it): the two side by
+		// side are the counter's cost.
+		counted := buildCounted(b, configFor("secrets", provider), transformers.NewWriteCounts())
 		impls := []struct {
 			name string
 			t    value.Transformer
-		}{{"rekey", p.our(secrets)}, {"upstream", p.up(secrets)}}
+		}{{"rekey", p.our(secrets)}, {"rekey-counted", counted.TransformerFor(secrets)}, {"upstream", p.up(secrets)}}
 		for _, size := range []int{256, 4 << 10, 64 << 10} {
 			plaintext := make([]byte, size)
 			for i := range plaintext {

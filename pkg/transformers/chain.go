@@ -66,6 +66,8 @@ type Chain struct {
 	// emptyPrefix[i] marks identity: its read failures are skipped silently, as upstream.
 	emptyPrefix []bool
 	obs         []*observers // per sealer, nil when metrics are off
+	// counters are per sealer, nil when writes are not counted (and nil for identity).
+	counters []*sealCounter
 	// writer is the index of the sealer that writes: 0 unless a write fence holds the
 	// configuration's first entry back. Staleness stays relative to entry 0.
 	writer int
@@ -75,9 +77,12 @@ type Chain struct {
 
 var _ value.Transformer = (*Chain)(nil)
 
-func newChain(gr schema.GroupResource, resource string, sealers []Sealer, m *Metrics) *Chain {
+func newChain(gr schema.GroupResource, resource string, sealers []Sealer, m *Metrics, counts *WriteCounts) *Chain {
 	c := &Chain{resource: resource, sealers: sealers}
 	for _, s := range sealers {
+		if counts != nil {
+			c.counters = append(c.counters, newSealCounter(counts, s))
+		}
 		p := s.Prefix()
 		c.prefixes = append(c.prefixes, p)
 		c.emptyPrefix = append(c.emptyPrefix, len(p) == 0)
@@ -111,12 +116,24 @@ func (c *Chain) TransformToStorage(ctx context.Context, data []byte, dataCtx val
 		return nil, &WriteRefusedError{Reason: c.refuse}
 	}
 	if c.obs == nil {
-		return c.sealers[c.writer].Seal(ctx, data, dataCtx)
+		out, err := c.sealers[c.writer].Seal(ctx, data, dataCtx)
+		c.countWrite(err)
+		return out, err
 	}
 	start := now()
 	out, err := c.sealers[c.writer].Seal(ctx, data, dataCtx)
 	c.obs[c.writer].write(start, err)
+	c.countWrite(err)
 	return out, err
+}
+
+// countWrite counts a successful write against the writing key (WriteCounts).
+func (c *Chain) countWrite(err error) {
+	if err == nil && c.counters != nil {
+		if sc := c.counters[c.writer]; sc != nil {
+			sc.add()
+		}
+	}
 }
 
 // TransformFromStorage finds the providers whose prefix the value carries and returns

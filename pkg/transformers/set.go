@@ -38,6 +38,9 @@ type Options struct {
 	// KMS builds KMS v2 providers. When nil, a config with a KMS provider fails to build
 	// with a clear error.
 	KMS KMSFactory
+	// WriteCounts, when set, counts the values each key seals. Pass the same one to
+	// every Build of a process so a reloaded key continues its count.
+	WriteCounts *WriteCounts
 }
 
 // KMSFactory builds a KMS v2 provider for one `kms` entry of the configuration. The
@@ -129,9 +132,9 @@ func Build(ctx context.Context, cfg *config.Config, opts Options) (set *Set, err
 	byGR, order := ByResource(entries)
 	s.order = order
 	for gr, list := range byGR {
-		s.rules[gr] = newChain(gr, config.GroupResourceString(gr), list, opts.Metrics)
+		s.rules[gr] = newChain(gr, config.GroupResourceString(gr), list, opts.Metrics, opts.WriteCounts)
 	}
-	s.fallback = newChain(schema.GroupResource{}, "", []Sealer{identitySealer{}}, nil)
+	s.fallback = newChain(schema.GroupResource{}, "", []Sealer{identitySealer{}}, nil, nil)
 	return s, nil
 }
 

@@ -265,6 +265,15 @@ func (p *Provider) errNotReady() error {
 	return transformers.Unavailable(fmt.Errorf("kms v2 provider %q cannot write yet: no DEK seed has been accepted from the plugin at %s (last problem: %v); check that the plugin is running and healthy", p.name, p.endpoint, v.Err))
 }
 
+// WriteKeyIDHash is "sha256:<hex>" of the key id new values are written under, ""
+// before the first DEK seed (transformers.WriteKeyIDHasher: the write counter's key).
+func (p *Provider) WriteKeyIDHash() string {
+	if ws := p.write.Load(); ws != nil {
+		return ws.keyIDHash
+	}
+	return ""
+}
+
 // Seal encrypts plaintext for dataCtx (the etcd key) and returns the full stored value.
 func (p *Provider) Seal(_ context.Context, plaintext []byte, dataCtx value.Context) ([]byte, error) {
 	ws := p.write.Load()

@@ -29,13 +29,16 @@ type generation struct {
 // writeState is the data-path form of a state.WriteState: the encoded constant tail of
 // every value (fields 2..5), the seed and the current generation.
 type writeState struct {
-	spec     *state.WriteState
-	keyID    string
-	typ      wire.SourceType
-	tail     []byte
-	entry    *dekEntry
-	cacheKey wire.CacheKey
-	expiry   atomic.Int64 // unix nanoseconds; writes at or after it fail
+	spec  *state.WriteState
+	keyID string
+	// keyIDHash is state.KeyIDHash(keyID), computed once: the write path's key counter
+	// (transformers.WriteCounts) reads it per write.
+	keyIDHash string
+	typ       wire.SourceType
+	tail      []byte
+	entry     *dekEntry
+	cacheKey  wire.CacheKey
+	expiry    atomic.Int64 // unix nanoseconds; writes at or after it fail
 
 	genMu sync.Mutex
 	gen   atomic.Pointer[generation]
@@ -58,11 +61,12 @@ func newWriteState(spec *state.WriteState, limit, maxWrites uint64, full func())
 		return nil, err
 	}
 	ws := &writeState{
-		spec:  spec,
-		keyID: spec.KeyID,
-		typ:   spec.Type,
-		tail:  wire.AppendTail(nil, spec.KeyID, spec.Ciphertext, spec.Annotations, spec.Type),
-		entry: entry,
+		spec:      spec,
+		keyID:     spec.KeyID,
+		keyIDHash: state.KeyIDHash(spec.KeyID),
+		typ:       spec.Type,
+		tail:      wire.AppendTail(nil, spec.KeyID, spec.Ciphertext, spec.Annotations, spec.Type),
+		entry:     entry,
 		cacheKey: wire.ComputeCacheKey(spec.Type, spec.Ciphertext, []byte(spec.KeyID),
 			append([]wire.Annotation(nil), spec.Annotations...)),
 		limit:     limit,
