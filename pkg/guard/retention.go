@@ -210,4 +210,3 @@ func NewRetention(o RetentionOptions) func(current, next *config.Config) error {
 func CheckRetentionChange(ctx context.Context, o RetentionOptions, current, next *config.Config) error {
 	return o.check(ctx, ConfigKeys(current), next)
 }
-
