@@ -2,6 +2,7 @@ package etcdsnapshot
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 
@@ -119,7 +120,7 @@ func Inventory(path string, o Options) (*Report, error) {
 	rep.Revision = rev
 	for bk, b := range counts {
 		for _, e := range rep.Ledger.Named(b.Provider, b.Key) {
-			if e.Check != "" && !contains(b.Checks, e.Check) {
+			if e.Check != "" && !slices.Contains(b.Checks, e.Check) {
 				b.Checks = append(b.Checks, e.Check)
 			}
 		}
@@ -137,15 +138,6 @@ func Inventory(path string, o Options) (*Report, error) {
 	}
 	sort.Slice(rep.Resources, func(i, j int) bool { return rep.Resources[i].Resource < rep.Resources[j].Resource })
 	return rep, nil
-}
-
-func contains(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
-	}
-	return false
 }
 
 // Unreadable is a bucket of a snapshot a configuration cannot read.
@@ -199,7 +191,7 @@ func unreadable(chain []transformers.KeyInfo, b Bucket) string {
 		return "" // no ledger to tell secrets apart: the name is all there is to match
 	}
 	for _, k := range named {
-		if contains(b.Checks, k.Check) {
+		if slices.Contains(b.Checks, k.Check) {
 			return ""
 		}
 	}
