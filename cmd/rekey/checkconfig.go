@@ -21,6 +21,7 @@ func newCheckConfigCommand() *cobra.Command {
 	var c common
 	var next string
 	var override bool
+	var prefix string
 	cmd := &cobra.Command{
 		Use:   "check-config",
 		Short: "Refuse a new encryption configuration that would drop a key still encrypting stored data",
@@ -35,7 +36,8 @@ reaches another plugin or keyring fails the check. Before anything else, every K
 plugin the new configuration names must answer a healthy Status with a key id and
 encrypt and decrypt a random test value within its timeout (--skip-preflight skips
 that, with a warning). Run it before you install a new configuration; the apiserver shim
-applies the same guard to every reload.`,
+applies the same guard to every reload. With --backup-retention it also refuses to drop
+a key that an etcd snapshot kept that long may need, per the apiservers' key ledger.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if next == "" {
@@ -74,6 +76,9 @@ applies the same guard to every reload.`,
 			if err := keysInUse(cur.cfg, nextCfg); err != nil {
 				return err
 			}
+			if err := c.retention.check(ctx, &c, cli, cur.cfg, nextCfg, override); err != nil {
+				return err
+			}
 			if err := c.checkKMSDecrypt(ctx, cmd, cli, inv, next, nextCfg, override); err != nil {
 				return err
 			}
@@ -85,6 +90,8 @@ applies the same guard to every reload.`,
 	c.addPreflightFlag(cmd.Flags())
 	cmd.Flags().StringVar(&next, "new", "", "The configuration to check. Required.")
 	cmd.Flags().BoolVar(&override, guard.OverrideFlag, false, "Report violations but succeed anyway (disaster recovery).")
+	addCoordinationPrefixFlag(cmd.Flags(), &prefix)
+	c.retention.addFlag(cmd.Flags(), &prefix)
 	return cmd
 }
 

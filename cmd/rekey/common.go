@@ -35,6 +35,8 @@ type common struct {
 	acknowledgedUnder string
 	// skipPreflight: --skip-preflight (check-config, rotate --provider kms).
 	skipPreflight bool
+	// retention: --backup-retention (check-config, rotate --remove-old and --wait).
+	retention backupRetention
 }
 
 // addPreflightFlag adds --skip-preflight to the commands that accept or write a

@@ -14,7 +14,7 @@ func newInventoryCommand() *cobra.Command {
 	var c common
 	var output outputFormat
 	var decrypt bool
-	var prefix string
+	var prefix, snapshot string
 	cmd := &cobra.Command{
 		Use:   "inventory",
 		Short: "Count stored objects per resource, provider, key and state (current or stale)",
@@ -29,9 +29,18 @@ Unreadable objects are listed (the first 1000 per resource) with their namespace
 name, stored prefix and why they cannot be read: unknown-key (no key of the configuration
 has the prefix), decrypt-failed (a key has it but does not decrypt the value), corrupt (a
 KMS v2 envelope that does not decode) or not-a-kubernetes-object. Those acknowledged with
-rekey migrate --acknowledge-unreadable are marked so.`,
+rekey migrate --acknowledge-unreadable are marked so.
+
+--snapshot FILE reads an etcd snapshot file offline instead (no --etcd-servers): the
+keys its objects need, per resource and stored prefix or KMS key id, with the check
+values the snapshot's key ledger recorded for them; with --encryption-provider-config
+it fails unless that configuration can read them all (by check value where the ledger
+knows the key).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if snapshot != "" {
+				return c.snapshotInventory(cmd, snapshot, prefix, output)
+			}
 			ctx := cmd.Context()
 			s, err := c.open(ctx, preamble{config: true})
 			if err != nil {
@@ -49,6 +58,7 @@ rekey migrate --acknowledge-unreadable are marked so.`,
 	c.addFlags(cmd.Flags())
 	addOutputFlag(cmd.Flags(), &output)
 	addCoordinationPrefixFlag(cmd.Flags(), &prefix)
+	cmd.Flags().StringVar(&snapshot, "snapshot", "", "An etcd snapshot file (etcdctl snapshot save) to inventory offline instead of etcd.")
 	cmd.Flags().BoolVar(&decrypt, "decrypt-check", false, "Also decrypt every value (KMS v2: calls the plugin for each DEK not cached) to count unreadable objects exactly.")
 	return cmd
 }

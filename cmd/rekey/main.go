@@ -1,9 +1,11 @@
 // Command rekey is the operator CLI of the rekey encryption-at-rest layer.
 //
 //	rekey inventory    --etcd-servers URL --encryption-provider-config FILE [-o table|json] [--decrypt-check]
+//	rekey inventory    --snapshot FILE [--encryption-provider-config FILE] [--etcd-prefix /registry]
 //	rekey migrate      --etcd-servers URL --encryption-provider-config FILE [--rate N] [--checkpoint PATH] [--resume] [--progress auto|bar|plain|none]
 //	rekey check-config --etcd-servers URL --encryption-provider-config FILE --new FILE
 //	rekey status       --etcd-servers URL [--coordination-prefix /rekey] [-o table|json]
+//	rekey ledger       --etcd-servers URL [--coordination-prefix /rekey] [-o table|json]
 //	rekey rotate       --encryption-provider-config FILE [--provider aesgcm|secretbox|aescbc|kms] [-o -] [--remove-old NAME --etcd-servers URL]
 //	rekey rotate       --encryption-provider-config FILE --wait --etcd-servers URL [--coordination-prefix /rekey] [--wait-timeout 30m] [--progress auto|bar|plain]
 //
@@ -11,7 +13,8 @@
 // key id hash) and state; migrate re-encrypts every stale object with compare-and-swap
 // and verifies the result; check-config refuses a new configuration that would drop a
 // key still encrypting stored data. See docs/migration.md. status shows the apiservers
-// that coordinate through etcd (docs/cluster.md).
+// that coordinate through etcd (docs/cluster.md); ledger lists every key the cluster wrote
+// with and when it retired, what etcd backups need (--backup-retention keeps those keys).
 package main
 
 import (
@@ -32,7 +35,7 @@ func newRootCommand() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: false,
 	}
-	root.AddCommand(newInventoryCommand(), newMigrateCommand(), newCheckConfigCommand(), newStatusCommand(), newRotateCommand())
+	root.AddCommand(newInventoryCommand(), newMigrateCommand(), newCheckConfigCommand(), newStatusCommand(), newRotateCommand(), newLedgerCommand())
 	printableErrors(root)
 	return root
 }

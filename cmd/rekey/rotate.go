@@ -117,6 +117,7 @@ it did or did not rotate and exits 0 in both cases. See docs/rotation.md.`,
 	fs.StringVarP(&output, "output", "o", "", "- prints the new configuration to stdout and leaves the file alone.")
 	w.addFlags(fs)
 	cond.addFlags(fs)
+	c.retention.addFlag(fs, &w.prefix)
 	fs.StringVar(&removeOld, "remove-old", "", "Remove this read key (a local key name, a KMS provider name, or identity) from every rule that writes with another key (narrowed by --resources), after the guard allows it. Needs --etcd-servers.")
 	return cmd
 }
@@ -261,5 +262,5 @@ func (c *common) guardRemoval(ctx context.Context, cur, next *config.Config, cha
 		}
 		return fmt.Errorf("the old key still encrypts stored data; run `rekey migrate` (or wait for the cluster's migrator) and try again:%s", b.String())
 	}
-	return nil
+	return c.retention.check(ctx, c, s.etcd, cur, next, false)
 }

@@ -363,6 +363,10 @@ type StartupOptions struct {
 	Transformers value.ResourceTransformers
 	// Override lets the start go on despite violations (logged).
 	Override bool
+	// Retention, when its Retention is set, refuses a configuration on disk that drops
+	// a key of the last applied one that an etcd snapshot within the backup retention
+	// may need (Check Retention; Override lets it through too).
+	Retention RetentionOptions
 	// Inventory, when set, receives the start-up inventory.
 	Inventory *migrate.InventoryStore
 	Clock     clock.PassiveClock
@@ -429,6 +433,17 @@ func CheckStartup(ctx context.Context, o StartupOptions) error {
 				return gerr
 			}
 			o.Logger.Info("Starting with an encryption configuration that drops keys still in use, because the override is set", "config", o.Config.Source, "hash", o.Config.Hash, "violations", len(vs), "detail", gerr.Error())
+		}
+		ro := o.Retention
+		ro.Override, ro.Logger = func() bool { return o.Override }, o.Logger
+		if ro.Clock == nil {
+			ro.Clock = o.Clock
+		}
+		if err := ro.check(ctx, appliedKeys(prev), o.Config); err != nil {
+			if errors.Is(err, ErrRefused) {
+				o.Metrics.RecordGuardRefusal()
+			}
+			return err
 		}
 	}
 	if o.Transformers != nil && inv != nil {

@@ -35,6 +35,14 @@
 //		Transformers: agent, Override: overrideFlag, Inventory: store})
 //	agentOpts.Applied = func(cfg *config.Config) { _ = state.Save(ctx, guard.NewAppliedState(cfg, store.Latest(), time.Now())) }
 //
+// # Backups
+//
+// With --backup-retention D (default 0: off, so that clusters without etcd backups are
+// never held back), NewRetention (reload), StartupOptions.Retention (start) and
+// CheckRetentionChange (the CLI) refuse to drop a key that pkg/keyledger says retired
+// less than D ago, or never retired: an etcd snapshot kept that long may hold values
+// under it (Check Retention).
+//
 // # In the cluster
 //
 // pkg/cluster's guard refuses to drop a key another apiserver writes with or the

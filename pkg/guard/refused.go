@@ -33,6 +33,9 @@ const (
 	// Cluster: another apiserver writes with, or the cluster's migration still needs,
 	// a key the configuration drops (pkg/cluster's guard).
 	Cluster Check = "cluster"
+	// Retention: the configuration drops a key that an etcd snapshot kept within
+	// --backup-retention may need, per the key ledger (CheckRetention).
+	Retention Check = "backup-retention"
 )
 
 // RefusedError is the one error every refusal to drop a key in use returns, on a
@@ -51,6 +54,8 @@ type RefusedError struct {
 	Failures []DecryptFailure
 	// Reasons (Cluster) say which member or migration still needs a dropped key.
 	Reasons []string
+	// Holds (Retention) are the dropped keys a snapshot within the retention may need.
+	Holds []RetentionHold
 }
 
 // Is makes errors.Is(err, ErrRefused) true.
@@ -77,6 +82,10 @@ func (e *RefusedError) Error() string {
 		fmt.Fprintf(&b, "refusing encryption configuration %s: it drops keys the cluster still needs:", e.Next)
 		list(e.Reasons)
 		b.WriteString("\nKeep these keys as read keys until every apiserver writes with their successor and the cluster's storage migration to it is verified (`rekey status` shows both); the current configuration keeps serving.")
+	case Retention:
+		fmt.Fprintf(&b, "refusing encryption configuration %s: it drops keys an etcd snapshot kept within --%s may need to be restored:", e.Next, BackupRetentionFlag)
+		list(texts(e.Holds))
+		b.WriteString("\nKeep these keys as read keys until the dates given (`rekey ledger` lists every key the cluster wrote with and when it retired); the current configuration keeps serving. To drop them anyway (snapshots holding values under them cannot be restored with the new configuration), lower --" + BackupRetentionFlag + " or pass --" + OverrideFlag + ".")
 	default:
 		fmt.Fprintf(&b, "refusing encryption configuration %s: it cannot read data that is still stored:", e.Next)
 		list(texts(e.Violations))

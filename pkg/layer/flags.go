@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/storagelayout"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
@@ -124,8 +125,10 @@ type Flags struct {
 	StorageCheckInterval     time.Duration
 	StorageInventoryInterval time.Duration
 	AllowDroppingKeysInUse   bool
-	EncryptionStateFile      string
-	EncryptionStateID        string
+	// BackupRetention is --backup-retention (guard.BackupRetentionFlag); 0 is off.
+	BackupRetention     time.Duration
+	EncryptionStateFile string
+	EncryptionStateID   string
 
 	APIServerID              string
 	ClusterCoordination      bool
@@ -201,6 +204,9 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 		"Apply a reload even when it removes a provider or key that the latest inventory says still encrypts stored objects "+
 			"(refused otherwise, naming resource, key and object count), or start with a configuration that cannot read what the last applied one could. "+
 			"Disaster recovery only: the data under that key becomes unreadable.")
+	fs.DurationVar(&f.BackupRetention, guard.BackupRetentionFlag, f.BackupRetention,
+		"How long etcd snapshots are kept (e.g. 168h): a reload or start that drops a key a snapshot within it may need (per the key ledger in etcd) is refused, naming the key and until when to keep it. "+
+			"0 (the default) checks nothing, so that clusters without etcd backups are never held back by them.")
 	fs.StringVar(&f.EncryptionStateFile, "encryption-state-file", f.EncryptionStateFile,
 		"Keep the record of what the last applied encryption configuration could read (key fingerprints, never keys) in this file instead of "+
 			"etcd key <coordination-prefix>/applied/<encryption-state-id>. It must survive restarts: at start the configuration on disk is checked against it.")
@@ -251,6 +257,9 @@ func (f *Flags) Validate() []error {
 	// without it.
 	if f.EncryptionLayer == EncryptionLayerUpstream && f.StorageMigration && !f.defaults.StorageMigration {
 		errs = append(errs, fmt.Errorf("--%s needs --encryption-layer=%s: upstream's layer has no storage migration", FlagStorageMigration, EncryptionLayerRekey))
+	}
+	if f.BackupRetention < 0 {
+		errs = append(errs, fmt.Errorf("--%s=%s: must be 0 (no check) or how long etcd snapshots are kept", guard.BackupRetentionFlag, f.BackupRetention))
 	}
 	if f.KMSFirstSeedHold < 0 {
 		errs = append(errs, fmt.Errorf("--kms-first-seed-hold=%s: must be 0 (no hold) or positive", f.KMSFirstSeedHold))
@@ -310,6 +319,7 @@ func (f *Flags) ApplyTo(o *Options) error {
 	o.StorageCheckInterval = f.StorageCheckInterval
 	o.StorageInventoryInterval = f.StorageInventoryInterval
 	o.AllowDroppingKeysInUse = f.AllowDroppingKeysInUse
+	o.BackupRetention = f.BackupRetention
 	o.EncryptionStateFile = f.EncryptionStateFile
 	o.StateID = cmp.Or(f.EncryptionStateID, o.APIServerID)
 	o.MemberID = cmp.Or(f.APIServerID, o.APIServerID)

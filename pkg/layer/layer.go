@@ -109,6 +109,10 @@ type Options struct {
 	StorageInventoryInterval time.Duration
 	// AllowDroppingKeysInUse overrides the key-in-use guards (disaster recovery only).
 	AllowDroppingKeysInUse bool
+	// BackupRetention is how long etcd snapshots are kept: a configuration that drops a
+	// key retired (per the key ledger) less than this ago is refused, on reload and at
+	// start. 0 checks nothing. The ledger is recorded either way.
+	BackupRetention time.Duration
 	// EncryptionStateFile keeps the applied state in a file instead of etcd.
 	EncryptionStateFile string
 	// StateID names the applied state in etcd (key guard.AppliedStateKey under the
@@ -291,6 +295,15 @@ func (l *Layer) agentOptions(running *runningRules) reload.Options {
 		Applied:      l.saveApplied,
 		StatusExtras: func() map[string]any { return map[string]any{StorageStatusKey: l.storageStatus()} },
 	}
+	if o.BackupRetention > 0 {
+		inUse, retention := ropts.Guard, guard.NewRetention(l.retentionOptions())
+		ropts.Guard = func(current, next *config.Config) error {
+			if err := inUse(current, next); err != nil {
+				return err
+			}
+			return retention(current, next)
+		}
+	}
 	if node := l.node; node != nil {
 		local := ropts.Guard
 		ropts.Guard = func(current, next *config.Config) error {
@@ -411,6 +424,7 @@ func (l *Layer) CheckStart(ctx context.Context) error {
 		Transformers: agent,
 		Override:     l.opts.AllowDroppingKeysInUse,
 		Inventory:    l.store,
+		Retention:    l.retentionOptions(),
 		Metrics:      l.metrics,
 		Logger:       l.log,
 	})
@@ -516,6 +530,8 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 				wg.Add(1)
 				go func() { defer wg.Done(); mig.Run(ctx) }()
 			}
+			wg.Add(1)
+			go func() { defer wg.Done(); l.ledgerRecorder().Run(ctx, ledgerRecordInterval) }()
 			ctrl.Run(ctx)
 			wg.Wait()
 		}()

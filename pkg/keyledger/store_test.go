@@ -1,0 +1,54 @@
+package keyledger
+
+import (
+	"context"
+	"testing"
+
+	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/rekey-io/rekey/internal/etcdtest"
+	"github.com/rekey-io/rekey/pkg/transformers"
+)
+
+// Two members writing with the same key record it once: the second finds it recorded
+// and writes nothing, until the touch interval has passed.
+func TestRecordIsIdempotentAcrossMembers(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	ctx := context.Background()
+	clk := clocktesting.NewFakePassiveClock(t0)
+	rules := func() []transformers.RuleInfo { return rule(aesgcm("key1", "c1")) }
+	store := Store{Client: cli, Key: Key("/rekey")}
+	a := &Recorder{Store: store, Rules: rules, Clock: clk}
+	b := &Recorder{Store: store, Rules: rules, Clock: clk}
+	for i, r := range []*Recorder{a, b, a, b} {
+		written, err := r.Record(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if written != (i == 0) {
+			t.Fatalf("record %d wrote %v, want only the first to write", i, written)
+		}
+	}
+	l, modRev, _, err := store.Load(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(l.Entries) != 1 {
+		t.Fatalf("entries = %+v, want one", l.Entries)
+	}
+	clk.SetTime(t0.Add(DefaultTouchInterval))
+	if written, err := b.Record(ctx); err != nil || !written {
+		t.Fatalf("after the touch interval: written %v, %v; want last use refreshed", written, err)
+	}
+	l2, modRev2, _, err := store.Load(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if modRev2 <= modRev || l2.Entries[0].LastUse.Revision < modRev || !l2.Entries[0].LastUse.At.Equal(t0.Add(DefaultTouchInterval)) {
+		t.Fatalf("last use = %+v at mod revision %d (was %d), want refreshed at a later revision", l2.Entries[0].LastUse, modRev2, modRev)
+	}
+	if l2.Entries[0].FirstUse != l.Entries[0].FirstUse {
+		t.Fatalf("first use changed: %+v → %+v", l.Entries[0].FirstUse, l2.Entries[0].FirstUse)
+	}
+}

@@ -1,0 +1,40 @@
+package layer
+
+import (
+	"context"
+	"time"
+
+	"github.com/rekey-io/rekey/pkg/guard"
+	"github.com/rekey-io/rekey/pkg/keyledger"
+)
+
+// ledgerRecordInterval is how often a member folds what it writes with and its latest
+// inventory into the key ledger; the ledger itself writes "last use" at most every
+// keyledger.DefaultTouchInterval, so most records write nothing.
+const ledgerRecordInterval = time.Minute
+
+// ledgerStore is the cluster's key ledger, under the coordination prefix.
+func (l *Layer) ledgerStore() keyledger.Store {
+	return keyledger.Store{Client: l.client, Key: keyledger.Key(l.opts.coordinationPrefix())}
+}
+
+// ledgerRecorder records this member's write keys (the agent's running rules: a write
+// fence may hold the configuration's first key back) and retirements its inventories
+// show.
+func (l *Layer) ledgerRecorder() *keyledger.Recorder {
+	return &keyledger.Recorder{Store: l.ledgerStore(), Rules: l.agent.Rules, Inventory: l.store.Latest, Logger: l.log}
+}
+
+// retentionOptions are the backup-retention guard's, on reload and at start.
+func (l *Layer) retentionOptions() guard.RetentionOptions {
+	store, allow := l.ledgerStore(), l.opts.AllowDroppingKeysInUse
+	return guard.RetentionOptions{
+		Retention: l.opts.BackupRetention,
+		Ledger: func(ctx context.Context) (*keyledger.Ledger, error) {
+			led, _, _, err := store.Load(ctx)
+			return led, err
+		},
+		Override: func() bool { return allow },
+		Logger:   l.log,
+	}
+}
