@@ -17,6 +17,7 @@ import (
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	genericoptions "k8s.io/apiserver/pkg/server/options"
 	serverstorage "k8s.io/apiserver/pkg/server/storage"
+	svmclient "k8s.io/client-go/kubernetes/typed/storagemigration/v1"
 	"k8s.io/component-base/metrics"
 	"k8s.io/component-base/metrics/legacyregistry"
 	utilversion "k8s.io/component-base/version"
@@ -126,6 +127,15 @@ func (l *layer) install(c *genericapiserver.Config, factory *serverstorage.Defau
 	if err := l.flags.ApplyTo(&o); err != nil {
 		return err
 	}
+	// The elected migrator's migrations, mirrored as StorageVersionMigrations through
+	// the loopback client (served by the time the migrator, a post-start hook, runs).
+	if c.LoopbackClientConfig != nil {
+		svm, err := svmclient.NewForConfig(c.LoopbackClientConfig)
+		if err != nil {
+			return fmt.Errorf("storage version migration client: %w", err)
+		}
+		o.MigrationMirror = newSVMMirror(svm.StorageVersionMigrations(), l.log)
+	}
 	ctx := wait.ContextForChannel(c.DrainedNotify())
 	rl, err := rekeylayer.New(ctx, o)
 	if err != nil {
@@ -143,6 +153,11 @@ func (l *layer) install(c *genericapiserver.Config, factory *serverstorage.Defau
 		return err
 	}
 	c.RESTOptionsGetter = rekeylayer.WithLayoutRecording(etcd.CreateRESTOptionsGetter(factory, rl.Agent()), l.layout)
+	// Events about this apiserver's identity Lease, where `kubectl get events -n
+	// kube-system` shows them next to the apiserver's own.
+	if err := rl.AddEventsHook(c, rekeylayer.APIServerLease(c.APIServerID)); err != nil {
+		return err
+	}
 	return rl.AddStorageHook(c)
 }
 

@@ -12,6 +12,8 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 
+	"github.com/rekey-io/rekey/internal/errtext"
+	"github.com/rekey-io/rekey/pkg/events"
 	"github.com/rekey-io/rekey/pkg/migrate"
 )
 
@@ -40,6 +42,10 @@ type MigratorOptions struct {
 	MembersChanged func() <-chan struct{}
 	Logger         klog.Logger
 	Clock          clock.WithTicker
+	// Events receives migration started, verified and failed (events.Nop by default);
+	// Mirror, when set, is told of each migration too (see MigrationMirror).
+	Events events.Sink
+	Mirror MigrationMirror
 }
 
 // Migrator runs storage migration on one elected apiserver: it campaigns on
@@ -86,6 +92,7 @@ func NewMigrator(opts MigratorOptions) *Migrator {
 	if opts.Inventory == nil {
 		opts.Inventory = &migrate.InventoryStore{}
 	}
+	opts.Events = events.OrNop(opts.Events)
 	return &Migrator{opts: opts, log: opts.Logger.WithName("cluster-migrator")}
 }
 
@@ -220,9 +227,19 @@ func (t *term) round(ctx context.Context) error {
 func (t *term) start(ctx context.Context, mig Migration) {
 	t.running = true
 	t.m.log.Info("Every live apiserver writes with the same key; migrating stored objects", "resource", mig.Resource, "target", mig.Target.String())
+	t.m.opts.Events.Event(events.Normal, events.ReasonMigrationStarted, fmt.Sprintf("%s: every live apiserver writes with %s; migrating stored objects to it", mig.Resource, mig.Target.String()))
+	mirror := t.m.opts.Mirror
 	go func() {
+		if mirror != nil {
+			mirror.Started(ctx, mig.Resource, mig.Target.String())
+		}
 		out := t.m.migrate(ctx, mig, t.guard, func(p Progress) { t.progress.Store(&p) })
 		out.mig = mig
+		if mirror != nil {
+			// Told even when the leadership ended (ctx cancelled): the mirror must not
+			// stay Running for a migration this term no longer runs.
+			mirror.Finished(context.WithoutCancel(ctx), mig.Resource, out.err)
+		}
 		t.results <- out
 	}()
 }
@@ -234,8 +251,15 @@ func (t *term) finished(r migrationResult) {
 	if r.err != nil {
 		errText = r.err.Error()
 		t.m.log.Error(r.err, "Storage migration failed; the leader retries", "resource", r.mig.Resource)
+		t.m.opts.Events.Event(events.Warning, events.ReasonMigrationFailed, fmt.Sprintf("%s: storage migration to %s failed; the leader retries: %s",
+			r.mig.Resource, r.mig.Target.String(), errtext.Bounded(r.err, errtext.MaxPublished)))
 	} else {
 		t.m.log.Info("Storage migration verified", "resource", r.mig.Resource, "target", r.mig.Target.String())
+		msg := fmt.Sprintf("%s: every stored object is now under %s (verified by a re-scan)", r.mig.Resource, r.mig.Target.String())
+		if r.acknowledged > 0 {
+			msg = fmt.Sprintf("%s: every stored object is now under %s, except %d acknowledged unreadable (verified by a re-scan)", r.mig.Resource, r.mig.Target.String(), r.acknowledged)
+		}
+		t.m.opts.Events.Event(events.Normal, events.ReasonMigrationVerified, msg)
 	}
 	t.leader.Step(tick{Now: t.m.opts.Clock.Now()})
 	t.leader.Step(migrationFinished{Resource: r.mig.Resource, Target: r.mig.Target, Err: errText, Revision: r.revision, Acknowledged: r.acknowledged})

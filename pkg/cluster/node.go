@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"runtime/debug"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -13,6 +14,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 
+	"github.com/rekey-io/rekey/pkg/events"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/reload"
 	"github.com/rekey-io/rekey/pkg/transformers"
@@ -68,6 +70,10 @@ type Options struct {
 	Metrics   *Metrics
 	Logger    klog.Logger
 	Clock     clock.WithTicker
+	// Events receives the node's events: a write key held back or writes refused by
+	// the fence, this apiserver straggling, a key conflict involving it, the
+	// disagreement alarm (events.Nop by default).
+	Events events.Sink
 }
 
 // Node is one apiserver's part of the cluster: it publishes its member state, watches
@@ -105,6 +111,8 @@ type Node struct {
 	keyWrites          *keyWritesFlusher
 	keyTotals          []KeyTotal
 	lastKeyWritesFlush time.Time
+	// edges reports straggling and conflicts once per change (under mu).
+	edges nodeEvents
 
 	notify chan struct{}
 	cancel context.CancelFunc
@@ -149,6 +157,7 @@ func New(opts Options) (*Node, error) {
 	if opts.Logger.GetSink() == nil {
 		opts.Logger = klog.Background()
 	}
+	opts.Events = events.OrNop(opts.Events)
 	log := opts.Logger.WithName("cluster").WithValues("apiserverID", opts.ID)
 	fence, handshake := newFence(opts.ID, opts.Clock.Now()), newHandshake(opts.ID)
 	fence.SetPromotionGate(handshake)
@@ -239,10 +248,13 @@ func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]tran
 		}
 		if h.Refused != "" {
 			n.log.Info("Write fence refuses writes: no other live apiserver could read them", "resource", h.Resource, "reason", h.Refused)
+			n.opts.Events.Event(events.Warning, events.ReasonWritesRefused, fmt.Sprintf("%s: the write fence refuses writes: %s", h.Resource, h.Refused))
 			continue
 		}
 		n.log.Info("Write fence holds a new write key back until every live apiserver can read it",
 			"resource", h.Resource, "held", h.Held.String(), "writing", h.Writing.String(), "waitingFor", h.WaitingFor, "unsafe", h.Unsafe)
+		n.opts.Events.Event(events.Normal, events.ReasonWriteKeyHeld, fmt.Sprintf("%s: the write fence holds %s back until every live apiserver can read it (waiting for %s); writing with %s",
+			h.Resource, h.Held.String(), strings.Join(h.WaitingFor, ", "), h.Writing.String()))
 	}
 	return w
 }
@@ -459,6 +471,13 @@ func (n *Node) evaluate() {
 	if alarm && !wasRaised {
 		n.log.Error(nil, "ALARM: the apiservers have disagreed about a write key for too long",
 			"since", n.alarm.Since(), "threshold", n.opts.DisagreementAlarm, "detail", n.alarm.Detail())
+		n.opts.Events.Event(events.Warning, events.ReasonDisagreement, fmt.Sprintf("the apiservers have disagreed about a write key since %s (longer than %s, or two secrets under one key name): %s",
+			n.alarm.Since().UTC().Format(time.RFC3339), n.opts.DisagreementAlarm, n.alarm.Detail()))
+	}
+	if attached {
+		for _, e := range n.edges.step(n.opts.ID, members) {
+			n.opts.Events.Event(e.kind, e.reason, e.message)
+		}
 	}
 	if m := n.opts.Metrics; m != nil {
 		m.members.Set(float64(len(members)))

@@ -40,6 +40,7 @@ import (
 
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/events"
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/reload"
@@ -135,6 +136,11 @@ type Options struct {
 	ClusterLeaseTTL          time.Duration
 	ClusterDisagreementAlarm time.Duration
 
+	// MigrationMirror, with Cluster and StorageMigration, is told of each migration
+	// the elected migrator runs (dist/kube-apiserver mirrors them as
+	// StorageVersionMigrations); nil for none.
+	MigrationMirror cluster.MigrationMirror
+
 	// Registry receives the layer's metrics; Logger its logs.
 	Registry metrics.KubeRegistry
 	Logger   klog.Logger
@@ -186,6 +192,9 @@ type Layer struct {
 	store   *migrate.InventoryStore
 	metrics *migrate.Metrics
 	log     klog.Logger
+	// events holds the layer's events until AddEventsHook's recorder takes them.
+	events *events.Deferred
+	keyIDs *kmsKeyIDs
 
 	// client is the layer's one etcd client, closed last.
 	client *clientv3.Client
@@ -238,7 +247,8 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 		return nil, fmt.Errorf("encryption layer: %w", err)
 	}
 	o.layout() // set once, before any goroutine reads the options
-	l := &Layer{opts: o, client: cli, store: &migrate.InventoryStore{}, metrics: m, log: o.Logger}
+	l := &Layer{opts: o, client: cli, store: &migrate.InventoryStore{}, metrics: m, log: o.Logger, events: &events.Deferred{}}
+	l.keyIDs = &kmsKeyIDs{sink: l.events}
 	defer func() {
 		if err != nil {
 			if l.node != nil {
@@ -320,6 +330,12 @@ func (l *Layer) agentOptions(running *runningRules) reload.Options {
 			return map[string]any{StorageStatusKey: l.storageStatus(), ClusterStatusKey: node.Status()}
 		}
 	}
+	ropts.Events = l.events
+	judge, judgeSet := ropts.Guard, ropts.SetGuard
+	ropts.Guard = func(current, next *config.Config) error { return l.reportRefusal(judge(current, next)) }
+	ropts.SetGuard = func(ctx context.Context, current, next *config.Config, set *transformers.Set) error {
+		return l.reportRefusal(judgeSet(ctx, current, next, set))
+	}
 	return ropts
 }
 
@@ -339,7 +355,7 @@ func (l *Layer) startClusterNode(ctx context.Context) error {
 		Client: l.client, ID: o.MemberID, Prefix: o.CoordinationPrefix, ResourcePrefix: o.EtcdPrefix,
 		LeaseTTL: o.ClusterLeaseTTL, DisagreementAlarm: o.ClusterDisagreementAlarm,
 		MigratesResources: migratedResources(o),
-		Inventory:         l.store, Metrics: cm, Logger: o.Logger,
+		Inventory:         l.store, Metrics: cm, Logger: o.Logger, Events: l.events,
 	})
 	if err == nil {
 		err = node.Start(ctx)
@@ -382,10 +398,14 @@ func (l *Layer) kmsFactory() transformers.KMSFactory {
 		SeedMaxWrites:  l.opts.KMSSeedMaxWrites,
 		DEKCacheIdle:   l.opts.KMSDEKCacheIdle,
 	}
-	if l.node != nil {
+	fo.OnKeyIDChange = l.keyIDs.seen
+	if node := l.node; node != nil {
 		// A new key id reaches the other apiservers at once, not at the next refresh, and
 		// is written under only once every apiserver's plugin reports it.
-		fo.OnKeyIDChange = l.node.NotifyKeyID
+		fo.OnKeyIDChange = func(provider, keyIDHash string) {
+			l.keyIDs.seen(provider, keyIDHash)
+			node.NotifyKeyID(provider, keyIDHash)
+		}
 		fo.MayWriteKeyID = l.node.MayWriteKeyID
 		fo.FirstSeedHold = l.opts.KMSFirstSeedHold
 	}
@@ -517,6 +537,7 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 				Inventory: l.store, Metrics: l.metrics, Rate: o.StorageMigrationRate,
 				ConfigHash: func() string { return agent.ActiveConfig().Hash },
 				Members:    l.node.Members, MembersChanged: l.node.MembersChanged, Logger: l.log,
+				Events: l.events, Mirror: o.MigrationMirror,
 			})
 			l.node.SetMigrator(mig)
 		}

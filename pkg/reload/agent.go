@@ -35,6 +35,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/errtext"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/events"
 	"github.com/rekey-io/rekey/pkg/healthz"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
@@ -130,6 +131,10 @@ type Options struct {
 	// promotion or hold by Refence. It runs on the swapping goroutine and must only
 	// signal (e.g. a non-blocking send), never call back into the Agent.
 	OnChange func()
+	// Events, when set, receives the agent's events for `kubectl get events`: a
+	// configuration applied or refused, a read key dropped, a write key the fence
+	// promoted (events.Nop by default).
+	Events events.Sink
 }
 
 // generation is one applied configuration and the calls running on it.
@@ -163,6 +168,7 @@ type Agent struct {
 	clock   clock.Clock
 	health  *healthz.Checker
 	metrics *reloadMetrics
+	events  events.Sink
 
 	cur atomic.Pointer[generation]
 
@@ -229,6 +235,7 @@ func NewAgent(ctx context.Context, opts Options) (*Agent, error) {
 		log:    opts.Logger.WithName("encryption-config-reload"),
 		clock:  opts.Clock,
 		health: healthz.New(healthz.Options{}),
+		events: events.OrNop(opts.Events),
 	}
 	a.closeCtx, a.closeCancel = context.WithCancel(context.Background())
 
@@ -389,6 +396,7 @@ func (a *Agent) reloadOnce(ctx context.Context) (string, error) {
 	if a.opts.Applied != nil {
 		a.opts.Applied(cfg)
 	}
+	a.reportApplied(old.set.Rules(), set.Rules(), hash)
 	a.changed()
 	return hash, nil
 }
@@ -486,6 +494,7 @@ func (a *Agent) Refence() error {
 				a.log.Info("Write fence changed the write key", "resource", r.Resource,
 					"writeKey", writerName(r), "previous", writerName(o),
 					"configuredWriteKey", r.ReadKeys[0].String())
+				a.reportRefenced(r, o)
 			}
 		}
 	}
@@ -518,6 +527,7 @@ func (a *Agent) fail(ctx context.Context, hash string, err error) error {
 	a.stateMu.Unlock()
 	a.log.Error(err, "Refused encryption provider configuration; the previous one keeps serving",
 		"path", a.opts.Path, "hash", hash, "activeHash", a.cur.Load().cfg.Hash)
+	a.events.Event(events.Warning, events.ReasonConfigRefused, refusedMessage(hash, err))
 	return err
 }
 

@@ -1,0 +1,105 @@
+package layer
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	genericapiserver "k8s.io/apiserver/pkg/server"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/record"
+
+	"github.com/rekey-io/rekey/internal/errtext"
+	"github.com/rekey-io/rekey/pkg/events"
+	"github.com/rekey-io/rekey/pkg/guard"
+)
+
+// EventsHookName is the post-start hook that starts posting the layer's events.
+const EventsHookName = "start-rekey-events"
+
+// EventComponent is the source.component of the layer's events.
+const EventComponent = "rekey"
+
+// APIServerLease is kube-apiserver's identity Lease (kube-system/<APIServerID>, the
+// Lease the apiserver identity controller keeps): what the layer's events are about in
+// the distribution, so `kubectl get events -n kube-system
+// --field-selector involvedObject.name=<id>` lists one apiserver's.
+func APIServerLease(apiserverID string) *corev1.ObjectReference {
+	return &corev1.ObjectReference{APIVersion: "coordination.k8s.io/v1", Kind: "Lease", Namespace: "kube-system", Name: apiserverID}
+}
+
+// AddEventsHook posts the layer's events as core/v1 Events about involved, through a
+// client-go event recorder on c's loopback client (rate-limited and aggregated by
+// client-go's correlator). The recorder starts in a post-start hook, once the
+// loopback client is served; events from before (the first configuration, the
+// cluster node's first decisions) are kept, up to events.DefaultBuffer, and posted
+// then. Without this hook (the apiserver shim, which serves no Events) nothing is
+// posted: every event's fact is in the layer's log too.
+func (l *Layer) AddEventsHook(c *genericapiserver.Config, involved *corev1.ObjectReference) error {
+	if l.agent == nil {
+		return nil
+	}
+	return c.AddPostStartHook(EventsHookName, func(hc genericapiserver.PostStartHookContext) error {
+		client, err := corev1client.NewForConfig(hc.LoopbackClientConfig)
+		if err != nil {
+			return fmt.Errorf("encryption layer events: %w", err)
+		}
+		b := record.NewBroadcaster(record.WithContext(hc.Context))
+		b.StartRecordingToSink(&corev1client.EventSinkImpl{Interface: client.Events("")})
+		rec := b.NewRecorder(runtime.NewScheme(), corev1.EventSource{Component: EventComponent, Host: l.opts.APIServerID})
+		if dropped := l.events.Attach(recorderSink{rec: rec, involved: involved}); dropped > 0 {
+			l.log.Info("Events from before the apiserver served were dropped: the buffer was full; the log has them", "dropped", dropped)
+		}
+		go func() {
+			<-hc.Context.Done()
+			l.events.Attach(nil)
+			b.Shutdown()
+		}()
+		return nil
+	})
+}
+
+// recorderSink posts events about one object through a client-go recorder.
+type recorderSink struct {
+	rec      record.EventRecorder
+	involved *corev1.ObjectReference
+}
+
+func (s recorderSink) Event(kind events.Kind, reason, message string) {
+	// The Events API takes at most 1 KiB of message; what is cut is in the log.
+	s.rec.Event(s.involved, string(kind), reason, errtext.BoundedText(message, errtext.MaxPublished))
+}
+
+// reportRefusal sends a guard refusal's event; err is returned as it is.
+func (l *Layer) reportRefusal(err error) error {
+	if err != nil && errors.Is(err, guard.ErrRefused) {
+		l.events.Event(events.Warning, events.ReasonGuardRefused, err.Error())
+	}
+	return err
+}
+
+// kmsKeyIDs reports a KMS provider's key id changing (kmsv2.FactoryOptions.OnKeyIDChange
+// is called for a provider's first key id too, and again by every reload's new
+// provider: those are not changes).
+type kmsKeyIDs struct {
+	sink events.Sink
+	mu   sync.Mutex
+	last map[string]string // provider name → key id hash
+}
+
+func (k *kmsKeyIDs) seen(provider, keyIDHash string) {
+	k.mu.Lock()
+	prev, known := k.last[provider]
+	if k.last == nil {
+		k.last = map[string]string{}
+	}
+	k.last[provider] = keyIDHash
+	k.mu.Unlock()
+	if known && prev != keyIDHash {
+		k.sink.Event(events.Normal, events.ReasonKMSKeyIDChanged, fmt.Sprintf(
+			"kms provider %s: the plugin's key id changed from %s to %s; new data is written under it once every apiserver's plugin reports it, and the migration rewrites the rest",
+			provider, prev, keyIDHash))
+	}
+}
