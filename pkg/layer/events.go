@@ -3,6 +3,7 @@ package layer
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 
 	corev1 "k8s.io/api/core/v1"
@@ -46,7 +47,7 @@ func (l *Layer) AddEventsHook(c *genericapiserver.Config, involved *corev1.Objec
 		if err != nil {
 			return fmt.Errorf("encryption layer events: %w", err)
 		}
-		b := record.NewBroadcaster(record.WithContext(hc.Context))
+		b := record.NewBroadcaster(record.WithContext(hc.Context), record.WithCorrelatorOptions(eventCorrelation()))
 		b.StartRecordingToSink(&corev1client.EventSinkImpl{Interface: client.Events("")})
 		rec := b.NewRecorder(runtime.NewScheme(), corev1.EventSource{Component: EventComponent, Host: l.opts.APIServerID})
 		if dropped := l.events.Attach(recorderSink{rec: rec, involved: involved}); dropped > 0 {
@@ -60,6 +61,26 @@ func (l *Layer) AddEventsHook(c *genericapiserver.Config, involved *corev1.Objec
 		return nil
 	})
 }
+
+// eventCorrelation is client-go's spam filter sized for rekey. Every event is about one
+// object (the identity Lease), and by default client-go lets 25 events of one type
+// through per object, then one per 5 minutes: one rotation of a *.* configuration
+// posts a migration started and a verified event per stored resource, so its key
+// dropped event would be filtered out. The spam key here also holds the reason (each
+// reason has its own budget) and the burst is larger; the refill stays client-go's.
+func eventCorrelation() record.CorrelatorOptions {
+	return record.CorrelatorOptions{
+		BurstSize: eventBurst,
+		SpamKeyFunc: func(e *corev1.Event) string {
+			return strings.Join([]string{e.Source.Component, e.Source.Host, e.InvolvedObject.Kind, e.InvolvedObject.Namespace,
+				e.InvolvedObject.Name, string(e.InvolvedObject.UID), e.InvolvedObject.APIVersion, e.Type, e.Reason}, "/")
+		},
+	}
+}
+
+// eventBurst is how many events of one reason pass at once: two per stored resource of
+// a large *.* configuration.
+const eventBurst = 256
 
 // recorderSink posts events about one object through a client-go recorder.
 type recorderSink struct {

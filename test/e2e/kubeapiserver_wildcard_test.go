@@ -91,7 +91,9 @@ func everyKindRefs(ns string) [][]string {
 // a custom resource and its definition, an APIService, Leases, Events, and what
 // kube-apiserver stores by itself — is under key2 (the allocator and endpoint-lease
 // keys kube-apiserver writes without transformers aside), key1 is gone from the file,
-// and an unmodified upstream kube-apiserver reads every object with the final file.
+// and an unmodified upstream kube-apiserver reads every object with the final file. The
+// rotation shows in Kubernetes' own tools: Events about the apiserver's identity Lease
+// and StorageVersionMigrations that reached Succeeded.
 func TestKubeAPIServerRotatesEverything(t *testing.T) {
 	kapi := kubeAPIServers(t)
 	ctx := t.Context()
@@ -164,6 +166,7 @@ func TestKubeAPIServerRotatesEverything(t *testing.T) {
 		}
 	}
 
+	secretsBefore := fileSecrets(t, config)
 	out, err := runRotateWait(ctx, t, rekeyBin(t), []string{"rotate", "--encryption-provider-config", config, "--wait",
 		"--etcd-servers", etcd.Endpoint, "--etcd-prefix", prefix, "--coordination-prefix", coordinationPrefix(t),
 		"--wait-timeout", "4m", "--progress", "plain"})
@@ -190,6 +193,8 @@ func TestKubeAPIServerRotatesEverything(t *testing.T) {
 	if t.Failed() {
 		t.FailNow()
 	}
+	cs := clientFor(t, ours)
+	checkRotationEvents(t, cs, identityLease(t, cs), "aesgcm/key1", append(secretsBefore, fileSecrets(t, config)...))
 
 	// Unmodified upstream kube-apiserver of the same version, on the same data with the
 	// final file, reads every object.
