@@ -31,9 +31,11 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -625,23 +627,52 @@ func TestClusterFooledKMSRestartDuringHold(t *testing.T) {
 // key — and the size in bytes of the member records at <prefix>/members/<id>:
 //
 //	go test -count=1 -run '^$' -bench ClusterFenceDecision -benchtime 1x ./test/e2e
+//
+// FENCE_SHIMS sets the number of apiservers (default 3): with FENCE_SHIMS=10 it is the
+// many-apiservers measurement, which also reports the time to "migration verified" and
+// how many member-watch events one change costs.
 func BenchmarkClusterFenceDecision(bb *testing.B) {
 	requireClusterShim(bb)
 	for range bb.N {
-		lat, size := measureFenceDecision(bb, envInt("FENCE_ROTATIONS", 5))
-		bb.ReportMetric(median(lat).Seconds(), "s-fence-decision-median")
-		bb.ReportMetric(slices.Max(lat).Seconds(), "s-fence-decision-max")
-		bb.ReportMetric(float64(size), "bytes-member-record")
+		r := measureFenceDecision(bb, envInt("FENCE_ROTATIONS", 5))
+		bb.ReportMetric(median(r.promoted).Seconds(), "s-fence-decision-median")
+		bb.ReportMetric(slices.Max(r.promoted).Seconds(), "s-fence-decision-max")
+		bb.ReportMetric(median(r.verified).Seconds(), "s-verified-median")
+		bb.ReportMetric(slices.Max(r.verified).Seconds(), "s-verified-max")
+		bb.ReportMetric(float64(median(r.watchEvents)), "member-watch-events-per-change")
+		bb.ReportMetric(float64(r.recordBytes), "bytes-member-record")
 	}
 }
 
-func measureFenceDecision(t testing.TB, rotations int) ([]time.Duration, int) {
-	b := newClusterBed(t, bedConfig{name: "fence-latency", objects: fooledObjects(), coordination: true, maxDelay: 2 * time.Second})
+// fenceMeasurement is what measureFenceDecision saw, one entry per rotation: the time
+// from the last file update to every member writing with the new key (promoted) and to
+// every object under it with every member converged (verified), the member-key watch
+// events in between (watchEvents), and the largest member record seen.
+type fenceMeasurement struct {
+	promoted, verified []time.Duration
+	watchEvents        []int
+	recordBytes        int
+}
+
+func measureFenceDecision(t testing.TB, rotations int) fenceMeasurement {
+	shims := envInt("FENCE_SHIMS", 3)
+	b := newClusterBed(t, bedConfig{name: "fence-latency", shims: shims, objects: fooledObjects(), coordination: true, maxDelay: 2 * time.Second})
 	l := b.startLoad()
+	// Every event on the member keys, as each member's own watch sees them.
+	var watchEvents atomic.Int64
+	wctx, stopWatch := context.WithCancel(t.Context())
+	defer stopWatch()
+	go func() {
+		for resp := range b.cli.Watch(wctx, testbed.MembersKey(b.coord, ""), clientv3.WithPrefix()) {
+			watchEvents.Add(int64(len(resp.Events)))
+		}
+	}()
 	keys := []testbed.NamedKey{b.key1}
-	var lat []time.Duration
+	var m fenceMeasurement
+	lat := &m.promoted
 	maxSize := 0
 	for n := range rotations {
+		before := watchEvents.Load()
 		next := testbed.NamedKey{Name: fmt.Sprintf("key%d", n+2), Secret: testbed.RandomKey()}
 		cur := keys[len(keys)-1]
 		keys = append(keys, next)
@@ -677,10 +708,14 @@ func measureFenceDecision(t testing.TB, rotations int) ([]time.Duration, int) {
 			}
 		}
 		cancel()
-		lat = append(lat, promoted.Sub(last))
+		*lat = append(*lat, promoted.Sub(last))
 		t.Logf("rotation %d: %s promoted %v after the last file update", n+1, next.Name, promoted.Sub(last).Round(time.Millisecond))
-		b.waitConverged("every object on "+next.Name, 60*time.Second, edit.Render(),
+		verified := b.waitConverged("every object on "+next.Name, 60*time.Second, edit.Render(),
 			testbed.StoredUnderProbe(b.cli, b.secretsKey, storedKey(next.Name)))
+		m.verified = append(m.verified, verified.Sub(last))
+		m.watchEvents = append(m.watchEvents, int(watchEvents.Load()-before))
+		t.Logf("rotation %d: verified %v after the last file update; %d member-watch events (%d apiservers)",
+			n+1, verified.Sub(last).Round(time.Millisecond), m.watchEvents[n], shims)
 	}
 	members, err := testbed.ReadMembers(t.Context(), b.cli, b.coord)
 	if err != nil {
@@ -692,6 +727,7 @@ func measureFenceDecision(t testing.TB, rotations int) ([]time.Duration, int) {
 	}
 	b.finish(l)
 	t.Logf("fence decision: median %v, max %v over %d rotations; member records: largest seen %d bytes, converged %v bytes",
-		median(lat).Round(time.Millisecond), slices.Max(lat).Round(time.Millisecond), rotations, maxSize, atRest)
-	return lat, maxSize
+		median(*lat).Round(time.Millisecond), slices.Max(*lat).Round(time.Millisecond), rotations, maxSize, atRest)
+	m.recordBytes = maxSize
+	return m
 }
