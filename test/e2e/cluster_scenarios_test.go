@@ -689,7 +689,8 @@ func TestClusterLeaderKilledMidMigration(t *testing.T) {
 	requireClusterShim(t)
 	n := clusterObjects(t)
 	// A bounded rate keeps the migration running long enough to kill its leader.
-	b := newClusterBed(t, bedConfig{name: "cluster-d", objects: n, coordination: true,
+	// CLUSTER_SHIMS sets the number of apiservers (the many-apiservers failover figure).
+	b := newClusterBed(t, bedConfig{name: "cluster-d", objects: n, coordination: true, shims: envInt("CLUSTER_SHIMS", 3),
 		args: []string{"--storage-migration-rate", strconv.Itoa(max(n/8, 50))}})
 	ctx := t.Context()
 	l := b.startLoad()
@@ -697,6 +698,9 @@ func TestClusterLeaderKilledMidMigration(t *testing.T) {
 	if _, err := b.syncer.Apply(ctx, edit.Render()).Wait(ctx); err != nil {
 		t.Fatal(err)
 	}
+	wctx, stopCounting := context.WithCancel(ctx)
+	defer stopCounting()
+	inPlace := countRewritesInPlace(wctx, t, b.cli, b.secretsKey, stored2, b.key2)
 	b.midMigration(stored1, stored2, 60*time.Second)
 	leader, err := testbed.MigrationLeader(ctx, b.cli, b.coord)
 	if err != nil {
@@ -708,6 +712,7 @@ func TestClusterLeaderKilledMidMigration(t *testing.T) {
 	}
 	killed := b.fleet.Shims[i]
 	killed.Kill()
+	killedAt := time.Now()
 	t.Logf("killed the migration leader %s", leader)
 	// Another shim is elected once the dead one's lease expires.
 	ectx, cancel := contextWithTimeout(t, 30*time.Second)
@@ -725,8 +730,14 @@ func TestClusterLeaderKilledMidMigration(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b.waitConverged("every object on key2 after the leader died", 90*time.Second, edit.Render(),
+	elected := time.Since(killedAt)
+	verified := b.waitConverged("every object on key2 after the leader died", 90*time.Second, edit.Render(),
 		testbed.StoredUnderProbe(b.cli, b.secretsKey, stored2))
+	// The failover figures: a new leader once the dead one's lease expires, the
+	// migration resumed from the checkpoint, and the objects rewritten a second time
+	// (those the dead leader moved after its last checkpoint).
+	t.Logf("failover with %d apiservers: new leader %v after the kill, verified %v after it; %d of %d objects rewritten twice",
+		len(b.fleet.Shims), elected.Round(time.Millisecond), verified.Sub(killedAt).Round(time.Millisecond), inPlace(), n)
 	if err := killed.Launch(ctx); err != nil {
 		t.Fatal(err)
 	}
