@@ -48,10 +48,11 @@ type gentle struct {
 }
 
 func newGentle(opts Options, burst int, log klog.Logger, changed func()) *gentle {
+	pacing := opts.Pacing
+	pacing.Ceiling = opts.Rate
 	g := &gentle{
 		client: opts.Client, clock: opts.Clock, log: log, metrics: opts.Metrics, changed: changed,
-		pacer: newPacer(PacingOptions{Ceiling: opts.Rate, TargetLatency: opts.TargetLatency, Window: opts.PacingWindow}),
-		gate:  newSpaceGate(opts.Space),
+		pacer: newPacer(pacing), gate: newSpaceGate(opts.Space),
 	}
 	g.limiter = rate.NewLimiter(limitOf(g.pacer.Rate()), burst)
 	g.metrics.setAllowedRate(g.pacer.Rate())
@@ -126,7 +127,10 @@ func (g *gentle) admit(ctx context.Context, bytes int64) error {
 			return nil
 		}
 		if d == spaceWait {
-			if err := g.sleep(ctx, g.gate.opts.CheckInterval); err != nil {
+			g.mu.Lock()
+			wait := g.gate.RetryIn(g.clock.Now())
+			g.mu.Unlock()
+			if err := g.sleep(ctx, wait); err != nil {
 				return err
 			}
 		}

@@ -37,10 +37,9 @@ type Options struct {
 	// Rate is the most objects rewritten per second; 0 means no ceiling. Below it the
 	// rate adapts to etcd's latency (see PacingOptions).
 	Rate float64
-	// TargetLatency and PacingWindow tune the adaptive rate (PacingOptions; 0: the
-	// defaults).
-	TargetLatency time.Duration
-	PacingWindow  time.Duration
+	// Pacing tunes the adaptive rate (the zero value is the defaults); its Ceiling is
+	// Rate.
+	Pacing PacingOptions
 	// Space bounds how full the migration lets etcd's database get: it pauses before
 	// the fraction of the quota and resumes when compaction frees space.
 	Space SpaceOptions

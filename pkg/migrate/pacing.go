@@ -30,7 +30,8 @@ const (
 	DefaultMinRate = 10
 	// pacingQuantile is the latency quantile judged.
 	pacingQuantile = 0.9
-	// minSamples below which a window is not judged (one slow request is not a trend).
+	// minSamples a window needs to be judged (one slow request is not a trend); a
+	// window lasts until it has them.
 	minSamples = 3
 	// busyFraction: a calm window raises the rate only when the migration used at
 	// least this fraction of it; otherwise the rate was not what held it back, and
@@ -141,12 +142,14 @@ func (p *pacer) Tick(now time.Time) {
 	if p.windowStart.IsZero() || now.Sub(p.windowStart) < p.opts.Window {
 		return
 	}
-	elapsed := now.Sub(p.windowStart)
-	v := pacerVerdict{At: now, Samples: len(p.latencies), Errors: p.errors, Achieved: float64(p.objects) / elapsed.Seconds(), Change: "hold"}
-	if len(p.latencies) >= minSamples || p.errors > 0 {
-		v.P90 = quantile(p.latencies, pacingQuantile)
-		v.Change = p.judge(v)
+	if len(p.latencies) < minSamples && p.errors == 0 {
+		// Too few to judge (a slow rate): the window goes on until there are enough.
+		return
 	}
+	elapsed := now.Sub(p.windowStart)
+	v := pacerVerdict{At: now, Samples: len(p.latencies), Errors: p.errors, Achieved: float64(p.objects) / elapsed.Seconds()}
+	v.P90 = quantile(p.latencies, pacingQuantile)
+	v.Change = p.judge(v)
 	p.last = v
 	p.windowStart, p.latencies, p.objects, p.errors = now, p.latencies[:0], 0, 0
 }
@@ -160,7 +163,7 @@ func (p *pacer) judge(v pacerVerdict) string {
 		p.rate = max(min(p.rate, v.Achieved)*p.opts.Decrease, p.opts.MinRate)
 		return "decrease"
 	}
-	if math.IsInf(p.rate, 1) || v.Achieved < busyFraction*p.rate {
+	if math.IsInf(p.rate, 1) || v.Achieved < busyFraction*p.rate || (p.opts.Ceiling > 0 && p.rate >= p.opts.Ceiling) {
 		return "hold"
 	}
 	p.rate += p.opts.Increase

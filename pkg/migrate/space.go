@@ -29,6 +29,10 @@ const (
 	writeOverhead = 2
 	// minRoomBytes: with less room than this, pause rather than write in slivers.
 	minRoomBytes = 2 * DefaultBatchBytes
+	// readingLag: etcd reports the database size of its last backend commit (every
+	// 100 ms by default), so a reading may not show the writes of just before it.
+	// Room handed out this long before a reading is counted as used still.
+	readingLag = time.Second
 )
 
 // Pause reasons (the reason label of rekey_storage_migration_paused).
@@ -88,7 +92,8 @@ type etcdSpace struct {
 //
 // etcd refuses writes once its database file would exceed the quota. Writes first
 // fill the pages compaction freed (DBSize − DBSizeInUse), then grow the file, so the
-// room left below the limit (MaxFraction × QuotaBytes) is limit − DBSizeInUse. The
+// room left below the limit (MaxFraction × QuotaBytes) is limit − DBSizeInUse, less
+// what was handed out too shortly before the reading for it to show (readingLag). The
 // gate hands that room out, counted at writeOverhead per byte, and asks for a new
 // reading when it is spent: the migration's own writes can never take the database
 // past the limit between two readings. Room only comes back when compaction (and, for
@@ -104,6 +109,16 @@ type spaceGate struct {
 	fresh      bool
 	last       etcdSpace
 	reason     string
+	// recent is the room handed out within readingLag, oldest first; settleAt is when
+	// the last reading's oldest one is sure to show in a new reading.
+	recent   []grant
+	settleAt time.Time
+}
+
+// grant is room handed out at a time.
+type grant struct {
+	at    time.Time
+	bytes int64
 }
 
 // spaceDecision is the gate's answer to Admit.
@@ -112,7 +127,7 @@ type spaceDecision int
 const (
 	spaceWrite   spaceDecision = iota // write: the room is reserved
 	spaceMeasure                      // read etcd, Step Measured, then ask again
-	spaceWait                         // paused: ask again after CheckInterval
+	spaceWait                         // ask again after RetryIn
 )
 
 func newSpaceGate(opts SpaceOptions) *spaceGate { return &spaceGate{opts: opts.withDefaults()} }
@@ -125,19 +140,37 @@ func (g *spaceGate) limit() int64 {
 // Admit decides about writing n bytes at now.
 func (g *spaceGate) Admit(now time.Time, n int64) spaceDecision {
 	need := n * writeOverhead
-	if g.measuredAt.IsZero() || now.Sub(g.measuredAt) >= g.opts.CheckInterval || (g.reason == "" && g.room < need && !g.fresh) {
+	switch {
+	case g.measuredAt.IsZero() || now.Sub(g.measuredAt) >= g.opts.CheckInterval:
+		return spaceMeasure
+	case g.reason != "":
+		return spaceWait
+	case g.room >= need:
+		g.room -= need
+		g.fresh = false
+		g.forget(now)
+		g.recent = append(g.recent, grant{at: now, bytes: need})
+		return spaceWrite
+	case !g.fresh:
+		// The room is spent: read again.
+		return spaceMeasure
+	case now.Before(g.settleAt):
+		// The reading is too recent to show the last writes: wait for it to.
+		return spaceWait
+	case !g.settleAt.IsZero():
 		return spaceMeasure
 	}
-	if g.reason == "" && g.room < need {
-		// Even a fresh reading leaves too little room for this write.
-		g.reason = PauseDBSize
+	// A reading that shows every write leaves too little room for this one.
+	g.reason = PauseDBSize
+	return spaceWait
+}
+
+// RetryIn is how long to wait after spaceWait before asking again.
+func (g *spaceGate) RetryIn(now time.Time) time.Duration {
+	if g.reason == "" && now.Before(g.settleAt) {
+		return g.settleAt.Sub(now)
 	}
-	if g.reason != "" {
-		return spaceWait
-	}
-	g.room -= need
-	g.fresh = false
-	return spaceWrite
+	return g.opts.CheckInterval
 }
 
 // Measured feeds a reading taken at now.
@@ -149,12 +182,30 @@ func (g *spaceGate) Measured(now time.Time, s etcdSpace) {
 	case s.NoSpace:
 		g.reason, g.room = PauseNoSpace, 0
 	default:
-		g.room = g.limit() - s.DBSizeInUse
-		g.reason = ""
+		g.forget(now)
+		g.room, g.reason, g.settleAt = g.limit()-s.DBSizeInUse, "", time.Time{}
 		if g.room < minRoomBytes {
 			g.reason, g.room = PauseDBSize, 0
+			break
 		}
+		for _, r := range g.recent {
+			g.room -= r.bytes
+		}
+		if len(g.recent) > 0 {
+			g.settleAt = g.recent[0].at.Add(readingLag)
+		}
+		g.room = max(g.room, 0)
 	}
+}
+
+// forget drops the room handed out longer than readingLag before now: any reading
+// from now on shows it.
+func (g *spaceGate) forget(now time.Time) {
+	i := 0
+	for i < len(g.recent) && now.Sub(g.recent[i].at) >= readingLag {
+		i++
+	}
+	g.recent = g.recent[i:]
 }
 
 // NoSpace feeds a write refused by etcd for lack of space at now (the alarm was
