@@ -66,7 +66,8 @@ func (o SpaceOptions) withDefaults() SpaceOptions {
 	return o
 }
 
-// Validate reports options that cannot be met.
+// Validate reports options that cannot be met (pkg/layer words the same checks as
+// flag errors).
 func (o SpaceOptions) Validate() error {
 	if o.QuotaBytes < 0 {
 		return fmt.Errorf("etcd quota %d bytes: must be 0 (etcd's default, 2 GiB) or the members' --quota-backend-bytes", o.QuotaBytes)
