@@ -8,6 +8,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/rekey-io/rekey/internal/progress"
+	"github.com/rekey-io/rekey/pkg/layer"
 	"github.com/rekey-io/rekey/pkg/migrate"
 )
 
@@ -41,6 +42,9 @@ now (a rewrite of the object voids it), and the migration then verifies except i
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if o.Resume && o.CheckpointPath == "" {
 				return errors.New("--resume needs --checkpoint: the file the stopped run wrote")
+			}
+			if errs := layer.ValidateStorageMigrationSpace(o.Space.QuotaBytes, o.Space.MaxFraction); len(errs) > 0 {
+				return errors.Join(errs...)
 			}
 			ctx := cmd.Context()
 			if ack.active() {
@@ -80,7 +84,9 @@ now (a rewrite of the object voids it), and the migration then verifies except i
 	}
 	c.addFlags(cmd.Flags())
 	fs := cmd.Flags()
-	fs.Float64Var(&o.Rate, "rate", 0, "Rewrite at most this many objects per second (0: no limit).")
+	fs.Float64Var(&o.Rate, "rate", 0, "Rewrite at most this many objects per second (0: no ceiling); below it the rate adapts to etcd's latency.")
+	o.Space = migrate.SpaceOptions{QuotaBytes: migrate.DefaultEtcdQuotaBytes, MaxFraction: migrate.DefaultMaxDBFraction}
+	layer.AddStorageMigrationSpaceFlags(fs, &o.Space.QuotaBytes, &o.Space.MaxFraction)
 	fs.StringVar(&o.CheckpointPath, "checkpoint", "", "Record progress in this file so a stopped migration can be resumed.")
 	fs.BoolVar(&o.Resume, "resume", false, "Continue the migration recorded in --checkpoint.")
 	fs.IntVar(&o.BatchSize, "batch-size", migrate.DefaultBatchSize, "Rewrites per etcd transaction (etcd allows 128 operations by default).")
@@ -102,7 +108,7 @@ func showMigration(p *progress.Writer, pr migrate.Progress) {
 	case progress.Bar:
 		p.Status(renderBar(pr, 30), pr.Done == pr.Total || pr.Phase != "migrate")
 	case progress.Plain:
-		if p.SinceLine() >= migrationLineEvery || pr.Phase != "migrate" || pr.Done == 0 {
+		if p.SinceLine() >= migrationLineEvery || pr.Phase != "migrate" || pr.Done == 0 || pr.Paused.Reason != "" {
 			p.Line(renderBar(pr, 0))
 		}
 	}
@@ -110,6 +116,9 @@ func showMigration(p *progress.Writer, pr migrate.Progress) {
 
 // renderBar renders one progress line; width 0 leaves the bar out.
 func renderBar(pr migrate.Progress, width int) string {
+	if pr.Paused.Reason != "" {
+		return fmt.Sprintf("pass %d %-12s paused: %s", pr.Pass, pr.Resource, pr.Paused.Condition)
+	}
 	if pr.Phase == "verify" {
 		return fmt.Sprintf("pass %d: verifying (re-scan with decryption)…  rewritten %d", pr.Pass, pr.Rewritten)
 	}

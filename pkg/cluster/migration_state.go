@@ -7,6 +7,8 @@ import (
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/rekey-io/rekey/pkg/migrate"
 )
 
 // MigrationState is what the migration leader keeps at <prefix>/migration/state: the
@@ -30,6 +32,11 @@ type Progress struct {
 	// Rate is objects handled per second so far; ETA the estimated time left.
 	Rate float64       `json:"ratePerSecond"`
 	ETA  time.Duration `json:"eta"`
+	// AllowedRate is what the adaptive pacing allows now (objects/s; 0: no limit).
+	AllowedRate float64 `json:"allowedRatePerSecond,omitempty"`
+	// Paused, when set, is the condition holding the migration: etcd's database near
+	// its quota or a NOSPACE alarm.
+	Paused *migrate.PauseState `json:"paused,omitempty"`
 }
 
 // State publishing: while a migration runs, its progress is written every second;

@@ -35,6 +35,8 @@ type MigratorOptions struct {
 	Inventory *migrate.InventoryStore
 	Metrics   *migrate.Metrics
 	Rate      float64
+	// Space bounds how full the migration lets etcd's database get.
+	Space migrate.SpaceOptions
 	// ConfigHash returns the active configuration's hash (recorded in inventories).
 	ConfigHash func() string
 	// Members returns the live members; MembersChanged is closed when they change.
@@ -318,12 +320,15 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.
 	start := m.opts.Clock.Now()
 	verified := &migrate.InventoryStore{}
 	res, err := migrate.Migrate(ctx, migrate.Options{
-		Client: m.opts.Client, Source: m.opts.Source, Resources: []migrate.Resource{resource}, Rate: m.opts.Rate,
+		Client: m.opts.Client, Source: m.opts.Source, Resources: []migrate.Resource{resource}, Rate: m.opts.Rate, Space: m.opts.Space,
 		Checkpoints: &etcdCheckpoints{Client: m.opts.Client, Key: checkpointKey(m.opts.Prefix), Guard: guard},
 		Resume:      true, Inventory: verified, Metrics: m.opts.Metrics, ConfigHash: m.opts.ConfigHash(), Logger: m.opts.Logger,
 		CoordinationPrefix: m.opts.Prefix,
 		Progress: func(p migrate.Progress) {
-			pr := Progress{Resource: mig.Resource, Phase: p.Phase, Pass: p.Pass, Done: p.Done, Total: p.Total}
+			pr := Progress{Resource: mig.Resource, Phase: p.Phase, Pass: p.Pass, Done: p.Done, Total: p.Total, AllowedRate: p.AllowedRate}
+			if p.Paused.Reason != "" {
+				pr.Paused = &p.Paused
+			}
 			if el := m.opts.Clock.Since(start).Seconds(); el > 0 {
 				pr.Rate = float64(p.Scanned) / el
 				if pr.Rate > 0 && p.Total > p.Done {

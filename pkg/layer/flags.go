@@ -119,12 +119,16 @@ type Flags struct {
 	KMSSeedMaxWrites int64
 	KMSDEKCacheIdle  time.Duration
 
-	StorageMigration         bool
-	StorageMigrationRate     float64
-	StorageResources         []string
-	StorageCheckInterval     time.Duration
-	StorageInventoryInterval time.Duration
-	AllowDroppingKeysInUse   bool
+	StorageMigration     bool
+	StorageMigrationRate float64
+	// StorageMigrationEtcdQuotaBytes and StorageMigrationMaxDBFraction: see
+	// migrate.SpaceOptions.
+	StorageMigrationEtcdQuotaBytes int64
+	StorageMigrationMaxDBFraction  float64
+	StorageResources               []string
+	StorageCheckInterval           time.Duration
+	StorageInventoryInterval       time.Duration
+	AllowDroppingKeysInUse         bool
 	// BackupRetention is --backup-retention (guard.BackupRetentionFlag); 0 is off.
 	BackupRetention     time.Duration
 	EncryptionStateFile string
@@ -142,18 +146,20 @@ type Flags struct {
 // NewFlags returns the flags with their defaults, d being the binary's.
 func NewFlags(d Defaults) Flags {
 	return Flags{
-		EncryptionLayer:          EncryptionLayerRekey,
-		KMSStatusInterval:        DefaultKMSStatusInterval,
-		KMSFirstSeedHold:         DefaultKMSFirstSeedHold,
-		KMSSeedMaxAge:            kmsv2.DefaultSeedMaxAge,
-		KMSSeedMaxWrites:         kmsv2.DefaultSeedMaxWrites,
-		KMSDEKCacheIdle:          kmsv2.DefaultDEKCacheIdle,
-		StorageMigration:         d.StorageMigration,
-		StorageResources:         d.StorageResources,
-		ClusterCoordination:      true,
-		ClusterLeaseTTL:          cluster.DefaultLeaseTTL,
-		ClusterDisagreementAlarm: cluster.DefaultDisagreementAlarm,
-		defaults:                 d,
+		EncryptionLayer:                EncryptionLayerRekey,
+		KMSStatusInterval:              DefaultKMSStatusInterval,
+		KMSFirstSeedHold:               DefaultKMSFirstSeedHold,
+		KMSSeedMaxAge:                  kmsv2.DefaultSeedMaxAge,
+		KMSSeedMaxWrites:               kmsv2.DefaultSeedMaxWrites,
+		KMSDEKCacheIdle:                kmsv2.DefaultDEKCacheIdle,
+		StorageMigration:               d.StorageMigration,
+		StorageMigrationEtcdQuotaBytes: migrate.DefaultEtcdQuotaBytes,
+		StorageMigrationMaxDBFraction:  migrate.DefaultMaxDBFraction,
+		StorageResources:               d.StorageResources,
+		ClusterCoordination:            true,
+		ClusterLeaseTTL:                cluster.DefaultLeaseTTL,
+		ClusterDisagreementAlarm:       cluster.DefaultDisagreementAlarm,
+		defaults:                       d,
 	}
 }
 
@@ -189,7 +195,10 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 			"(compare-and-swap; a concurrent update always wins). False only takes inventories of which keys encrypt stored data; "+
 			"the key-in-use guards use them either way.")
 	fs.Float64Var(&f.StorageMigrationRate, "storage-migration-rate", f.StorageMigrationRate,
-		"Maximum objects re-encrypted per second by --storage-migration; 0 is unlimited.")
+		"Maximum objects re-encrypted per second by --storage-migration; 0 is no ceiling. Below it the rate adapts to etcd: it halves "+
+			"while the migration's own etcd transactions are slow (p90 over 3× the first second's, at least 20ms) or fail, and climbs back "+
+			"50 objects/s a second while they are fast (rekey_storage_migration_allowed_rate).")
+	AddStorageMigrationSpaceFlags(fs, &f.StorageMigrationEtcdQuotaBytes, &f.StorageMigrationMaxDBFraction)
 	if f.defaults.StorageResources != nil {
 		fs.StringSliceVar(&f.StorageResources, FlagStorageMigrationResources, f.StorageResources,
 			"Resources the inventory, the migration and the start-up check scan besides every resource the encryption configuration's rules cover "+
@@ -276,6 +285,7 @@ func (f *Flags) Validate() []error {
 	if f.StorageMigrationRate < 0 {
 		errs = append(errs, fmt.Errorf("--storage-migration-rate=%v: must be 0 (unlimited) or positive", f.StorageMigrationRate))
 	}
+	errs = append(errs, ValidateStorageMigrationSpace(f.StorageMigrationEtcdQuotaBytes, f.StorageMigrationMaxDBFraction)...)
 	if f.ClusterCoordination && f.Rekey() && f.APIServerID != "" {
 		if err := cluster.ValidateID(f.APIServerID); err != nil {
 			errs = append(errs, err)
@@ -316,6 +326,7 @@ func (f *Flags) ApplyTo(o *Options) error {
 	o.KMSDEKCacheIdle = noBoundIfZero(f.KMSDEKCacheIdle)
 	o.StorageMigration = f.StorageMigration
 	o.StorageMigrationRate = f.StorageMigrationRate
+	o.StorageMigrationSpace = migrate.SpaceOptions{QuotaBytes: f.StorageMigrationEtcdQuotaBytes, MaxFraction: f.StorageMigrationMaxDBFraction}
 	o.StorageCheckInterval = f.StorageCheckInterval
 	o.StorageInventoryInterval = f.StorageInventoryInterval
 	o.AllowDroppingKeysInUse = f.AllowDroppingKeysInUse

@@ -105,6 +105,8 @@ type Options struct {
 	// StorageMigration re-encrypts stored objects when a write key changes.
 	StorageMigration     bool
 	StorageMigrationRate float64
+	// StorageMigrationSpace bounds how full migrations let etcd's database get.
+	StorageMigrationSpace migrate.SpaceOptions
 	// StorageCheckInterval and StorageInventoryInterval: see migrate.ControllerOptions.
 	StorageCheckInterval     time.Duration
 	StorageInventoryInterval time.Duration
@@ -519,6 +521,7 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 			CheckInterval:     o.StorageCheckInterval,
 			InventoryInterval: o.StorageInventoryInterval,
 			Rate:              o.StorageMigrationRate,
+			Space:             o.StorageMigrationSpace,
 			ConfigHash:        func() string { return agent.ActiveConfig().Hash },
 			// Operators acknowledge unreadable objects there (rekey migrate
 			// --acknowledge-unreadable); the inventory counts them apart.
@@ -534,7 +537,7 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 			mig = cluster.NewMigrator(cluster.MigratorOptions{
 				Client: cli, Prefix: l.node.Prefix(), ID: l.node.ID(), SessionTTL: o.ClusterLeaseTTL,
 				CurrentResources: ctrl.Resources, Source: migrate.FromRules(agent, agent.Rules),
-				Inventory: l.store, Metrics: l.metrics, Rate: o.StorageMigrationRate,
+				Inventory: l.store, Metrics: l.metrics, Rate: o.StorageMigrationRate, Space: o.StorageMigrationSpace,
 				ConfigHash: func() string { return agent.ActiveConfig().Hash },
 				Members:    l.node.Members, MembersChanged: l.node.MembersChanged, Logger: l.log,
 				Events: l.events, Mirror: o.MigrationMirror,

@@ -38,8 +38,10 @@ type ControllerOptions struct {
 	// often a fresh inventory is taken when nothing changes.
 	CheckInterval     time.Duration
 	InventoryInterval time.Duration
-	// Rate limits rewrites (objects/s); 0 is unlimited.
+	// Rate is the ceiling of the adaptive rewrite rate (objects/s); 0 is no ceiling.
 	Rate float64
+	// Space bounds how full migrations let etcd's database get (see SpaceOptions).
+	Space SpaceOptions
 	// ConfigHash returns the active configuration's hash (recorded in inventories).
 	ConfigHash func() string
 	// CoordinationPrefix, when set, is where acknowledged unreadable objects are read
@@ -243,7 +245,7 @@ func (c *Controller) migrate(ctx context.Context, rs []Resource) {
 	c.mu.Unlock()
 	c.log.Info("Write key changed; migrating stored objects", "resources", names)
 	verified := &InventoryStore{}
-	res, err := Migrate(ctx, Options{Client: c.opts.Client, Source: c.opts.Source, Resources: rs, Rate: c.opts.Rate,
+	res, err := Migrate(ctx, Options{Client: c.opts.Client, Source: c.opts.Source, Resources: rs, Rate: c.opts.Rate, Space: c.opts.Space,
 		Inventory: verified, Metrics: c.opts.Metrics, ConfigHash: c.opts.ConfigHash(), CoordinationPrefix: c.opts.CoordinationPrefix,
 		Logger: c.opts.Logger, Clock: c.opts.Clock})
 	now := c.opts.Clock.Now()

@@ -1,6 +1,7 @@
 package migrate
 
 import (
+	"math"
 	"sync"
 
 	"k8s.io/component-base/metrics"
@@ -29,6 +30,8 @@ type Metrics struct {
 	lastSuccess        *metrics.Gauge
 	failures           *metrics.Counter
 	guardRefusals      *metrics.Counter
+	paused             *metrics.GaugeVec
+	allowedRate        *metrics.Gauge
 
 	mu      sync.Mutex
 	buckets map[string][][]string // resource → label sets set by the latest inventory
@@ -71,9 +74,16 @@ func NewMetrics(reg metrics.KubeRegistry) (*Metrics, error) {
 		lastSuccess:   gauge("migration_last_success_timestamp_seconds", "When a storage migration last finished with a verified re-scan showing no stale object."),
 		failures:      metrics.NewCounter(&metrics.CounterOpts{Namespace: "rekey", Subsystem: "storage", Name: "migration_failures_total", Help: "Storage migrations that ended with an error.", StabilityLevel: metrics.ALPHA}),
 		guardRefusals: metrics.NewCounter(&metrics.CounterOpts{Namespace: "rekey", Subsystem: "storage", Name: "guard_refusals_total", Help: "Configuration changes refused because they would drop a key that still encrypts stored data.", StabilityLevel: metrics.ALPHA}),
-		buckets:       map[string][][]string{},
+		paused: metrics.NewGaugeVec(&metrics.GaugeOpts{
+			Namespace: "rekey", Subsystem: "storage", Name: "migration_paused",
+			Help: "1 while the storage migration is paused, by reason: " + PauseDBSize + " (etcd's database at --storage-migration-max-db-fraction of " +
+				"--storage-migration-etcd-quota-bytes), " + PauseNoSpace + " (etcd raised NOSPACE), " + PauseUnknown + " (etcd's size could not be read).",
+			StabilityLevel: metrics.ALPHA,
+		}, []string{"reason"}),
+		allowedRate: gauge("migration_allowed_rate", "Objects per second the storage migration's adaptive pacing allows now; 0 is no limit."),
+		buckets:     map[string][][]string{},
 	}
-	cs := []metrics.Registerable{m.objects, m.unreadable, m.acknowledged, m.inventoryTimestamp, m.inventoryDuration, m.migrated, m.remaining, m.running, m.lastSuccess, m.failures, m.guardRefusals}
+	cs := []metrics.Registerable{m.objects, m.unreadable, m.acknowledged, m.inventoryTimestamp, m.inventoryDuration, m.migrated, m.remaining, m.running, m.lastSuccess, m.failures, m.guardRefusals, m.paused, m.allowedRate}
 	for i, c := range cs {
 		if err := reg.Register(c); err != nil {
 			for _, done := range cs[:i] {
@@ -143,6 +153,31 @@ func (m *Metrics) setRunning(on bool) {
 	} else {
 		m.running.Set(0)
 	}
+}
+
+// setPaused sets the paused gauge of reason to 1 and the others to 0 ("": none).
+func (m *Metrics) setPaused(reason string) {
+	if m == nil {
+		return
+	}
+	for _, r := range []string{PauseDBSize, PauseNoSpace, PauseUnknown} {
+		v := 0.0
+		if r == reason {
+			v = 1
+		}
+		m.paused.WithLabelValues(r).Set(v)
+	}
+}
+
+// setAllowedRate records the pacer's rate (+Inf: no limit, shown as 0).
+func (m *Metrics) setAllowedRate(r float64) {
+	if m == nil {
+		return
+	}
+	if math.IsInf(r, 1) {
+		r = 0
+	}
+	m.allowedRate.Set(r)
 }
 
 func (m *Metrics) migrationDone(err error, now float64) {

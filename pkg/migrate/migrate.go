@@ -4,14 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"runtime"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"golang.org/x/time/rate"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 )
@@ -33,8 +34,15 @@ type Options struct {
 	Client    *clientv3.Client
 	Source    Source
 	Resources []Resource
-	// Rate limits rewrites to this many objects per second; 0 means unlimited.
+	// Rate is the most objects rewritten per second; 0 means no ceiling. Below it the
+	// rate adapts to etcd's latency (see PacingOptions).
 	Rate float64
+	// Pacing tunes the adaptive rate (the zero value is the defaults); its Ceiling is
+	// Rate.
+	Pacing PacingOptions
+	// Space bounds how full the migration lets etcd's database get: it pauses before
+	// the fraction of the quota and resumes when compaction frees space.
+	Space SpaceOptions
 	// PageSize and PageBytes bound one etcd range request: objects (DefaultPageSize)
 	// and bytes (DefaultPageBytes; see there how the byte bound is kept).
 	PageSize  int64
@@ -91,9 +99,13 @@ type Counters struct {
 // Progress is a snapshot of a running migration.
 type Progress struct {
 	// Phase is "migrate" or "verify".
-	Phase    string
-	Pass     int
-	Resource string
+	Phase string
+	// Paused, when its Reason is set, is why the migration does not write now.
+	Paused PauseState
+	// AllowedRate is the objects per second the pacer allows now; 0 is no limit.
+	AllowedRate float64
+	Pass        int
+	Resource    string
 	// Total is the resource's object count when its pass started (an estimate).
 	Total int64
 	// Done is how many of its objects this pass handled.
@@ -140,11 +152,15 @@ func (c *counters) restore(s Counters) {
 }
 
 type migrator struct {
-	opts    Options
-	log     klog.Logger
-	limiter *rate.Limiter
-	start   time.Time
-	c       counters
+	opts   Options
+	log    klog.Logger
+	gentle *gentle
+	start  time.Time
+	c      counters
+
+	// lastProgress is the latest report, sent again when the pause state changes.
+	progressMu   sync.Mutex
+	lastProgress Progress
 
 	ckpt          *Checkpoint
 	lastCkptWrite time.Time
@@ -186,12 +202,13 @@ func Migrate(ctx context.Context, opts Options) (*Result, error) {
 		opts.MaxPasses = DefaultMaxPasses
 	}
 	m := &migrator{opts: opts, log: opts.Logger.WithName("storage-migration"), start: opts.Clock.Now()}
-	if opts.Rate > 0 {
-		if float64(opts.BatchSize) > opts.Rate {
-			m.opts.BatchSize = max(1, int(opts.Rate))
-		}
-		m.limiter = rate.NewLimiter(rate.Limit(opts.Rate), m.opts.BatchSize)
+	if err := opts.Space.Validate(); err != nil {
+		return nil, fmt.Errorf("migrate: %w", err)
 	}
+	if opts.Rate > 0 && float64(opts.BatchSize) > opts.Rate {
+		m.opts.BatchSize = max(1, int(opts.Rate))
+	}
+	m.gentle = newGentle(m.opts, m.opts.BatchSize, m.log, m.resendProgress)
 	opts.Metrics.setRunning(true)
 	defer opts.Metrics.setRunning(false)
 	res, err := m.run(ctx)
@@ -278,8 +295,30 @@ func (m *migrator) progress(p Progress) {
 	if m.opts.Progress == nil {
 		return
 	}
+	m.progressMu.Lock()
+	defer m.progressMu.Unlock()
+	m.lastProgress = p
+	m.report(p)
+}
+
+// resendProgress reports the latest progress again, with the new pause state.
+func (m *migrator) resendProgress() {
+	if m.opts.Progress == nil {
+		return
+	}
+	m.progressMu.Lock()
+	defer m.progressMu.Unlock()
+	m.report(m.lastProgress)
+}
+
+func (m *migrator) report(p Progress) {
 	p.Counters = m.c.snapshot()
 	p.Elapsed = m.opts.Clock.Since(m.start)
+	var allowed float64
+	p.Paused, allowed = m.gentle.state()
+	if !math.IsInf(allowed, 1) {
+		p.AllowedRate = allowed
+	}
 	m.opts.Progress(p)
 }
 

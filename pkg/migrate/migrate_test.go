@@ -12,6 +12,7 @@ import (
 	"k8s.io/apiserver/pkg/storage/value"
 	"k8s.io/klog/v2"
 	"k8s.io/klog/v2/ktesting"
+	"k8s.io/utils/clock"
 
 	"github.com/rekey-io/rekey/internal/enctest"
 	"github.com/rekey-io/rekey/pkg/transformers"
@@ -116,7 +117,9 @@ func TestCommitConflicts(t *testing.T) {
 	tr := next.TransformerFor(secrets)
 
 	newMigrator := func() *migrator {
-		return &migrator{opts: Options{Client: cli, Source: FromSet(next), BatchSize: 8}, log: testLogger(t)}
+		m := &migrator{opts: Options{Client: cli, Source: FromSet(next), BatchSize: 8, Clock: clock.RealClock{}}, log: testLogger(t)}
+		m.gentle = newGentle(m.opts, m.opts.BatchSize, m.log, nil)
+		return m
 	}
 	stage := func(name string) (rewrite, string) {
 		key := keyOf(secrets, "c", name)

@@ -57,13 +57,13 @@ func (m *migrator) handleChunk(ctx context.Context, tr value.Transformer, resour
 			m.count(resource, result)
 			continue
 		}
-		if size+len(rw.val)+len(rw.key) > m.opts.BatchBytes {
+		if size+int(rw.size()) > m.opts.BatchBytes {
 			if err := flush(); err != nil {
 				return err
 			}
 		}
 		batch = append(batch, rw)
-		size += len(rw.val) + len(rw.key)
+		size += int(rw.size())
 		if len(batch) >= m.opts.BatchSize {
 			if err := flush(); err != nil {
 				return err
@@ -119,6 +119,9 @@ func (m *migrator) count(resource, result string) {
 	m.opts.Metrics.object(resource, result, 1)
 }
 
+// size is the bytes the rewrite adds to etcd's database (before its overhead).
+func (rw rewrite) size() int64 { return int64(len(rw.key) + len(rw.val)) }
+
 func putOp(rw rewrite) clientv3.Op {
 	if rw.lease != 0 {
 		// Keep the object's lease (e.g. events with a TTL); an expired lease deleted
@@ -131,18 +134,17 @@ func putOp(rw rewrite) clientv3.Op {
 // commit writes a batch in one transaction that succeeds only if no object of the
 // batch changed since it was read. If any did, every object is retried on its own.
 func (m *migrator) commit(ctx context.Context, tr value.Transformer, resource string, batch []rewrite) error {
-	if m.limiter != nil {
-		if err := m.limiter.WaitN(ctx, len(batch)); err != nil {
-			return err
-		}
-	}
 	cmps := make([]clientv3.Cmp, len(batch))
 	puts := make([]clientv3.Op, len(batch))
+	var size int64
 	for i, rw := range batch {
 		cmps[i] = clientv3.Compare(clientv3.ModRevision(string(rw.key)), "=", rw.modRev)
 		puts[i] = putOp(rw)
+		size += rw.size()
 	}
-	resp, err := m.opts.Client.Txn(ctx).If(cmps...).Then(puts...).Commit()
+	resp, err := m.gentle.txn(ctx, len(batch), size, func() clientv3.Txn {
+		return m.opts.Client.Txn(ctx).If(cmps...).Then(puts...)
+	})
 	if err != nil {
 		return fmt.Errorf("writing %d re-encrypted %s to etcd: %w", len(batch), resource, err)
 	}
@@ -164,11 +166,12 @@ func (m *migrator) commit(ctx context.Context, tr value.Transformer, resource st
 func (m *migrator) commitOne(ctx context.Context, tr value.Transformer, resource string, rw rewrite) error {
 	key := string(rw.key)
 	for attempt := 0; attempt < maxConflictRetries; attempt++ {
-		resp, err := m.opts.Client.Txn(ctx).
-			If(clientv3.Compare(clientv3.ModRevision(key), "=", rw.modRev)).
-			Then(putOp(rw)).
-			Else(clientv3.OpGet(key)).
-			Commit()
+		resp, err := m.gentle.txn(ctx, 1, rw.size(), func() clientv3.Txn {
+			return m.opts.Client.Txn(ctx).
+				If(clientv3.Compare(clientv3.ModRevision(key), "=", rw.modRev)).
+				Then(putOp(rw)).
+				Else(clientv3.OpGet(key))
+		})
 		if err != nil {
 			return fmt.Errorf("writing re-encrypted %s to etcd: %w", key, err)
 		}

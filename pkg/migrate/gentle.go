@@ -1,0 +1,217 @@
+package migrate
+
+// The driver of the pacer and the space gate: every etcd transaction of a migration
+// goes through gentle.txn, which waits for room in etcd and for the pacer's rate,
+// times the transaction and feeds the outcome back.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"sync"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"golang.org/x/time/rate"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/clock"
+)
+
+// spaceReadTimeout bounds one reading of etcd's size and alarms.
+const spaceReadTimeout = 10 * time.Second
+
+// PauseState is why a migration does not write now.
+type PauseState struct {
+	// Reason is one of PauseDBSize, PauseNoSpace, PauseUnknown; "" when not paused.
+	Reason string `json:"reason,omitempty"`
+	// Condition says what holds it and what frees it.
+	Condition string    `json:"condition,omitempty"`
+	Since     time.Time `json:"since,omitzero"`
+}
+
+type gentle struct {
+	client  *clientv3.Client
+	clock   clock.PassiveClock
+	log     klog.Logger
+	metrics *Metrics
+	// changed is called (without mu held) when the pause state changes.
+	changed func()
+
+	mu      sync.Mutex
+	pacer   *pacer
+	gate    *spaceGate
+	limiter *rate.Limiter
+	pause   PauseState
+}
+
+func newGentle(opts Options, burst int, log klog.Logger, changed func()) *gentle {
+	pacing := opts.Pacing
+	pacing.Ceiling = opts.Rate
+	g := &gentle{
+		client: opts.Client, clock: opts.Clock, log: log, metrics: opts.Metrics, changed: changed,
+		pacer: newPacer(pacing), gate: newSpaceGate(opts.Space),
+	}
+	g.limiter = rate.NewLimiter(limitOf(g.pacer.Rate()), burst)
+	g.metrics.setAllowedRate(g.pacer.Rate())
+	return g
+}
+
+func limitOf(r float64) rate.Limit {
+	if math.IsInf(r, 1) {
+		return rate.Inf
+	}
+	return rate.Limit(r)
+}
+
+// state is the pause state and the rate allowed now (+Inf: no limit).
+func (g *gentle) state() (PauseState, float64) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.pause, g.pacer.Rate()
+}
+
+// txn commits the transaction build makes, writing objects objects of bytes bytes,
+// once etcd has room for it and the rate allows it. A write etcd refuses for lack of
+// space pauses the migration and is tried again when there is room.
+func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func() clientv3.Txn) (*clientv3.TxnResponse, error) {
+	for {
+		if err := g.admit(ctx, bytes); err != nil {
+			return nil, err
+		}
+		if err := g.limiter.WaitN(ctx, objects); err != nil {
+			return nil, err
+		}
+		start := g.clock.Now()
+		resp, err := build().Commit()
+		noSpace := errors.Is(err, rpctypes.ErrNoSpace)
+		g.mu.Lock()
+		now := g.clock.Now()
+		g.pacer.Observe(now, now.Sub(start), objects, err)
+		changed := false
+		if noSpace {
+			g.gate.NoSpace(now)
+			changed = g.update(now)
+		}
+		g.limiter.SetLimit(limitOf(g.pacer.Rate()))
+		g.metrics.setAllowedRate(g.pacer.Rate())
+		g.mu.Unlock()
+		g.notify(changed)
+		if !noSpace {
+			return resp, err
+		}
+	}
+}
+
+// admit returns once the space gate lets bytes be written.
+func (g *gentle) admit(ctx context.Context, bytes int64) error {
+	for {
+		g.mu.Lock()
+		d := g.gate.Admit(g.clock.Now(), bytes)
+		if d == spaceMeasure {
+			// Read under the lock: one reading serves every worker.
+			s := readSpace(ctx, g.client)
+			if ctx.Err() != nil {
+				g.mu.Unlock()
+				return ctx.Err()
+			}
+			g.gate.Measured(g.clock.Now(), s)
+			d = g.gate.Admit(g.clock.Now(), bytes)
+		}
+		changed := g.update(g.clock.Now())
+		g.mu.Unlock()
+		g.notify(changed)
+		if d == spaceWrite {
+			return nil
+		}
+		if d == spaceWait {
+			g.mu.Lock()
+			wait := g.gate.RetryIn(g.clock.Now())
+			g.mu.Unlock()
+			if err := g.sleep(ctx, wait); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// update reports a change of the gate's pause state in the log and the metric, and
+// whether the status must be told (notify, once mu is released).
+func (g *gentle) update(now time.Time) bool {
+	reason := g.gate.Paused()
+	if reason == g.pause.Reason {
+		if reason != "" {
+			g.pause.Condition = g.gate.Condition()
+		}
+		return false
+	}
+	if reason == "" {
+		g.log.Info("Storage migration resumes: etcd has room again", "pausedFor", now.Sub(g.pause.Since), "dbSize", g.gate.last.DBSize, "dbSizeInUse", g.gate.last.DBSizeInUse)
+		g.pause = PauseState{}
+	} else {
+		g.log.Info("Storage migration paused before etcd runs out of space", "reason", reason, "condition", g.gate.Condition(),
+			"dbSize", g.gate.last.DBSize, "dbSizeInUse", g.gate.last.DBSizeInUse, "quotaBytes", g.gate.opts.QuotaBytes)
+		g.pause = PauseState{Reason: reason, Condition: g.gate.Condition(), Since: now}
+	}
+	g.metrics.setPaused(reason)
+	return true
+}
+
+func (g *gentle) notify(changed bool) {
+	if changed && g.changed != nil {
+		g.changed()
+	}
+}
+
+func (g *gentle) sleep(ctx context.Context, d time.Duration) error {
+	var after <-chan time.Time
+	if c, ok := g.clock.(clock.Clock); ok {
+		after = c.After(d)
+	} else {
+		t := time.NewTimer(d)
+		defer t.Stop()
+		after = t.C
+	}
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-after:
+		return nil
+	}
+}
+
+// readSpace reads the largest database of etcd's members and whether NOSPACE is
+// raised. Compaction and defragmentation are never asked for: they are
+// kube-apiserver's and the operator's.
+func readSpace(ctx context.Context, cli *clientv3.Client) etcdSpace {
+	ctx, cancel := context.WithTimeout(ctx, spaceReadTimeout)
+	defer cancel()
+	var s etcdSpace
+	var errs []error
+	for _, ep := range cli.Endpoints() {
+		st, err := cli.Status(ctx, ep)
+		if err != nil {
+			// A member that does not answer cannot grow either; the others say how
+			// full the cluster is.
+			errs = append(errs, fmt.Errorf("etcd member %s: %w", ep, err))
+			continue
+		}
+		s.DBSize = max(s.DBSize, st.DbSize)
+		s.DBSizeInUse = max(s.DBSizeInUse, st.DbSizeInUse)
+	}
+	if len(errs) == len(cli.Endpoints()) {
+		return etcdSpace{Err: fmt.Errorf("reading the database size of etcd: %w", errors.Join(errs...))}
+	}
+	alarms, err := cli.AlarmList(ctx)
+	if err != nil {
+		return etcdSpace{Err: fmt.Errorf("reading etcd's alarms: %w", err)}
+	}
+	for _, a := range alarms.Alarms {
+		if a.Alarm == etcdserverpb.AlarmType_NOSPACE {
+			s.NoSpace = true
+		}
+	}
+	return s
+}

@@ -1,0 +1,193 @@
+package migrate
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cockroachdb/datadriven"
+	"k8s.io/apimachinery/pkg/api/resource"
+)
+
+// TestGentleTranscripts runs testdata/pacing_*.txt and testdata/space_*.txt: the pacer
+// (adaptive rate) and the space gate as stories, with scripted latencies and etcd
+// readings and a clock that moves only when told. `-rewrite` rewrites the answers.
+//
+// Pacer commands:
+//
+//	pacer [ceiling=N] [target=D] [window=D] [min=N] [increase=N]
+//	                      a new pacer at +0s; prints its rate
+//	txns n=N latency=D [objects=K] [every=D] [errors=E]
+//	                      N transactions of K objects (default 64), one ending every D
+//	                      (default: latency), the first E failing; prints each window's
+//	                      verdict and the rate after it
+//
+// Space gate commands:
+//
+//	gate [quota=SIZE] [fraction=F] [interval=D]
+//	                      a new gate at +0s (sizes as 32Mi)
+//	etcd size=SIZE inuse=SIZE [nospace] [error]
+//	                      what the next readings of etcd return
+//	write SIZE [times=N] [every=D]
+//	                      moves the clock by D (default 0) and asks to write SIZE bytes,
+//	                      N times: each answer, the readings it needed, the room left
+//	refused               a write failed with NOSPACE
+func TestGentleTranscripts(t *testing.T) {
+	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
+		base := path[strings.LastIndex(path, "/")+1:]
+		if !strings.HasPrefix(base, "pacing_") && !strings.HasPrefix(base, "space_") {
+			t.Skip("not a pacing or space transcript")
+		}
+		h := &gentleHarness{now: t0}
+		datadriven.RunTest(t, path, func(t *testing.T, d *datadriven.TestData) string {
+			return h.run(t, d)
+		})
+	})
+}
+
+type gentleHarness struct {
+	now     time.Time
+	pacer   *pacer
+	gate    *spaceGate
+	reading etcdSpace
+}
+
+func (h *gentleHarness) at() string { return "+" + h.now.Sub(t0).String() }
+
+func (h *gentleHarness) run(t *testing.T, d *datadriven.TestData) string {
+	var b strings.Builder
+	switch d.Cmd {
+	case "pacer":
+		var o PacingOptions
+		var target, window string
+		d.MaybeScanArgs(t, "ceiling", &o.Ceiling)
+		d.MaybeScanArgs(t, "min", &o.MinRate)
+		d.MaybeScanArgs(t, "increase", &o.Increase)
+		d.MaybeScanArgs(t, "target", &target)
+		d.MaybeScanArgs(t, "window", &window)
+		o.TargetLatency, o.Window = duration(t, d, target), duration(t, d, window)
+		h.now, h.pacer = t0, newPacer(o)
+		return "rate " + rateText(h.pacer.Rate())
+	case "txns":
+		n, objects, errs := 0, 64, 0
+		var latency, every string
+		d.ScanArgs(t, "n", &n)
+		d.ScanArgs(t, "latency", &latency)
+		d.MaybeScanArgs(t, "objects", &objects)
+		d.MaybeScanArgs(t, "every", &every)
+		d.MaybeScanArgs(t, "errors", &errs)
+		lat := duration(t, d, latency)
+		step := lat
+		if every != "" {
+			step = duration(t, d, every)
+		}
+		for i := range n {
+			h.now = h.now.Add(step)
+			var err error
+			if i < errs {
+				err = errors.New("etcdserver: request timed out")
+			}
+			before := h.pacer.last
+			h.pacer.Observe(h.now, lat, objects, err)
+			if v := h.pacer.last; v != before {
+				fmt.Fprintf(&b, "%s: window p90=%s samples=%d errors=%d achieved=%.0f/s → %s: rate %s target %s\n",
+					h.at(), v.P90, v.Samples, v.Errors, v.Achieved, v.Change, rateText(h.pacer.Rate()), h.pacer.Target())
+			}
+		}
+		if b.Len() == 0 {
+			return "no window ended"
+		}
+	case "gate":
+		var o SpaceOptions
+		var quota, interval string
+		d.MaybeScanArgs(t, "quota", &quota)
+		d.MaybeScanArgs(t, "fraction", &o.MaxFraction)
+		d.MaybeScanArgs(t, "interval", &interval)
+		o.QuotaBytes, o.CheckInterval = size(t, d, quota), duration(t, d, interval)
+		h.now, h.gate = t0, newSpaceGate(o)
+		return fmt.Sprintf("limit %s", bytesText(h.gate.limit()))
+	case "etcd":
+		var sz, inuse string
+		d.ScanArgs(t, "size", &sz)
+		d.ScanArgs(t, "inuse", &inuse)
+		h.reading = etcdSpace{DBSize: size(t, d, sz), DBSizeInUse: size(t, d, inuse), NoSpace: d.HasArg("nospace")}
+		if d.HasArg("error") {
+			h.reading.Err = errors.New("context deadline exceeded")
+		}
+		return "ok"
+	case "write":
+		times := 1
+		var every string
+		d.MaybeScanArgs(t, "times", &times)
+		d.MaybeScanArgs(t, "every", &every)
+		n := size(t, d, d.CmdArgs[0].Key)
+		for range times {
+			h.now = h.now.Add(duration(t, d, every))
+			dec := h.gate.Admit(h.now, n)
+			for tries := 0; dec == spaceMeasure; tries++ {
+				if tries == 2 {
+					d.Fatalf(t, "the gate asks for reading after reading")
+				}
+				h.gate.Measured(h.now, h.reading)
+				fmt.Fprintf(&b, "%s: read etcd: size %s, in use %s%s\n", h.at(), bytesText(h.reading.DBSize), bytesText(h.reading.DBSizeInUse), alarmText(h.reading))
+				dec = h.gate.Admit(h.now, n)
+			}
+			switch {
+			case dec == spaceWrite:
+				fmt.Fprintf(&b, "%s: write %s, room left %s\n", h.at(), bytesText(n), bytesText(h.gate.room))
+			case h.gate.Paused() == "":
+				fmt.Fprintf(&b, "%s: wait %s for etcd to report the last writes\n", h.at(), h.gate.RetryIn(h.now))
+			default:
+				fmt.Fprintf(&b, "%s: paused (%s): %s\n", h.at(), h.gate.Paused(), h.gate.Condition())
+			}
+		}
+	case "refused":
+		h.gate.NoSpace(h.now)
+		return fmt.Sprintf("paused (%s)", h.gate.Paused())
+	default:
+		d.Fatalf(t, "unknown command %q", d.Cmd)
+	}
+	return b.String()
+}
+
+func alarmText(s etcdSpace) string {
+	switch {
+	case s.Err != nil:
+		return ", failed: " + s.Err.Error()
+	case s.NoSpace:
+		return ", NOSPACE alarm"
+	}
+	return ""
+}
+
+func rateText(r float64) string {
+	if math.IsInf(r, 1) {
+		return "unlimited"
+	}
+	return fmt.Sprintf("%.0f/s", r)
+}
+
+func duration(t *testing.T, d *datadriven.TestData, s string) time.Duration {
+	if s == "" {
+		return 0
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		d.Fatalf(t, "%v", err)
+	}
+	return v
+}
+
+func size(t *testing.T, d *datadriven.TestData, s string) int64 {
+	if s == "" {
+		return 0
+	}
+	q, err := resource.ParseQuantity(s)
+	if err != nil {
+		d.Fatalf(t, "size %q: %v", s, err)
+	}
+	return q.Value()
+}

@@ -1,0 +1,184 @@
+package migrate
+
+// Adaptive pacing of a migration's writes: additive increase, multiplicative decrease
+// (AIMD, as TCP congestion control) on the latency of the migration's own etcd
+// transactions. A migration shares etcd with the cluster's own traffic; a slow etcd is
+// the signal that it is taking too much.
+
+import (
+	"math"
+	"slices"
+	"time"
+)
+
+// Pacing defaults.
+const (
+	// DefaultPacingWindow is how often the pacer judges the latencies it saw.
+	DefaultPacingWindow = time.Second
+	// DefaultMinTargetLatency is the lowest latency target a baseline can set: below
+	// it, etcd is fast enough whatever the baseline (a 1 ms baseline must not make
+	// 3 ms a congestion).
+	DefaultMinTargetLatency = 20 * time.Millisecond
+	// DefaultBaselineFactor: without an explicit target, a window whose p90 is more
+	// than this many times the first window's p90 is congestion.
+	DefaultBaselineFactor = 3
+	// DefaultDecrease is the multiplicative decrease on congestion.
+	DefaultDecrease = 0.5
+	// DefaultIncrease is the additive increase per calm window, in objects per second.
+	DefaultIncrease = 50
+	// DefaultMinRate is the floor: a migration always makes progress.
+	DefaultMinRate = 10
+	// pacingQuantile is the latency quantile judged.
+	pacingQuantile = 0.9
+	// minSamples a window needs to be judged (one slow request is not a trend); a
+	// window lasts until it has them.
+	minSamples = 3
+	// busyFraction: a calm window raises the rate only when the migration used at
+	// least this fraction of it; otherwise the rate was not what held it back, and
+	// raising it would only let it drift far above what etcd was ever shown.
+	busyFraction = 0.8
+)
+
+// PacingOptions tune the pacer. The zero value is the defaults.
+type PacingOptions struct {
+	// Ceiling is the most objects per second ever allowed (--storage-migration-rate);
+	// 0 is no ceiling.
+	Ceiling float64
+	// TargetLatency is the p90 transaction latency above which the rate decreases. 0:
+	// DefaultBaselineFactor × the first window's p90, at least DefaultMinTargetLatency.
+	TargetLatency time.Duration
+	// Window, MinRate, Increase, Decrease: see the defaults.
+	Window   time.Duration
+	MinRate  float64
+	Increase float64
+	Decrease float64
+}
+
+func (o PacingOptions) withDefaults() PacingOptions {
+	if o.Window <= 0 {
+		o.Window = DefaultPacingWindow
+	}
+	if o.MinRate <= 0 {
+		o.MinRate = DefaultMinRate
+	}
+	if o.Ceiling > 0 {
+		o.MinRate = min(o.MinRate, o.Ceiling)
+	}
+	if o.Increase <= 0 {
+		o.Increase = DefaultIncrease
+	}
+	if o.Decrease <= 0 || o.Decrease >= 1 {
+		o.Decrease = DefaultDecrease
+	}
+	return o
+}
+
+// pacer is the pacing decision, in etcd raft's shape: it never reads a clock, sleeps
+// or does I/O. The driver feeds it every transaction's latency and outcome with the
+// time it ended (Observe); Rate is the objects per second allowed now (+Inf: no limit).
+//
+// It starts at the ceiling (no limit without one): a migration of a quiet etcd runs as
+// fast as before. At the end of each window, a p90 above the target or an etcd error
+// in the window multiplies the rate by Decrease (starting from what the window really
+// achieved when that is lower, so "no limit" becomes a number), never below MinRate;
+// a calm window in which the migration used most of its rate adds Increase, never
+// above the ceiling.
+type pacer struct {
+	opts PacingOptions
+	rate float64
+	// target is opts.TargetLatency or the baseline's; 0 until the first judged window.
+	target time.Duration
+
+	windowStart time.Time
+	latencies   []time.Duration
+	objects     int64
+	errors      int
+	// last is the latest judgement, for the status and the transcripts.
+	last pacerVerdict
+}
+
+// pacerVerdict is what the pacer concluded at the end of a window.
+type pacerVerdict struct {
+	At       time.Time
+	P90      time.Duration
+	Samples  int
+	Errors   int
+	Achieved float64 // objects per second in the window
+	Change   string  // "baseline", "decrease", "increase", "hold"
+}
+
+func newPacer(opts PacingOptions) *pacer {
+	opts = opts.withDefaults()
+	p := &pacer{opts: opts, rate: math.Inf(1), target: opts.TargetLatency}
+	if opts.Ceiling > 0 {
+		p.rate = opts.Ceiling
+	}
+	return p
+}
+
+// Rate is the objects per second allowed now; +Inf is no limit.
+func (p *pacer) Rate() float64 { return p.rate }
+
+// Target is the latency target, 0 before the baseline is known.
+func (p *pacer) Target() time.Duration { return p.target }
+
+// Observe feeds one transaction that ended at now after latency, writing objects
+// (counted whether or not it succeeded); err is its etcd error, if any. A conflict is
+// not an error: the transaction was answered.
+func (p *pacer) Observe(now time.Time, latency time.Duration, objects int, err error) {
+	if p.windowStart.IsZero() {
+		p.windowStart = now.Add(-latency)
+	}
+	p.latencies = append(p.latencies, latency)
+	p.objects += int64(objects)
+	if err != nil {
+		p.errors++
+	}
+	p.Tick(now)
+}
+
+// Tick ends the window when it is over.
+func (p *pacer) Tick(now time.Time) {
+	if p.windowStart.IsZero() || now.Sub(p.windowStart) < p.opts.Window {
+		return
+	}
+	if len(p.latencies) < minSamples && p.errors == 0 {
+		// Too few to judge (a slow rate): the window goes on until there are enough.
+		return
+	}
+	elapsed := now.Sub(p.windowStart)
+	v := pacerVerdict{At: now, Samples: len(p.latencies), Errors: p.errors, Achieved: float64(p.objects) / elapsed.Seconds()}
+	v.P90 = quantile(p.latencies, pacingQuantile)
+	v.Change = p.judge(v)
+	p.last = v
+	p.windowStart, p.latencies, p.objects, p.errors = now, p.latencies[:0], 0, 0
+}
+
+func (p *pacer) judge(v pacerVerdict) string {
+	if p.target == 0 && v.Errors == 0 {
+		p.target = max(time.Duration(DefaultBaselineFactor)*v.P90, DefaultMinTargetLatency)
+		return "baseline"
+	}
+	if v.Errors > 0 || v.P90 > p.target {
+		p.rate = max(min(p.rate, v.Achieved)*p.opts.Decrease, p.opts.MinRate)
+		return "decrease"
+	}
+	if math.IsInf(p.rate, 1) || v.Achieved < busyFraction*p.rate || (p.opts.Ceiling > 0 && p.rate >= p.opts.Ceiling) {
+		return "hold"
+	}
+	p.rate += p.opts.Increase
+	if p.opts.Ceiling > 0 {
+		p.rate = min(p.rate, p.opts.Ceiling)
+	}
+	return "increase"
+}
+
+// quantile is the q-quantile of ds (nearest rank); ds is reordered.
+func quantile(ds []time.Duration, q float64) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	slices.Sort(ds)
+	i := int(math.Ceil(q*float64(len(ds)))) - 1
+	return ds[min(max(i, 0), len(ds)-1)]
+}
