@@ -11,6 +11,10 @@ import (
 
 // What the rotation and scale scenarios share of upstream's rewrite of every Secret.
 
+// rewriteWorkers is the upstream script's concurrency for the no-op updates, as an
+// operator's `xargs -P 8` around kubectl would run.
+const rewriteWorkers = 8
+
 type secretClient interface {
 	Get(ctx context.Context, name string, opts metav1.GetOptions) (*corev1.Secret, error)
 	Update(ctx context.Context, s *corev1.Secret, opts metav1.UpdateOptions) (*corev1.Secret, error)

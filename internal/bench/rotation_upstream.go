@@ -18,10 +18,6 @@ import (
 // The rotation scenario's upstream side: upstream's documented procedure, scripted as an
 // operator would run it with kubectl.
 
-// rewriteWorkers is the upstream script's concurrency for the no-op updates, as an
-// operator's `xargs -P 8` around kubectl would run.
-const rewriteWorkers = 8
-
 // rewriteTally counts the upstream script's no-op updates of every Secret.
 type rewriteTally struct{ rewritten, conflicts int64 }
 
