@@ -27,7 +27,8 @@ type Settings struct {
 	// ScaleObjects is the number of Secrets the scale scenario stores and rotates
 	// (default 1,000,000; 20,000 in short mode).
 	ScaleObjects int
-	// ScaleSides are the scale scenario's sides to run: rekey, upstream (default both).
+	// ScaleSides are the scale scenario's sides to run: rekey, upstream (default both;
+	// rekey alone in short mode).
 	ScaleSides []string
 	// ScaleBaseline is the client workload's window before the rotation (default 1
 	// minute; 10 s in short mode).
