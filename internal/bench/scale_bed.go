@@ -177,6 +177,7 @@ type dbWatch struct {
 	done chan struct{}
 	// Written by the poller, read after stop.
 	peakSize, peakInUse int64
+	firstSize           int64 // DbSize at the first poll (right after seeding)
 	noSpace             int // alarms raised, the most seen at once
 	errs                int
 }
@@ -207,6 +208,9 @@ func (d *dbWatch) poll(cli *clientv3.Client, endpoint string) {
 	if err != nil {
 		d.errs++
 		return
+	}
+	if d.firstSize == 0 {
+		d.firstSize = st.DbSize
 	}
 	d.peakSize, d.peakInUse = max(d.peakSize, st.DbSize), max(d.peakInUse, st.DbSizeInUse)
 	al, err := cli.AlarmList(ctx)
