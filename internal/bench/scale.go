@@ -69,7 +69,7 @@ type scaleResult struct {
 	// config edit (start-up, its watch cache of every Secret, the baseline load): the
 	// migration raised the peak only when the two differ.
 	peakRSS, peakRSSBefore float64 // MiB
-	conflicts         int64
+	conflicts              int64
 }
 
 // runScale runs each side on its own fresh testbed, one after the other.

@@ -178,7 +178,7 @@ type dbWatch struct {
 	// Written by the poller, read after stop.
 	peakSize, peakInUse int64
 	firstSize           int64 // DbSize at the first poll (right after seeding)
-	noSpace             int // alarms raised, the most seen at once
+	noSpace             int   // alarms raised, the most seen at once
 	errs                int
 }
 
