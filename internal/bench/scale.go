@@ -5,11 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"os"
-	"os/signal"
 	"path/filepath"
 	"slices"
-	"syscall"
 	"time"
 
 	"github.com/rekey-io/rekey/internal/testbed"
@@ -106,22 +103,12 @@ func runScale(s Settings) ([]Row, error) {
 	if limit <= 0 {
 		limit = 20 * time.Minute
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	dir, err := os.MkdirTemp("", "rks")
+	run, err := startProcessRun(s, "rks", "scale: building the shim and etcd binaries")
 	if err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(dir)
-	progress := s.Progress
-	if progress == nil {
-		progress = io.Discard
-	}
-	fmt.Fprintln(progress, "scale: building the shim and etcd binaries")
-	bins, err := testbed.Build(ctx, filepath.Join(dir, "bin"))
-	if err != nil {
-		return nil, err
-	}
+	defer run.close()
+	ctx, dir, progress, bins := run.ctx, run.dir, run.progress, run.bins
 	results := map[string]*scaleResult{}
 	for _, side := range sides {
 		fmt.Fprintf(progress, "scale: side %s, %d Secrets\n", side, n)
