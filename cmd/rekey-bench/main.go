@@ -38,6 +38,7 @@ func main() {
 		scaleN     = flag.Int("scale-objects", 0, "Secrets the scale scenario stores and rotates (default $REKEY_BENCH_SCALE_N, else 1,000,000; short 20,000)")
 		scaleSides = flag.String("scale-sides", "", "comma-separated sides of the scale scenario to run: rekey, upstream (default both)")
 		scaleBase  = flag.Duration("scale-baseline", 0, "the scale scenario's client-load window before the rotation (default 1m; short 10s)")
+		scaleRate  = flag.Float64("scale-migration-rate", 0, "the scale scenario's rekey side: the shim's --storage-migration-rate in objects/s (default unlimited)")
 		scaleLimit = flag.Duration("scale-upstream-limit", 0, "time limit of the scale scenario's upstream replace; past it the time is extrapolated from the rate (default 20m)")
 	)
 	flag.Parse()
@@ -65,7 +66,7 @@ func main() {
 	if *rotSides != "" {
 		settings.RotationSides = strings.Split(*rotSides, ",")
 	}
-	settings.ScaleObjects, settings.ScaleBaseline, settings.ScaleUpstreamLimit = *scaleN, *scaleBase, *scaleLimit
+	settings.ScaleObjects, settings.ScaleBaseline, settings.ScaleUpstreamLimit, settings.ScaleMigrationRate = *scaleN, *scaleBase, *scaleLimit, *scaleRate
 	if v := os.Getenv("REKEY_BENCH_SCALE_N"); v != "" && *scaleN == 0 {
 		n, err := strconv.Atoi(v)
 		if err != nil || n <= 0 {

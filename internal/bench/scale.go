@@ -7,6 +7,7 @@ import (
 	"io"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"time"
 
 	"github.com/rekey-io/rekey/internal/testbed"
@@ -112,7 +113,11 @@ func runScale(s Settings) ([]Row, error) {
 	results := map[string]*scaleResult{}
 	for _, side := range sides {
 		fmt.Fprintf(progress, "scale: side %s, %d Secrets\n", side, n)
-		r, err := scaleOnce(ctx, progress, filepath.Join(dir, side), bins, side, n, baseline, limit)
+		var args []string
+		if side == "rekey" && s.ScaleMigrationRate > 0 {
+			args = []string{"--storage-migration-rate", strconv.FormatFloat(s.ScaleMigrationRate, 'f', -1, 64)}
+		}
+		r, err := scaleOnce(ctx, progress, filepath.Join(dir, side), bins, side, n, baseline, limit, args)
 		if err != nil {
 			return nil, fmt.Errorf("scale side %s: %w", side, err)
 		}
@@ -120,15 +125,15 @@ func runScale(s Settings) ([]Row, error) {
 			side, r.migration.Round(time.Millisecond), scaleRate(r), float64(r.db.firstSize)/(1<<20), float64(r.db.peakSize)/(1<<20), r.db.noSpace, r.baseline.p99, r.during.p99, r.peakRSSBefore, r.peakRSS)
 		results[side] = r
 	}
-	return scaleRows(results, n), nil
+	return scaleRows(results, n, s.ScaleMigrationRate), nil
 }
 
 // scaleOnce runs one side: testbed, inventory, baseline window, rotation, end check.
-func scaleOnce(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, side string, n int, baseline, limit time.Duration) (*scaleResult, error) {
+func scaleOnce(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, side string, n int, baseline, limit time.Duration, shimArgs []string) (*scaleResult, error) {
 	logf := func(format string, args ...any) {
 		fmt.Fprintf(progress, "scale: %s: "+format+"\n", append([]any{side}, args...)...)
 	}
-	b, err := startScaleBed(ctx, dir, bins, side, n, nil)
+	b, err := startScaleBed(ctx, dir, bins, side, n, shimArgs)
 	if err != nil {
 		return nil, err
 	}
@@ -260,9 +265,12 @@ func scaleRate(r *scaleResult) float64 {
 }
 
 // scaleRows turns the sides' results into rows: rekey first, upstream second.
-func scaleRows(res map[string]*scaleResult, n int) []Row {
+func scaleRows(res map[string]*scaleResult, n int, migrationRate float64) []Row {
 	scenario := fmt.Sprintf("scale (%s Secrets of 1–10 KiB, 1 apiserver, etcd with a 2 GiB quota)", groupThousands(int64(n)))
 	impls := []string{"rekey (storage migration)", "upstream (kubectl get + replace)"}
+	if migrationRate > 0 {
+		impls[0] = fmt.Sprintf("rekey (storage migration at ≤ %g objects/s)", migrationRate)
+	}
 	row := func(c, unit string, higher bool, value func(*scaleResult) float64) Row {
 		r := Row{Scenario: scenario, Case: c}
 		for i, side := range scaleSides {

@@ -36,4 +36,7 @@ type Settings struct {
 	// ScaleUpstreamLimit bounds the upstream side's replace of every Secret (default
 	// 20 minutes); one cut short reports its rate and an extrapolated time.
 	ScaleUpstreamLimit time.Duration
+	// ScaleMigrationRate is the rekey side's --storage-migration-rate in objects/s (0:
+	// the shim's default, unlimited).
+	ScaleMigrationRate float64
 }
