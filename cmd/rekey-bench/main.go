@@ -10,6 +10,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -34,6 +35,11 @@ func main() {
 		rotObjects = flag.Int("rotation-objects", 0, "Secrets the rotation scenario rotates (default 10,000; short 1,000)")
 		rotSides   = flag.String("rotation-sides", "", "comma-separated sides of the rotation scenario to run: rekey, upstream (default both)")
 		rotRekey   = flag.String("rotation-rekey-bin", "", "the rekey binary the rotation scenario runs (default: cmd/rekey built from this tree)")
+		scaleN     = flag.Int("scale-objects", 0, "Secrets the scale scenario stores and rotates (default $REKEY_BENCH_SCALE_N, else 1,000,000; short 20,000)")
+		scaleSides = flag.String("scale-sides", "", "comma-separated sides of the scale scenario to run: rekey, upstream (default both)")
+		scaleBase  = flag.Duration("scale-baseline", 0, "the scale scenario's client-load window before the rotation (default 1m; short 10s)")
+		scaleRate  = flag.Float64("scale-migration-rate", 0, "the scale scenario's rekey side: the shim's --storage-migration-rate in objects/s (default unlimited)")
+		scaleLimit = flag.Duration("scale-upstream-limit", 0, "time limit of the scale scenario's upstream replace; past it the time is extrapolated from the rate (default 20m)")
 	)
 	flag.Parse()
 	if *list {
@@ -59,6 +65,18 @@ func main() {
 	settings.RotationObjects, settings.RotationRekeyBin = *rotObjects, *rotRekey
 	if *rotSides != "" {
 		settings.RotationSides = strings.Split(*rotSides, ",")
+	}
+	settings.ScaleObjects, settings.ScaleBaseline, settings.ScaleUpstreamLimit, settings.ScaleMigrationRate = *scaleN, *scaleBase, *scaleLimit, *scaleRate
+	if v := os.Getenv("REKEY_BENCH_SCALE_N"); v != "" && *scaleN == 0 {
+		n, err := strconv.Atoi(v)
+		if err != nil || n <= 0 {
+			fmt.Fprintf(os.Stderr, "rekey-bench: REKEY_BENCH_SCALE_N=%q: want a positive number of Secrets\n", v)
+			os.Exit(2)
+		}
+		settings.ScaleObjects = n
+	}
+	if *scaleSides != "" {
+		settings.ScaleSides = strings.Split(*scaleSides, ",")
 	}
 	var names []string
 	if *scenarios != "" {

@@ -8,9 +8,10 @@
 //   - helpers: the timing loop and op cases (measure.go), statistics (stats.go), the
 //     result rows and targets (results.go, targets.go), number formatting (format.go),
 //     and what several scenarios share to set up (configs.go, pairs.go, rawgcm.go,
-//     kmsplugin.go, load.go, plots.go);
-//   - scenarios: one file per scenario (rotation: one per side, plus its testbed), each
-//     returning rows and depending only on helpers; scenarios.go lists them;
+//     kmsplugin.go, load.go, plots.go, confighash.go, rewrite.go);
+//   - scenarios: one file per scenario (rotation and scale: one per side or part, plus
+//     their testbeds), each returning rows and depending only on helpers; scenarios.go
+//     lists them;
 //   - rendering: report.go (the run's record, JSON and markdown) and chart.go (SVG and
 //     PNG charts), which read rows and never measure.
 //

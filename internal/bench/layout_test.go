@@ -26,6 +26,9 @@ func TestFilesDependOnlyOnHelpers(t *testing.T) {
 		"rotation_testbed.go":  "rotation",
 		"rotation_rekey.go":    "rotation",
 		"rotation_upstream.go": "rotation",
+		"scale.go":             "scale",
+		"scale_bed.go":         "scale",
+		"scale_upstream.go":    "scale",
 	}
 	rendering := map[string]bool{"report.go": true, "chart.go": true}
 	const registry = "scenarios.go" // lists every scenario: may use them all

@@ -6,12 +6,9 @@ import (
 	"fmt"
 	"io"
 	"maps"
-	"os"
-	"os/signal"
 	"path/filepath"
 	"slices"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/rekey-io/rekey/internal/testbed"
@@ -73,24 +70,12 @@ func runRotation(s Settings) ([]Row, error) {
 			return nil, fmt.Errorf("rotation side %q: must be one of %v", side, rotationSides)
 		}
 	}
-	// An interrupted run stops its etcd members and shims (their own process groups
-	// do not get the terminal's signal).
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	dir, err := os.MkdirTemp("", "rkr")
+	run, err := startProcessRun(s, "rkr", "rotation: building the shim, etcd and rekey binaries")
 	if err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(dir)
-	progress := s.Progress
-	if progress == nil {
-		progress = io.Discard
-	}
-	fmt.Fprintln(progress, "rotation: building the shim, etcd and rekey binaries")
-	bins, err := testbed.Build(ctx, filepath.Join(dir, "bin"))
-	if err != nil {
-		return nil, err
-	}
+	defer run.close()
+	ctx, dir, progress, bins := run.ctx, run.dir, run.progress, run.bins
 	rekeyBin := s.RotationRekeyBin
 	if rekeyBin == "" {
 		if rekeyBin, err = buildRekey(ctx, filepath.Join(dir, "bin")); err != nil {

@@ -24,4 +24,19 @@ type Settings struct {
 	// RotationRekeyBin is the rekey binary side (a) runs (default: cmd/rekey built from
 	// this tree).
 	RotationRekeyBin string
+	// ScaleObjects is the number of Secrets the scale scenario stores and rotates
+	// (default 1,000,000; 20,000 in short mode).
+	ScaleObjects int
+	// ScaleSides are the scale scenario's sides to run: rekey, upstream (default both;
+	// rekey alone in short mode).
+	ScaleSides []string
+	// ScaleBaseline is the client workload's window before the rotation (default 1
+	// minute; 10 s in short mode).
+	ScaleBaseline time.Duration
+	// ScaleUpstreamLimit bounds the upstream side's replace of every Secret (default
+	// 20 minutes); one cut short reports its rate and an extrapolated time.
+	ScaleUpstreamLimit time.Duration
+	// ScaleMigrationRate is the rekey side's --storage-migration-rate in objects/s (0:
+	// the shim's default, unlimited).
+	ScaleMigrationRate float64
 }

@@ -19,6 +19,12 @@ type Etcd struct {
 // StartEtcd runs a single-member etcd (fsync off) with its data under dir and waits
 // until it answers.
 func StartEtcd(ctx context.Context, bin, dir string) (*Etcd, error) {
+	return StartEtcdWith(ctx, bin, dir)
+}
+
+// StartEtcdWith is StartEtcd with extra etcd flags (--quota-backend-bytes, for a run
+// that measures the database against its quota).
+func StartEtcdWith(ctx context.Context, bin, dir string, extra ...string) (*Etcd, error) {
 	data := filepath.Join(dir, "etcd-data")
 	if err := os.MkdirAll(data, 0o700); err != nil {
 		return nil, err
@@ -33,12 +39,12 @@ func StartEtcd(ctx context.Context, bin, dir string) (*Etcd, error) {
 	}
 	client := "http://127.0.0.1:" + strconv.Itoa(cport)
 	peer := "http://127.0.0.1:" + strconv.Itoa(pport)
-	p, err := Start("etcd", dir, bin,
-		"--name", "testbed", "--data-dir", data,
+	args := append([]string{"--name", "testbed", "--data-dir", data,
 		"--listen-client-urls", client, "--advertise-client-urls", client,
 		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-		"--initial-cluster", "testbed="+peer,
-		"--unsafe-no-fsync", "--log-level", "warn")
+		"--initial-cluster", "testbed=" + peer,
+		"--unsafe-no-fsync", "--log-level", "warn"}, extra...)
+	p, err := Start("etcd", dir, bin, args...)
 	if err != nil {
 		return nil, err
 	}

@@ -160,13 +160,20 @@ func poll(ctx context.Context, p *Process, interval time.Duration, f func() erro
 }
 
 // RSS returns the resident set size of pid in bytes (Linux).
-func RSS(pid int) (int64, error) {
+func RSS(pid int) (int64, error) { return procStatusBytes(pid, "VmRSS") }
+
+// PeakRSS returns the peak resident set size of pid in bytes (Linux's VmHWM: the high
+// water mark since the process started).
+func PeakRSS(pid int) (int64, error) { return procStatusBytes(pid, "VmHWM") }
+
+// procStatusBytes reads a "<field>: N kB" line of /proc/<pid>/status.
+func procStatusBytes(pid int, field string) (int64, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
 		return 0, err
 	}
 	for _, line := range strings.Split(string(b), "\n") {
-		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+		if rest, ok := strings.CutPrefix(line, field+":"); ok {
 			var kb int64
 			if _, err := fmt.Sscanf(strings.TrimSpace(rest), "%d kB", &kb); err != nil {
 				return 0, err
@@ -174,5 +181,5 @@ func RSS(pid int) (int64, error) {
 			return kb * 1024, nil
 		}
 	}
-	return 0, errors.New("no VmRSS")
+	return 0, fmt.Errorf("/proc/%d/status has no %s", pid, field)
 }

@@ -1,0 +1,339 @@
+package bench
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/rekey-io/rekey/internal/testbed"
+	"github.com/rekey-io/rekey/pkg/cluster"
+)
+
+// The scale scenario rotates the local key of N Secrets (default 1,000,000) of 1–10 KiB
+// stored in an etcd process with a 2 GiB quota, on one apiserver, twice, each side on a
+// fresh testbed (scale_bed.go):
+//
+//   - rekey: the shim runs rekey's layer; the config file's write key changes from key1
+//     to key2 and the shim's own migration re-encrypts every Secret; the side ends when
+//     the migration record of secrets is verified on key2.
+//   - upstream: the shim runs k8s.io/apiserver's layer (--encryption-layer=upstream, its
+//     1-minute file poll untouched); key2 is added for reads, then promoted, then every
+//     Secret is rewritten through the API as `kubectl get secrets -A -o json | kubectl
+//     replace -f -` does (scale_upstream.go); the side ends when that is done.
+//
+// Each side then takes a fresh inventory to check every stored Secret is under key2.
+// Both sides run the same client workload through the shim for the whole run (a
+// baseline window before the rotation, then the window of the migration), and a
+// poller reads etcd's database size and alarms every second. Compaction is the shim's:
+// k8s.io/apiserver's storage backend compacts every 5 minutes, as kube-apiserver does;
+// nothing defragments.
+
+// ScaleSides are the sides the scale scenario can run.
+var scaleSides = []string{"rekey", "upstream"}
+
+// scaleClientRate is the client workload's rate in requests per second, over
+// scaleClientWorkers workers.
+const (
+	scaleClientRate    = 30
+	scaleClientWorkers = 6
+)
+
+// scaleResult is what one side measured.
+type scaleResult struct {
+	side    string
+	objects int
+	// seedTime is writing the N into etcd; inventory a fresh inventory of them before
+	// the rotation.
+	seedTime, inventory time.Duration
+	storedBytes         int64
+	// migration is from the start of the rewrite (rekey: the config edit; upstream: the
+	// start of the replace, after the promotion is served) to verified or done;
+	// total from the first config edit.
+	migration, total time.Duration
+	// rewritten is how many Secrets the migration handled; extrapolated says the
+	// upstream rewrite hit its time limit and migration is extrapolated from its rate.
+	rewritten    int64
+	extrapolated bool
+	// underKey2 of stored Secrets are under key2 at the end (fresh inventory).
+	underKey2, stored int64
+	db                *dbWatch
+	baseline, during  clientWindow
+	// peakRSS is the shim's VmHWM at the end, peakRSSBefore just before the first
+	// config edit (start-up, its watch cache of every Secret, the baseline load): the
+	// migration raised the peak only when the two differ.
+	peakRSS, peakRSSBefore float64 // MiB
+	conflicts              int64
+}
+
+// runScale runs each side on its own fresh testbed, one after the other.
+func runScale(s Settings) ([]Row, error) {
+	n := s.ScaleObjects
+	if n <= 0 {
+		n = 1_000_000
+		if s.Short {
+			n = 20_000
+		}
+	}
+	sides := s.ScaleSides
+	if len(sides) == 0 {
+		sides = scaleSides
+		if s.Short {
+			// Upstream's side waits for two of its layer's 1-minute file polls: alone it
+			// takes longer than the short run's two minutes (-scale-sides names it).
+			sides = []string{"rekey"}
+		}
+	}
+	for _, side := range sides {
+		if !slices.Contains(scaleSides, side) {
+			return nil, fmt.Errorf("scale side %q: must be one of %v", side, scaleSides)
+		}
+	}
+	baseline := s.ScaleBaseline
+	if baseline <= 0 {
+		baseline = time.Minute
+		if s.Short {
+			baseline = 10 * time.Second
+		}
+	}
+	limit := s.ScaleUpstreamLimit
+	if limit <= 0 {
+		limit = 20 * time.Minute
+	}
+	run, err := startProcessRun(s, "rks", "scale: building the shim and etcd binaries")
+	if err != nil {
+		return nil, err
+	}
+	defer run.close()
+	ctx, dir, progress, bins := run.ctx, run.dir, run.progress, run.bins
+	results := map[string]*scaleResult{}
+	for _, side := range sides {
+		fmt.Fprintf(progress, "scale: side %s, %d Secrets\n", side, n)
+		var args []string
+		if side == "rekey" && s.ScaleMigrationRate > 0 {
+			args = []string{"--storage-migration-rate", strconv.FormatFloat(s.ScaleMigrationRate, 'f', -1, 64)}
+		}
+		r, err := scaleOnce(ctx, progress, filepath.Join(dir, side), bins, side, n, baseline, limit, args)
+		if err != nil {
+			return nil, fmt.Errorf("scale side %s: %w", side, err)
+		}
+		fmt.Fprintf(progress, "scale: %s: migration %v (%.0f objects/s), DB %.0f MiB seeded, %.0f MiB peak, %d NOSPACE alarms, client p99 %.1f → %.1f ms, shim peak RSS %.0f MiB before the rotation, %.0f MiB at the end\n",
+			side, r.migration.Round(time.Millisecond), scaleRate(r), float64(r.db.firstSize)/(1<<20), float64(r.db.peakSize)/(1<<20), r.db.noSpace, r.baseline.p99, r.during.p99, r.peakRSSBefore, r.peakRSS)
+		results[side] = r
+	}
+	return scaleRows(results, n, s.ScaleMigrationRate), nil
+}
+
+// scaleOnce runs one side: testbed, inventory, baseline window, rotation, end check.
+func scaleOnce(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, side string, n int, baseline, limit time.Duration, shimArgs []string) (*scaleResult, error) {
+	logf := func(format string, args ...any) {
+		fmt.Fprintf(progress, "scale: %s: "+format+"\n", append([]any{side}, args...)...)
+	}
+	b, err := startScaleBed(ctx, dir, bins, side, n, shimArgs)
+	if err != nil {
+		return nil, err
+	}
+	defer b.stop()
+	res := &scaleResult{side: side, objects: n, seedTime: b.seedTime, storedBytes: b.storedBytes}
+	logf("%d Secrets (%.0f MiB stored) written into etcd under key1 in %v", n, float64(b.storedBytes)/(1<<20), b.seedTime.Round(time.Millisecond))
+	db := watchDB(b.cli, b.etcd.Endpoint)
+	defer func() {
+		if res.db == nil {
+			db.Stop()
+		}
+	}()
+
+	key2 := testbed.NamedKey{Name: "key2", Secret: testbed.RandomKey()}
+	readBoth, err := scaleTransformers(ctx, testbed.SecretsConfig(testbed.AESGCM(key2, b.key1)).Render())
+	if err != nil {
+		return nil, err
+	}
+	defer readBoth.Close()
+	inv, d, err := scaleInventory(ctx, b.cli, readBoth)
+	if err != nil {
+		return nil, err
+	}
+	res.inventory = d
+	logf("a fresh inventory of %d Secrets took %v", inv.Objects, d.Round(time.Millisecond))
+
+	c, err := b.fleet.Shims[0].Client()
+	if err != nil {
+		return nil, err
+	}
+	load := startClientLoad(ctx, c, scaleClientRate, scaleClientWorkers)
+	loadStopped := false
+	defer func() {
+		if !loadStopped {
+			load.Stop()
+		}
+	}()
+	baseStart := time.Now()
+	select {
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-time.After(baseline):
+	}
+	if res.peakRSSBefore, err = b.shimPeakRSS(); err != nil {
+		return nil, err
+	}
+	var migStart, migEnd, firstEdit time.Time
+	cfgPath := b.fleet.Shims[0].ConfigPath
+	switch side {
+	case "rekey":
+		firstEdit = time.Now()
+		migStart = firstEdit
+		if err := testbed.WriteFileAtomic(cfgPath, testbed.SecretsConfig(testbed.AESGCM(key2, b.key1)).Render()); err != nil {
+			return nil, err
+		}
+		migEnd, err = waitVerified(ctx, b, key2.Name, firstEdit, limit)
+		if err != nil {
+			return nil, err
+		}
+		res.rewritten = int64(n)
+	case "upstream":
+		firstEdit, migStart, migEnd, err = rotateUpstreamAtScale(ctx, logf, b, key2, limit, res)
+		if err != nil {
+			return nil, err
+		}
+	}
+	// The "during" window ends with the migration; the workload stops a moment later.
+	time.Sleep(time.Second)
+	ops := load.Stop()
+	loadStopped = true
+	res.baseline, res.during = windowOf(ops, baseStart, firstEdit), windowOf(ops, migStart, migEnd)
+	res.migration, res.total = migEnd.Sub(migStart), migEnd.Sub(firstEdit)
+	if res.extrapolated {
+		res.migration = time.Duration(float64(migEnd.Sub(migStart)) * float64(n) / float64(max(res.rewritten, 1)))
+		res.total = migStart.Sub(firstEdit) + res.migration
+	}
+	if res.peakRSS, err = b.shimPeakRSS(); err != nil {
+		return nil, err
+	}
+	res.db = db.Stop()
+	end, _, err := scaleInventory(ctx, b.cli, readBoth)
+	if err != nil {
+		return nil, err
+	}
+	res.stored, res.underKey2 = end.Objects, end.Objects-end.Stale-end.Unreadable-end.Plaintext
+	logf("end: %d of %d stored Secrets under key2; client baseline %d requests (%d failed), during %d (%d failed)",
+		res.underKey2, res.stored, res.baseline.requests, res.baseline.failed, res.during.requests, res.during.failed)
+	return res, nil
+}
+
+// waitVerified polls the migration leader's state in etcd until the record of secrets
+// is verified on key and was started after since, and returns when it was seen.
+func waitVerified(ctx context.Context, b *scaleBed, key string, since time.Time, limit time.Duration) (time.Time, error) {
+	ctx, cancel := context.WithTimeout(ctx, limit)
+	defer cancel()
+	stateKey := cluster.MigrationStateKey(cluster.DefaultPrefix)
+	last := "no migration state yet"
+	for {
+		resp, err := b.cli.Get(ctx, stateKey)
+		if err == nil && len(resp.Kvs) == 1 {
+			var st cluster.MigrationState
+			if err := json.Unmarshal(resp.Kvs[0].Value, &st); err != nil {
+				return time.Time{}, fmt.Errorf("decoding %s: %w", stateKey, err)
+			}
+			if r, ok := st.Records["secrets"]; ok {
+				if r.Verified && r.Target.Key == key && !r.StartedAt.Before(since.Add(-time.Second)) {
+					return time.Now(), nil
+				}
+				last = fmt.Sprintf("record %+v", r)
+			}
+			if st.Progress != nil {
+				last += fmt.Sprintf("; progress %s %d/%d", st.Progress.Phase, st.Progress.Done, st.Progress.Total)
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return time.Time{}, fmt.Errorf("waiting for the migration of secrets to %s to be verified: %w (%s)\n%s", key, ctx.Err(), last, b.fleet.LogTails(3000))
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
+
+// scaleRate is the migration's objects/s.
+func scaleRate(r *scaleResult) float64 {
+	if r.migration <= 0 {
+		return 0
+	}
+	return float64(r.objects) / r.migration.Seconds()
+}
+
+// scaleRows turns the sides' results into rows: rekey first, upstream second.
+func scaleRows(res map[string]*scaleResult, n int, migrationRate float64) []Row {
+	scenario := fmt.Sprintf("scale (%s Secrets of 1–10 KiB, 1 apiserver, etcd with a 2 GiB quota)", groupThousands(int64(n)))
+	impls := []string{"rekey (storage migration)", "upstream (kubectl get + replace)"}
+	if migrationRate > 0 {
+		impls[0] = fmt.Sprintf("rekey (storage migration at ≤ %g objects/s)", migrationRate)
+	}
+	row := func(c, unit string, higher bool, value func(*scaleResult) float64) Row {
+		r := Row{Scenario: scenario, Case: c}
+		for i, side := range scaleSides {
+			f := wholeRunFigure(impls[i], unit, single(0), higher)
+			if res[side] == nil {
+				f.Note = "not run"
+			} else {
+				f.Stats = single(value(res[side]))
+			}
+			r.Figures = append(r.Figures, f)
+		}
+		return r
+	}
+	mib := func(v int64) float64 { return float64(v) / (1 << 20) }
+	inventory := row("fresh inventory of the N (pkg/migrate, the scan of rekey inventory)", "s", false, func(r *scaleResult) float64 { return r.inventory.Seconds() })
+	// The harness scans both sides' etcd, but the scan is rekey's code: upstream has none.
+	inventory.Figures[1].Stats, inventory.Figures[1].Note = single(0), "upstream has no inventory"
+	throughput := row("migration throughput: rewrite start → verified (rekey) / every Secret replaced (upstream)", "objects/s", true, scaleRate)
+	if u := res["upstream"]; u != nil && u.extrapolated {
+		throughput.Figures[1].Note = fmt.Sprintf("%.0f objects/s (%d of %d replaced in the time limit; the time is extrapolated)", scaleRate(u), u.rewritten, u.objects)
+	}
+	total := row("first config edit → all Secrets under key2", "s", false, func(r *scaleResult) float64 { return r.total.Seconds() })
+	if res["rekey"] != nil && res["upstream"] != nil {
+		total.Plots = []Plot{{Chart: "scale", Title: fmt.Sprintf("Key rotation of %s Secrets on one apiserver: time to every Secret under the new key", groupThousands(int64(n))),
+			X:      fmt.Sprintf("first edit → all under key2\n(%.0f s vs %.0f s)", res["rekey"].total.Seconds(), res["upstream"].total.Seconds()),
+			Series: "rekey's migration (same etcd, same data, same client load)", Against: 1}}
+	}
+	dbPeak := row("etcd DB size, peak (Maintenance.Status every second)", "MiB", false, func(r *scaleResult) float64 { return mib(r.db.peakSize) })
+	inUse := row("etcd DB size in use, peak", "MiB", false, func(r *scaleResult) float64 { return mib(r.db.peakInUse) })
+	alarms := row("NOSPACE alarms (AlarmList every second)", "alarms", false, func(r *scaleResult) float64 { return float64(r.db.noSpace) })
+	p50b := row("client p50, baseline window", "ms", false, func(r *scaleResult) float64 { return r.baseline.p50 })
+	p50d := row("client p50, during the migration", "ms", false, func(r *scaleResult) float64 { return r.during.p50 })
+	p99b := row("client p99, baseline window", "ms", false, func(r *scaleResult) float64 { return r.baseline.p99 })
+	p99d := row("client p99, during the migration", "ms", false, func(r *scaleResult) float64 { return r.during.p99 })
+	failed := row("client requests failed (baseline + during)", "requests", false, func(r *scaleResult) float64 { return float64(r.baseline.failed + r.during.failed) })
+	rssBefore := row("apiserver peak RSS before the rotation (VmHWM: start-up, watch cache, baseline load)", "MiB", false, func(r *scaleResult) float64 { return r.peakRSSBefore })
+	rss := row("apiserver peak RSS at the end (VmHWM of the shim that migrates)", "MiB", false, func(r *scaleResult) float64 { return r.peakRSS })
+	dbSeeded := row("etcd DB size after seeding", "MiB", false, func(r *scaleResult) float64 { return mib(r.db.firstSize) })
+	under := row("stored Secrets under key2 at the end (fresh inventory)", "%", true, func(r *scaleResult) float64 {
+		if r.stored == 0 {
+			return 0
+		}
+		return 100 * float64(r.underKey2) / float64(r.stored)
+	})
+	for _, side := range scaleSides {
+		r := res[side]
+		if r == nil {
+			continue
+		}
+		dbPeak.Checks = append(dbPeak.Checks, Check{Desc: side + ": under the 2 GiB quota", Met: r.db.peakSize < scaleQuota,
+			Got: fmt.Sprintf("%.0f%% of the quota; %.0f MiB of values seeded", 100*float64(r.db.peakSize)/scaleQuota, mib(r.storedBytes))})
+		alarms.Checks = append(alarms.Checks, Check{Desc: side + ": 0", Met: r.db.noSpace == 0, Got: fmt.Sprint(r.db.noSpace)})
+		ratio := r.during.p99 / r.baseline.p99
+		p99d.Checks = append(p99d.Checks, Check{Desc: side + ": p99 ≤ 1.5× baseline", Met: ratio <= 1.5,
+			Got: fmt.Sprintf("×%.2f (%d requests during, %d baseline)", ratio, r.during.requests, r.baseline.requests)})
+		failed.Checks = append(failed.Checks, Check{Desc: side + ": 0 failed", Met: r.baseline.failed+r.during.failed == 0,
+			Got: fmt.Sprintf("%d of %d", r.baseline.failed+r.during.failed, r.baseline.requests+r.during.requests)})
+		under.Checks = append(under.Checks, Check{Desc: side + ": every stored Secret", Met: r.underKey2 == r.stored && r.stored > 0,
+			Got: fmt.Sprintf("%d of %d", r.underKey2, r.stored)})
+	}
+	if u := res["upstream"]; u != nil {
+		under.Checks = append(under.Checks, Check{Desc: "upstream's replace", Met: !u.extrapolated,
+			Got: fmt.Sprintf("%d replaced, %d conflicts retried", u.rewritten, u.conflicts)})
+	}
+	return []Row{inventory, throughput, total, dbSeeded, dbPeak, inUse, alarms, p50b, p50d, p99b, p99d, failed, rssBefore, rss, under}
+}
