@@ -116,12 +116,12 @@ charts:
 bench-go:
 	$(GO) test -run '^$$' -bench . -benchmem -count $${COUNT:-5} ./pkg/...
 
-## # The cluster's fence and leader machines under 10,000 random schedules of 100
-# simulated apiservers (about an hour on two cores); prints the convergence times.
+## sim: the cluster's fence and leader machines under 10,000 random schedules of 100
+## simulated apiservers (about an hour on two cores); prints the convergence times.
 sim:
-	REKEY_SIM_FULL=1 go test -count=1 -timeout 3h -run TestClusterMachinesUnderRandomSchedules -v ./pkg/cluster/
+	REKEY_SIM_FULL=1 $(GO) test -count=1 -timeout 3h -run TestClusterMachinesUnderRandomSchedules -v ./pkg/cluster/
 
-fuzz: every fuzz target for FUZZTIME each (default 20s).
+## fuzz: every fuzz target for FUZZTIME each (default 20s).
 fuzz:
 	@bash hack/fuzz.sh
 
