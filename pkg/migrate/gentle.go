@@ -20,8 +20,11 @@ import (
 	"k8s.io/utils/clock"
 )
 
-// spaceReadTimeout bounds one reading of etcd's size and alarms.
-const spaceReadTimeout = 10 * time.Second
+// spaceReadTimeout bounds one member's answer of its size, and the alarm list.
+const spaceReadTimeout = 5 * time.Second
+
+// spaceReadGrace is how long the other members may take once one answered.
+const spaceReadGrace = 250 * time.Millisecond
 
 // PauseState is why a migration does not write now.
 type PauseState struct {
@@ -184,26 +187,55 @@ func (g *gentle) sleep(ctx context.Context, d time.Duration) error {
 
 // readSpace reads the largest database of etcd's members and whether NOSPACE is
 // raised. Compaction and defragmentation are never asked for: they are
-// kube-apiserver's and the operator's.
+// kube-apiserver's and the operator's. The members are asked at once, each with its
+// own timeout: a member that is down (it cannot grow either) must not stall the
+// reading, so once one member answered the others get spaceReadGrace more.
 func readSpace(ctx context.Context, cli *clientv3.Client) etcdSpace {
-	ctx, cancel := context.WithTimeout(ctx, spaceReadTimeout)
-	defer cancel()
+	type answer struct {
+		st  *clientv3.StatusResponse
+		err error
+	}
+	eps := cli.Endpoints()
+	answers := make(chan answer, len(eps))
+	for _, ep := range eps {
+		go func() {
+			c, cancel := context.WithTimeout(ctx, spaceReadTimeout)
+			defer cancel()
+			st, err := cli.Status(c, ep)
+			if err != nil {
+				err = fmt.Errorf("etcd member %s: %w", ep, err)
+			}
+			answers <- answer{st, err}
+		}()
+	}
 	var s etcdSpace
 	var errs []error
-	for _, ep := range cli.Endpoints() {
-		st, err := cli.Status(ctx, ep)
-		if err != nil {
-			// A member that does not answer cannot grow either; the others say how
-			// full the cluster is.
-			errs = append(errs, fmt.Errorf("etcd member %s: %w", ep, err))
-			continue
+	answered := 0
+	var grace <-chan time.Time
+collect:
+	for range eps {
+		select {
+		case a := <-answers:
+			if a.err != nil {
+				errs = append(errs, a.err)
+				continue
+			}
+			s.DBSize = max(s.DBSize, a.st.DbSize)
+			s.DBSizeInUse = max(s.DBSizeInUse, a.st.DbSizeInUse)
+			if answered++; answered == 1 {
+				t := time.NewTimer(spaceReadGrace)
+				defer t.Stop()
+				grace = t.C
+			}
+		case <-grace:
+			break collect
 		}
-		s.DBSize = max(s.DBSize, st.DbSize)
-		s.DBSizeInUse = max(s.DBSizeInUse, st.DbSizeInUse)
 	}
-	if len(errs) == len(cli.Endpoints()) {
+	if answered == 0 {
 		return etcdSpace{Err: fmt.Errorf("reading the database size of etcd: %w", errors.Join(errs...))}
 	}
+	ctx, cancel := context.WithTimeout(ctx, spaceReadTimeout)
+	defer cancel()
 	alarms, err := cli.AlarmList(ctx)
 	if err != nil {
 		return etcdSpace{Err: fmt.Errorf("reading etcd's alarms: %w", err)}

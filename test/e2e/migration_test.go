@@ -3,11 +3,13 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -378,8 +380,19 @@ func TestShimMigratesAfterWriteKeyChange(t *testing.T) {
 		if d.ReloadsFailed != before.ReloadsFailed {
 			return fmt.Errorf("refused: %s", d.LastError)
 		}
-		if d.ReloadsSucceeded <= before.ReloadsSucceeded || strings.Contains(body, "key1") {
-			return fmt.Errorf("not applied yet (%d reloads)", d.ReloadsSucceeded)
+		// No rule reads key1 any more (the key's write count and ledger entry stay).
+		var rules struct {
+			Resources []struct {
+				ReadPrefixes []string `json:"readPrefixes"`
+			} `json:"resources"`
+		}
+		if err := json.Unmarshal([]byte(body), &rules); err != nil || len(rules.Resources) == 0 {
+			return fmt.Errorf("status document without rules: %v", err)
+		}
+		for _, r := range rules.Resources {
+			if d.ReloadsSucceeded <= before.ReloadsSucceeded || slices.Contains(r.ReadPrefixes, "k8s:enc:aesgcm:v1:key1:") {
+				return fmt.Errorf("not applied yet (%d reloads)", d.ReloadsSucceeded)
+			}
 		}
 		return nil
 	})
