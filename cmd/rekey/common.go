@@ -336,7 +336,7 @@ func (x storedIndex) resources(ruleResources []string) []string {
 			continue
 		}
 		for _, loc := range x.stored {
-			if gr.Group == "*" || gr.Group == loc.GroupResource.Group {
+			if transformers.RuleCovers(gr, loc.GroupResource) {
 				add(loc.String())
 			}
 		}

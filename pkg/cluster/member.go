@@ -94,10 +94,9 @@ func (s MemberState) Migrates(resource string) (migrates, known bool) {
 		return false, false
 	}
 	want := schema.ParseGroupResource(resource)
+	// A wildcard ("*.*": every resource its rules cover) migrates what it matches.
 	return slices.ContainsFunc(s.StorageMigration.Resources, func(r string) bool {
-		got := schema.ParseGroupResource(r)
-		// A wildcard ("*.*": every resource its rules cover) migrates what it matches.
-		return got == want || got.Resource == "*" && (got.Group == "*" || got.Group == want.Group)
+		return transformers.RuleCovers(schema.ParseGroupResource(r), want)
 	}), true
 }
 

@@ -90,7 +90,7 @@ func (r *Resolver) Resolve(ctx context.Context, rules []string) (Resolution, err
 			continue
 		}
 		for _, w := range wildcards {
-			if w.Group == "*" || w.Group == loc.GroupResource.Group {
+			if transformers.RuleCovers(w, loc.GroupResource) {
 				add(loc)
 				break
 			}

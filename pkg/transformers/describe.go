@@ -72,6 +72,12 @@ func Lookup[V any](rules map[schema.GroupResource]V, gr schema.GroupResource) (v
 	return v, ok
 }
 
+// RuleCovers reports whether a rule naming rule (a resource, `<group>/*` written
+// `*.<group>`, or `*.*`) applies to gr when no more specific rule does.
+func RuleCovers(rule, gr schema.GroupResource) bool {
+	return rule == gr || rule.Resource == "*" && (rule.Group == "*" || rule.Group == gr.Group)
+}
+
 // LookupRule is Lookup that also returns the rule's key: gr itself, or the wildcard
 // that applies to it.
 func LookupRule[V any](rules map[schema.GroupResource]V, gr schema.GroupResource) (rule schema.GroupResource, v V, ok bool) {
