@@ -176,12 +176,15 @@ func (l *layer) answerRefusedWrites(getters ...*generic.RESTOptionsGetter) {
 	}
 }
 
-// serveMetrics makes GET /metrics on the outermost server (the aggregator) serve the
-// legacy registry and rekey's registry as one, each name once.
-func (l *layer) serveMetrics(c *genericapiserver.Config) {
+// wrapOutermost is the layer's part of the outermost server's (the aggregator's)
+// handler chain, the only one every client request goes through: GET /metrics serves
+// the legacy registry and rekey's registry as one, each name once, and every request
+// is timed for the storage migration's pacing (AddServingLatency).
+func (l *layer) wrapOutermost(c *genericapiserver.Config) {
 	if l.rekey == nil || !l.rekey.Active() {
 		return
 	}
+	l.rekey.AddServingLatency(c)
 	h := promhttp.HandlerFor(mergedGatherer{rekey: l.reg, legacy: legacyregistry.DefaultGatherer},
 		promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError})
 	next := c.BuildHandlerChainFunc

@@ -241,7 +241,7 @@ func newConfig(opts options.CompletedOptions, layer *layer) (*app.Config, error)
 	if err != nil {
 		return nil, err
 	}
-	layer.serveMetrics(&aggregator.GenericConfig.Config) // rekey: one /metrics
+	layer.wrapOutermost(&aggregator.GenericConfig.Config) // rekey: one /metrics, clients timed
 	// rekey: 503 for refused writes of custom resources, CRDs and APIServices too.
 	layer.answerRefusedWrites(&apiExtensions.GenericConfig.RESTOptionsGetter, &apiExtensions.ExtraConfig.CRDRESTOptionsGetter,
 		&aggregator.GenericConfig.RESTOptionsGetter)

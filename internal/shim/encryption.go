@@ -109,6 +109,7 @@ func (u *upstreamLayer) close()                                      {}
 type rekeyLayer struct{ l *layer.Layer }
 
 func (r rekeyLayer) install(c *genericapiserver.Config, _ *genericoptions.EtcdOptions) error {
+	r.l.AddServingLatency(c)
 	return r.l.Install(c)
 }
 func (r rekeyLayer) checkStart(ctx context.Context) error          { return r.l.CheckStart(ctx) }

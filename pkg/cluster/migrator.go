@@ -37,6 +37,9 @@ type MigratorOptions struct {
 	Rate      float64
 	// Space bounds how full the migration lets etcd's database get.
 	Space migrate.SpaceOptions
+	// Pacing tunes the adaptive rate (its Ceiling is Rate): its Serving is this
+	// apiserver's own request latency.
+	Pacing migrate.PacingOptions
 	// ConfigHash returns the active configuration's hash (recorded in inventories).
 	ConfigHash func() string
 	// Members returns the live members; MembersChanged is closed when they change.
@@ -321,6 +324,7 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.
 	verified := &migrate.InventoryStore{}
 	res, err := migrate.Migrate(ctx, migrate.Options{
 		Client: m.opts.Client, Source: m.opts.Source, Resources: []migrate.Resource{resource}, Rate: m.opts.Rate, Space: m.opts.Space,
+		Pacing:      m.opts.Pacing,
 		Checkpoints: &etcdCheckpoints{Client: m.opts.Client, Key: checkpointKey(m.opts.Prefix), Guard: guard},
 		Resume:      true, Inventory: verified, Metrics: m.opts.Metrics, ConfigHash: m.opts.ConfigHash(), Logger: m.opts.Logger,
 		CoordinationPrefix: m.opts.Prefix,

@@ -121,6 +121,8 @@ type Flags struct {
 
 	StorageMigration     bool
 	StorageMigrationRate float64
+	// StorageMigrationClientLatencyFactor: see Options.
+	StorageMigrationClientLatencyFactor float64
 	// StorageMigrationEtcdQuotaBytes and StorageMigrationMaxDBFraction: see
 	// migrate.SpaceOptions.
 	StorageMigrationEtcdQuotaBytes int64
@@ -146,20 +148,21 @@ type Flags struct {
 // NewFlags returns the flags with their defaults, d being the binary's.
 func NewFlags(d Defaults) Flags {
 	return Flags{
-		EncryptionLayer:                EncryptionLayerRekey,
-		KMSStatusInterval:              DefaultKMSStatusInterval,
-		KMSFirstSeedHold:               DefaultKMSFirstSeedHold,
-		KMSSeedMaxAge:                  kmsv2.DefaultSeedMaxAge,
-		KMSSeedMaxWrites:               kmsv2.DefaultSeedMaxWrites,
-		KMSDEKCacheIdle:                kmsv2.DefaultDEKCacheIdle,
-		StorageMigration:               d.StorageMigration,
-		StorageMigrationEtcdQuotaBytes: migrate.DefaultEtcdQuotaBytes,
-		StorageMigrationMaxDBFraction:  migrate.DefaultMaxDBFraction,
-		StorageResources:               d.StorageResources,
-		ClusterCoordination:            true,
-		ClusterLeaseTTL:                cluster.DefaultLeaseTTL,
-		ClusterDisagreementAlarm:       cluster.DefaultDisagreementAlarm,
-		defaults:                       d,
+		EncryptionLayer:                     EncryptionLayerRekey,
+		KMSStatusInterval:                   DefaultKMSStatusInterval,
+		KMSFirstSeedHold:                    DefaultKMSFirstSeedHold,
+		KMSSeedMaxAge:                       kmsv2.DefaultSeedMaxAge,
+		KMSSeedMaxWrites:                    kmsv2.DefaultSeedMaxWrites,
+		KMSDEKCacheIdle:                     kmsv2.DefaultDEKCacheIdle,
+		StorageMigration:                    d.StorageMigration,
+		StorageMigrationEtcdQuotaBytes:      migrate.DefaultEtcdQuotaBytes,
+		StorageMigrationMaxDBFraction:       migrate.DefaultMaxDBFraction,
+		StorageMigrationClientLatencyFactor: migrate.DefaultServingFactor,
+		StorageResources:                    d.StorageResources,
+		ClusterCoordination:                 true,
+		ClusterLeaseTTL:                     cluster.DefaultLeaseTTL,
+		ClusterDisagreementAlarm:            cluster.DefaultDisagreementAlarm,
+		defaults:                            d,
 	}
 }
 
@@ -198,6 +201,12 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 		"Maximum objects re-encrypted per second by --storage-migration; 0 is no ceiling. Below it the rate adapts to etcd: it halves "+
 			"while the migration's own etcd transactions are slow (p90 over 3× the first second's, at least 20ms) or fail, and climbs back "+
 			"50 objects/s a second while they are fast (rekey_storage_migration_allowed_rate).")
+	fs.Float64Var(&f.StorageMigrationClientLatencyFactor, "storage-migration-client-latency-factor", f.StorageMigrationClientLatencyFactor,
+		"Storage migration also halves its rate while this apiserver answers its clients more than this many times slower (p90 over 1s windows, "+
+			"at least 1ms more) than before the migration began, and then starts at 100 objects/s, doubling while they are as fast as before; "+
+			"on control planes whose CPUs etcd, the apiserver and the migration share, etcd can stay fast while the clients wait. "+
+			"Watches and other long-running requests are not timed; with fewer than 50 requests in the 10 minutes before, there is no baseline "+
+			"and etcd alone paces. 0 leaves the clients out.")
 	AddStorageMigrationSpaceFlags(fs, &f.StorageMigrationEtcdQuotaBytes, &f.StorageMigrationMaxDBFraction)
 	if f.defaults.StorageResources != nil {
 		fs.StringSliceVar(&f.StorageResources, FlagStorageMigrationResources, f.StorageResources,
@@ -285,6 +294,9 @@ func (f *Flags) Validate() []error {
 	if f.StorageMigrationRate < 0 {
 		errs = append(errs, fmt.Errorf("--storage-migration-rate=%v: must be 0 (unlimited) or positive", f.StorageMigrationRate))
 	}
+	if f := f.StorageMigrationClientLatencyFactor; f != 0 && f <= 1 {
+		errs = append(errs, fmt.Errorf("--storage-migration-client-latency-factor=%v: must be above 1 (clients allowed that many times slower), or 0 to leave them out", f))
+	}
 	errs = append(errs, ValidateStorageMigrationSpace(f.StorageMigrationEtcdQuotaBytes, f.StorageMigrationMaxDBFraction)...)
 	if f.ClusterCoordination && f.Rekey() && f.APIServerID != "" {
 		if err := cluster.ValidateID(f.APIServerID); err != nil {
@@ -326,6 +338,7 @@ func (f *Flags) ApplyTo(o *Options) error {
 	o.KMSDEKCacheIdle = noBoundIfZero(f.KMSDEKCacheIdle)
 	o.StorageMigration = f.StorageMigration
 	o.StorageMigrationRate = f.StorageMigrationRate
+	o.StorageMigrationClientLatencyFactor = f.StorageMigrationClientLatencyFactor
 	o.StorageMigrationSpace = migrate.SpaceOptions{QuotaBytes: f.StorageMigrationEtcdQuotaBytes, MaxFraction: f.StorageMigrationMaxDBFraction}
 	o.StorageCheckInterval = f.StorageCheckInterval
 	o.StorageInventoryInterval = f.StorageInventoryInterval

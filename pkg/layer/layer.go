@@ -107,6 +107,10 @@ type Options struct {
 	StorageMigrationRate float64
 	// StorageMigrationSpace bounds how full migrations let etcd's database get.
 	StorageMigrationSpace migrate.SpaceOptions
+	// StorageMigrationClientLatencyFactor: migrations slow down while the apiserver
+	// answers its clients more than this many times slower than before (p90; see
+	// migrate.PacingOptions.ServingFactor). 0 leaves the clients' latency out.
+	StorageMigrationClientLatencyFactor float64
 	// StorageCheckInterval and StorageInventoryInterval: see migrate.ControllerOptions.
 	StorageCheckInterval     time.Duration
 	StorageInventoryInterval time.Duration
@@ -197,6 +201,9 @@ type Layer struct {
 	// events holds the layer's events until AddEventsHook's recorder takes them.
 	events *events.Deferred
 	keyIDs *kmsKeyIDs
+	// serving is how fast the apiserver answers its clients (AddServingLatency feeds
+	// it); migrations slow down when they slow it.
+	serving *migrate.ServingLatency
 
 	// client is the layer's one etcd client, closed last.
 	client *clientv3.Client
@@ -212,6 +219,12 @@ type Layer struct {
 	migrator *cluster.Migrator
 	cancel   context.CancelFunc
 	done     chan struct{}
+}
+
+// pacing is how migrations adapt their rate: to etcd, and with the clients' latency
+// timed (AddServingLatency) to them too.
+func (l *Layer) pacing() migrate.PacingOptions {
+	return migrate.PacingOptions{Serving: l.serving, ServingFactor: l.opts.StorageMigrationClientLatencyFactor}
 }
 
 // resolver finds the stored resources a configuration's rules cover: through the
@@ -250,6 +263,9 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 	}
 	o.layout() // set once, before any goroutine reads the options
 	l := &Layer{opts: o, client: cli, store: &migrate.InventoryStore{}, metrics: m, log: o.Logger, events: &events.Deferred{}}
+	if o.StorageMigrationClientLatencyFactor > 0 {
+		l.serving = migrate.NewServingLatency(nil)
+	}
 	l.keyIDs = &kmsKeyIDs{sink: l.events}
 	defer func() {
 		if err != nil {
@@ -522,6 +538,7 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 			InventoryInterval: o.StorageInventoryInterval,
 			Rate:              o.StorageMigrationRate,
 			Space:             o.StorageMigrationSpace,
+			Pacing:            l.pacing(),
 			ConfigHash:        func() string { return agent.ActiveConfig().Hash },
 			// Operators acknowledge unreadable objects there (rekey migrate
 			// --acknowledge-unreadable); the inventory counts them apart.
@@ -538,8 +555,8 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 				Client: cli, Prefix: l.node.Prefix(), ID: l.node.ID(), SessionTTL: o.ClusterLeaseTTL,
 				CurrentResources: ctrl.Resources, Source: migrate.FromRules(agent, agent.Rules),
 				Inventory: l.store, Metrics: l.metrics, Rate: o.StorageMigrationRate, Space: o.StorageMigrationSpace,
-				ConfigHash: func() string { return agent.ActiveConfig().Hash },
-				Members:    l.node.Members, MembersChanged: l.node.MembersChanged, Logger: l.log,
+				Pacing: l.pacing(), ConfigHash: func() string { return agent.ActiveConfig().Hash },
+				Members: l.node.Members, MembersChanged: l.node.MembersChanged, Logger: l.log,
 				Events: l.events, Mirror: o.MigrationMirror,
 			})
 			l.node.SetMigrator(mig)

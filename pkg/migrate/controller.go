@@ -42,6 +42,9 @@ type ControllerOptions struct {
 	Rate float64
 	// Space bounds how full migrations let etcd's database get (see SpaceOptions).
 	Space SpaceOptions
+	// Pacing tunes the adaptive rate (its Ceiling is Rate): in an apiserver, its
+	// Serving is the apiserver's own request latency.
+	Pacing PacingOptions
 	// ConfigHash returns the active configuration's hash (recorded in inventories).
 	ConfigHash func() string
 	// CoordinationPrefix, when set, is where acknowledged unreadable objects are read
@@ -246,6 +249,7 @@ func (c *Controller) migrate(ctx context.Context, rs []Resource) {
 	c.log.Info("Write key changed; migrating stored objects", "resources", names)
 	verified := &InventoryStore{}
 	res, err := Migrate(ctx, Options{Client: c.opts.Client, Source: c.opts.Source, Resources: rs, Rate: c.opts.Rate, Space: c.opts.Space,
+		Pacing:    c.opts.Pacing,
 		Inventory: verified, Metrics: c.opts.Metrics, ConfigHash: c.opts.ConfigHash(), CoordinationPrefix: c.opts.CoordinationPrefix,
 		Logger: c.opts.Logger, Clock: c.opts.Clock})
 	now := c.opts.Clock.Now()

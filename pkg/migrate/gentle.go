@@ -26,6 +26,9 @@ const spaceReadTimeout = 5 * time.Second
 // spaceReadGrace is how long the other members may take once one answered.
 const spaceReadGrace = 250 * time.Millisecond
 
+// batchSpread: a transaction carries at most this long's worth of the allowed rate.
+const batchSpread = 50 * time.Millisecond
+
 // PauseState is why a migration does not write now.
 type PauseState struct {
 	// Reason is one of PauseDBSize, PauseNoSpace, PauseUnknown; "" when not paused.
@@ -43,11 +46,21 @@ type gentle struct {
 	// changed is called (without mu held) when the pause state changes.
 	changed func()
 
+	// serving is the apiserver's request latency (nil outside one); endServing ends
+	// this migration's writing there.
+	serving    *ServingLatency
+	endServing func()
+
 	mu      sync.Mutex
 	pacer   *pacer
 	gate    *spaceGate
 	limiter *rate.Limiter
 	pause   PauseState
+	// burst is the most objects of one transaction; the limiter's burst is the
+	// batch limit at the rate allowed (burstAt).
+	burst int
+	// servingBuf is reused to drain serving samples into the pacer.
+	servingBuf []time.Duration
 }
 
 func newGentle(opts Options, burst int, log klog.Logger, changed func()) *gentle {
@@ -55,9 +68,17 @@ func newGentle(opts Options, burst int, log klog.Logger, changed func()) *gentle
 	pacing.Ceiling = opts.Rate
 	g := &gentle{
 		client: opts.Client, clock: opts.Clock, log: log, metrics: opts.Metrics, changed: changed,
-		pacer: newPacer(pacing), gate: newSpaceGate(opts.Space),
+		pacer: newPacer(pacing), gate: newSpaceGate(opts.Space), serving: pacing.Serving,
 	}
-	g.limiter = rate.NewLimiter(limitOf(g.pacer.Rate()), burst)
+	baseline, ok, end := g.serving.begin(pacingQuantile)
+	g.endServing = end
+	if ok {
+		g.pacer.SetServingBaseline(baseline)
+		log.V(2).Info("Storage migration paced by the apiserver's own request latency too", "baselineP90", baseline,
+			"servingTarget", g.pacer.ServingTarget(), "startRate", g.pacer.Rate())
+	}
+	g.burst = burst
+	g.limiter = rate.NewLimiter(limitOf(g.pacer.Rate()), burstAt(g.pacer.Rate(), burst))
 	g.metrics.setAllowedRate(g.pacer.Rate())
 	return g
 }
@@ -67,6 +88,28 @@ func limitOf(r float64) rate.Limit {
 		return rate.Inf
 	}
 	return rate.Limit(r)
+}
+
+// close ends the migration's writing: requests answered from now on make the
+// serving baseline again.
+func (g *gentle) close() { g.endServing() }
+
+// batchLimit is how many objects one transaction should carry at the rate allowed
+// now: at most batchSpread's worth of it, so that a slow rate is spent evenly rather
+// than in bursts of a full batch that stall the clients' requests behind them.
+func (g *gentle) batchLimit(most int) int {
+	g.mu.Lock()
+	r := g.pacer.Rate()
+	g.mu.Unlock()
+	return burstAt(r, most)
+}
+
+// burstAt is the most objects one transaction carries at rate r (+Inf: most).
+func burstAt(r float64, most int) int {
+	if math.IsInf(r, 1) {
+		return most
+	}
+	return min(most, max(1, int(r*batchSpread.Seconds())))
 }
 
 // state is the pause state and the rate allowed now (+Inf: no limit).
@@ -92,6 +135,10 @@ func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func()
 		noSpace := errors.Is(err, rpctypes.ErrNoSpace)
 		g.mu.Lock()
 		now := g.clock.Now()
+		g.servingBuf = g.serving.drain(g.servingBuf[:0])
+		for _, d := range g.servingBuf {
+			g.pacer.ObserveServing(d)
+		}
 		g.pacer.Observe(now, now.Sub(start), objects, err)
 		changed := false
 		if noSpace {
@@ -99,6 +146,7 @@ func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func()
 			changed = g.update(now)
 		}
 		g.limiter.SetLimit(limitOf(g.pacer.Rate()))
+		g.limiter.SetBurst(burstAt(g.pacer.Rate(), g.burst))
 		g.metrics.setAllowedRate(g.pacer.Rate())
 		g.mu.Unlock()
 		g.notify(changed)

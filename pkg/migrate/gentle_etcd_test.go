@@ -280,3 +280,87 @@ func TestReadSpaceWithAMemberDown(t *testing.T) {
 		t.Errorf("readSpace took %v with one member down: it waited for the dead one", took)
 	}
 }
+
+// TestMigrationSlowsDownForSlowClients: etcd stays fast, but the apiserver's clients
+// are answered 20 times slower than before the migration (a control plane whose CPUs
+// the rewrite takes). The migration starts at the serving start rate rather than at
+// full speed, falls to its floor, spends the floor 50 ms of it per transaction, and
+// once it is over the clients' requests make the baseline again.
+func TestMigrationSlowsDownForSlowClients(t *testing.T) {
+	const (
+		objects = 120
+		floor   = 40.0
+	)
+	ctx := context.Background()
+	cli := startEtcd(t)
+	_, old := setFor(t, "secrets", "aesgcm:key1")
+	_, next := setFor(t, "secrets", "aesgcm:key2,key1")
+	writeObjects(t, cli, old, secrets, objects)
+	kv := &slowKV{KV: cli.KV}
+	cli.KV = kv
+
+	serving := NewServingLatency(nil)
+	for range 2 * minServingBaselineSamples {
+		serving.Observe(2 * time.Millisecond)
+	}
+	stop := make(chan struct{})
+	clientsDone := make(chan struct{})
+	go func() {
+		defer close(clientsDone)
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(2 * time.Millisecond):
+				serving.Observe(40 * time.Millisecond)
+			}
+		}
+	}()
+
+	var mu sync.Mutex
+	var rates []float64
+	var floorAt time.Time
+	res, err := Migrate(ctx, Options{
+		Client: cli, Source: FromSet(next), Resources: []Resource{ResourceFor(DefaultEtcdPrefix, secrets)},
+		Workers: 1, PageSize: 20, Logger: testLogger(t),
+		Pacing: PacingOptions{Window: 100 * time.Millisecond, MinRate: floor, Serving: serving},
+		Progress: func(p Progress) {
+			mu.Lock()
+			defer mu.Unlock()
+			if len(rates) == 0 || rates[len(rates)-1] != p.AllowedRate {
+				rates = append(rates, p.AllowedRate)
+			}
+			if p.AllowedRate == floor && floorAt.IsZero() {
+				floorAt = time.Now()
+			}
+		},
+	})
+	close(stop)
+	<-clientsDone
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Rewritten != objects {
+		t.Fatalf("rewritten %d, want %d", res.Rewritten, objects)
+	}
+	t.Logf("allowed rates: %v", rates)
+	if rates[0] != DefaultServingStartRate {
+		t.Errorf("the migration started at %v/s; with a serving baseline it starts at %v/s", rates[0], float64(DefaultServingStartRate))
+	}
+	if floorAt.IsZero() {
+		t.Fatalf("the allowed rate never reached the floor %v/s with the clients 20× slower than their baseline", floor)
+	}
+	for _, c := range kv.commitsAfter(floorAt.Add(100 * time.Millisecond)) {
+		if c.objects > 2 {
+			t.Errorf("a transaction of %d objects at %v/s: the floor is spent 50ms (2 objects) at a time", c.objects, floor)
+		}
+	}
+	if pending := serving.drain(nil); len(pending) != 0 {
+		t.Errorf("%d samples still pending after the migration", len(pending))
+	}
+	baseline, ok, end := serving.begin(pacingQuantile)
+	end()
+	if !ok || baseline != 2*time.Millisecond {
+		t.Errorf("baseline after the migration %v (ok %v), want 2ms: requests answered while migrating must not make the baseline", baseline, ok)
+	}
+}

@@ -18,11 +18,13 @@ import (
 //
 // Pacer commands:
 //
-//	pacer [ceiling=N] [target=D] [window=D] [min=N] [increase=N]
-//	                      a new pacer at +0s; prints its rate
-//	txns n=N latency=D [objects=K] [every=D] [errors=E]
+//	pacer [ceiling=N] [target=D] [window=D] [min=N] [increase=N] [serving=D]
+//	                      a new pacer at +0s; serving is the clients' baseline p90;
+//	                      prints its rate
+//	txns n=N latency=D [objects=K] [every=D] [errors=E] [clients=C clientlatency=D]
 //	                      N transactions of K objects (default 64), one ending every D
-//	                      (default: latency), the first E failing; prints each window's
+//	                      (default: latency), the first E failing, C client requests
+//	                      answered in clientlatency before each; prints each window's
 //	                      verdict and the rate after it
 //
 // Space gate commands:
@@ -62,7 +64,8 @@ func (h *gentleHarness) run(t *testing.T, d *datadriven.TestData) string {
 	switch d.Cmd {
 	case "pacer":
 		var o PacingOptions
-		var target, window string
+		var target, window, serving string
+		d.MaybeScanArgs(t, "serving", &serving)
 		d.MaybeScanArgs(t, "ceiling", &o.Ceiling)
 		d.MaybeScanArgs(t, "min", &o.MinRate)
 		d.MaybeScanArgs(t, "increase", &o.Increase)
@@ -70,10 +73,16 @@ func (h *gentleHarness) run(t *testing.T, d *datadriven.TestData) string {
 		d.MaybeScanArgs(t, "window", &window)
 		o.TargetLatency, o.Window = duration(t, d, target), duration(t, d, window)
 		h.now, h.pacer = t0, newPacer(o)
+		if serving != "" {
+			h.pacer.SetServingBaseline(duration(t, d, serving))
+			return fmt.Sprintf("rate %s serving target %s", rateText(h.pacer.Rate()), h.pacer.ServingTarget())
+		}
 		return "rate " + rateText(h.pacer.Rate())
 	case "txns":
-		n, objects, errs := 0, 64, 0
-		var latency, every string
+		n, objects, errs, clients := 0, 64, 0, 0
+		var latency, every, clientLatency string
+		d.MaybeScanArgs(t, "clients", &clients)
+		d.MaybeScanArgs(t, "clientlatency", &clientLatency)
 		d.ScanArgs(t, "n", &n)
 		d.ScanArgs(t, "latency", &latency)
 		d.MaybeScanArgs(t, "objects", &objects)
@@ -90,11 +99,21 @@ func (h *gentleHarness) run(t *testing.T, d *datadriven.TestData) string {
 			if i < errs {
 				err = errors.New("etcdserver: request timed out")
 			}
+			for range clients {
+				h.pacer.ObserveServing(duration(t, d, clientLatency))
+			}
 			before := h.pacer.last
 			h.pacer.Observe(h.now, lat, objects, err)
 			if v := h.pacer.last; v != before {
-				fmt.Fprintf(&b, "%s: window p90=%s samples=%d errors=%d achieved=%.0f/s → %s: rate %s target %s\n",
-					h.at(), v.P90, v.Samples, v.Errors, v.Achieved, v.Change, rateText(h.pacer.Rate()), h.pacer.Target())
+				fmt.Fprintf(&b, "%s: window p90=%s samples=%d errors=%d achieved=%.0f/s", h.at(), v.P90, v.Samples, v.Errors, v.Achieved)
+				if v.ServingSamples > 0 {
+					fmt.Fprintf(&b, " clients p90=%s samples=%d", v.ServingP90, v.ServingSamples)
+				}
+				fmt.Fprintf(&b, " → %s", v.Change)
+				if v.Cause != "" && h.pacer.ServingTarget() > 0 {
+					fmt.Fprintf(&b, " (%s)", v.Cause)
+				}
+				fmt.Fprintf(&b, ": rate %s target %s\n", rateText(h.pacer.Rate()), h.pacer.Target())
 			}
 		}
 		if b.Len() == 0 {

@@ -209,6 +209,7 @@ func Migrate(ctx context.Context, opts Options) (*Result, error) {
 		m.opts.BatchSize = max(1, int(opts.Rate))
 	}
 	m.gentle = newGentle(m.opts, m.opts.BatchSize, m.log, m.resendProgress)
+	defer m.gentle.close()
 	opts.Metrics.setRunning(true)
 	defer opts.Metrics.setRunning(false)
 	res, err := m.run(ctx)

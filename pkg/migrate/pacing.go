@@ -2,8 +2,9 @@ package migrate
 
 // Adaptive pacing of a migration's writes: additive increase, multiplicative decrease
 // (AIMD, as TCP congestion control) on the latency of the migration's own etcd
-// transactions. A migration shares etcd with the cluster's own traffic; a slow etcd is
-// the signal that it is taking too much.
+// transactions and, inside an apiserver, on how fast the apiserver answers its own
+// clients. A migration shares etcd and the control plane's CPUs with the cluster's own
+// traffic; a slow etcd or a slower apiserver is the signal that it is taking too much.
 
 import (
 	"math"
@@ -28,8 +29,21 @@ const (
 	DefaultIncrease = 50
 	// DefaultMinRate is the floor: a migration always makes progress.
 	DefaultMinRate = 10
-	// pacingQuantile is the latency quantile judged.
+	// DefaultServingFactor: a window in which the apiserver answered its clients more
+	// than this many times slower (at servingQuantile) than before the migration is
+	// congestion.
+	DefaultServingFactor = 1.5
+	// DefaultServingStartRate is where a migration starts when the apiserver has
+	// clients to protect (a serving baseline); it doubles per calm window from there.
+	DefaultServingStartRate = 100
+	// minServingSlack: a serving target is at least this far above the baseline (a
+	// 2 ms baseline must not make a 3.1 ms window a congestion).
+	minServingSlack = time.Millisecond
+	// pacingQuantile is the latency quantile judged, of etcd's and of the clients'.
 	pacingQuantile = 0.9
+	// minServingSamples a window needs for the clients' latency to be judged; fewer
+	// are kept for the next window.
+	minServingSamples = 10
 	// minSamples a window needs to be judged (one slow request is not a trend); a
 	// window lasts until it has them.
 	minSamples = 3
@@ -52,6 +66,14 @@ type PacingOptions struct {
 	MinRate  float64
 	Increase float64
 	Decrease float64
+	// Serving, when set, is the apiserver's own request latency (an apiserver sets
+	// it; `rekey migrate` runs outside one and has none). With enough recent requests
+	// before the migration for a baseline, the migration starts at ServingStartRate and
+	// slows down whenever the clients are answered more than ServingFactor times slower.
+	Serving *ServingLatency
+	// ServingFactor and ServingStartRate: see the defaults.
+	ServingFactor    float64
+	ServingStartRate float64
 }
 
 func (o PacingOptions) withDefaults() PacingOptions {
@@ -70,6 +92,12 @@ func (o PacingOptions) withDefaults() PacingOptions {
 	if o.Decrease <= 0 || o.Decrease >= 1 {
 		o.Decrease = DefaultDecrease
 	}
+	if o.ServingFactor <= 1 {
+		o.ServingFactor = DefaultServingFactor
+	}
+	if o.ServingStartRate <= 0 {
+		o.ServingStartRate = DefaultServingStartRate
+	}
 	return o
 }
 
@@ -83,14 +111,27 @@ func (o PacingOptions) withDefaults() PacingOptions {
 // achieved when that is lower, so "no limit" becomes a number), never below MinRate;
 // a calm window in which the migration used most of its rate adds Increase, never
 // above the ceiling.
+//
+// With a serving baseline (SetServingBaseline: the apiserver's clients were answered
+// in p90 B before the migration), a window whose clients' p90 is above
+// max(ServingFactor × B, B + 1ms) is congestion too. The rate then starts at
+// ServingStartRate and doubles per calm window until the first congestion (TCP's slow
+// start): starting at full speed would slow every client for the windows it takes to
+// halve down, and those seconds alone make a p99.
 type pacer struct {
 	opts PacingOptions
 	rate float64
 	// target is opts.TargetLatency or the baseline's; 0 until the first judged window.
 	target time.Duration
 
+	// servingTarget is the clients' p90 above which the rate decreases; 0: no
+	// serving baseline. slowStart: doubling until the first congestion.
+	servingTarget time.Duration
+	slowStart     bool
+
 	windowStart time.Time
 	latencies   []time.Duration
+	serving     []time.Duration
 	objects     int64
 	errors      int
 	// last is the latest judgement, for the status and the transcripts.
@@ -104,7 +145,12 @@ type pacerVerdict struct {
 	Samples  int
 	Errors   int
 	Achieved float64 // objects per second in the window
-	Change   string  // "baseline", "decrease", "increase", "hold"
+	// ServingP90 of ServingSamples client requests, when there were enough to judge.
+	ServingP90     time.Duration
+	ServingSamples int
+	Change         string // "baseline", "decrease", "increase", "double", "hold"
+	// Cause of a decrease: "etcd errors", "etcd latency" or "serving latency".
+	Cause string
 }
 
 func newPacer(opts PacingOptions) *pacer {
@@ -121,6 +167,24 @@ func (p *pacer) Rate() float64 { return p.rate }
 
 // Target is the latency target, 0 before the baseline is known.
 func (p *pacer) Target() time.Duration { return p.target }
+
+// SetServingBaseline makes the clients' latency a signal: baseline is their p90
+// before the migration. Called before the first transaction.
+func (p *pacer) SetServingBaseline(baseline time.Duration) {
+	p.servingTarget = max(time.Duration(p.opts.ServingFactor*float64(baseline)), baseline+minServingSlack)
+	p.slowStart = true
+	p.rate = min(p.rate, p.opts.ServingStartRate)
+}
+
+// ServingTarget is the clients' latency target; 0 without a serving baseline.
+func (p *pacer) ServingTarget() time.Duration { return p.servingTarget }
+
+// ObserveServing feeds one client request answered during the migration.
+func (p *pacer) ObserveServing(latency time.Duration) {
+	if p.servingTarget > 0 && len(p.serving) < maxPendingServing {
+		p.serving = append(p.serving, latency)
+	}
+}
 
 // Observe feeds one transaction that ended at now after latency, writing objects
 // (counted whether or not it succeeded); err is its etcd error, if any. A conflict is
@@ -149,28 +213,50 @@ func (p *pacer) Tick(now time.Time) {
 	elapsed := now.Sub(p.windowStart)
 	v := pacerVerdict{At: now, Samples: len(p.latencies), Errors: p.errors, Achieved: float64(p.objects) / elapsed.Seconds()}
 	v.P90 = quantile(p.latencies, pacingQuantile)
-	v.Change = p.judge(v)
+	if len(p.serving) >= minServingSamples {
+		v.ServingP90, v.ServingSamples = quantile(p.serving, pacingQuantile), len(p.serving)
+		p.serving = p.serving[:0]
+	}
+	v.Change, v.Cause = p.judge(v)
 	p.last = v
 	p.windowStart, p.latencies, p.objects, p.errors = now, p.latencies[:0], 0, 0
 }
 
-func (p *pacer) judge(v pacerVerdict) string {
+func (p *pacer) judge(v pacerVerdict) (change, cause string) {
+	baseline := false
 	if p.target == 0 && v.Errors == 0 {
 		p.target = max(time.Duration(DefaultBaselineFactor)*v.P90, DefaultMinTargetLatency)
-		return "baseline"
+		baseline = true
 	}
-	if v.Errors > 0 || v.P90 > p.target {
+	switch {
+	case v.Errors > 0:
+		cause = "etcd errors"
+	case !baseline && v.P90 > p.target:
+		cause = "etcd latency"
+	case v.ServingSamples > 0 && v.ServingP90 > p.servingTarget:
+		cause = "serving latency"
+	}
+	if cause != "" {
 		p.rate = max(min(p.rate, v.Achieved)*p.opts.Decrease, p.opts.MinRate)
-		return "decrease"
+		p.slowStart = false
+		return "decrease", cause
+	}
+	if baseline {
+		return "baseline", ""
 	}
 	if math.IsInf(p.rate, 1) || v.Achieved < busyFraction*p.rate || (p.opts.Ceiling > 0 && p.rate >= p.opts.Ceiling) {
-		return "hold"
+		return "hold", ""
 	}
-	p.rate += p.opts.Increase
+	change = "increase"
+	if p.slowStart {
+		p.rate, change = 2*p.rate, "double"
+	} else {
+		p.rate += p.opts.Increase
+	}
 	if p.opts.Ceiling > 0 {
 		p.rate = min(p.rate, p.opts.Ceiling)
 	}
-	return "increase"
+	return change, ""
 }
 
 // quantile is the q-quantile of ds (nearest rank); ds is reordered.
