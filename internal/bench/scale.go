@@ -104,6 +104,14 @@ func runScale(s Settings) ([]Row, error) {
 	if limit <= 0 {
 		limit = 20 * time.Minute
 	}
+	quota := s.ScaleQuotaBytes
+	if quota <= 0 {
+		quota = defaultScaleQuota
+	}
+	if s.ScaleIdle {
+		// No client workload: a few seconds for the shim's start-up to settle.
+		baseline = 5 * time.Second
+	}
 	run, err := startProcessRun(s, "rks", "scale: building the shim and etcd binaries")
 	if err != nil {
 		return nil, err
@@ -114,10 +122,17 @@ func runScale(s Settings) ([]Row, error) {
 	for _, side := range sides {
 		fmt.Fprintf(progress, "scale: side %s, %d Secrets\n", side, n)
 		var args []string
-		if side == "rekey" && s.ScaleMigrationRate > 0 {
-			args = []string{"--storage-migration-rate", strconv.FormatFloat(s.ScaleMigrationRate, 'f', -1, 64)}
+		if side == "rekey" {
+			args = []string{"--storage-migration-etcd-quota-bytes", strconv.FormatInt(quota, 10)}
+			if s.ScaleMigrationRate > 0 {
+				args = append(args, "--storage-migration-rate", strconv.FormatFloat(s.ScaleMigrationRate, 'f', -1, 64))
+			}
 		}
-		r, err := scaleOnce(ctx, progress, filepath.Join(dir, side), bins, side, n, baseline, limit, args)
+		clients := float64(scaleClientRate)
+		if s.ScaleIdle {
+			clients = 0
+		}
+		r, err := scaleOnce(ctx, progress, filepath.Join(dir, side), bins, side, scaleRun{n: n, quota: quota, clientRate: clients}, baseline, limit, args)
 		if err != nil {
 			return nil, fmt.Errorf("scale side %s: %w", side, err)
 		}
@@ -125,15 +140,24 @@ func runScale(s Settings) ([]Row, error) {
 			side, r.migration.Round(time.Millisecond), scaleRate(r), float64(r.db.firstSize)/(1<<20), float64(r.db.peakSize)/(1<<20), r.db.noSpace, r.baseline.p99, r.during.p99, r.peakRSSBefore, r.peakRSS)
 		results[side] = r
 	}
-	return scaleRows(results, n, s.ScaleMigrationRate), nil
+	return scaleRows(results, n, quota, s.ScaleIdle, s.ScaleMigrationRate), nil
+}
+
+// scaleRun is what one side stores and runs against.
+type scaleRun struct {
+	n     int
+	quota int64
+	// clientRate is the client workload's requests per second; 0: none (idle).
+	clientRate float64
 }
 
 // scaleOnce runs one side: testbed, inventory, baseline window, rotation, end check.
-func scaleOnce(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, side string, n int, baseline, limit time.Duration, shimArgs []string) (*scaleResult, error) {
+func scaleOnce(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, side string, sr scaleRun, baseline, limit time.Duration, shimArgs []string) (*scaleResult, error) {
+	n := sr.n
 	logf := func(format string, args ...any) {
 		fmt.Fprintf(progress, "scale: %s: "+format+"\n", append([]any{side}, args...)...)
 	}
-	b, err := startScaleBed(ctx, dir, bins, side, n, shimArgs)
+	b, err := startScaleBed(ctx, dir, bins, side, n, sr.quota, shimArgs)
 	if err != nil {
 		return nil, err
 	}
@@ -164,7 +188,7 @@ func scaleOnce(ctx context.Context, progress io.Writer, dir string, bins testbed
 	if err != nil {
 		return nil, err
 	}
-	load := startClientLoad(ctx, c, scaleClientRate, scaleClientWorkers)
+	load := startClientLoad(ctx, c, sr.clientRate, scaleClientWorkers)
 	loadStopped := false
 	defer func() {
 		if !loadStopped {
@@ -265,8 +289,12 @@ func scaleRate(r *scaleResult) float64 {
 }
 
 // scaleRows turns the sides' results into rows: rekey first, upstream second.
-func scaleRows(res map[string]*scaleResult, n int, migrationRate float64) []Row {
-	scenario := fmt.Sprintf("scale (%s Secrets of 1–10 KiB, 1 apiserver, etcd with a 2 GiB quota)", groupThousands(int64(n)))
+func scaleRows(res map[string]*scaleResult, n int, quota int64, idle bool, migrationRate float64) []Row {
+	load := "a client workload of 30 requests/s"
+	if idle {
+		load = "no client workload"
+	}
+	scenario := fmt.Sprintf("scale (%s Secrets of 1–10 KiB, 1 apiserver, etcd with a %s quota, %s)", groupThousands(int64(n)), quotaText(quota), load)
 	impls := []string{"rekey (storage migration)", "upstream (kubectl get + replace)"}
 	if migrationRate > 0 {
 		impls[0] = fmt.Sprintf("rekey (storage migration at ≤ %g objects/s)", migrationRate)
@@ -320,9 +348,12 @@ func scaleRows(res map[string]*scaleResult, n int, migrationRate float64) []Row 
 		if r == nil {
 			continue
 		}
-		dbPeak.Checks = append(dbPeak.Checks, Check{Desc: side + ": under the 2 GiB quota", Met: r.db.peakSize < scaleQuota,
-			Got: fmt.Sprintf("%.0f%% of the quota; %.0f MiB of values seeded", 100*float64(r.db.peakSize)/scaleQuota, mib(r.storedBytes))})
+		dbPeak.Checks = append(dbPeak.Checks, Check{Desc: side + ": under the " + quotaText(quota) + " quota", Met: r.db.peakSize < quota,
+			Got: fmt.Sprintf("%.0f%% of the quota; %.0f MiB of values seeded", 100*float64(r.db.peakSize)/float64(quota), mib(r.storedBytes))})
 		alarms.Checks = append(alarms.Checks, Check{Desc: side + ": 0", Met: r.db.noSpace == 0, Got: fmt.Sprint(r.db.noSpace)})
+		if idle {
+			continue
+		}
 		ratio := r.during.p99 / r.baseline.p99
 		p99d.Checks = append(p99d.Checks, Check{Desc: side + ": p99 ≤ 1.5× baseline", Met: ratio <= 1.5,
 			Got: fmt.Sprintf("×%.2f (%d requests during, %d baseline)", ratio, r.during.requests, r.baseline.requests)})
@@ -335,5 +366,16 @@ func scaleRows(res map[string]*scaleResult, n int, migrationRate float64) []Row 
 		under.Checks = append(under.Checks, Check{Desc: "upstream's replace", Met: !u.extrapolated,
 			Got: fmt.Sprintf("%d replaced, %d conflicts retried", u.rewritten, u.conflicts)})
 	}
+	if idle {
+		return []Row{inventory, throughput, total, dbSeeded, dbPeak, inUse, alarms, rssBefore, rss, under}
+	}
 	return []Row{inventory, throughput, total, dbSeeded, dbPeak, inUse, alarms, p50b, p50d, p99b, p99d, failed, rssBefore, rss, under}
+}
+
+// quotaText is a quota in GiB ("2 GiB") or MiB.
+func quotaText(b int64) string {
+	if b%(1<<30) == 0 {
+		return fmt.Sprintf("%d GiB", b>>30)
+	}
+	return fmt.Sprintf("%d MiB", b>>20)
 }

@@ -34,8 +34,9 @@ import (
 // poller of etcd's database size and alarms.
 
 const (
-	// scaleQuota is etcd's --quota-backend-bytes: 2 GiB, the size kube clusters run with.
-	scaleQuota = 2 << 30
+	// defaultScaleQuota is etcd's --quota-backend-bytes: 2 GiB, the size kube clusters
+	// run with (and etcd's default).
+	defaultScaleQuota = 2 << 30
 	// scalePrefix is the shim's --etcd-prefix (kube-apiserver's default).
 	scalePrefix = "/registry"
 	// scaleClientNamespace holds the client workload's Secrets, apart from the N.
@@ -256,6 +257,9 @@ type clientLoad struct {
 func startClientLoad(ctx context.Context, c kubernetes.Interface, rate float64, workers int) *clientLoad {
 	ctx, cancel := context.WithCancel(ctx)
 	l := &clientLoad{cancel: cancel}
+	if rate <= 0 {
+		return l
+	}
 	period := time.Duration(float64(time.Second) * float64(workers) / rate)
 	secrets := c.CoreV1().Secrets(scaleClientNamespace)
 	for w := range workers {
@@ -345,14 +349,14 @@ type scaleBed struct {
 
 // startScaleBed starts etcd with the quota, seeds n Secrets under key1 and starts one
 // shim running layer on them.
-func startScaleBed(ctx context.Context, dir string, bins testbed.Binaries, layer string, n int, args []string) (b *scaleBed, err error) {
+func startScaleBed(ctx context.Context, dir string, bins testbed.Binaries, layer string, n int, quota int64, args []string) (b *scaleBed, err error) {
 	b = &scaleBed{key1: testbed.NamedKey{Name: "key1", Secret: testbed.RandomKey()}}
 	defer func() {
 		if err != nil {
 			b.stop()
 		}
 	}()
-	if b.etcd, err = testbed.StartEtcdWith(ctx, bins.Etcd, filepath.Join(dir, "etcd"), "--quota-backend-bytes", strconv.Itoa(scaleQuota)); err != nil {
+	if b.etcd, err = testbed.StartEtcdWith(ctx, bins.Etcd, filepath.Join(dir, "etcd"), "--quota-backend-bytes", strconv.FormatInt(quota, 10)); err != nil {
 		return nil, err
 	}
 	if b.cli, err = testbed.EtcdClient([]string{b.etcd.Endpoint}); err != nil {

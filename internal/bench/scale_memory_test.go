@@ -32,7 +32,7 @@ func TestScaleMemoryBoundedInN(t *testing.T) {
 		inv, mig         time.Duration
 	}
 	measure := func(n int) figures {
-		etcd, err := testbed.StartEtcdWith(ctx, bins.Etcd, filepath.Join(dir, fmt.Sprint(n)), "--quota-backend-bytes", fmt.Sprint(scaleQuota))
+		etcd, err := testbed.StartEtcdWith(ctx, bins.Etcd, filepath.Join(dir, fmt.Sprint(n)), "--quota-backend-bytes", fmt.Sprint(defaultScaleQuota))
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -39,4 +39,10 @@ type Settings struct {
 	// ScaleMigrationRate is the rekey side's --storage-migration-rate in objects/s (0:
 	// the shim's default, unlimited).
 	ScaleMigrationRate float64
+	// ScaleQuotaBytes is the scale scenario's etcd --quota-backend-bytes (0: 2 GiB, the
+	// default); the rekey side's shim is told it.
+	ScaleQuotaBytes int64
+	// ScaleIdle runs the scale scenario without its client workload: the migration's
+	// speed on an idle cluster.
+	ScaleIdle bool
 }
