@@ -34,6 +34,9 @@ type Progress struct {
 	ETA  time.Duration `json:"eta"`
 	// AllowedRate is what the adaptive pacing allows now (objects/s; 0: no limit).
 	AllowedRate float64 `json:"allowedRatePerSecond,omitempty"`
+	// SlowedBy says why the pacing slowed the migration down, while it holds it below
+	// where it started.
+	SlowedBy string `json:"slowedBy,omitempty"`
 	// Paused, when set, is the condition holding the migration: etcd's database near
 	// its quota or a NOSPACE alarm.
 	Paused *migrate.PauseState `json:"paused,omitempty"`

@@ -329,7 +329,7 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.
 		Resume:      true, Inventory: verified, Metrics: m.opts.Metrics, ConfigHash: m.opts.ConfigHash(), Logger: m.opts.Logger,
 		CoordinationPrefix: m.opts.Prefix,
 		Progress: func(p migrate.Progress) {
-			pr := Progress{Resource: mig.Resource, Phase: p.Phase, Pass: p.Pass, Done: p.Done, Total: p.Total, AllowedRate: p.AllowedRate}
+			pr := Progress{Resource: mig.Resource, Phase: p.Phase, Pass: p.Pass, Done: p.Done, Total: p.Total, AllowedRate: p.AllowedRate, SlowedBy: p.SlowedBy}
 			if p.Paused.Reason != "" {
 				pr.Paused = &p.Paused
 			}

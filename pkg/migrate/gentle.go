@@ -112,11 +112,12 @@ func burstAt(r float64, most int) int {
 	return min(most, max(1, int(r*batchSpread.Seconds())))
 }
 
-// state is the pause state and the rate allowed now (+Inf: no limit).
-func (g *gentle) state() (PauseState, float64) {
+// state is the pause state, the rate allowed now (+Inf: no limit) and why it is
+// lower than it started ("": it is not).
+func (g *gentle) state() (PauseState, float64, string) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	return g.pause, g.pacer.Rate()
+	return g.pause, g.pacer.Rate(), g.pacer.SlowedBy()
 }
 
 // txn commits the transaction build makes, writing objects objects of bytes bytes,

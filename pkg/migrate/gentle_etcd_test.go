@@ -320,6 +320,7 @@ func TestMigrationSlowsDownForSlowClients(t *testing.T) {
 	var mu sync.Mutex
 	var rates []float64
 	var floorAt time.Time
+	var slowedBy string
 	res, err := Migrate(ctx, Options{
 		Client: cli, Source: FromSet(next), Resources: []Resource{ResourceFor(DefaultEtcdPrefix, secrets)},
 		Workers: 1, PageSize: 20, Logger: testLogger(t),
@@ -332,6 +333,9 @@ func TestMigrationSlowsDownForSlowClients(t *testing.T) {
 			}
 			if p.AllowedRate == floor && floorAt.IsZero() {
 				floorAt = time.Now()
+			}
+			if p.SlowedBy != "" {
+				slowedBy = p.SlowedBy
 			}
 		},
 	})
@@ -349,6 +353,9 @@ func TestMigrationSlowsDownForSlowClients(t *testing.T) {
 	}
 	if floorAt.IsZero() {
 		t.Fatalf("the allowed rate never reached the floor %v/s with the clients 20× slower than their baseline", floor)
+	}
+	if !strings.Contains(slowedBy, "clients answered slower") {
+		t.Errorf("progress says the migration was slowed by %q, want the apiserver's clients", slowedBy)
 	}
 	for _, c := range kv.commitsAfter(floorAt.Add(100 * time.Millisecond)) {
 		if c.objects > 2 {

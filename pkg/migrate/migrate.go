@@ -104,8 +104,11 @@ type Progress struct {
 	Paused PauseState
 	// AllowedRate is the objects per second the pacer allows now; 0 is no limit.
 	AllowedRate float64
-	Pass        int
-	Resource    string
+	// SlowedBy says why the pacer's rate is below where it started (etcd's latency or
+	// errors, or the apiserver's clients); "" when it is not.
+	SlowedBy string
+	Pass     int
+	Resource string
 	// Total is the resource's object count when its pass started (an estimate).
 	Total int64
 	// Done is how many of its objects this pass handled.
@@ -316,7 +319,7 @@ func (m *migrator) report(p Progress) {
 	p.Counters = m.c.snapshot()
 	p.Elapsed = m.opts.Clock.Since(m.start)
 	var allowed float64
-	p.Paused, allowed = m.gentle.state()
+	p.Paused, allowed, p.SlowedBy = m.gentle.state()
 	if !math.IsInf(allowed, 1) {
 		p.AllowedRate = allowed
 	}

@@ -7,6 +7,7 @@ package migrate
 // traffic; a slow etcd or a slower apiserver is the signal that it is taking too much.
 
 import (
+	"fmt"
 	"math"
 	"slices"
 	"time"
@@ -136,6 +137,9 @@ type pacer struct {
 	errors      int
 	// last is the latest judgement, for the status and the transcripts.
 	last pacerVerdict
+	// slowedBy says what made the last decrease, until the rate is back at the
+	// ceiling (or unlimited).
+	slowedBy string
 }
 
 // pacerVerdict is what the pacer concluded at the end of a window.
@@ -167,6 +171,10 @@ func (p *pacer) Rate() float64 { return p.rate }
 
 // Target is the latency target, 0 before the baseline is known.
 func (p *pacer) Target() time.Duration { return p.target }
+
+// SlowedBy is why the rate is below where it started: the last decrease's cause and
+// figures; "" when it is not.
+func (p *pacer) SlowedBy() string { return p.slowedBy }
 
 // SetServingBaseline makes the clients' latency a signal: baseline is their p90
 // before the migration. Called before the first transaction.
@@ -239,6 +247,14 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 	if cause != "" {
 		p.rate = max(min(p.rate, v.Achieved)*p.opts.Decrease, p.opts.MinRate)
 		p.slowStart = false
+		switch cause {
+		case "etcd errors":
+			p.slowedBy = fmt.Sprintf("etcd errors (%d of %d transactions)", v.Errors, v.Samples)
+		case "etcd latency":
+			p.slowedBy = fmt.Sprintf("etcd latency (p90 %s, target %s)", v.P90, p.target)
+		default:
+			p.slowedBy = fmt.Sprintf("the apiserver's clients answered slower (p90 %s, target %s)", v.ServingP90, p.servingTarget)
+		}
 		return "decrease", cause
 	}
 	if baseline {
@@ -255,6 +271,9 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 	}
 	if p.opts.Ceiling > 0 {
 		p.rate = min(p.rate, p.opts.Ceiling)
+		if p.rate >= p.opts.Ceiling {
+			p.slowedBy = ""
+		}
 	}
 	return change, ""
 }
