@@ -102,6 +102,9 @@ func (p *pager) withPageBytes(n int64) *pager {
 // page returns the next page, or nil once the range is exhausted. A compacted pinned
 // revision is reported as errCompacted; an unpinned pager cannot see one.
 func (p *pager) page(ctx context.Context) ([]*mvccpb.KeyValue, error) {
+	if p.done {
+		return nil, nil
+	}
 	var kvs []*mvccpb.KeyValue
 	for !p.done && int64(len(kvs)) < p.limit {
 		more, err := p.read(ctx, p.limit-int64(len(kvs)))
@@ -189,8 +192,9 @@ func (p *pager) read(ctx context.Context, want int64) ([]*mvccpb.KeyValue, error
 }
 
 // emptyWindowGrowth is how much wider a window is than the last one, when that one was
-// empty: a gap between the keys is crossed in a few cheap requests, and the window that
-// first reaches the keys after it counts at most this many times too many.
+// empty: a gap between the keys is crossed in a few requests, cheap since they count
+// nothing, and the window that first reaches the keys after it is at most this many
+// times wider than it had to be.
 const emptyWindowGrowth = 16
 
 // windowEnd returns the end of the next request's window, for a request of want keys:
