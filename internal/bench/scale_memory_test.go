@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -16,7 +18,8 @@ import (
 // read etcd page by page, so at 4N the peak heap is about what it is at N, and the time
 // about four times. Measured in this process (pkg/migrate, the code the apiserver and
 // rekey run) against an etcd process, N = 20,000 and 80,000 Secrets of the scale
-// scenario's sizes; REKEY_BENCH_SCALE_MEMORY=1 runs it (a minute or two).
+// scenario's sizes; REKEY_BENCH_SCALE_MEMORY=1 runs it (a minute or two), and
+// REKEY_BENCH_SCALE_MEMORY_SIZES=20000,80000,160000 measures other sizes against the first.
 func TestScaleMemoryBoundedInN(t *testing.T) {
 	if os.Getenv("REKEY_BENCH_SCALE_MEMORY") != "1" {
 		t.Skip("REKEY_BENCH_SCALE_MEMORY=1 measures inventory and migration memory at N and 4N")
@@ -81,17 +84,45 @@ func TestScaleMemoryBoundedInN(t *testing.T) {
 			n, f.inv.Round(time.Millisecond), f.invHeap, f.mig.Round(time.Millisecond), float64(n)/f.mig.Seconds(), f.migHeap)
 		return f
 	}
-	small, large := measure(20_000), measure(80_000)
-	t.Logf("4N / N: inventory time ×%.2f, heap ×%.2f; migration time ×%.2f, heap ×%.2f",
-		large.inv.Seconds()/small.inv.Seconds(), large.invHeap/small.invHeap, large.mig.Seconds()/small.mig.Seconds(), large.migHeap/small.migHeap)
-	// Bounded: at four times the objects, at most half again the peak heap (plus a few
-	// MiB of sampling noise). Growing with N would be about ×4.
-	for _, c := range []struct {
-		what      string
-		at4N, atN float64
-	}{{"inventory", large.invHeap, small.invHeap}, {"migration", large.migHeap, small.migHeap}} {
-		if c.at4N > 1.5*c.atN+8 {
-			t.Errorf("%s: peak heap +%.1f MiB at 80,000 Secrets vs +%.1f MiB at 20,000: it grows with the number of objects", c.what, c.at4N, c.atN)
+	sizes, err := scaleMemorySizes(os.Getenv("REKEY_BENCH_SCALE_MEMORY_SIZES"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	small := measure(sizes[0])
+	for _, n := range sizes[1:] {
+		large := measure(n)
+		t.Logf("%d / %d objects (×%.1f): inventory time ×%.2f, heap ×%.2f; migration time ×%.2f, heap ×%.2f", n, sizes[0], float64(n)/float64(sizes[0]),
+			large.inv.Seconds()/small.inv.Seconds(), large.invHeap/small.invHeap, large.mig.Seconds()/small.mig.Seconds(), large.migHeap/small.migHeap)
+		// Bounded: at four (or more) times the objects, at most half again the peak heap
+		// (plus a few MiB of sampling noise). Growing with N would be about ×4.
+		for _, c := range []struct {
+			what        string
+			atMore, atN float64
+		}{{"inventory", large.invHeap, small.invHeap}, {"migration", large.migHeap, small.migHeap}} {
+			if c.atMore > 1.5*c.atN+8 {
+				t.Errorf("%s: peak heap +%.1f MiB at %d Secrets vs +%.1f MiB at %d: it grows with the number of objects", c.what, c.atMore, n, c.atN, sizes[0])
+			}
 		}
 	}
+}
+
+// scaleMemorySizes parses REKEY_BENCH_SCALE_MEMORY_SIZES, a comma-separated list of
+// object counts, smallest first; empty means N = 20,000 and 4N = 80,000. Every size
+// after the first is compared with the first.
+func scaleMemorySizes(list string) ([]int, error) {
+	if list == "" {
+		return []int{20_000, 80_000}, nil
+	}
+	var sizes []int
+	for f := range strings.SplitSeq(list, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n <= 0 || len(sizes) > 0 && n <= sizes[len(sizes)-1] {
+			return nil, fmt.Errorf("REKEY_BENCH_SCALE_MEMORY_SIZES=%q: want positive object counts, ascending, separated by commas (e.g. 20000,80000,160000)", list)
+		}
+		sizes = append(sizes, n)
+	}
+	if len(sizes) < 2 {
+		return nil, fmt.Errorf("REKEY_BENCH_SCALE_MEMORY_SIZES=%q: want at least two sizes, the first one the base of the comparison", list)
+	}
+	return sizes, nil
 }
