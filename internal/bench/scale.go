@@ -39,7 +39,9 @@ var scaleSides = []string{"rekey", "upstream"}
 // scaleClientRate is the client workload's rate in requests per second, over
 // scaleClientWorkers workers.
 const (
-	scaleClientRate    = 30
+	scaleClientRate = 30
+	// scaleRekeyLimit bounds the wait for rekey's migration to be verified.
+	scaleRekeyLimit    = 2 * time.Hour
 	scaleClientWorkers = 6
 )
 
@@ -213,7 +215,8 @@ func scaleOnce(ctx context.Context, progress io.Writer, dir string, bins testbed
 		if err := testbed.WriteFileAtomic(cfgPath, testbed.SecretsConfig(testbed.AESGCM(key2, b.key1)).Render()); err != nil {
 			return nil, err
 		}
-		migEnd, err = waitVerified(ctx, b, key2.Name, firstEdit, limit)
+		// The limit is upstream's replace's; rekey's migration is not cut short.
+		migEnd, err = waitVerified(ctx, b, key2.Name, firstEdit, max(limit, scaleRekeyLimit))
 		if err != nil {
 			return nil, err
 		}

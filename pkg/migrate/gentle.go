@@ -140,7 +140,12 @@ func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func()
 		for _, d := range g.servingBuf {
 			g.pacer.ObserveServing(d)
 		}
+		before := g.pacer.last
 		g.pacer.Observe(now, now.Sub(start), objects, err)
+		if v := g.pacer.last; v != before && v.Change == "decrease" {
+			g.log.V(2).Info("Storage migration slows down", "cause", v.Cause, "p90", v.P90, "target", g.pacer.Target(),
+				"clientsP90", v.ServingP90, "clientsTarget", g.pacer.ServingTarget(), "achieved", v.Achieved, "allowedRate", g.pacer.Rate())
+		}
 		changed := false
 		if noSpace {
 			g.gate.NoSpace(now)

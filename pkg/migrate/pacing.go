@@ -26,8 +26,13 @@ const (
 	DefaultBaselineFactor = 3
 	// DefaultDecrease is the multiplicative decrease on congestion.
 	DefaultDecrease = 0.5
-	// DefaultIncrease is the additive increase per calm window, in objects per second.
+	// DefaultIncrease is the least additive increase per calm window, in objects per
+	// second; above 10 × it a calm window adds increaseFraction of the rate instead.
 	DefaultIncrease = 50
+	// increaseFraction of the rate is what a calm window adds at high rates: a fixed
+	// 50/s would take minutes to climb back from one congestion at thousands per
+	// second (a million objects at 500/s instead of 8,000/s).
+	increaseFraction = 0.1
 	// DefaultMinRate is the floor: a migration always makes progress.
 	DefaultMinRate = 10
 	// DefaultServingFactor: a window in which the apiserver answered its clients more
@@ -110,8 +115,8 @@ func (o PacingOptions) withDefaults() PacingOptions {
 // fast as before. At the end of each window, a p90 above the target or an etcd error
 // in the window multiplies the rate by Decrease (starting from what the window really
 // achieved when that is lower, so "no limit" becomes a number), never below MinRate;
-// a calm window in which the migration used most of its rate adds Increase, never
-// above the ceiling.
+// a calm window in which the migration used most of its rate adds Increase or a tenth
+// of the rate, whichever is more, never above the ceiling.
 //
 // With a serving baseline (SetServingBaseline: the apiserver's clients were answered
 // in p90 B before the migration), a window whose clients' p90 is above
@@ -267,7 +272,7 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 	if p.slowStart {
 		p.rate, change = 2*p.rate, "double"
 	} else {
-		p.rate += p.opts.Increase
+		p.rate += max(p.opts.Increase, increaseFraction*p.rate)
 	}
 	if p.opts.Ceiling > 0 {
 		p.rate = min(p.rate, p.opts.Ceiling)
