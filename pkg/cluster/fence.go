@@ -36,8 +36,11 @@ type fence struct {
 	now     time.Time
 	synced  bool
 	members map[string]MemberState // live members other than self
-	unknown []UnknownMember        // records that are not members: they hold promotions
-	holds   map[string]Hold        // by resource
+	// sorted is members sorted by id, built once per member list: every reload asks
+	// about each member, and sorting on each question cost more than the answers.
+	sorted  []MemberState
+	unknown []UnknownMember // records that are not members: they hold promotions
+	holds   map[string]Hold // by resource
 	// gate, when set, must also agree before a key is promoted (SetPromotionGate).
 	gate promotionGate
 }
@@ -94,11 +97,21 @@ func (f *fence) Step(ev fenceEvent) {
 	case membersChanged:
 		f.synced = true
 		f.unknown = slices.Clone(e.Unknown)
-		f.members = map[string]MemberState{}
+		f.members = make(map[string]MemberState, len(e.Members))
+		f.sorted = make([]MemberState, 0, len(e.Members))
 		for _, m := range e.Members {
 			if m.APIServerID != f.self {
 				f.members[m.APIServerID] = m
+				f.sorted = append(f.sorted, m)
 			}
+		}
+		byID := func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) }
+		if len(f.sorted) != len(f.members) {
+			// The list named a member twice: the map kept the last record of each.
+			f.sorted = slices.Collect(maps.Values(f.members))
+		}
+		if !slices.IsSortedFunc(f.sorted, byID) { // a view's list comes sorted
+			slices.SortFunc(f.sorted, byID)
 		}
 	case tick:
 		if e.Now.After(f.now) {
@@ -171,8 +184,8 @@ func (f *fence) straggling(n transformers.RuleInfo, idx int) string {
 	}
 	n.WriteIndex, n.WriteRefused = idx, ""
 	self := MemberState{APIServerID: f.self, Resources: []ResourceState{resourceState(n)}}
-	all := append(f.others(), self)
-	if !stragglers(all, n.Resource)[f.self] {
+	all := append(slices.Clip(f.others()), self)
+	if !straggles(all, n.Resource, f.self) {
 		return ""
 	}
 	lacks := map[string][]string{}
@@ -243,12 +256,11 @@ func (f *fence) cannotRead(resource string, k Key) []string {
 		return []string{"(member list not loaded)"}
 	}
 	var out []string
-	for id, m := range f.members {
+	for _, m := range f.others() {
 		if !m.CanRead(resource, k) {
-			out = append(out, id)
+			out = append(out, m.APIServerID)
 		}
 	}
-	slices.Sort(out)
 	return out
 }
 
@@ -321,12 +333,9 @@ func (f *fence) KeyIDHolds(self MemberState) []Hold {
 	return holds
 }
 
-// others lists the live members other than this apiserver, sorted by id.
-func (f *fence) others() []MemberState {
-	out := slices.Collect(maps.Values(f.members))
-	slices.SortFunc(out, func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) })
-	return out
-}
+// others lists the live members other than this apiserver, sorted by id. The slice is
+// the fence's own: read it, never change it.
+func (f *fence) others() []MemberState { return f.sorted }
 
 // Holds lists the keys held back now, by resource.
 func (f *fence) Holds() []Hold {

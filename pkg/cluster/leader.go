@@ -152,7 +152,7 @@ func (l *leader) Step(ev leaderEvent) {
 			l.resources = slices.Clone(e.Resources)
 		}
 	case membersChanged:
-		l.members = map[string]MemberState{}
+		l.members = make(map[string]MemberState, len(e.Members))
 		for _, m := range e.Members {
 			l.members[m.APIServerID] = m
 		}

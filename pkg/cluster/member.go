@@ -213,14 +213,18 @@ func sameContent(a, b MemberState) bool {
 // the `*.<group>` rule, else `*.*`). A member with none of them stores resource as
 // plaintext: ok is false and the rule reads and writes identity only.
 func (s MemberState) Rule(resource string) (rule ResourceState, ok bool) {
-	rules := make(map[schema.GroupResource]ResourceState, len(s.Resources))
-	for _, r := range s.Resources {
-		gr := schema.ParseGroupResource(r.Resource)
-		if _, dup := rules[gr]; !dup {
-			rules[gr] = r
+	// The fence asks this of every member on every reload: scan the few rules rather
+	// than build a map per question. The first rule naming a resource wins, as in a Set.
+	rules := s.Resources
+	find := func(gr schema.GroupResource) (ResourceState, bool) {
+		for _, r := range rules {
+			if schema.ParseGroupResource(r.Resource) == gr {
+				return r, true
+			}
 		}
+		return ResourceState{}, false
 	}
-	if r, ok := transformers.Lookup(rules, schema.ParseGroupResource(resource)); ok {
+	if _, r, ok := transformers.LookupFunc(find, schema.ParseGroupResource(resource)); ok {
 		return r, true
 	}
 	plaintext := Key{Provider: transformers.ProviderIdentity}

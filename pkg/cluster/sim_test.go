@@ -62,8 +62,9 @@ type schedMember struct {
 	rules    []transformers.RuleInfo
 	fence    *fence
 	leader   *leader
-	// view is the member list it last saw; nextSync when it sees the next one.
-	view     map[string]bool
+	// view is the member list it last saw (shared with the others that saw the same
+	// one: never changed); nextSync when it sees the next one.
+	view     []MemberState
 	nextSync time.Time
 	// watchLag and fileLag are how late it sees records and gets files.
 	watchLag, fileLag time.Duration
@@ -163,10 +164,7 @@ func (s *sched) sync(m *schedMember) {
 	m.fence.Step(membersChanged{Members: list})
 	m.leader.Step(tick{Now: s.now})
 	m.leader.Step(membersChanged{Members: list})
-	m.view = map[string]bool{}
-	for _, st := range list {
-		m.view[st.APIServerID] = true
-	}
+	m.view = list
 	m.nextSync = time.Time{}
 	if m.rules != nil {
 		s.apply(m, s.rulesOf(m.file))
@@ -198,7 +196,8 @@ func writerOf(rules []transformers.RuleInfo) (Key, bool) {
 // checkPromotion: m starts writing with k; every member of m's view still live must
 // read it.
 func (s *sched) checkPromotion(m *schedMember, k Key) {
-	for id := range m.view {
+	for _, seen := range m.view {
+		id := seen.APIServerID
 		st, live := s.published[id]
 		if !live || id == m.id {
 			continue
