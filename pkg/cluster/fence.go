@@ -32,13 +32,13 @@ import (
 //
 // The fence is not safe for concurrent use; the Node serialises access.
 type fence struct {
-	self    string
-	now     time.Time
-	synced  bool
-	members map[string]MemberState // live members other than self
-	// sorted is members sorted by id, built once per member list: every reload asks
-	// about each member, and sorting on each question cost more than the answers.
-	sorted  []MemberState
+	self   string
+	now    time.Time
+	synced bool
+	// live are the live members other than self, sorted by id once per member list
+	// (memberList): every reload asks about each of them. members indexes them by id.
+	live    []MemberState
+	members map[string]int
 	unknown []UnknownMember // records that are not members: they hold promotions
 	holds   map[string]Hold // by resource
 	// gate, when set, must also agree before a key is promoted (SetPromotionGate).
@@ -84,7 +84,7 @@ func (tick) fenceEvent()           {}
 // newFence returns the fence of apiserver self. Until the first membersChanged it
 // treats every other member as unknown and holds every new key.
 func newFence(self string, now time.Time) *fence {
-	return &fence{self: self, now: now, members: map[string]MemberState{}, holds: map[string]Hold{}}
+	return &fence{self: self, now: now, members: map[string]int{}, holds: map[string]Hold{}}
 }
 
 // SetPromotionGate makes every promotion also need g's agreement (Node: the handshake
@@ -97,21 +97,10 @@ func (f *fence) Step(ev fenceEvent) {
 	case membersChanged:
 		f.synced = true
 		f.unknown = slices.Clone(e.Unknown)
-		f.members = make(map[string]MemberState, len(e.Members))
-		f.sorted = make([]MemberState, 0, len(e.Members))
-		for _, m := range e.Members {
-			if m.APIServerID != f.self {
-				f.members[m.APIServerID] = m
-				f.sorted = append(f.sorted, m)
-			}
-		}
-		byID := func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) }
-		if len(f.sorted) != len(f.members) {
-			// The list named a member twice: the map kept the last record of each.
-			f.sorted = slices.Collect(maps.Values(f.members))
-		}
-		if !slices.IsSortedFunc(f.sorted, byID) { // a view's list comes sorted
-			slices.SortFunc(f.sorted, byID)
+		f.live = memberList(e.Members, f.self)
+		f.members = make(map[string]int, len(f.live))
+		for i, m := range f.live {
+			f.members[m.APIServerID] = i
 		}
 	case tick:
 		if e.Now.After(f.now) {
@@ -335,7 +324,7 @@ func (f *fence) KeyIDHolds(self MemberState) []Hold {
 
 // others lists the live members other than this apiserver, sorted by id. The slice is
 // the fence's own: read it, never change it.
-func (f *fence) others() []MemberState { return f.sorted }
+func (f *fence) others() []MemberState { return f.live }
 
 // Holds lists the keys held back now, by resource.
 func (f *fence) Holds() []Hold {

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -207,6 +208,34 @@ func sameContent(a, b MemberState) bool {
 	y, _ := json.Marshal(b)
 	return string(x) == string(y)
 }
+
+// memberList returns members sorted by id without skip's record, one record per id
+// (the last one members has, as a map by id would keep): the shape in which the fence
+// and the leader keep the member list, so that each question about it is one pass.
+func memberList(members []MemberState, skip string) []MemberState {
+	out := make([]MemberState, 0, len(members))
+	for _, m := range members {
+		if m.APIServerID != skip {
+			out = append(out, m)
+		}
+	}
+	if !slices.IsSortedFunc(out, byAPIServerID) { // a view's list comes sorted
+		slices.SortStableFunc(out, byAPIServerID)
+	}
+	// Keep the last record of each id (the sort was stable).
+	n := 0
+	for _, m := range out {
+		if n > 0 && out[n-1].APIServerID == m.APIServerID {
+			n--
+		}
+		out[n] = m
+		n++
+	}
+	return out[:n]
+}
+
+// byAPIServerID orders member records by apiserver id.
+func byAPIServerID(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) }
 
 // Rule returns the member's rule that serves resource (as a rule names it), found the
 // way a Set finds it (transformers.Lookup: the same rule, else for a concrete resource

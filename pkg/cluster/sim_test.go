@@ -153,7 +153,13 @@ func (s *sched) list() []MemberState {
 	if s.listed != nil {
 		return s.listed
 	}
-	s.listed = slices.SortedFunc(maps.Values(s.published), func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) })
+	// s.members is in id order: no sort needed.
+	s.listed = make([]MemberState, 0, len(s.published))
+	for _, m := range s.members {
+		if st, ok := s.published[m.id]; ok {
+			s.listed = append(s.listed, st)
+		}
+	}
 	return s.listed
 }
 
