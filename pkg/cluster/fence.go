@@ -70,6 +70,8 @@ type fenceEvent interface{ fenceEvent() }
 // membersChanged carries the live member set (it may include this apiserver; its own
 // entry is ignored) and the unknown members (view.Unknown): while there is one, no new
 // write key or KMS key id is promoted, since nobody knows what it can read.
+// The machines may keep Members as it is: the sender must not change the list after
+// stepping it.
 type membersChanged struct {
 	Members []MemberState
 	Unknown []UnknownMember
@@ -173,8 +175,7 @@ func (f *fence) straggling(n transformers.RuleInfo, idx int) string {
 	}
 	n.WriteIndex, n.WriteRefused = idx, ""
 	self := MemberState{APIServerID: f.self, Resources: []ResourceState{resourceState(n)}}
-	all := append(slices.Clip(f.others()), self)
-	if !straggles(all, n.Resource, f.self) {
+	if !straggles(f.others(), self, n.Resource) {
 		return ""
 	}
 	lacks := map[string][]string{}
@@ -324,7 +325,7 @@ func (f *fence) KeyIDHolds(self MemberState) []Hold {
 
 // others lists the live members other than this apiserver, sorted by id. The slice is
 // the fence's own: read it, never change it.
-func (f *fence) others() []MemberState { return f.live }
+func (f *fence) others() []MemberState { return slices.Clip(f.live) }
 
 // Holds lists the keys held back now, by resource.
 func (f *fence) Holds() []Hold {

@@ -152,19 +152,18 @@ func stragglers(members []MemberState, resource string) map[string]bool {
 	return out
 }
 
-// straggles reports whether member id straggles among members (stragglers). It is
-// what a fence asks of itself on every reload, and the usual answer — another member
-// may read its write key — needs no look at the other members' keys.
-func straggles(members []MemberState, resource, id string) bool {
-	i := slices.IndexFunc(members, func(m MemberState) bool { return m.APIServerID == id })
-	if i < 0 {
-		return false
-	}
-	w, writing := members[i].writes(resource)
+// straggles reports whether self straggles among members (stragglers); self's record
+// in members, if any, is the one self replaces. It is what a fence asks of itself on
+// every reload, and the usual answer — another member may read its write key — needs
+// neither a copy of the list nor a look at the other members' keys.
+func straggles(members []MemberState, self MemberState, resource string) bool {
+	id := self.APIServerID
+	w, writing := self.writes(resource)
 	if !writing || slices.ContainsFunc(members, func(o MemberState) bool { return o.APIServerID != id && o.mayRead(resource, w) }) {
 		return false
 	}
-	return stragglers(members, resource)[id]
+	all := append(slices.DeleteFunc(slices.Clone(members), func(o MemberState) bool { return o.APIServerID == id }), self)
+	return stragglers(all, resource)[id]
 }
 
 // Conflict is one key name with more than one secret among the live members.

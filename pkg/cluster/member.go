@@ -212,7 +212,20 @@ func sameContent(a, b MemberState) bool {
 // memberList returns members sorted by id without skip's record, one record per id
 // (the last one members has, as a map by id would keep): the shape in which the fence
 // and the leader keep the member list, so that each question about it is one pass.
+//
+// A list already in that shape (a view's list, when skip is not in it) is kept, not
+// copied: membersChanged hands its list over.
 func memberList(members []MemberState, skip string) []MemberState {
+	inShape := true
+	for i, m := range members {
+		if m.APIServerID == skip || i > 0 && members[i-1].APIServerID >= m.APIServerID {
+			inShape = false
+			break
+		}
+	}
+	if inShape {
+		return slices.Clip(members)
+	}
 	out := make([]MemberState, 0, len(members))
 	for _, m := range members {
 		if m.APIServerID != skip {
