@@ -35,7 +35,7 @@ func (e *nodeEvents) step(self string, members []MemberState) []event {
 			continue
 		}
 		for _, r := range m.Resources {
-			if stragglers(members, r.Resource)[self] {
+			if straggles(members, m, r.Resource) {
 				straggling[r.Resource] = true
 				if !e.straggling[r.Resource] {
 					out = append(out, event{events.Warning, events.ReasonStraggler, fmt.Sprintf(

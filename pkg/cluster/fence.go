@@ -32,12 +32,15 @@ import (
 //
 // The fence is not safe for concurrent use; the Node serialises access.
 type fence struct {
-	self    string
-	now     time.Time
-	synced  bool
-	members map[string]MemberState // live members other than self
-	unknown []UnknownMember        // records that are not members: they hold promotions
-	holds   map[string]Hold        // by resource
+	self   string
+	now    time.Time
+	synced bool
+	// live are the live members other than self, sorted by id once per member list
+	// (memberList): every reload asks about each of them. members indexes them by id.
+	live    []MemberState
+	members map[string]int
+	unknown []UnknownMember // records that are not members: they hold promotions
+	holds   map[string]Hold // by resource
 	// gate, when set, must also agree before a key is promoted (SetPromotionGate).
 	gate promotionGate
 }
@@ -67,6 +70,8 @@ type fenceEvent interface{ fenceEvent() }
 // membersChanged carries the live member set (it may include this apiserver; its own
 // entry is ignored) and the unknown members (view.Unknown): while there is one, no new
 // write key or KMS key id is promoted, since nobody knows what it can read.
+// The machines may keep Members as it is: the sender must not change the list after
+// stepping it.
 type membersChanged struct {
 	Members []MemberState
 	Unknown []UnknownMember
@@ -81,7 +86,7 @@ func (tick) fenceEvent()           {}
 // newFence returns the fence of apiserver self. Until the first membersChanged it
 // treats every other member as unknown and holds every new key.
 func newFence(self string, now time.Time) *fence {
-	return &fence{self: self, now: now, members: map[string]MemberState{}, holds: map[string]Hold{}}
+	return &fence{self: self, now: now, members: map[string]int{}, holds: map[string]Hold{}}
 }
 
 // SetPromotionGate makes every promotion also need g's agreement (Node: the handshake
@@ -94,11 +99,10 @@ func (f *fence) Step(ev fenceEvent) {
 	case membersChanged:
 		f.synced = true
 		f.unknown = slices.Clone(e.Unknown)
-		f.members = map[string]MemberState{}
-		for _, m := range e.Members {
-			if m.APIServerID != f.self {
-				f.members[m.APIServerID] = m
-			}
+		f.live = memberList(e.Members, f.self)
+		f.members = make(map[string]int, len(f.live))
+		for i, m := range f.live {
+			f.members[m.APIServerID] = i
 		}
 	case tick:
 		if e.Now.After(f.now) {
@@ -171,8 +175,7 @@ func (f *fence) straggling(n transformers.RuleInfo, idx int) string {
 	}
 	n.WriteIndex, n.WriteRefused = idx, ""
 	self := MemberState{APIServerID: f.self, Resources: []ResourceState{resourceState(n)}}
-	all := append(f.others(), self)
-	if !stragglers(all, n.Resource)[f.self] {
+	if !straggles(f.others(), self, n.Resource) {
 		return ""
 	}
 	lacks := map[string][]string{}
@@ -243,12 +246,11 @@ func (f *fence) cannotRead(resource string, k Key) []string {
 		return []string{"(member list not loaded)"}
 	}
 	var out []string
-	for id, m := range f.members {
+	for _, m := range f.others() {
 		if !m.CanRead(resource, k) {
-			out = append(out, id)
+			out = append(out, m.APIServerID)
 		}
 	}
-	slices.Sort(out)
 	return out
 }
 
@@ -321,12 +323,9 @@ func (f *fence) KeyIDHolds(self MemberState) []Hold {
 	return holds
 }
 
-// others lists the live members other than this apiserver, sorted by id.
-func (f *fence) others() []MemberState {
-	out := slices.Collect(maps.Values(f.members))
-	slices.SortFunc(out, func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) })
-	return out
-}
+// others lists the live members other than this apiserver, sorted by id. The slice is
+// the fence's own: read it, never change it.
+func (f *fence) others() []MemberState { return slices.Clip(f.live) }
 
 // Holds lists the keys held back now, by resource.
 func (f *fence) Holds() []Hold {

@@ -89,31 +89,81 @@ func (s MemberState) writes(resource string) (Key, bool) {
 // two members that cannot read each other's write key with nobody else around are
 // both "in that situation", so neither straggles — nothing says which lags, and both
 // fail readiness. A member whose fence refuses writes writes nothing and is neither.
+//
+// members is a member list (distinct ids). Readability is asked once per member and
+// distinct write key, never per pair of members: a cluster has few write keys and may
+// have many members, and every fence asks this on every reload.
 func stragglers(members []MemberState, resource string) map[string]bool {
-	readByOther := map[string]bool{}
-	for _, m := range members {
+	var keys []Key                      // the distinct write keys
+	writes := make([]int, len(members)) // index in keys of each member's write key; -1 when it refuses
+	for i, m := range members {
 		w, ok := m.writes(resource)
 		if !ok {
+			writes[i] = -1
 			continue
 		}
-		readByOther[m.APIServerID] = slices.ContainsFunc(members, func(o MemberState) bool {
-			return o.APIServerID != m.APIServerID && o.mayRead(resource, w)
-		})
+		j := slices.Index(keys, w)
+		if j < 0 {
+			j = len(keys)
+			keys = append(keys, w)
+		}
+		writes[i] = j
+	}
+	// reads[i*len(keys)+j]: member i may read keys[j]; readers[j]: how many may.
+	reads := make([]bool, len(members)*len(keys))
+	readers := make([]int, len(keys))
+	for i, m := range members {
+		for j, k := range keys {
+			if m.mayRead(resource, k) {
+				reads[i*len(keys)+j] = true
+				readers[j]++
+			}
+		}
+	}
+	readByOther := func(i int) bool {
+		j := writes[i]
+		others := readers[j]
+		if reads[i*len(keys)+j] {
+			others--
+		}
+		return others > 0
+	}
+	// moved[j]: keys[j] is the write key of a member whose write key another reads.
+	moved := make([]bool, len(keys))
+	for i, j := range writes {
+		if j >= 0 && readByOther(i) {
+			moved[j] = true
+		}
 	}
 	out := map[string]bool{}
-	for _, m := range members {
-		if by, writing := readByOther[m.APIServerID]; !writing || by {
+	for i, m := range members {
+		if writes[i] < 0 || readByOther(i) {
 			continue
 		}
-		for _, o := range members {
-			w, ok := o.writes(resource)
-			if o.APIServerID != m.APIServerID && ok && readByOther[o.APIServerID] && !m.mayRead(resource, w) {
+		// The members that made a key moved are read by another; this one is not, so
+		// they are other members.
+		for j := range keys {
+			if moved[j] && !reads[i*len(keys)+j] {
 				out[m.APIServerID] = true
 				break
 			}
 		}
 	}
 	return out
+}
+
+// straggles reports whether self straggles among members (stragglers); self's record
+// in members, if any, is the one self replaces. It is what a fence asks of itself on
+// every reload, and the usual answer — another member may read its write key — needs
+// neither a copy of the list nor a look at the other members' keys.
+func straggles(members []MemberState, self MemberState, resource string) bool {
+	id := self.APIServerID
+	w, writing := self.writes(resource)
+	if !writing || slices.ContainsFunc(members, func(o MemberState) bool { return o.APIServerID != id && o.mayRead(resource, w) }) {
+		return false
+	}
+	all := append(slices.DeleteFunc(slices.Clone(members), func(o MemberState) bool { return o.APIServerID == id }), self)
+	return stragglers(all, resource)[id]
 }
 
 // Conflict is one key name with more than one secret among the live members.

@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -30,7 +31,7 @@ type leader struct {
 	resources []string
 	now       time.Time
 	leading   bool
-	members   map[string]MemberState
+	members   []MemberState // sorted by id (memberList)
 	records   map[string]Record
 	inventory map[string]inventoryTaken
 	running   *Migration
@@ -127,7 +128,7 @@ const (
 // newLeader returns the decision machine for resources (as a member rule or an
 // inventory names them: "secrets", "configmaps").
 func newLeader(resources []string, now time.Time) *leader {
-	return &leader{resources: slices.Clone(resources), now: now, members: map[string]MemberState{},
+	return &leader{resources: slices.Clone(resources), now: now,
 		records: map[string]Record{}, inventory: map[string]inventoryTaken{},
 		failures: map[string]int{}, retryAt: map[string]time.Time{}}
 }
@@ -152,10 +153,7 @@ func (l *leader) Step(ev leaderEvent) {
 			l.resources = slices.Clone(e.Resources)
 		}
 	case membersChanged:
-		l.members = map[string]MemberState{}
-		for _, m := range e.Members {
-			l.members[m.APIServerID] = m
-		}
+		l.members = memberList(e.Members, "")
 	case migrationStarted:
 		// The driver reports what it did: the migration runs, even if the leader
 		// would no longer choose it. Only a second one at once is refused (a driver
@@ -261,7 +259,7 @@ func (l *leader) plan(r string) Plan {
 	if l.running != nil && l.running.Resource == r {
 		return Plan{Resource: r, State: PlanRunning, Target: l.running.Target}
 	}
-	target, ok, detail := CommonWriteKey(l.members, r)
+	target, ok, detail := commonWriteKey(l.members, r)
 	if !ok {
 		return Plan{Resource: r, State: PlanWaiting, Detail: detail}
 	}
@@ -319,31 +317,29 @@ func offTarget(inv inventoryTaken, target Key) int64 {
 	return n
 }
 
-// CommonWriteKey returns the key every live member writes resource with, or why there
-// is none. The keys must be the same (transformers.KeyInfo.Match: provider, name and
-// check value — a record without a check value proves nothing, so it never agrees);
-// for KMS the key id hashes must agree too, and be known. A member whose fence refuses
-// writes writes with no key.
+// CommonWriteKey returns the key every live member (by apiserver id) writes resource
+// with, or why there is none. The keys must be the same (transformers.KeyInfo.Match:
+// provider, name and check value — a record without a check value proves nothing, so
+// it never agrees); for KMS the key id hashes must agree too, and be known. A member
+// whose fence refuses writes writes with no key.
 func CommonWriteKey(members map[string]MemberState, resource string) (Key, bool, string) {
+	return commonWriteKey(slices.SortedFunc(maps.Values(members), byAPIServerID), resource)
+}
+
+// commonWriteKey is CommonWriteKey over a member list sorted by id. It spells the
+// disagreement out only when there is one: the leader asks on every tick.
+func commonWriteKey(members []MemberState, resource string) (Key, bool, string) {
 	if len(members) == 0 {
 		return Key{}, false, "no live member"
 	}
-	ids := make([]string, 0, len(members))
-	for id := range members {
-		ids = append(ids, id)
-	}
-	slices.Sort(ids)
 	var first Key
-	var parts []string
 	agree, sameNames := true, true
-	for i, id := range ids {
-		w, writing := members[id].writes(resource)
+	for i, m := range members {
+		w, writing := m.writes(resource)
 		if !writing {
-			parts = append(parts, id+"=(refusing writes)")
 			agree, sameNames = false, false
 			continue
 		}
-		parts = append(parts, id+"="+w.String())
 		if keyIDUnknown(w) {
 			agree = false
 		}
@@ -354,26 +350,34 @@ func CommonWriteKey(members map[string]MemberState, resource string) (Key, bool,
 			sameNames = sameNames && w.String() == first.String()
 		}
 	}
-	if !agree {
-		if sameNames && len(parts) > 1 {
-			// The names agree: say why they still differ.
-			return Key{}, false, "members write with keys of one name whose secrets differ or cannot be compared (a record without a check value): " + checksOf(members, ids, resource)
-		}
-		return Key{}, false, "members write with different keys: " + strings.Join(parts, ", ")
+	if agree {
+		return first, true, ""
 	}
-	return first, true, ""
+	if sameNames && len(members) > 1 {
+		// The names agree: say why they still differ.
+		return Key{}, false, "members write with keys of one name whose secrets differ or cannot be compared (a record without a check value): " + checksOf(members, resource)
+	}
+	parts := make([]string, 0, len(members))
+	for _, m := range members {
+		if w, writing := m.writes(resource); writing {
+			parts = append(parts, m.APIServerID+"="+w.String())
+		} else {
+			parts = append(parts, m.APIServerID+"=(refusing writes)")
+		}
+	}
+	return Key{}, false, "members write with different keys: " + strings.Join(parts, ", ")
 }
 
 // checksOf lists each member's write key with its check value.
-func checksOf(members map[string]MemberState, ids []string, resource string) string {
-	parts := make([]string, 0, len(ids))
-	for _, id := range ids {
-		w, _ := members[id].writes(resource)
+func checksOf(members []MemberState, resource string) string {
+	parts := make([]string, 0, len(members))
+	for _, m := range members {
+		w, _ := m.writes(resource)
 		check := w.Check
 		if check == "" {
 			check = "none"
 		}
-		parts = append(parts, fmt.Sprintf("%s=%s check %s", id, w, check))
+		parts = append(parts, fmt.Sprintf("%s=%s check %s", m.APIServerID, w, check))
 	}
 	return strings.Join(parts, ", ")
 }

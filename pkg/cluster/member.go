@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -208,19 +209,64 @@ func sameContent(a, b MemberState) bool {
 	return string(x) == string(y)
 }
 
+// memberList returns members sorted by id without skip's record, one record per id
+// (the last one members has, as a map by id would keep): the shape in which the fence
+// and the leader keep the member list, so that each question about it is one pass.
+//
+// A list already in that shape (a view's list, when skip is not in it) is kept, not
+// copied: membersChanged hands its list over.
+func memberList(members []MemberState, skip string) []MemberState {
+	inShape := true
+	for i, m := range members {
+		if m.APIServerID == skip || i > 0 && members[i-1].APIServerID >= m.APIServerID {
+			inShape = false
+			break
+		}
+	}
+	if inShape {
+		return slices.Clip(members)
+	}
+	out := make([]MemberState, 0, len(members))
+	for _, m := range members {
+		if m.APIServerID != skip {
+			out = append(out, m)
+		}
+	}
+	if !slices.IsSortedFunc(out, byAPIServerID) { // a view's list comes sorted
+		slices.SortStableFunc(out, byAPIServerID)
+	}
+	// Keep the last record of each id (the sort was stable).
+	n := 0
+	for _, m := range out {
+		if n > 0 && out[n-1].APIServerID == m.APIServerID {
+			n--
+		}
+		out[n] = m
+		n++
+	}
+	return out[:n]
+}
+
+// byAPIServerID orders member records by apiserver id.
+func byAPIServerID(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) }
+
 // Rule returns the member's rule that serves resource (as a rule names it), found the
 // way a Set finds it (transformers.Lookup: the same rule, else for a concrete resource
 // the `*.<group>` rule, else `*.*`). A member with none of them stores resource as
 // plaintext: ok is false and the rule reads and writes identity only.
 func (s MemberState) Rule(resource string) (rule ResourceState, ok bool) {
-	rules := make(map[schema.GroupResource]ResourceState, len(s.Resources))
-	for _, r := range s.Resources {
-		gr := schema.ParseGroupResource(r.Resource)
-		if _, dup := rules[gr]; !dup {
-			rules[gr] = r
+	// The fence asks this of every member on every reload: scan the few rules rather
+	// than build a map per question. The first rule naming a resource wins, as in a Set.
+	rules := s.Resources
+	find := func(gr schema.GroupResource) (ResourceState, bool) {
+		for _, r := range rules {
+			if schema.ParseGroupResource(r.Resource) == gr {
+				return r, true
+			}
 		}
+		return ResourceState{}, false
 	}
-	if r, ok := transformers.Lookup(rules, schema.ParseGroupResource(resource)); ok {
+	if _, r, ok := transformers.LookupFunc(find, schema.ParseGroupResource(resource)); ok {
 		return r, true
 	}
 	plaintext := Key{Provider: transformers.ProviderIdentity}

@@ -62,8 +62,9 @@ type schedMember struct {
 	rules    []transformers.RuleInfo
 	fence    *fence
 	leader   *leader
-	// view is the member list it last saw; nextSync when it sees the next one.
-	view     map[string]bool
+	// view is the member list it last saw (shared with the others that saw the same
+	// one: never changed); nextSync when it sees the next one.
+	view     []MemberState
 	nextSync time.Time
 	// watchLag and fileLag are how late it sees records and gets files.
 	watchLag, fileLag time.Duration
@@ -152,7 +153,13 @@ func (s *sched) list() []MemberState {
 	if s.listed != nil {
 		return s.listed
 	}
-	s.listed = slices.SortedFunc(maps.Values(s.published), func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) })
+	// s.members is in id order: no sort needed.
+	s.listed = make([]MemberState, 0, len(s.published))
+	for _, m := range s.members {
+		if st, ok := s.published[m.id]; ok {
+			s.listed = append(s.listed, st)
+		}
+	}
 	return s.listed
 }
 
@@ -163,10 +170,7 @@ func (s *sched) sync(m *schedMember) {
 	m.fence.Step(membersChanged{Members: list})
 	m.leader.Step(tick{Now: s.now})
 	m.leader.Step(membersChanged{Members: list})
-	m.view = map[string]bool{}
-	for _, st := range list {
-		m.view[st.APIServerID] = true
-	}
+	m.view = list
 	m.nextSync = time.Time{}
 	if m.rules != nil {
 		s.apply(m, s.rulesOf(m.file))
@@ -198,7 +202,8 @@ func writerOf(rules []transformers.RuleInfo) (Key, bool) {
 // checkPromotion: m starts writing with k; every member of m's view still live must
 // read it.
 func (s *sched) checkPromotion(m *schedMember, k Key) {
-	for id := range m.view {
+	for _, seen := range m.view {
+		id := seen.APIServerID
 		st, live := s.published[id]
 		if !live || id == m.id {
 			continue

@@ -81,8 +81,15 @@ func RuleCovers(rule, gr schema.GroupResource) bool {
 // LookupRule is Lookup that also returns the rule's key: gr itself, or the wildcard
 // that applies to it.
 func LookupRule[V any](rules map[schema.GroupResource]V, gr schema.GroupResource) (rule schema.GroupResource, v V, ok bool) {
+	return LookupFunc(func(k schema.GroupResource) (V, bool) { v, ok := rules[k]; return v, ok }, gr)
+}
+
+// LookupFunc is LookupRule over rules kept in another shape than a map: find returns
+// the rule named exactly k, if any. A member record keeps its few rules in a list,
+// and building a map for each question would cost more than the question.
+func LookupFunc[V any](find func(k schema.GroupResource) (V, bool), gr schema.GroupResource) (rule schema.GroupResource, v V, ok bool) {
 	for _, k := range [...]schema.GroupResource{gr, {Group: gr.Group, Resource: "*"}, {Group: "*", Resource: "*"}} {
-		if v, ok = rules[k]; ok {
+		if v, ok = find(k); ok {
 			return k, v, true
 		}
 	}
