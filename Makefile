@@ -117,7 +117,7 @@ bench-go:
 	$(GO) test -run '^$$' -bench . -benchmem -count $${COUNT:-5} ./pkg/...
 
 ## sim: the cluster's fence and leader machines under 10,000 random schedules of 100
-## simulated apiservers (about an hour on two cores); prints the convergence times.
+## simulated apiservers (about 12 minutes on two cores); prints the convergence times.
 sim:
 	REKEY_SIM_FULL=1 $(GO) test -count=1 -timeout 3h -run TestClusterMachinesUnderRandomSchedules -v ./pkg/cluster/
 
