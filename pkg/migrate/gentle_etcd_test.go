@@ -16,6 +16,7 @@ import (
 	"github.com/rekey-io/rekey/internal/enctest"
 	"github.com/rekey-io/rekey/internal/etcdtest"
 	"github.com/rekey-io/rekey/internal/freeport"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // TestMigrationPausesBeforeTheQuotaAndResumesAfterCompaction fills an etcd with a
@@ -158,12 +159,7 @@ func TestMigrationObeysThePacersRate(t *testing.T) {
 		floor   = 40.0
 	)
 	ctx := context.Background()
-	cli := startEtcd(t)
-	_, old := setFor(t, "secrets", "aesgcm:key1")
-	_, next := setFor(t, "secrets", "aesgcm:key2,key1")
-	writeObjects(t, cli, old, secrets, objects)
-	slow := &slowKV{KV: cli.KV, delay: 20 * time.Millisecond}
-	cli.KV = slow
+	cli, next, slow := staleSecretsBehindSlowKV(t, objects, 20*time.Millisecond)
 
 	var mu sync.Mutex
 	var floorAt time.Time
@@ -203,6 +199,19 @@ func TestMigrationObeysThePacersRate(t *testing.T) {
 		t.Errorf("%d objects in %.2fs after the rate reached %v/s (at most %.0f allowed)", n, span, floor, limit)
 	}
 	t.Logf("%d objects in %.2fs after the floor; whole migration %s", n, span, res.Duration)
+}
+
+// staleSecretsBehindSlowKV stores objects Secrets under key1 and returns a client
+// whose transactions go through a slowKV adding delay, and the set that writes key2.
+func staleSecretsBehindSlowKV(t *testing.T, objects int, delay time.Duration) (*clientv3.Client, *transformers.Set, *slowKV) {
+	t.Helper()
+	cli := startEtcd(t)
+	_, old := setFor(t, "secrets", "aesgcm:key1")
+	_, next := setFor(t, "secrets", "aesgcm:key2,key1")
+	writeObjects(t, cli, old, secrets, objects)
+	kv := &slowKV{KV: cli.KV, delay: delay}
+	cli.KV = kv
+	return cli, next, kv
 }
 
 // slowKV adds a delay to every transaction's commit and records when each ended.
@@ -292,12 +301,7 @@ func TestMigrationSlowsDownForSlowClients(t *testing.T) {
 		floor   = 40.0
 	)
 	ctx := context.Background()
-	cli := startEtcd(t)
-	_, old := setFor(t, "secrets", "aesgcm:key1")
-	_, next := setFor(t, "secrets", "aesgcm:key2,key1")
-	writeObjects(t, cli, old, secrets, objects)
-	kv := &slowKV{KV: cli.KV}
-	cli.KV = kv
+	cli, next, kv := staleSecretsBehindSlowKV(t, objects, 0)
 
 	serving := NewServingLatency(nil)
 	for range 2 * minServingBaselineSamples {
