@@ -338,7 +338,7 @@ func scaleRows(res map[string]*scaleResult, n int, quota int64, idle bool, migra
 	p99d := row("client p99, during the migration", "ms", false, func(r *scaleResult) float64 { return r.during.p99 })
 	if !idle && res["rekey"] != nil && res["upstream"] != nil {
 		p99d.Plots = []Plot{{Chart: "scale-clients", Title: fmt.Sprintf("Key rotation of %s Secrets: the cluster's own requests while it runs (client p99)", groupThousands(int64(n))),
-			X: fmt.Sprintf("client p99 during the rewrite\n(baselines %.1f / %.1f ms; during %.1f / %.1f ms)", res["rekey"].baseline.p99, res["upstream"].baseline.p99, res["rekey"].during.p99, res["upstream"].during.p99),
+			X:      fmt.Sprintf("client p99 during the rewrite\n(baselines %.1f / %.1f ms; during %.1f / %.1f ms)", res["rekey"].baseline.p99, res["upstream"].baseline.p99, res["rekey"].during.p99, res["upstream"].during.p99),
 			Series: "rekey's paced migration vs upstream's get | replace", Against: 1}}
 	}
 	failed := row("client requests failed (baseline + during)", "requests", false, func(r *scaleResult) float64 { return float64(r.baseline.failed + r.during.failed) })
