@@ -202,7 +202,7 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 			"while the migration's own etcd transactions are slow (p90 over 3× the first second's, at least 20ms) or fail, and climbs back "+
 			"50 objects/s (or a tenth of the rate, above 500/s) a second while they are fast (rekey_storage_migration_allowed_rate).")
 	fs.Float64Var(&f.StorageMigrationClientLatencyFactor, "storage-migration-client-latency-factor", f.StorageMigrationClientLatencyFactor,
-		"Storage migration also halves its rate while this apiserver answers its clients more than this many times slower (p90 over 1s windows, "+
+		"Storage migration also halves its rate while this apiserver answers its clients more than this many times slower (p99 over 1s windows, "+
 			"at least 1ms more) than before the migration began, and then starts at 100 objects/s, doubling while they are as fast as before; "+
 			"on control planes whose CPUs etcd, the apiserver and the migration share, etcd can stay fast while the clients wait. "+
 			"Watches and other long-running requests are not timed; with fewer than 50 requests in the 10 minutes before, there is no baseline "+

@@ -108,7 +108,7 @@ type Options struct {
 	// StorageMigrationSpace bounds how full migrations let etcd's database get.
 	StorageMigrationSpace migrate.SpaceOptions
 	// StorageMigrationClientLatencyFactor: migrations slow down while the apiserver
-	// answers its clients more than this many times slower than before (p90; see
+	// answers its clients more than this many times slower than before (p99; see
 	// migrate.PacingOptions.ServingFactor). 0 leaves the clients' latency out.
 	StorageMigrationClientLatencyFactor float64
 	// StorageCheckInterval and StorageInventoryInterval: see migrate.ControllerOptions.

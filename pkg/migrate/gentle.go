@@ -70,11 +70,11 @@ func newGentle(opts Options, burst int, log klog.Logger, changed func()) *gentle
 		client: opts.Client, clock: opts.Clock, log: log, metrics: opts.Metrics, changed: changed,
 		pacer: newPacer(pacing), gate: newSpaceGate(opts.Space), serving: pacing.Serving,
 	}
-	baseline, ok, end := g.serving.begin(pacingQuantile)
+	baseline, ok, end := g.serving.begin(servingQuantile)
 	g.endServing = end
 	if ok {
 		g.pacer.SetServingBaseline(baseline)
-		log.V(2).Info("Storage migration paced by the apiserver's own request latency too", "baselineP90", baseline,
+		log.V(2).Info("Storage migration paced by the apiserver's own request latency too", "baselineP99", baseline,
 			"servingTarget", g.pacer.ServingTarget(), "startRate", g.pacer.Rate())
 	}
 	g.burst = burst
@@ -144,7 +144,7 @@ func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func()
 		g.pacer.Observe(now, now.Sub(start), objects, err)
 		if v := g.pacer.last; v != before && v.Change == "decrease" {
 			g.log.V(2).Info("Storage migration slows down", "cause", v.Cause, "p90", v.P90, "target", g.pacer.Target(),
-				"clientsP90", v.ServingP90, "clientsTarget", g.pacer.ServingTarget(), "achieved", v.Achieved, "allowedRate", g.pacer.Rate())
+				"clientsP99", v.ServingP99, "clientsTarget", g.pacer.ServingTarget(), "achieved", v.Achieved, "allowedRate", g.pacer.Rate())
 		}
 		changed := false
 		if noSpace {

@@ -369,7 +369,7 @@ func TestMigrationSlowsDownForSlowClients(t *testing.T) {
 	if pending := serving.drain(nil); len(pending) != 0 {
 		t.Errorf("%d samples still pending after the migration", len(pending))
 	}
-	baseline, ok, end := serving.begin(pacingQuantile)
+	baseline, ok, end := serving.begin(servingQuantile)
 	end()
 	if !ok || baseline != 2*time.Millisecond {
 		t.Errorf("baseline after the migration %v (ok %v), want 2ms: requests answered while migrating must not make the baseline", baseline, ok)

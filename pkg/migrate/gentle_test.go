@@ -19,7 +19,7 @@ import (
 // Pacer commands:
 //
 //	pacer [ceiling=N] [target=D] [window=D] [min=N] [increase=N] [serving=D]
-//	                      a new pacer at +0s; serving is the clients' baseline p90;
+//	                      a new pacer at +0s; serving is the clients' baseline p99;
 //	                      prints its rate
 //	txns n=N latency=D [objects=K] [every=D] [errors=E] [clients=C clientlatency=D]
 //	                      N transactions of K objects (default 64), one ending every D
@@ -107,7 +107,7 @@ func (h *gentleHarness) run(t *testing.T, d *datadriven.TestData) string {
 			if v := h.pacer.last; v != before {
 				fmt.Fprintf(&b, "%s: window p90=%s samples=%d errors=%d achieved=%.0f/s", h.at(), v.P90, v.Samples, v.Errors, v.Achieved)
 				if v.ServingSamples > 0 {
-					fmt.Fprintf(&b, " clients p90=%s samples=%d", v.ServingP90, v.ServingSamples)
+					fmt.Fprintf(&b, " clients p99=%s samples=%d", v.ServingP99, v.ServingSamples)
 				}
 				fmt.Fprintf(&b, " → %s", v.Change)
 				if v.Cause != "" && h.pacer.ServingTarget() > 0 {

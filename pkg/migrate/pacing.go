@@ -45,8 +45,13 @@ const (
 	// minServingSlack: a serving target is at least this far above the baseline (a
 	// 2 ms baseline must not make a 3.1 ms window a congestion).
 	minServingSlack = time.Millisecond
-	// pacingQuantile is the latency quantile judged, of etcd's and of the clients'.
+	// pacingQuantile is the quantile of etcd's latency judged.
 	pacingQuantile = 0.9
+	// servingQuantile is the quantile of the clients' latency judged, in a window and
+	// in the baseline: the clients' promise is about their tail (p99 at most
+	// ServingFactor × before), and AIMD climbs until its signal trips, so a p90 signal
+	// would let the tail grow unseen. In a window of tens of requests it is the slowest.
+	servingQuantile = 0.99
 	// minServingSamples a window needs for the clients' latency to be judged; fewer
 	// are kept for the next window.
 	minServingSamples = 10
@@ -119,7 +124,7 @@ func (o PacingOptions) withDefaults() PacingOptions {
 // of the rate, whichever is more, never above the ceiling.
 //
 // With a serving baseline (SetServingBaseline: the apiserver's clients were answered
-// in p90 B before the migration), a window whose clients' p90 is above
+// in p99 B before the migration), a window whose clients' p99 is above
 // max(ServingFactor × B, B + 1ms) is congestion too. The rate then starts at
 // ServingStartRate and doubles per calm window until the first congestion (TCP's slow
 // start): starting at full speed would slow every client for the windows it takes to
@@ -130,7 +135,7 @@ type pacer struct {
 	// target is opts.TargetLatency or the baseline's; 0 until the first judged window.
 	target time.Duration
 
-	// servingTarget is the clients' p90 above which the rate decreases; 0: no
+	// servingTarget is the clients' p99 above which the rate decreases; 0: no
 	// serving baseline. slowStart: doubling until the first congestion.
 	servingTarget time.Duration
 	slowStart     bool
@@ -154,8 +159,8 @@ type pacerVerdict struct {
 	Samples  int
 	Errors   int
 	Achieved float64 // objects per second in the window
-	// ServingP90 of ServingSamples client requests, when there were enough to judge.
-	ServingP90     time.Duration
+	// ServingP99 of ServingSamples client requests, when there were enough to judge.
+	ServingP99     time.Duration
 	ServingSamples int
 	Change         string // "baseline", "decrease", "increase", "double", "hold"
 	// Cause of a decrease: "etcd errors", "etcd latency" or "serving latency".
@@ -181,7 +186,7 @@ func (p *pacer) Target() time.Duration { return p.target }
 // figures; "" when it is not.
 func (p *pacer) SlowedBy() string { return p.slowedBy }
 
-// SetServingBaseline makes the clients' latency a signal: baseline is their p90
+// SetServingBaseline makes the clients' latency a signal: baseline is their p99
 // before the migration. Called before the first transaction.
 func (p *pacer) SetServingBaseline(baseline time.Duration) {
 	p.servingTarget = max(time.Duration(p.opts.ServingFactor*float64(baseline)), baseline+minServingSlack)
@@ -227,7 +232,7 @@ func (p *pacer) Tick(now time.Time) {
 	v := pacerVerdict{At: now, Samples: len(p.latencies), Errors: p.errors, Achieved: float64(p.objects) / elapsed.Seconds()}
 	v.P90 = quantile(p.latencies, pacingQuantile)
 	if len(p.serving) >= minServingSamples {
-		v.ServingP90, v.ServingSamples = quantile(p.serving, pacingQuantile), len(p.serving)
+		v.ServingP99, v.ServingSamples = quantile(p.serving, servingQuantile), len(p.serving)
 		p.serving = p.serving[:0]
 	}
 	v.Change, v.Cause = p.judge(v)
@@ -246,7 +251,7 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 		cause = "etcd errors"
 	case !baseline && v.P90 > p.target:
 		cause = "etcd latency"
-	case v.ServingSamples > 0 && v.ServingP90 > p.servingTarget:
+	case v.ServingSamples > 0 && v.ServingP99 > p.servingTarget:
 		cause = "serving latency"
 	}
 	if cause != "" {
@@ -258,7 +263,7 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 		case "etcd latency":
 			p.slowedBy = fmt.Sprintf("etcd latency (p90 %s, target %s)", v.P90, p.target)
 		default:
-			p.slowedBy = fmt.Sprintf("the apiserver's clients answered slower (p90 %s, target %s)", v.ServingP90, p.servingTarget)
+			p.slowedBy = fmt.Sprintf("the apiserver's clients answered slower (p99 %s, target %s)", v.ServingP99, p.servingTarget)
 		}
 		return "decrease", cause
 	}

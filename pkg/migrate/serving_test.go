@@ -15,7 +15,7 @@ func TestServingLatencyBaseline(t *testing.T) {
 	for range minServingBaselineSamples - 1 {
 		s.Observe(3 * time.Millisecond)
 	}
-	if _, ok, end := s.begin(pacingQuantile); ok {
+	if _, ok, end := s.begin(0.9); ok {
 		t.Fatal("a baseline from fewer requests than the minimum")
 	} else {
 		end()
@@ -29,14 +29,14 @@ func TestServingLatencyBaseline(t *testing.T) {
 	for range 10 {
 		s.Observe(50 * time.Millisecond)
 	}
-	base, ok, end := s.begin(pacingQuantile)
+	base, ok, end := s.begin(0.9)
 	if !ok || base != 5*time.Millisecond {
 		t.Fatalf("baseline %v (ok %v), want the p90 of the recent requests, 5ms", base, ok)
 	}
 
 	// While migrating, requests go to the pacer, not the baseline; two migrations
 	// at once both have to end before they make the baseline again.
-	_, _, end2 := s.begin(pacingQuantile)
+	_, _, end2 := s.begin(0.9)
 	s.Observe(200 * time.Millisecond)
 	if got := s.drain(nil); len(got) != 1 || got[0] != 200*time.Millisecond {
 		t.Fatalf("drained %v, want the one request answered while migrating", got)
@@ -68,7 +68,7 @@ func TestServingLatencyBaseline(t *testing.T) {
 
 	var none *ServingLatency
 	none.Observe(time.Second)
-	if _, ok, end := none.begin(pacingQuantile); ok {
+	if _, ok, end := none.begin(0.9); ok {
 		t.Error("a nil recorder has a baseline")
 	} else {
 		end()
