@@ -40,6 +40,7 @@ func main() {
 		scaleBase  = flag.Duration("scale-baseline", 0, "the scale scenario's client-load window before the rotation (default 1m; short 10s)")
 		scaleRate  = flag.Float64("scale-migration-rate", 0, "the scale scenario's rekey side: the shim's --storage-migration-rate in objects/s (default unlimited)")
 		scaleQuota = flag.Int64("scale-quota-bytes", 0, "the scale scenario's etcd --quota-backend-bytes (default 2 GiB)")
+		scaleShim  = flag.String("scale-shim-flags", "", "the scale scenario's rekey side: more flags for its shim, space-separated (e.g. -v=2)")
 		scaleIdle  = flag.Bool("scale-idle", false, "run the scale scenario without its client workload (the migration on an idle cluster)")
 		scaleLimit = flag.Duration("scale-upstream-limit", 0, "time limit of the scale scenario's upstream replace; past it the time is extrapolated from the rate (default 20m)")
 	)
@@ -69,7 +70,7 @@ func main() {
 		settings.RotationSides = strings.Split(*rotSides, ",")
 	}
 	settings.ScaleObjects, settings.ScaleBaseline, settings.ScaleUpstreamLimit, settings.ScaleMigrationRate = *scaleN, *scaleBase, *scaleLimit, *scaleRate
-	settings.ScaleQuotaBytes, settings.ScaleIdle = *scaleQuota, *scaleIdle
+	settings.ScaleQuotaBytes, settings.ScaleIdle, settings.ScaleShimFlags = *scaleQuota, *scaleIdle, strings.Fields(*scaleShim)
 	if v := os.Getenv("REKEY_BENCH_SCALE_N"); v != "" && *scaleN == 0 {
 		n, err := strconv.Atoi(v)
 		if err != nil || n <= 0 {

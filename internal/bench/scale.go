@@ -129,6 +129,7 @@ func runScale(s Settings) ([]Row, error) {
 			if s.ScaleMigrationRate > 0 {
 				args = append(args, "--storage-migration-rate", strconv.FormatFloat(s.ScaleMigrationRate, 'f', -1, 64))
 			}
+			args = append(args, s.ScaleShimFlags...)
 		}
 		clients := float64(scaleClientRate)
 		if s.ScaleIdle {

@@ -42,6 +42,9 @@ type Settings struct {
 	// ScaleQuotaBytes is the scale scenario's etcd --quota-backend-bytes (0: 2 GiB, the
 	// default); the rekey side's shim is told it.
 	ScaleQuotaBytes int64
+	// ScaleShimFlags are more flags for the rekey side's shim (e.g. -v=2 to see
+	// the pacing's decisions).
+	ScaleShimFlags []string
 	// ScaleIdle runs the scale scenario without its client workload: the migration's
 	// speed on an idle cluster.
 	ScaleIdle bool
