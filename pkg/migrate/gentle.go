@@ -288,9 +288,10 @@ collect:
 	if answered == 0 {
 		return etcdSpace{Err: fmt.Errorf("reading the database size of etcd: %w", errors.Join(errs...))}
 	}
-	ctx, cancel := context.WithTimeout(ctx, spaceReadTimeout)
+	// A new variable: the members' goroutines still running past the grace read ctx.
+	alarmCtx, cancel := context.WithTimeout(ctx, spaceReadTimeout)
 	defer cancel()
-	alarms, err := cli.AlarmList(ctx)
+	alarms, err := cli.AlarmList(alarmCtx)
 	if err != nil {
 		return etcdSpace{Err: fmt.Errorf("reading etcd's alarms: %w", err)}
 	}
