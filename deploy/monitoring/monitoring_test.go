@@ -489,7 +489,10 @@ func TestEveryMetricIsExposedByARunningShim(t *testing.T) {
 	waitFor(t, 60*time.Second, "the migration's progress and results", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
-		return seen.samples["rekey_cluster_migration_objects"] && seen.samples["rekey_storage_migration_objects_total"]
+		// remaining_objects is set once a page is done; a transaction carries 50 ms of the
+		// rate (one object at 20/s), so objects_total appears well before it.
+		return seen.samples["rekey_cluster_migration_objects"] && seen.samples["rekey_storage_migration_objects_total"] &&
+			seen.samples["rekey_storage_migration_remaining_objects"]
 	})
 	if err := scrape(); err != nil {
 		t.Fatal(err)
