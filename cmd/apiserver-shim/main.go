@@ -124,6 +124,10 @@ shim whose file cannot read a key the others use fails /readyz. See "cluster" in
 	authn.StringVar(&f.opts.TokenAuthFile, "token-auth-file", "",
 		"A kube-apiserver static token file: lines of token,user,uid,\"group1,group2\". Required: authentication is always on.")
 
+	// kube-apiserver's --feature-gates: the generic apiserver's gates (e.g.
+	// DetectCacheInconsistency, whose periodic full list is a load of its own at a
+	// million objects) and the logging ones.
+	utilfeature.DefaultMutableFeatureGate.AddFlag(fss.FlagSet("feature gates"))
 	logsapi.AddFlags(f.logging, fss.FlagSet("logs"))
 	verflag.AddFlags(fss.FlagSet("global"))
 

@@ -41,6 +41,7 @@ func main() {
 		scaleRate  = flag.Float64("scale-migration-rate", 0, "the scale scenario's rekey side: the shim's --storage-migration-rate in objects/s (default unlimited)")
 		scaleQuota = flag.Int64("scale-quota-bytes", 0, "the scale scenario's etcd --quota-backend-bytes (default 2 GiB)")
 		scaleShim  = flag.String("scale-shim-flags", "", "the scale scenario's rekey side: more flags for its shim, space-separated (e.g. -v=2)")
+		scaleOps   = flag.String("scale-ops-dir", "", "the scale scenario: write each side's client requests to DIR/<side>-client-ops.csv (start, latency, failed)")
 		scaleIdle  = flag.Bool("scale-idle", false, "run the scale scenario without its client workload (the migration on an idle cluster)")
 		scaleLimit = flag.Duration("scale-upstream-limit", 0, "time limit of the scale scenario's upstream replace; past it the time is extrapolated from the rate (default 20m)")
 	)
@@ -71,6 +72,7 @@ func main() {
 	}
 	settings.ScaleObjects, settings.ScaleBaseline, settings.ScaleUpstreamLimit, settings.ScaleMigrationRate = *scaleN, *scaleBase, *scaleLimit, *scaleRate
 	settings.ScaleQuotaBytes, settings.ScaleIdle, settings.ScaleShimFlags = *scaleQuota, *scaleIdle, strings.Fields(*scaleShim)
+	settings.ScaleOpsDir = *scaleOps
 	if v := os.Getenv("REKEY_BENCH_SCALE_N"); v != "" && *scaleN == 0 {
 		n, err := strconv.Atoi(v)
 		if err != nil || n <= 0 {

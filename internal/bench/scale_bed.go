@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"hash/fnv"
 	"math/rand/v2"
+	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -312,6 +314,27 @@ func (l *clientLoad) Stop() []clientOp {
 	l.cancel()
 	l.wg.Wait()
 	return l.ops
+}
+
+// writeClientOps writes ops as CSV: start (Unix ms), latency (ms), failed; the first
+// lines are comments with the baseline's start, the first edit and the migration's
+// window, in Unix ms.
+func writeClientOps(path string, ops []clientOp, baseStart, firstEdit, migStart, migEnd time.Time) error {
+	var b strings.Builder
+	for _, m := range []struct {
+		name string
+		at   time.Time
+	}{{"baseline", baseStart}, {"first-edit", firstEdit}, {"migration-start", migStart}, {"migration-end", migEnd}} {
+		fmt.Fprintf(&b, "# %s %d\n", m.name, m.at.UnixMilli())
+	}
+	b.WriteString("start_ms,latency_ms,failed\n")
+	for _, o := range ops {
+		fmt.Fprintf(&b, "%d,%.3f,%t\n", o.at.UnixMilli(), float64(o.latency)/float64(time.Millisecond), o.failed)
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return err
+	}
+	return os.WriteFile(path, []byte(b.String()), 0o644)
 }
 
 // clientWindow is the client latency of the requests started in [from, to).

@@ -48,4 +48,8 @@ type Settings struct {
 	// ScaleIdle runs the scale scenario without its client workload: the migration's
 	// speed on an idle cluster.
 	ScaleIdle bool
+	// ScaleOpsDir, when set, receives each side's client requests as
+	// <side>-client-ops.csv (start, latency, failed) with the rotation's moments, to
+	// line the clients' latency up with what else was measured at the time.
+	ScaleOpsDir string
 }

@@ -66,7 +66,20 @@ type Migrator struct {
 	leading bool
 	state   MigrationState
 	last    *migrate.MigrationRecord
+	// resume is where the previous resource's migration left the pacer.
+	resume resumeRate
 }
+
+// resumeRate is the rate a resource's migration ended at, for the next resource of the
+// same rotation when it starts within resumeRateFor.
+type resumeRate struct {
+	target Key
+	rate   float64
+	at     time.Time
+}
+
+// resumeRateFor: a rate older than this says little about the clients now.
+const resumeRateFor = 30 * time.Second
 
 // LastMigration is the latest migration this apiserver ran as leader, in the storage
 // controller's format (nil when none).
@@ -322,9 +335,15 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.
 	}
 	start := m.opts.Clock.Now()
 	verified := &migrate.InventoryStore{}
+	pacing := m.opts.Pacing
+	m.mu.Lock()
+	if r := m.resume; r.target == mig.Target && m.opts.Clock.Since(r.at) < resumeRateFor {
+		pacing.ResumeRate = r.rate
+	}
+	m.mu.Unlock()
 	res, err := migrate.Migrate(ctx, migrate.Options{
 		Client: m.opts.Client, Source: m.opts.Source, Resources: []migrate.Resource{resource}, Rate: m.opts.Rate, Space: m.opts.Space,
-		Pacing:      m.opts.Pacing,
+		Pacing:      pacing,
 		Checkpoints: &etcdCheckpoints{Client: m.opts.Client, Key: checkpointKey(m.opts.Prefix), Guard: guard},
 		Resume:      true, Inventory: verified, Metrics: m.opts.Metrics, ConfigHash: m.opts.ConfigHash(), Logger: m.opts.Logger,
 		CoordinationPrefix: m.opts.Prefix,
@@ -355,6 +374,9 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.
 	rec := &migrate.MigrationRecord{Resources: []string{mig.Resource}, Finished: m.opts.Clock.Now(), Acknowledged: out.acknowledged}
 	if res != nil {
 		rec.Duration, rec.Counters = res.Duration, res.Counters
+		m.mu.Lock()
+		m.resume = resumeRate{target: mig.Target, rate: res.AllowedRate, at: rec.Finished}
+		m.mu.Unlock()
 	}
 	if err != nil {
 		rec.Error = err.Error()

@@ -323,7 +323,7 @@ func TestMigrationSlowsDownForSlowClients(t *testing.T) {
 
 	var mu sync.Mutex
 	var rates []float64
-	var floorAt time.Time
+	var floorAt, verifyAt time.Time
 	var slowedBy string
 	res, err := Migrate(ctx, Options{
 		Client: cli, Source: FromSet(next), Resources: []Resource{ResourceFor(DefaultEtcdPrefix, secrets)},
@@ -341,8 +341,12 @@ func TestMigrationSlowsDownForSlowClients(t *testing.T) {
 			if p.SlowedBy != "" {
 				slowedBy = p.SlowedBy
 			}
+			if p.Phase == "verify" && verifyAt.IsZero() {
+				verifyAt = time.Now()
+			}
 		},
 	})
+	verifyTook := time.Since(verifyAt)
 	close(stop)
 	<-clientsDone
 	if err != nil {
@@ -357,6 +361,14 @@ func TestMigrationSlowsDownForSlowClients(t *testing.T) {
 	}
 	if floorAt.IsZero() {
 		t.Fatalf("the allowed rate never reached the floor %v/s with the clients 20× slower than their baseline", floor)
+	}
+	if res.AllowedRate != floor {
+		t.Errorf("the result says the migration ended at %v/s, want the floor %v/s it was held at (the next resource resumes from it)", res.AllowedRate, floor)
+	}
+	// The verifying re-scan is paced too: it resumes at readCost × the floor, and the
+	// clients stay slow, so it reads at most that; its first page (20) is free.
+	if least := time.Duration(float64(objects-20) / (readCost * floor) * float64(time.Second)); verifyTook < least*9/10 {
+		t.Errorf("the verifying re-scan of %d objects took %v; at most %v/s with the clients slow, it takes at least %v", objects, verifyTook, readCost*floor, least)
 	}
 	if !strings.Contains(slowedBy, "clients answered slower") {
 		t.Errorf("progress says the migration was slowed by %q, want the apiserver's clients", slowedBy)

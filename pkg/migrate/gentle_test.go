@@ -18,9 +18,9 @@ import (
 //
 // Pacer commands:
 //
-//	pacer [ceiling=N] [target=D] [window=D] [min=N] [increase=N] [serving=D]
-//	                      a new pacer at +0s; serving is the clients' baseline p99;
-//	                      prints its rate
+//	pacer [ceiling=N] [target=D] [window=D] [min=N] [increase=N] [serving=D] [resume=N]
+//	                      a new pacer at +0s; serving is the clients' baseline p99,
+//	                      resume the previous migration's ending rate; prints its rate
 //	txns n=N latency=D [objects=K] [every=D] [errors=E] [clients=C clientlatency=D]
 //	                      N transactions of K objects (default 64), one ending every D
 //	                      (default: latency), the first E failing, C client requests
@@ -69,6 +69,7 @@ func (h *gentleHarness) run(t *testing.T, d *datadriven.TestData) string {
 		d.MaybeScanArgs(t, "ceiling", &o.Ceiling)
 		d.MaybeScanArgs(t, "min", &o.MinRate)
 		d.MaybeScanArgs(t, "increase", &o.Increase)
+		d.MaybeScanArgs(t, "resume", &o.ResumeRate)
 		d.MaybeScanArgs(t, "target", &target)
 		d.MaybeScanArgs(t, "window", &window)
 		o.TargetLatency, o.Window = duration(t, d, target), duration(t, d, window)

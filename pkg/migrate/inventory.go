@@ -160,6 +160,8 @@ type InventoryOptions struct {
 	Workers int
 	Clock   clock.PassiveClock
 	Metrics *Metrics
+	// pace, when set, paces the pages (a migration's verifying re-scan).
+	pace *readPacer
 }
 
 // TakeInventory scans every resource at one etcd revision each and counts its objects
@@ -218,7 +220,12 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 	bound := newBucketBound(cl)
 	p := newPager(opts.Client, res, "", opts.PageSize, true).withPageBytes(opts.PageBytes)
 	var results []checkResult
+	last := 0
 	for {
+		if err := opts.pace.wait(ctx, last); err != nil {
+			return nil, err
+		}
+		start := opts.Clock.Now()
 		kvs, err := p.page(ctx)
 		if err != nil {
 			return nil, err
@@ -226,6 +233,7 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 		if len(kvs) == 0 {
 			break
 		}
+		last = len(kvs)
 		if opts.DecryptCheck {
 			results = checkAll(ctx, tr, kvs, opts.Workers, results)
 			for i, r := range results {
@@ -235,6 +243,8 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 				}
 			}
 		}
+		// Paid for before the next page: reading and decrypting this one.
+		opts.pace.read(opts.Clock.Since(start), len(kvs))
 		for i, kv := range kvs {
 			b := cl.classify(kv.Value)
 			unreadable := !b.KnownKey

@@ -128,6 +128,10 @@ type Result struct {
 	// Acknowledged is how many unreadable objects the final re-scan found acknowledged:
 	// the migration is "verified except Acknowledged".
 	Acknowledged int64
+	// AllowedRate is the pacer's rate when the migration ended, in objects per second
+	// (+Inf: no limit): the next migration of the same rotation can resume from it
+	// (PacingOptions.ResumeRate).
+	AllowedRate float64
 }
 
 // ErrNotFinished reports that a verifying re-scan still found stale or unreadable
@@ -216,6 +220,9 @@ func Migrate(ctx context.Context, opts Options) (*Result, error) {
 	opts.Metrics.setRunning(true)
 	defer opts.Metrics.setRunning(false)
 	res, err := m.run(ctx)
+	if res != nil {
+		_, res.AllowedRate, _ = m.gentle.state()
+	}
 	opts.Metrics.migrationDone(err, float64(opts.Clock.Now().UnixNano())/1e9)
 	return res, err
 }
@@ -256,6 +263,7 @@ func (m *migrator) run(ctx context.Context) (*Result, error) {
 			Client: m.opts.Client, Source: m.opts.Source, Resources: m.opts.Resources,
 			PageSize: m.opts.PageSize, PageBytes: m.opts.PageBytes, DecryptCheck: true, ConfigHash: m.opts.ConfigHash,
 			CoordinationPrefix: m.opts.CoordinationPrefix, Clock: m.opts.Clock, Metrics: m.opts.Metrics,
+			pace: m.gentle.readPacer(),
 		})
 		if err != nil {
 			return m.result(res), fmt.Errorf("verifying re-scan: %w", err)

@@ -85,6 +85,13 @@ type PacingOptions struct {
 	// ServingFactor and ServingStartRate: see the defaults.
 	ServingFactor    float64
 	ServingStartRate float64
+	// ResumeRate is the rate a migration of the same rotation ended at a moment ago
+	// (its Result.AllowedRate; the cluster migrator runs one resource after another).
+	// With a serving baseline the rate starts there and grows additively, without slow
+	// start: the migration before already found what the clients bear, and starting
+	// every resource over at ServingStartRate costs each a second or more. 0 or +Inf:
+	// ServingStartRate and slow start.
+	ResumeRate float64
 }
 
 func (o PacingOptions) withDefaults() PacingOptions {
@@ -190,6 +197,10 @@ func (p *pacer) SlowedBy() string { return p.slowedBy }
 // before the migration. Called before the first transaction.
 func (p *pacer) SetServingBaseline(baseline time.Duration) {
 	p.servingTarget = max(time.Duration(p.opts.ServingFactor*float64(baseline)), baseline+minServingSlack)
+	if r := p.opts.ResumeRate; r > 0 && !math.IsInf(r, 1) {
+		p.rate = min(p.rate, max(r, p.opts.MinRate))
+		return
+	}
 	p.slowStart = true
 	p.rate = min(p.rate, p.opts.ServingStartRate)
 }

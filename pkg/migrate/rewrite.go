@@ -64,7 +64,7 @@ func (m *migrator) handleChunk(ctx context.Context, tr value.Transformer, resour
 		}
 		batch = append(batch, rw)
 		size += int(rw.size())
-		if len(batch) >= m.gentle.batchLimit(m.opts.BatchSize) {
+		if len(batch) >= m.gentle.batchLimit() {
 			if err := flush(); err != nil {
 				return err
 			}
