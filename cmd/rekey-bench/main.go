@@ -37,7 +37,7 @@ func main() {
 		rotRekey   = flag.String("rotation-rekey-bin", "", "the rekey binary the rotation scenario runs (default: cmd/rekey built from this tree)")
 		scaleN     = flag.Int("scale-objects", 0, "Secrets the scale scenario stores and rotates (default $REKEY_BENCH_SCALE_N, else 1,000,000; short 20,000)")
 		scaleSides = flag.String("scale-sides", "", "comma-separated sides of the scale scenario to run: rekey, upstream (default both)")
-		scaleBase  = flag.Duration("scale-baseline", 0, "the scale scenario's client-load window before the rotation (default 1m; short 10s)")
+		scaleBase  = flag.Duration("scale-baseline", 0, "the scale scenario's client-load window before the rotation (default 1m, 5m from 500,000 Secrets; short 10s)")
 		scaleRate  = flag.Float64("scale-migration-rate", 0, "the scale scenario's rekey side: the shim's --storage-migration-rate in objects/s (default unlimited)")
 		scaleQuota = flag.Int64("scale-quota-bytes", 0, "the scale scenario's etcd --quota-backend-bytes (default 2 GiB)")
 		scaleShim  = flag.String("scale-shim-flags", "", "the scale scenario's rekey side: more flags for its shim, space-separated (e.g. -v=2)")

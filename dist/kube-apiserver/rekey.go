@@ -123,6 +123,8 @@ func (l *layer) install(c *genericapiserver.Config, factory *serverstorage.Defau
 		APIServerID: c.APIServerID,
 		Registry:    l.reg,
 		Logger:      l.log,
+		// k8s.io/apiserver reports its watch caches' revisions in its global registry.
+		WatchCacheMetrics: legacyregistry.DefaultGatherer,
 	}
 	if err := l.flags.ApplyTo(&o); err != nil {
 		return err

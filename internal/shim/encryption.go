@@ -8,6 +8,7 @@ import (
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	genericoptions "k8s.io/apiserver/pkg/server/options"
 	"k8s.io/component-base/metrics"
+	"k8s.io/component-base/metrics/legacyregistry"
 
 	"github.com/rekey-io/rekey/pkg/layer"
 	"github.com/rekey-io/rekey/pkg/migrate"
@@ -70,6 +71,8 @@ func rekeyLayerOptions(o *Options, reg metrics.KubeRegistry, apiServerID string)
 		APIServerID: apiServerID,
 		Registry:    reg,
 		Logger:      o.Logger,
+		// k8s.io/apiserver reports its watch caches' revisions in its global registry.
+		WatchCacheMetrics: legacyregistry.DefaultGatherer,
 	}
 	if !o.Rekey.Rekey() || o.EncryptionConfig == "" {
 		return lo, nil

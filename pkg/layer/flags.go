@@ -121,8 +121,10 @@ type Flags struct {
 
 	StorageMigration     bool
 	StorageMigrationRate float64
-	// StorageMigrationClientLatencyFactor: see Options.
+	// StorageMigrationClientLatencyFactor, StorageMigrationMaxWatchLag: see Options
+	// (a flag's negative max lag leaves the watch cache out).
 	StorageMigrationClientLatencyFactor float64
+	StorageMigrationMaxWatchLag         time.Duration
 	// StorageMigrationEtcdQuotaBytes and StorageMigrationMaxDBFraction: see
 	// migrate.SpaceOptions.
 	StorageMigrationEtcdQuotaBytes int64
@@ -158,6 +160,7 @@ func NewFlags(d Defaults) Flags {
 		StorageMigrationEtcdQuotaBytes:      migrate.DefaultEtcdQuotaBytes,
 		StorageMigrationMaxDBFraction:       migrate.DefaultMaxDBFraction,
 		StorageMigrationClientLatencyFactor: migrate.DefaultServingFactor,
+		StorageMigrationMaxWatchLag:         migrate.DefaultMaxWatchLag,
 		StorageResources:                    d.StorageResources,
 		ClusterCoordination:                 true,
 		ClusterLeaseTTL:                     cluster.DefaultLeaseTTL,
@@ -202,11 +205,16 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 			"while the migration's own etcd transactions are slow (p90 over 3× the first second's, at least 20ms) or fail, and climbs back "+
 			"50 objects/s (or a tenth of the rate, above 500/s) a second while they are fast (rekey_storage_migration_allowed_rate).")
 	fs.Float64Var(&f.StorageMigrationClientLatencyFactor, "storage-migration-client-latency-factor", f.StorageMigrationClientLatencyFactor,
-		"Storage migration also halves its rate while this apiserver answers its clients more than this many times slower (p99 over 1s windows, "+
-			"at least 1ms more) than before the migration began, and then starts at 100 objects/s, doubling while they are as fast as before; "+
+		"Storage migration also halves its rate while this apiserver answers its clients more than this many times slower (p99 of at least 100 requests, "+
+			"or of what 5s brought; at least 1ms more) than before the migration began, and then starts at 100 objects/s, doubling while they are as fast as before "+
+			"(the rate holds until their requests are judged); its verifying re-scan is paced the same way; "+
 			"on control planes whose CPUs etcd, the apiserver and the migration share, etcd can stay fast while the clients wait. "+
 			"Watches and other long-running requests are not timed; with fewer than 50 requests in the 10 minutes before, there is no baseline "+
 			"and etcd alone paces. 0 leaves the clients out.")
+	fs.DurationVar(&f.StorageMigrationMaxWatchLag, "storage-migration-max-watch-lag", f.StorageMigrationMaxWatchLag,
+		"Storage migration also halves its rate while this apiserver's watch cache of the resource is further behind the migration's own writes "+
+			"than this (every rewritten object is an event the cache decodes, one at a time, before any watcher sees it: writing faster only "+
+			"delays every watcher), idle cluster or not. 0 leaves the watch cache out.")
 	AddStorageMigrationSpaceFlags(fs, &f.StorageMigrationEtcdQuotaBytes, &f.StorageMigrationMaxDBFraction)
 	if f.defaults.StorageResources != nil {
 		fs.StringSliceVar(&f.StorageResources, FlagStorageMigrationResources, f.StorageResources,
@@ -339,6 +347,11 @@ func (f *Flags) ApplyTo(o *Options) error {
 	o.StorageMigration = f.StorageMigration
 	o.StorageMigrationRate = f.StorageMigrationRate
 	o.StorageMigrationClientLatencyFactor = f.StorageMigrationClientLatencyFactor
+	// The flag's 0 is off; the options' is the default.
+	o.StorageMigrationMaxWatchLag = f.StorageMigrationMaxWatchLag
+	if o.StorageMigrationMaxWatchLag == 0 {
+		o.StorageMigrationMaxWatchLag = -1
+	}
 	o.StorageMigrationSpace = migrate.SpaceOptions{QuotaBytes: f.StorageMigrationEtcdQuotaBytes, MaxFraction: f.StorageMigrationMaxDBFraction}
 	o.StorageCheckInterval = f.StorageCheckInterval
 	o.StorageInventoryInterval = f.StorageInventoryInterval

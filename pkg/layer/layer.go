@@ -33,6 +33,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	"k8s.io/component-base/metrics"
@@ -111,6 +112,16 @@ type Options struct {
 	// answers its clients more than this many times slower than before (p99; see
 	// migrate.PacingOptions.ServingFactor). 0 leaves the clients' latency out.
 	StorageMigrationClientLatencyFactor float64
+	// StorageMigrationMaxWatchLag: migrations slow down while the apiserver's watch
+	// cache of the resource is further behind their writes than this
+	// (migrate.PacingOptions.MaxWatchLag; 0: the default; negative: the watch cache
+	// is left out). Needs WatchCacheMetrics.
+	StorageMigrationMaxWatchLag time.Duration
+	// WatchCacheMetrics is where k8s.io/apiserver reports its watch caches'
+	// revisions (apiserver_watch_cache_resource_version): its global registry,
+	// legacyregistry.DefaultGatherer, which the embedding server passes. nil leaves
+	// the watch cache out of the pacing.
+	WatchCacheMetrics prometheus.Gatherer
 	// StorageCheckInterval and StorageInventoryInterval: see migrate.ControllerOptions.
 	StorageCheckInterval     time.Duration
 	StorageInventoryInterval time.Duration
@@ -204,6 +215,8 @@ type Layer struct {
 	// serving is how fast the apiserver answers its clients (AddServingLatency feeds
 	// it); migrations slow down when they slow it.
 	serving *migrate.ServingLatency
+	// watchCache reads how far the apiserver's watch caches have got (nil: not known).
+	watchCache *watchCacheRevisions
 
 	// client is the layer's one etcd client, closed last.
 	client *clientv3.Client
@@ -224,7 +237,11 @@ type Layer struct {
 // pacing is how migrations adapt their rate: to etcd, and with the clients' latency
 // timed (AddServingLatency) to them too.
 func (l *Layer) pacing() migrate.PacingOptions {
-	return migrate.PacingOptions{Serving: l.serving, ServingFactor: l.opts.StorageMigrationClientLatencyFactor}
+	p := migrate.PacingOptions{Serving: l.serving, ServingFactor: l.opts.StorageMigrationClientLatencyFactor, MaxWatchLag: l.opts.StorageMigrationMaxWatchLag}
+	if l.watchCache != nil {
+		p.WatchCache = l.watchCache.Revision
+	}
+	return p
 }
 
 // resolver finds the stored resources a configuration's rules cover: through the
@@ -265,6 +282,9 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 	l := &Layer{opts: o, client: cli, store: &migrate.InventoryStore{}, metrics: m, log: o.Logger, events: &events.Deferred{}}
 	if o.StorageMigrationClientLatencyFactor > 0 {
 		l.serving = migrate.NewServingLatency(nil)
+	}
+	if o.WatchCacheMetrics != nil && o.StorageMigrationMaxWatchLag >= 0 {
+		l.watchCache = newWatchCacheRevisions(o.WatchCacheMetrics, nil)
 	}
 	l.keyIDs = &kmsKeyIDs{sink: l.events}
 	defer func() {

@@ -16,6 +16,7 @@ import (
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"golang.org/x/time/rate"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 )
@@ -63,6 +64,11 @@ type gentle struct {
 	servingBuf []time.Duration
 	// servingBaseline is the clients' p99 before the migration; 0: none.
 	servingBaseline time.Duration
+	// watchCache (nil outside an apiserver) and lag: how far behind the apiserver's
+	// watch cache of resource is.
+	watchCache WatchCacheRevision
+	resource   schema.GroupResource
+	lag        watchLag
 }
 
 func newGentle(opts Options, burst int, log klog.Logger, changed func()) *gentle {
@@ -70,7 +76,7 @@ func newGentle(opts Options, burst int, log klog.Logger, changed func()) *gentle
 	pacing.Ceiling = opts.Rate
 	g := &gentle{
 		client: opts.Client, clock: opts.Clock, log: log, metrics: opts.Metrics, changed: changed,
-		pacer: newPacer(pacing), gate: newSpaceGate(opts.Space), serving: pacing.Serving,
+		pacer: newPacer(pacing), gate: newSpaceGate(opts.Space), serving: pacing.Serving, watchCache: pacing.WatchCache,
 	}
 	baseline, ok, end := g.serving.begin(servingQuantile)
 	g.endServing = end
@@ -91,6 +97,28 @@ func limitOf(r float64) rate.Limit {
 		return rate.Inf
 	}
 	return rate.Limit(r)
+}
+
+// migrating says which resource the transactions from now on write.
+func (g *gentle) migrating(gr schema.GroupResource) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.resource = gr
+	g.lag.reset()
+}
+
+// observeWatchCache feeds the pacer how far the watch cache is behind a commit at
+// revision rev made at now. Called with mu held.
+func (g *gentle) observeWatchCache(rev int64, now time.Time) {
+	if g.watchCache == nil || rev == 0 {
+		return
+	}
+	cache, ok := g.watchCache(g.resource)
+	if !ok {
+		return
+	}
+	g.lag.committed(rev, now)
+	g.pacer.ObserveWatchLag(g.lag.lag(cache, now))
 }
 
 // close ends the migration's writing: requests answered from now on make the
@@ -207,11 +235,15 @@ func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func()
 		for _, d := range g.servingBuf {
 			g.pacer.ObserveServing(d)
 		}
+		if err == nil && resp != nil && resp.Header != nil {
+			g.observeWatchCache(resp.Header.Revision, now)
+		}
 		before := g.pacer.last
 		g.pacer.Observe(now, now.Sub(start), objects, err)
 		if v := g.pacer.last; v != before && v.Change == "decrease" {
 			g.log.V(2).Info("Storage migration slows down", "cause", v.Cause, "p90", v.P90, "target", g.pacer.Target(),
-				"clientsP99", v.ServingP99, "clientsTarget", g.pacer.ServingTarget(), "achieved", v.Achieved, "allowedRate", g.pacer.Rate())
+				"clientsP99", v.ServingP99, "clientsTarget", g.pacer.ServingTarget(), "watchCacheLag", v.WatchLag,
+				"achieved", v.Achieved, "allowedRate", g.pacer.Rate())
 		}
 		changed := false
 		if noSpace {

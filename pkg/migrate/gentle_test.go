@@ -21,11 +21,12 @@ import (
 //	pacer [ceiling=N] [target=D] [window=D] [min=N] [increase=N] [serving=D] [resume=N]
 //	                      a new pacer at +0s; serving is the clients' baseline p99,
 //	                      resume the previous migration's ending rate; prints its rate
-//	txns n=N latency=D [objects=K] [every=D] [errors=E] [clients=C clientlatency=D]
+//	txns n=N latency=D [objects=K] [every=D] [errors=E] [clients=C clientlatency=D] [watchlag=D]
 //	                      N transactions of K objects (default 64), one ending every D
 //	                      (default: latency), the first E failing, C client requests
-//	                      answered in clientlatency before each; prints each window's
-//	                      verdict and the rate after it
+//	                      answered in clientlatency before each, the watch cache
+//	                      watchlag behind after each; prints each window's verdict and
+//	                      the rate after it
 //
 // Space gate commands:
 //
@@ -81,7 +82,8 @@ func (h *gentleHarness) run(t *testing.T, d *datadriven.TestData) string {
 		return "rate " + rateText(h.pacer.Rate())
 	case "txns":
 		n, objects, errs, clients := 0, 64, 0, 0
-		var latency, every, clientLatency string
+		var latency, every, clientLatency, watchLag string
+		d.MaybeScanArgs(t, "watchlag", &watchLag)
 		d.MaybeScanArgs(t, "clients", &clients)
 		d.MaybeScanArgs(t, "clientlatency", &clientLatency)
 		d.ScanArgs(t, "n", &n)
@@ -103,6 +105,9 @@ func (h *gentleHarness) run(t *testing.T, d *datadriven.TestData) string {
 			for range clients {
 				h.pacer.ObserveServing(duration(t, d, clientLatency))
 			}
+			if watchLag != "" {
+				h.pacer.ObserveWatchLag(duration(t, d, watchLag))
+			}
 			before := h.pacer.last
 			h.pacer.Observe(h.now, lat, objects, err)
 			if v := h.pacer.last; v != before {
@@ -110,8 +115,11 @@ func (h *gentleHarness) run(t *testing.T, d *datadriven.TestData) string {
 				if v.ServingSamples > 0 {
 					fmt.Fprintf(&b, " clients p99=%s samples=%d", v.ServingP99, v.ServingSamples)
 				}
+				if v.WatchLagSeen {
+					fmt.Fprintf(&b, " watch cache lag=%s", v.WatchLag)
+				}
 				fmt.Fprintf(&b, " → %s", v.Change)
-				if v.Cause != "" && h.pacer.ServingTarget() > 0 {
+				if v.Cause != "" && (h.pacer.ServingTarget() > 0 || v.WatchLagSeen) {
 					fmt.Fprintf(&b, " (%s)", v.Cause)
 				}
 				fmt.Fprintf(&b, ": rate %s target %s\n", rateText(h.pacer.Rate()), h.pacer.Target())

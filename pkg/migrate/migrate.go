@@ -345,6 +345,7 @@ func (m *migrator) migrateResource(ctx context.Context, pass int, r Resource, fr
 		m.ckpt.LastKey = strings.TrimSuffix(from, "\x00")
 	}
 	tr := m.opts.Source.TransformerFor(r.GroupResource)
+	m.gentle.migrating(r.GroupResource)
 	// Pages are read at the latest revision: the compare-and-swap on every write is
 	// what keeps a rewrite safe, and a long migration must survive the apiserver's
 	// periodic compaction.

@@ -50,11 +50,18 @@ const (
 	// servingQuantile is the quantile of the clients' latency judged, in a window and
 	// in the baseline: the clients' promise is about their tail (p99 at most
 	// ServingFactor × before), and AIMD climbs until its signal trips, so a p90 signal
-	// would let the tail grow unseen. In a window of tens of requests it is the slowest.
+	// would let the tail grow unseen.
 	servingQuantile = 0.99
-	// minServingSamples a window needs for the clients' latency to be judged; fewer
-	// are kept for the next window.
-	minServingSamples = 10
+	// minServingSamples the clients' latency needs to be judged; fewer are kept for
+	// the next window, and a window without a judgement of the clients does not raise
+	// the rate. A p99 needs about a hundred samples: the slowest of 30 (a second of a
+	// 30 requests/s workload) is above the baseline's p99 one window in four with no
+	// change at all, and each such window halved the rate (a million-Secret run crawled
+	// at 100–1,000 objects/s).
+	minServingSamples = 100
+	// maxServingWindows: with fewer clients than that, what arrived in this many
+	// windows is judged anyway (a light workload must not hold the rate for long).
+	maxServingWindows = 5
 	// minSamples a window needs to be judged (one slow request is not a trend); a
 	// window lasts until it has them.
 	minSamples = 3
@@ -85,6 +92,13 @@ type PacingOptions struct {
 	// ServingFactor and ServingStartRate: see the defaults.
 	ServingFactor    float64
 	ServingStartRate float64
+	// WatchCache, when set, is how far the apiserver's watch caches have got (an
+	// apiserver sets it): a window in which the cache of the resource being migrated
+	// was more than MaxWatchLag behind the migration's own writes is congestion, idle
+	// cluster or not.
+	WatchCache WatchCacheRevision
+	// MaxWatchLag: DefaultMaxWatchLag when 0.
+	MaxWatchLag time.Duration
 	// ResumeRate is the rate a migration of the same rotation ended at a moment ago
 	// (its Result.AllowedRate; the cluster migrator runs one resource after another).
 	// With a serving baseline the rate starts there and grows additively, without slow
@@ -115,6 +129,9 @@ func (o PacingOptions) withDefaults() PacingOptions {
 	}
 	if o.ServingStartRate <= 0 {
 		o.ServingStartRate = DefaultServingStartRate
+	}
+	if o.MaxWatchLag <= 0 {
+		o.MaxWatchLag = DefaultMaxWatchLag
 	}
 	return o
 }
@@ -150,8 +167,14 @@ type pacer struct {
 	windowStart time.Time
 	latencies   []time.Duration
 	serving     []time.Duration
-	objects     int64
-	errors      int
+	// servingWindows counts the windows since the clients were last judged.
+	servingWindows int
+	// watchLag is the longest the watch cache was behind in this window; watchLagSeen
+	// whether it was read at all.
+	watchLag     time.Duration
+	watchLagSeen bool
+	objects      int64
+	errors       int
 	// last is the latest judgement, for the status and the transcripts.
 	last pacerVerdict
 	// slowedBy says what made the last decrease, until the rate is back at the
@@ -169,8 +192,12 @@ type pacerVerdict struct {
 	// ServingP99 of ServingSamples client requests, when there were enough to judge.
 	ServingP99     time.Duration
 	ServingSamples int
-	Change         string // "baseline", "decrease", "increase", "double", "hold"
-	// Cause of a decrease: "etcd errors", "etcd latency" or "serving latency".
+	// WatchLag is how far behind the watch cache was at most (when it was read).
+	WatchLag     time.Duration
+	WatchLagSeen bool
+	Change       string // "baseline", "decrease", "increase", "double", "hold"
+	// Cause of a decrease: "etcd errors", "etcd latency", "serving latency" or "watch
+	// cache lag".
 	Cause string
 }
 
@@ -208,6 +235,12 @@ func (p *pacer) SetServingBaseline(baseline time.Duration) {
 // ServingTarget is the clients' latency target; 0 without a serving baseline.
 func (p *pacer) ServingTarget() time.Duration { return p.servingTarget }
 
+// ObserveWatchLag feeds how far the apiserver's watch cache was behind the
+// migration's own writes.
+func (p *pacer) ObserveWatchLag(lag time.Duration) {
+	p.watchLag, p.watchLagSeen = max(p.watchLag, lag), true
+}
+
 // ObserveServing feeds one client request answered during the migration.
 func (p *pacer) ObserveServing(latency time.Duration) {
 	if p.servingTarget > 0 && len(p.serving) < maxPendingServing {
@@ -242,10 +275,13 @@ func (p *pacer) Tick(now time.Time) {
 	elapsed := now.Sub(p.windowStart)
 	v := pacerVerdict{At: now, Samples: len(p.latencies), Errors: p.errors, Achieved: float64(p.objects) / elapsed.Seconds()}
 	v.P90 = quantile(p.latencies, pacingQuantile)
-	if len(p.serving) >= minServingSamples {
-		v.ServingP99, v.ServingSamples = quantile(p.serving, servingQuantile), len(p.serving)
-		p.serving = p.serving[:0]
+	p.servingWindows++
+	if n := len(p.serving); n >= minServingSamples || (n > 0 && p.servingWindows >= maxServingWindows) {
+		v.ServingP99, v.ServingSamples = quantile(p.serving, servingQuantile), n
+		p.serving, p.servingWindows = p.serving[:0], 0
 	}
+	v.WatchLag, v.WatchLagSeen = p.watchLag, p.watchLagSeen
+	p.watchLag, p.watchLagSeen = 0, false
 	v.Change, v.Cause = p.judge(v)
 	p.last = v
 	p.windowStart, p.latencies, p.objects, p.errors = now, p.latencies[:0], 0, 0
@@ -264,6 +300,8 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 		cause = "etcd latency"
 	case v.ServingSamples > 0 && v.ServingP99 > p.servingTarget:
 		cause = "serving latency"
+	case v.WatchLag > p.opts.MaxWatchLag:
+		cause = "watch cache lag"
 	}
 	if cause != "" {
 		p.rate = max(min(p.rate, v.Achieved)*p.opts.Decrease, p.opts.MinRate)
@@ -273,6 +311,8 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 			p.slowedBy = fmt.Sprintf("etcd errors (%d of %d transactions)", v.Errors, v.Samples)
 		case "etcd latency":
 			p.slowedBy = fmt.Sprintf("etcd latency (p90 %s, target %s)", v.P90, p.target)
+		case "watch cache lag":
+			p.slowedBy = fmt.Sprintf("the apiserver's watch cache fell behind the migration's writes (%s, at most %s)", v.WatchLag.Round(time.Millisecond), p.opts.MaxWatchLag)
 		default:
 			p.slowedBy = fmt.Sprintf("the apiserver's clients answered slower (p99 %s, target %s)", v.ServingP99, p.servingTarget)
 		}
@@ -280,6 +320,12 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 	}
 	if baseline {
 		return "baseline", ""
+	}
+	if p.servingTarget > 0 && v.ServingSamples == 0 && len(p.serving) > 0 {
+		// The clients' requests of this window wait for enough others to be judged:
+		// until then there is no evidence that more is harmless. (With no clients at
+		// all, etcd alone decides.)
+		return "hold", ""
 	}
 	if math.IsInf(p.rate, 1) || v.Achieved < busyFraction*p.rate || (p.opts.Ceiling > 0 && p.rate >= p.opts.Ceiling) {
 		return "hold", ""

@@ -7,6 +7,7 @@ package migrate
 // traffic sees must be measured where it is served.
 
 import (
+	"math/rand/v2"
 	"sync"
 	"time"
 
@@ -14,11 +15,17 @@ import (
 )
 
 const (
-	// servingBaselineSamples is how many of the latest requests answered while no
-	// migration wrote make the baseline.
-	servingBaselineSamples = 1024
-	// servingBaselineMaxAge: older samples do not describe the cluster of now.
+	// servingBaselineMaxAge: older requests do not describe the cluster of now. The
+	// baseline spans all of it, so that it holds what the cluster does every few
+	// minutes anyway (a garbage collection of a large watch cache, etcd's compaction):
+	// a baseline of the last half minute at a million Secrets was a quiet spell, and
+	// every later collection looked like the migration's doing.
 	servingBaselineMaxAge = 10 * time.Minute
+	// servingBaselineSlot: the baseline is kept per minute, each a uniform sample of at
+	// most servingSlotSamples of its requests (reservoir sampling).
+	servingBaselineSlot  = time.Minute
+	servingBaselineSlots = int(servingBaselineMaxAge / servingBaselineSlot)
+	servingSlotSamples   = 1024
 	// minServingBaselineSamples a baseline needs: with fewer requests there is too
 	// little traffic to judge (and to slow down); the pacer watches etcd alone.
 	minServingBaselineSamples = 50
@@ -38,18 +45,20 @@ type ServingLatency struct {
 	mu sync.Mutex
 	// migrating counts the migrations writing now.
 	migrating int
-	// baseline is a ring of the latest samples taken while none wrote.
-	baseline     [servingBaselineSamples]servingSample
-	baselineNext int
-	baselineLen  int
+	// baseline holds the requests answered while none wrote, a slot per minute of
+	// the last servingBaselineMaxAge (indexed by the minute, modulo).
+	baseline [servingBaselineSlots]servingSlot
+	rng      *rand.Rand
 	// pending holds the samples taken while a migration writes, until its pacer
 	// drains them.
 	pending []time.Duration
 }
 
-type servingSample struct {
-	at      time.Time
-	latency time.Duration
+// servingSlot is one minute of the baseline.
+type servingSlot struct {
+	start   time.Time
+	seen    int
+	samples []time.Duration
 }
 
 // NewServingLatency returns an empty recorder on clk (nil: the real clock).
@@ -57,7 +66,8 @@ func NewServingLatency(clk clock.PassiveClock) *ServingLatency {
 	if clk == nil {
 		clk = clock.RealClock{}
 	}
-	return &ServingLatency{clock: clk}
+	// The sampling needs no secrecy, only independence from the requests.
+	return &ServingLatency{clock: clk, rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 0x5e55))}
 }
 
 // Observe records one answered request that took latency.
@@ -73,9 +83,17 @@ func (s *ServingLatency) Observe(latency time.Duration) {
 		}
 		return
 	}
-	s.baseline[s.baselineNext] = servingSample{at: s.clock.Now(), latency: latency}
-	s.baselineNext = (s.baselineNext + 1) % servingBaselineSamples
-	s.baselineLen = min(s.baselineLen+1, servingBaselineSamples)
+	start := s.clock.Now().Truncate(servingBaselineSlot)
+	sl := &s.baseline[int(start.UnixNano()/int64(servingBaselineSlot))%servingBaselineSlots]
+	if !sl.start.Equal(start) {
+		sl.start, sl.seen, sl.samples = start, 0, sl.samples[:0]
+	}
+	sl.seen++
+	if len(sl.samples) < servingSlotSamples {
+		sl.samples = append(sl.samples, latency)
+	} else if i := s.rng.IntN(sl.seen); i < servingSlotSamples {
+		sl.samples[i] = latency
+	}
 }
 
 // begin marks a migration as writing until the returned func is called, and returns
@@ -87,10 +105,10 @@ func (s *ServingLatency) begin(q float64) (baseline time.Duration, ok bool, end 
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.clock.Now()
-	recent := make([]time.Duration, 0, s.baselineLen)
-	for i := range s.baselineLen {
-		if sm := s.baseline[i]; now.Sub(sm.at) <= servingBaselineMaxAge {
-			recent = append(recent, sm.latency)
+	var recent []time.Duration
+	for _, sl := range s.baseline {
+		if now.Sub(sl.start) < servingBaselineMaxAge {
+			recent = append(recent, sl.samples...)
 		}
 	}
 	if len(recent) >= minServingBaselineSamples {

@@ -1,6 +1,7 @@
 package migrate
 
 import (
+	"math/rand/v2"
 	"testing"
 	"time"
 
@@ -57,12 +58,55 @@ func TestServingLatencyBaseline(t *testing.T) {
 		t.Errorf("the baseline's slowest request %v, want 50ms: requests answered while migrating must not make it", base)
 	}
 
-	// The ring keeps the latest servingBaselineSamples.
-	for range servingBaselineSamples {
-		s.Observe(time.Millisecond)
+	// A minute keeps a uniform sample of at most servingSlotSamples of its requests:
+	// 10,000 of 1ms and 100 of 40ms leave about 1% of 40ms in it, so the p99 is near
+	// the boundary and the p95 is 1ms.
+	clk.SetTime(t0.Add(3 * servingBaselineMaxAge))
+	s.rng = rand.New(rand.NewPCG(1, 2)) // a fixed sample: the test cannot flake
+	for i := range 10_100 {
+		if i%101 == 0 {
+			s.Observe(40 * time.Millisecond)
+		} else {
+			s.Observe(time.Millisecond)
+		}
 	}
-	if base, _, end = s.begin(1); base != time.Millisecond {
-		t.Errorf("baseline %v after a full ring of 1ms requests", base)
+	s.mu.Lock()
+	kept := 0
+	for _, sl := range s.baseline {
+		if sl.start.Equal(clk.Now().Truncate(servingBaselineSlot)) {
+			kept += len(sl.samples)
+		}
+	}
+	s.mu.Unlock()
+	if kept != servingSlotSamples {
+		t.Errorf("%d samples kept of one minute's 10,100 requests, want %d", kept, servingSlotSamples)
+	}
+	if base, _, end = s.begin(0.95); base != time.Millisecond {
+		t.Errorf("p95 %v of a minute of 1%% 40ms, want 1ms", base)
+	}
+	end()
+	if base, _, end = s.begin(1); base != 40*time.Millisecond {
+		t.Errorf("slowest %v of a minute of 1%% 40ms requests, want 40ms (the sample lost them)", base)
+	}
+	end()
+
+	// The baseline spans the last 10 minutes: a slow minute 9 minutes ago still counts,
+	// and leaves it once it is older.
+	clk.SetTime(clk.Now().Add(time.Minute))
+	for range 100 {
+		s.Observe(2 * time.Millisecond)
+	}
+	clk.SetTime(clk.Now().Add(8 * time.Minute))
+	if base, _, end = s.begin(1); base != 40*time.Millisecond {
+		t.Errorf("slowest %v, want the 40ms of 9 minutes ago", base)
+	}
+	end()
+	clk.SetTime(clk.Now().Add(2 * time.Minute))
+	for range minServingBaselineSamples {
+		s.Observe(3 * time.Millisecond)
+	}
+	if base, _, end = s.begin(1); base != 3*time.Millisecond {
+		t.Errorf("slowest %v, want 3ms: every earlier minute is more than 10 minutes old", base)
 	}
 	end()
 
