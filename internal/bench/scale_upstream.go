@@ -74,7 +74,11 @@ func rotateUpstreamAtScale(ctx context.Context, logf func(string, ...any), b *sc
 // a conflict (the client workload updated it since) re-reads and retries. kubectl
 // replace sends one request at a time and kubectl get holds the whole list in memory
 // first; this streams page by page and keeps rewriteWorkers requests in flight, as an
-// operator's `xargs -P 8` would, so it is the faster variant of the procedure.
+// operator's `xargs -P 8` would, so it is the faster variant of the procedure. A list
+// that outlives etcd's compaction (5 minutes) has its continue token refused; the
+// apiserver then offers one that continues from the same key at the latest revision,
+// and this takes it (a replace of an object changed since is a conflict, re-read and
+// retried), where kubectl get would have held every page in memory already.
 func replaceAllSecrets(ctx context.Context, b *scaleBed) (done, conflicts int64, err error) {
 	c, err := b.fleet.Shims[0].Client()
 	if err != nil {
@@ -112,6 +116,11 @@ func replaceAllSecrets(ctx context.Context, b *scaleBed) (done, conflicts int64,
 list:
 	for {
 		l, err := c.CoreV1().Secrets(metav1.NamespaceAll).List(wctx, opts)
+		var st apierrors.APIStatus
+		if apierrors.IsResourceExpired(err) && errors.As(err, &st) && st.Status().ListMeta.Continue != "" {
+			opts.Continue = st.Status().ListMeta.Continue
+			continue
+		}
 		if err != nil {
 			errs[rewriteWorkers] = fmt.Errorf("listing Secrets: %w", err)
 			break
