@@ -126,7 +126,8 @@ shim whose file cannot read a key the others use fails /readyz. See "cluster" in
 
 	// kube-apiserver's --feature-gates: the generic apiserver's gates (e.g.
 	// DetectCacheInconsistency, whose periodic full list is a load of its own at a
-	// million objects) and the logging ones.
+	// million objects) and the logging ones. Adding the flag closes the process's
+	// feature gate to new gates, so newCommand runs once per process.
 	utilfeature.DefaultMutableFeatureGate.AddFlag(fss.FlagSet("feature gates"))
 	logsapi.AddFlags(f.logging, fss.FlagSet("logs"))
 	verflag.AddFlags(fss.FlagSet("global"))

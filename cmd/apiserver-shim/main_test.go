@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/spf13/pflag"
+	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	logsapi "k8s.io/component-base/logs/api/v1"
 	"k8s.io/component-base/version/verflag"
 
@@ -33,13 +34,16 @@ func TestRekeyFlagsAreTheLayers(t *testing.T) {
 	for _, name := range shimOwnFlags {
 		own[name] = true
 	}
+	// newCommand first: adding the feature gates' flag closes the process's gate.
+	shimFlags := newCommand().Flags()
 	// As newCommand adds them.
 	componentBase := pflag.NewFlagSet("component-base", pflag.ContinueOnError)
 	logsapi.AddFlags(logsapi.NewLoggingConfiguration(), componentBase)
 	verflag.AddFlags(componentBase)
+	utilfeature.DefaultMutableFeatureGate.AddFlag(componentBase)
 
 	rekey := pflag.NewFlagSet("rekey", pflag.ContinueOnError)
-	newCommand().Flags().VisitAll(func(f *pflag.Flag) {
+	shimFlags.VisitAll(func(f *pflag.Flag) {
 		if !own[f.Name] && componentBase.Lookup(f.Name) == nil {
 			rekey.AddFlag(f)
 		}
