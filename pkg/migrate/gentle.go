@@ -140,6 +140,13 @@ func (g *gentle) batchLimit() int {
 // Secrets: the inventory read 26,000 objects/s, the migration wrote 12,000/s).
 const readCost = 2
 
+// verifyBudget is the longest a paced re-scan of one resource may take: it reads at
+// one etcd revision, and kube-apiserver's compaction (every 5 minutes by default)
+// removes that revision 5 to 10 minutes after it was read; a re-scan that outlives it
+// starts over. Past the pace the clients allow, it reads as fast as finishing within
+// the budget takes.
+const verifyBudget = 4 * time.Minute
+
 // readPacer paces the pages of a migration's verifying re-scan inside an apiserver
 // that has clients to protect: the re-scan of a million objects decrypts them all and
 // took the clients' p99 from tens to hundreds of milliseconds while it ran at full
@@ -150,6 +157,9 @@ type readPacer struct {
 	g       *gentle
 	pacer   *pacer
 	limiter *rate.Limiter
+	// The resource being scanned: when it must be done by, and what is left of it.
+	deadline time.Time
+	left     int64
 }
 
 // readPacer returns the pacing of a verifying re-scan, nil when there is no serving
@@ -167,11 +177,30 @@ func (g *gentle) readPacer() *readPacer {
 	return &readPacer{g: g, pacer: p, limiter: rate.NewLimiter(limitOf(p.Rate()), 1)}
 }
 
-// wait returns once the rate allows reading a page of objects objects.
+// resource starts the scan of a resource of about total objects.
+func (r *readPacer) resource(total int64) {
+	if r == nil {
+		return
+	}
+	r.deadline, r.left = r.g.clock.Now().Add(verifyBudget), total
+}
+
+// wait returns once the rate allows reading a page of objects objects (the page read
+// before).
 func (r *readPacer) wait(ctx context.Context, objects int) error {
 	if r == nil {
 		return nil
 	}
+	r.left -= int64(objects)
+	r.g.mu.Lock()
+	limit := r.pacer.Rate()
+	r.g.mu.Unlock()
+	if rest := r.deadline.Sub(r.g.clock.Now()); rest <= 0 {
+		limit = math.Inf(1)
+	} else if r.left > 0 {
+		limit = max(limit, float64(r.left)/rest.Seconds())
+	}
+	r.limiter.SetLimit(limitOf(limit))
 	if objects > r.limiter.Burst() {
 		r.limiter.SetBurst(objects)
 	}
@@ -196,7 +225,6 @@ func (r *readPacer) read(latency time.Duration, objects int) {
 		g.log.V(2).Info("Verifying re-scan slows down", "cause", v.Cause, "clientsP99", v.ServingP99,
 			"clientsTarget", r.pacer.ServingTarget(), "achieved", v.Achieved, "allowedRate", r.pacer.Rate())
 	}
-	r.limiter.SetLimit(limitOf(r.pacer.Rate()))
 }
 
 // burstAt is the most objects one transaction carries at rate r (+Inf: most).

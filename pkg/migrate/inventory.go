@@ -220,6 +220,13 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 	bound := newBucketBound(cl)
 	p := newPager(opts.Client, res, "", opts.PageSize, true).withPageBytes(opts.PageBytes)
 	var results []checkResult
+	if opts.pace != nil {
+		total, err := countKeys(ctx, opts.Client, res)
+		if err != nil {
+			return nil, err
+		}
+		opts.pace.resource(total)
+	}
 	last := 0
 	for {
 		if err := opts.pace.wait(ctx, last); err != nil {
