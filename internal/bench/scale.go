@@ -70,6 +70,13 @@ type scaleResult struct {
 	// migration raised the peak only when the two differ.
 	peakRSS, peakRSSBefore float64 // MiB
 	conflicts              int64
+	// rewrite is rekey's rewrite alone: from the config edit to the first sight of the
+	// verifying re-scan (0 when not seen, or on upstream's side).
+	rewrite time.Duration
+	// ceilingWatched and ceilingAlone are etcd's own rate for the same rewrite
+	// (scale_ceiling.go), with the apiserver watching and with it stopped; rekey's
+	// side only, 0 when not measured.
+	ceilingWatched, ceilingAlone float64
 }
 
 // runScale runs each side on its own fresh testbed, one after the other.
@@ -251,11 +258,15 @@ func scaleOnce(ctx context.Context, progress io.Writer, dir string, bins testbed
 			return nil, err
 		}
 		// The limit is upstream's replace's; rekey's migration is not cut short.
-		migEnd, err = waitVerified(ctx, b, key2.Name, firstEdit, max(limit, scaleRekeyLimit))
+		var rewriteEnd time.Time
+		migEnd, rewriteEnd, err = waitVerified(ctx, b, key2.Name, firstEdit, max(limit, scaleRekeyLimit))
 		if err != nil {
 			return nil, err
 		}
 		res.rewritten = int64(n)
+		if !rewriteEnd.IsZero() {
+			res.rewrite = rewriteEnd.Sub(firstEdit)
+		}
 	case "upstream":
 		firstEdit, migStart, migEnd, err = rotateUpstreamAtScale(ctx, logf, b, key2, limit, res)
 		if err != nil {
@@ -288,12 +299,39 @@ func scaleOnce(ctx context.Context, progress io.Writer, dir string, bins testbed
 	res.stored, res.underKey2 = end.Objects, end.Objects-end.Stale-end.Unreadable-end.Plaintext
 	logf("end: %d of %d stored Secrets under key2; client baseline %d requests (%d failed), during %d (%d failed)",
 		res.underKey2, res.stored, res.baseline.requests, res.baseline.failed, res.during.requests, res.during.failed)
+	if side == "rekey" {
+		if err := measureCeilings(ctx, logf, b, res); err != nil {
+			return nil, err
+		}
+	}
 	return res, nil
 }
 
+// measureCeilings measures etcd's own rate for the rewrite on the same bed, first with
+// the apiserver watching the Secrets, then with the apiserver stopped.
+func measureCeilings(ctx context.Context, logf func(string, ...any), b *scaleBed, res *scaleResult) error {
+	prefix := scalePrefix + "/secrets/"
+	n, d, err := etcdCeiling(ctx, b.cli, prefix)
+	if err != nil {
+		return err
+	}
+	res.ceilingWatched = float64(n) / d.Seconds()
+	b.fleet.Stop()
+	b.fleet = nil
+	m, e, err := etcdCeiling(ctx, b.cli, prefix)
+	if err != nil {
+		return err
+	}
+	res.ceilingAlone = float64(m) / e.Seconds()
+	logf("etcd's ceiling for the rewrite (a bare client puts every Secret back): %.0f objects/s with the apiserver watching (%d in %v), %.0f objects/s with it stopped (%d in %v)",
+		res.ceilingWatched, n, d.Round(time.Millisecond), res.ceilingAlone, m, e.Round(time.Millisecond))
+	return nil
+}
+
 // waitVerified polls the migration leader's state in etcd until the record of secrets
-// is verified on key and was started after since, and returns when it was seen.
-func waitVerified(ctx context.Context, b *scaleBed, key string, since time.Time, limit time.Duration) (time.Time, error) {
+// is verified on key and was started after since, and returns when it was seen, and
+// when the verifying re-scan's progress was first seen (zero if never).
+func waitVerified(ctx context.Context, b *scaleBed, key string, since time.Time, limit time.Duration) (verified, rescan time.Time, err error) {
 	ctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
 	stateKey := cluster.MigrationStateKey(cluster.DefaultPrefix)
@@ -303,21 +341,24 @@ func waitVerified(ctx context.Context, b *scaleBed, key string, since time.Time,
 		if err == nil && len(resp.Kvs) == 1 {
 			var st cluster.MigrationState
 			if err := json.Unmarshal(resp.Kvs[0].Value, &st); err != nil {
-				return time.Time{}, fmt.Errorf("decoding %s: %w", stateKey, err)
+				return time.Time{}, time.Time{}, fmt.Errorf("decoding %s: %w", stateKey, err)
 			}
 			if r, ok := st.Records["secrets"]; ok {
 				if r.Verified && r.Target.Key == key && !r.StartedAt.Before(since.Add(-time.Second)) {
-					return time.Now(), nil
+					return time.Now(), rescan, nil
 				}
 				last = fmt.Sprintf("record %+v", r)
 			}
 			if st.Progress != nil {
+				if st.Progress.Phase == "verify" && st.Progress.Resource == "secrets" && rescan.IsZero() {
+					rescan = time.Now()
+				}
 				last += fmt.Sprintf("; progress %s %d/%d", st.Progress.Phase, st.Progress.Done, st.Progress.Total)
 			}
 		}
 		select {
 		case <-ctx.Done():
-			return time.Time{}, fmt.Errorf("waiting for the migration of secrets to %s to be verified: %w (%s)\n%s", key, ctx.Err(), last, b.fleet.LogTails(3000))
+			return time.Time{}, time.Time{}, fmt.Errorf("waiting for the migration of secrets to %s to be verified: %w (%s)\n%s", key, ctx.Err(), last, b.fleet.LogTails(3000))
 		case <-time.After(200 * time.Millisecond):
 		}
 	}
@@ -362,6 +403,26 @@ func scaleRows(res map[string]*scaleResult, n int, quota int64, idle bool, migra
 	throughput := row("migration throughput: rewrite start → verified (rekey) / every Secret replaced (upstream)", "objects/s", true, scaleRate)
 	if u := res["upstream"]; u != nil && u.extrapolated {
 		throughput.Figures[1].Note = fmt.Sprintf("%.0f objects/s (%d of %d replaced in the time limit; the time is extrapolated)", scaleRate(u), u.rewritten, u.objects)
+	}
+	rekeyOnly := func(r Row, note string) Row {
+		r.Figures[1].Stats, r.Figures[1].Note = single(0), note
+		return r
+	}
+	rewriteRate := rekeyOnly(row("rewrite only: config edit → verifying re-scan started", "objects/s", true, func(r *scaleResult) float64 {
+		if r.rewrite <= 0 {
+			return 0
+		}
+		return float64(r.objects) / r.rewrite.Seconds()
+	}), "the same as its throughput: upstream has no re-scan")
+	ceilingWatched := rekeyOnly(row("etcd's own ceiling: a bare client puts every Secret back unchanged in the migration's transactions, the apiserver watching", "objects/s", true,
+		func(r *scaleResult) float64 { return r.ceilingWatched }), "measured on rekey's bed only")
+	ceilingAlone := rekeyOnly(row("etcd's own ceiling, the apiserver stopped (etcd alone)", "objects/s", true,
+		func(r *scaleResult) float64 { return r.ceilingAlone }), "measured on rekey's bed only")
+	if r := res["rekey"]; r != nil && idle {
+		rate := scaleRate(r)
+		throughput.Checks = append(throughput.Checks, Check{Desc: "rekey: ≥ 20,000 objects/s idle", Met: rate >= 20_000,
+			Got: fmt.Sprintf("%.0f objects/s end to end, %.0f while rewriting; etcd on this machine: %.0f with the apiserver watching, %.0f alone",
+				rate, rewriteRate.Figures[0].Stats.Median, r.ceilingWatched, r.ceilingAlone)})
 	}
 	total := row("first config edit → all Secrets under key2", "s", false, func(r *scaleResult) float64 { return r.total.Seconds() })
 	if res["rekey"] != nil && res["upstream"] != nil {
@@ -415,9 +476,9 @@ func scaleRows(res map[string]*scaleResult, n int, quota int64, idle bool, migra
 			Got: fmt.Sprintf("%d replaced, %d conflicts retried", u.rewritten, u.conflicts)})
 	}
 	if idle {
-		return []Row{inventory, throughput, total, dbSeeded, dbPeak, inUse, alarms, rssBefore, rss, under}
+		return []Row{inventory, throughput, rewriteRate, ceilingWatched, ceilingAlone, total, dbSeeded, dbPeak, inUse, alarms, rssBefore, rss, under}
 	}
-	return []Row{inventory, throughput, total, dbSeeded, dbPeak, inUse, alarms, p50b, p50d, p99b, p99d, failed, rssBefore, rss, under}
+	return []Row{inventory, throughput, rewriteRate, ceilingWatched, ceilingAlone, total, dbSeeded, dbPeak, inUse, alarms, p50b, p50d, p99b, p99d, failed, rssBefore, rss, under}
 }
 
 // quotaText is a quota in GiB ("2 GiB") or MiB.

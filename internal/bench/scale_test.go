@@ -3,6 +3,7 @@ package bench
 import (
 	"os"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 )
@@ -35,6 +36,18 @@ func TestScaleShortRekey(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkScaleRows(t, rows, "client requests failed (baseline + during)")
+	ceilings := 0
+	for _, r := range rows {
+		if strings.HasPrefix(r.Case, "etcd's own ceiling") {
+			ceilings++
+			if r.Figures[0].Stats.Median <= 0 {
+				t.Errorf("%s: no rate measured", r.Case)
+			}
+		}
+	}
+	if ceilings != 2 {
+		t.Errorf("%d rows of etcd's ceiling, want 2 (the apiserver watching, and stopped)", ceilings)
+	}
 }
 
 // checkScaleRows logs every row and fails on a missed check of the correctness rows

@@ -1,0 +1,144 @@
+package bench
+
+// etcd's own ceiling for the scale scenario's rewrite: how fast a bare client rewrites
+// the same N stored Secrets in the same etcd, with none of rekey's work (no decryption,
+// no encryption, no pacing, no checkpoints). A migration inside an apiserver cannot be
+// faster than this on the same machine, so the idle migration's rate is judged against
+// it as well as against the absolute target.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/rekey-io/rekey/pkg/migrate"
+)
+
+// etcdCeiling puts every value under prefix back unchanged, in the storage migration's
+// shape: pages of migrate.DefaultPageSize read at the latest revision (one read ahead),
+// transactions of migrate.DefaultBatchSize puts, each guarded by a compare on the
+// object's ModRevision, 2 × GOMAXPROCS transactions in flight (the migration's default
+// workers). A put of the same bytes costs etcd what a rewrite costs: a new revision, a
+// watch event with its previous value, and the same bytes in the WAL and the database.
+// An apiserver watching the prefix decodes the unchanged objects as it would rewritten
+// ones. It first compacts at the current revision so the pass has the space a
+// migration would get after kube-apiserver's compaction.
+func etcdCeiling(ctx context.Context, cli *clientv3.Client, prefix string) (objects int64, took time.Duration, err error) {
+	if err := compactNow(ctx, cli); err != nil {
+		return 0, 0, err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	pages := make(chan []*mvccpb.KeyValue, 1)
+	readErr := make(chan error, 1)
+	go func() {
+		defer close(pages)
+		readErr <- readPages(ctx, cli, prefix, pages)
+	}()
+
+	var (
+		done     atomic.Int64
+		wg       sync.WaitGroup
+		errOnce  sync.Once
+		firstErr error
+	)
+	fail := func(err error) {
+		errOnce.Do(func() { firstErr = err; cancel() })
+	}
+	inFlight := make(chan struct{}, 2*runtime.GOMAXPROCS(0))
+	start := time.Now()
+	for kvs := range pages {
+		for lo := 0; lo < len(kvs); lo += migrate.DefaultBatchSize {
+			batch := kvs[lo:min(lo+migrate.DefaultBatchSize, len(kvs))]
+			select {
+			case inFlight <- struct{}{}:
+			case <-ctx.Done():
+				continue
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer func() { <-inFlight }()
+				if err := putBack(ctx, cli, batch); err != nil {
+					fail(err)
+					return
+				}
+				done.Add(int64(len(batch)))
+			}()
+		}
+	}
+	wg.Wait()
+	took = time.Since(start)
+	if err := <-readErr; err != nil && firstErr == nil {
+		firstErr = err
+	}
+	if firstErr != nil {
+		return done.Load(), took, fmt.Errorf("etcd ceiling: %w", firstErr)
+	}
+	return done.Load(), took, nil
+}
+
+// putBack writes a batch's values back as they are, in one transaction that holds
+// only if none of them changed since it was read.
+func putBack(ctx context.Context, cli *clientv3.Client, batch []*mvccpb.KeyValue) error {
+	cmps := make([]clientv3.Cmp, len(batch))
+	puts := make([]clientv3.Op, len(batch))
+	for i, kv := range batch {
+		cmps[i] = clientv3.Compare(clientv3.ModRevision(string(kv.Key)), "=", kv.ModRevision)
+		puts[i] = clientv3.OpPut(string(kv.Key), string(kv.Value))
+	}
+	resp, err := cli.Txn(ctx).If(cmps...).Then(puts...).Commit()
+	if err != nil {
+		return err
+	}
+	if !resp.Succeeded {
+		// Nothing else writes the N; a failed compare means the bed is not what the
+		// measurement assumes.
+		return fmt.Errorf("a Secret between %s and %s changed while it was put back", batch[0].Key, batch[len(batch)-1].Key)
+	}
+	return nil
+}
+
+// readPages sends the pages of every key under prefix, at the latest revision each.
+func readPages(ctx context.Context, cli *clientv3.Client, prefix string, pages chan<- []*mvccpb.KeyValue) error {
+	end := clientv3.GetPrefixRangeEnd(prefix)
+	from := prefix
+	for {
+		resp, err := cli.Get(ctx, from, clientv3.WithRange(end), clientv3.WithLimit(migrate.DefaultPageSize))
+		if err != nil {
+			return err
+		}
+		if len(resp.Kvs) > 0 {
+			select {
+			case pages <- resp.Kvs:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		if !resp.More || len(resp.Kvs) == 0 {
+			return nil
+		}
+		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
+	}
+}
+
+// compactNow compacts etcd at its current revision and waits for it.
+func compactNow(ctx context.Context, cli *clientv3.Client) error {
+	resp, err := cli.Get(ctx, "compact-probe")
+	if err != nil {
+		return err
+	}
+	_, err = cli.Compact(ctx, resp.Header.Revision, clientv3.WithCompactPhysical())
+	if err != nil && !errors.Is(err, rpctypes.ErrCompacted) { // the apiserver's compactor got there first
+		return fmt.Errorf("compacting etcd before the ceiling pass: %w", err)
+	}
+	return nil
+}
