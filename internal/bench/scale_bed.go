@@ -376,6 +376,24 @@ type scaleBed struct {
 // startScaleBed starts etcd with the quota, seeds n Secrets under key1 and starts one
 // shim running layer on them.
 func startScaleBed(ctx context.Context, dir string, bins testbed.Binaries, layer string, n int, quota int64, args []string) (b *scaleBed, err error) {
+	if b, err = startScaleEtcd(ctx, dir, bins, n, quota); err != nil {
+		return nil, err
+	}
+	b.fleet, err = testbed.StartFleet(ctx, testbed.FleetConfig{
+		ShimBin: bins.Shim, Dir: filepath.Join(dir, "shim"), N: 1,
+		EtcdServers: []string{b.etcd.Endpoint}, EtcdPrefix: scalePrefix,
+		Layer: layer, Config: testbed.SecretsConfig(testbed.AESGCM(b.key1)).Render(), Args: args,
+	})
+	if err != nil {
+		b.stop()
+		return nil, err
+	}
+	return b, nil
+}
+
+// startScaleEtcd starts etcd with the quota and seeds n Secrets under key1: the bed
+// without an apiserver.
+func startScaleEtcd(ctx context.Context, dir string, bins testbed.Binaries, n int, quota int64) (b *scaleBed, err error) {
 	b = &scaleBed{key1: testbed.NamedKey{Name: "key1", Secret: testbed.RandomKey()}}
 	defer func() {
 		if err != nil {
@@ -388,8 +406,7 @@ func startScaleBed(ctx context.Context, dir string, bins testbed.Binaries, layer
 	if b.cli, err = testbed.EtcdClient([]string{b.etcd.Endpoint}); err != nil {
 		return nil, err
 	}
-	initial := testbed.SecretsConfig(testbed.AESGCM(b.key1)).Render()
-	set, err := scaleTransformers(ctx, initial)
+	set, err := scaleTransformers(ctx, testbed.SecretsConfig(testbed.AESGCM(b.key1)).Render())
 	if err != nil {
 		return nil, err
 	}
@@ -399,14 +416,6 @@ func startScaleBed(ctx context.Context, dir string, bins testbed.Binaries, layer
 		return nil, err
 	}
 	b.seedTime = time.Since(start)
-	b.fleet, err = testbed.StartFleet(ctx, testbed.FleetConfig{
-		ShimBin: bins.Shim, Dir: filepath.Join(dir, "shim"), N: 1,
-		EtcdServers: []string{b.etcd.Endpoint}, EtcdPrefix: scalePrefix,
-		Layer: layer, Config: initial, Args: args,
-	})
-	if err != nil {
-		return nil, err
-	}
 	return b, nil
 }
 
