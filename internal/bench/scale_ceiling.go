@@ -194,4 +194,3 @@ func readPages(ctx context.Context, cli *clientv3.Client, prefix string, pages c
 		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
 	}
 }
-
