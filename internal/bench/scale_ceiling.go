@@ -10,6 +10,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"path"
 	"path/filepath"
 	"runtime"
 	"sync"
@@ -32,15 +33,17 @@ import (
 // accepted a third of the rate there at a million Secrets (3,750 against 11,733
 // objects/s), so the ceiling would not be the one rekey's migration met.
 func measureCeilings(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, n int, quota int64, shimArgs []string, res *scaleResult) error {
-	prefix := scalePrefix + "/secrets/"
 	alone, err := startScaleEtcd(ctx, filepath.Join(dir, "alone"), bins, n, quota)
 	if err != nil {
 		return err
 	}
-	m, e, err := etcdCeiling(ctx, alone.cli, prefix)
+	m, e, err := etcdCeiling(ctx, alone.cli)
 	alone.stop()
 	if err != nil {
 		return err
+	}
+	if m != int64(n) {
+		return fmt.Errorf("the bare pass put back %d of the %d Secrets seeded", m, n)
 	}
 	res.ceilingAlone = float64(m) / e.Seconds()
 
@@ -52,9 +55,12 @@ func measureCeilings(ctx context.Context, progress io.Writer, dir string, bins t
 	if err := waitWatchCacheFresh(ctx, watched); err != nil {
 		return err
 	}
-	w, d, err := etcdCeiling(ctx, watched.cli, prefix)
+	w, d, err := etcdCeiling(ctx, watched.cli)
 	if err != nil {
 		return err
+	}
+	if w != int64(n) {
+		return fmt.Errorf("the bare pass put back %d of the %d Secrets seeded", w, n)
 	}
 	res.ceilingWatched = float64(w) / d.Seconds()
 	fmt.Fprintf(progress, "scale: etcd's ceiling for the rewrite (a bare client puts every Secret back, fresh beds): %.0f objects/s alone (%d in %v), %.0f objects/s with an apiserver watching (%d in %v)\n",
@@ -91,22 +97,23 @@ func waitWatchCacheFresh(ctx context.Context, b *scaleBed) error {
 	}
 }
 
-// etcdCeiling puts every value under prefix back unchanged, in the storage migration's
-// shape: pages of migrate.DefaultPageSize read at the latest revision (one read ahead),
+// etcdCeiling puts every seeded Secret back unchanged, in the storage migration's
+// shape: pages of migrate.DefaultPageSize read at the latest revision (one read ahead;
+// namespace by namespace, see readPages),
 // transactions of migrate.DefaultBatchSize puts, each guarded by a compare on the
 // object's ModRevision, 2 × GOMAXPROCS transactions in flight (the migration's default
 // workers). A put of the same bytes costs etcd what a rewrite costs: a new revision, a
 // watch event with its previous value, and the same bytes in the WAL and the database.
-// An apiserver watching the prefix decodes the unchanged objects as it would rewritten
+// An apiserver watching the Secrets decodes the unchanged objects as it would rewritten
 // ones.
-func etcdCeiling(ctx context.Context, cli *clientv3.Client, prefix string) (objects int64, took time.Duration, err error) {
+func etcdCeiling(ctx context.Context, cli *clientv3.Client) (objects int64, took time.Duration, err error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	pages := make(chan []*mvccpb.KeyValue, 1)
 	readErr := make(chan error, 1)
 	go func() {
 		defer close(pages)
-		readErr <- readPages(ctx, cli, prefix, pages)
+		readErr <- readPages(ctx, cli, pages)
 	}()
 
 	var (
@@ -172,25 +179,36 @@ func putBack(ctx context.Context, cli *clientv3.Client, batch []*mvccpb.KeyValue
 	return nil
 }
 
-// readPages sends the pages of every key under prefix, at the latest revision each.
-func readPages(ctx context.Context, cli *clientv3.Client, prefix string, pages chan<- []*mvccpb.KeyValue) error {
-	end := clientv3.GetPrefixRangeEnd(prefix)
-	from := prefix
-	for {
-		resp, err := cli.Get(ctx, from, clientv3.WithRange(end), clientv3.WithLimit(migrate.DefaultPageSize))
-		if err != nil {
-			return err
-		}
-		if len(resp.Kvs) > 0 {
-			select {
-			case pages <- resp.Kvs:
-			case <-ctx.Done():
-				return ctx.Err()
+// readPages sends the pages of every seeded Secret, at the latest revision each, one
+// namespace's key range after another. etcd answers a range request with the count of
+// every key up to the range's end, whatever the limit, so pages read up to the end of
+// all Secrets cost a million-key walk each at a million (a bare pass ran at 3,700
+// objects/s that way, etcd's one core busy counting); the migration bounds its reads to
+// windows of a few pages for the same reason (pkg/migrate's pager). A namespace holds
+// at most 10,000 of a million.
+func readPages(ctx context.Context, cli *clientv3.Client, pages chan<- []*mvccpb.KeyValue) error {
+	for ns := range scaleNamespaces {
+		key, _, _ := scaleSecretKey(ns)
+		prefix := path.Dir(key) + "/"
+		end := clientv3.GetPrefixRangeEnd(prefix)
+		from := prefix
+		for {
+			resp, err := cli.Get(ctx, from, clientv3.WithRange(end), clientv3.WithLimit(migrate.DefaultPageSize))
+			if err != nil {
+				return err
 			}
+			if len(resp.Kvs) > 0 {
+				select {
+				case pages <- resp.Kvs:
+				case <-ctx.Done():
+					return ctx.Err()
+				}
+			}
+			if !resp.More || len(resp.Kvs) == 0 {
+				break
+			}
+			from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
 		}
-		if !resp.More || len(resp.Kvs) == 0 {
-			return nil
-		}
-		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
 	}
+	return nil
 }
