@@ -27,6 +27,9 @@ import (
 //     replace -f -` does (scale_upstream.go); the side ends when that is done.
 //
 // Each side then takes a fresh inventory to check every stored Secret is under key2.
+// After rekey's side, etcd's own ceiling for the rewrite is measured on two more fresh
+// beds (scale_ceiling.go): a bare client puts every Secret back, with etcd alone and
+// with an apiserver watching; the idle target is judged against it as well.
 // Both sides run the same client workload through the shim for the whole run (a
 // baseline window before the rotation, then the window of the migration), and a
 // poller reads etcd's database size and alarms every second. Compaction is the shim's:
@@ -77,6 +80,9 @@ type scaleResult struct {
 	// (scale_ceiling.go), with the apiserver watching and with it stopped; rekey's
 	// side only, 0 when not measured.
 	ceilingWatched, ceilingAlone float64
+	// The cores each process used: during rekey's migration (edit → verified) and
+	// during the ceiling's passes.
+	migrationCPU, ceilingWatchedCPU, ceilingAloneCPU string
 }
 
 // runScale runs each side on its own fresh testbed, one after the other.
@@ -257,6 +263,7 @@ func scaleOnce(ctx context.Context, progress io.Writer, dir string, bins testbed
 	cfgPath := b.fleet.Shims[0].ConfigPath
 	switch side {
 	case "rekey":
+		cpu := startCPUMeter(map[string]int{"etcd": b.etcd.PID(), "apiserver": b.fleet.Shims[0].Current().PID()})
 		firstEdit = time.Now()
 		migStart = firstEdit
 		if err := testbed.WriteFileAtomic(cfgPath, testbed.SecretsConfig(testbed.AESGCM(key2, b.key1)).Render()); err != nil {
@@ -269,6 +276,8 @@ func scaleOnce(ctx context.Context, progress io.Writer, dir string, bins testbed
 			return nil, err
 		}
 		res.rewritten = int64(n)
+		res.migrationCPU = cpu.String()
+		logf("edit → verified: %s", res.migrationCPU)
 		if !rewriteEnd.IsZero() {
 			res.rewrite = rewriteEnd.Sub(firstEdit)
 		}

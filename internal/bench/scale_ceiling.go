@@ -10,9 +10,13 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"maps"
+	"os"
 	"path"
 	"path/filepath"
 	"runtime"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -37,7 +41,9 @@ func measureCeilings(ctx context.Context, progress io.Writer, dir string, bins t
 	if err != nil {
 		return err
 	}
+	cpu := startCPUMeter(map[string]int{"etcd": alone.etcd.PID(), "bare client": os.Getpid()})
 	m, e, err := etcdCeiling(ctx, alone.cli)
+	res.ceilingAloneCPU = cpu.String()
 	alone.stop()
 	if err != nil {
 		return err
@@ -55,7 +61,9 @@ func measureCeilings(ctx context.Context, progress io.Writer, dir string, bins t
 	if err := waitWatchCacheFresh(ctx, watched); err != nil {
 		return err
 	}
+	cpu = startCPUMeter(map[string]int{"etcd": watched.etcd.PID(), "apiserver": watched.fleet.Shims[0].Current().PID(), "bare client": os.Getpid()})
 	w, d, err := etcdCeiling(ctx, watched.cli)
+	res.ceilingWatchedCPU = cpu.String()
 	if err != nil {
 		return err
 	}
@@ -63,8 +71,8 @@ func measureCeilings(ctx context.Context, progress io.Writer, dir string, bins t
 		return fmt.Errorf("the bare pass put back %d of the %d Secrets seeded", w, n)
 	}
 	res.ceilingWatched = float64(w) / d.Seconds()
-	fmt.Fprintf(progress, "scale: etcd's ceiling for the rewrite (a bare client puts every Secret back, fresh beds): %.0f objects/s alone (%d in %v), %.0f objects/s with an apiserver watching (%d in %v)\n",
-		res.ceilingAlone, m, e.Round(time.Millisecond), res.ceilingWatched, w, d.Round(time.Millisecond))
+	fmt.Fprintf(progress, "scale: etcd's ceiling for the rewrite (a bare client puts every Secret back, fresh beds): %.0f objects/s alone (%d in %v; %s), %.0f objects/s with an apiserver watching (%d in %v; %s)\n",
+		res.ceilingAlone, m, e.Round(time.Millisecond), res.ceilingAloneCPU, res.ceilingWatched, w, d.Round(time.Millisecond), res.ceilingWatchedCPU)
 	return nil
 }
 
@@ -211,4 +219,34 @@ func readPages(ctx context.Context, cli *clientv3.Client, pages chan<- []*mvccpb
 		}
 	}
 	return nil
+}
+
+// cpuMeter measures the cores each named process used over an interval.
+type cpuMeter struct {
+	pids  map[string]int
+	from  map[string]time.Duration
+	start time.Time
+}
+
+func startCPUMeter(pids map[string]int) *cpuMeter {
+	m := &cpuMeter{pids: pids, from: map[string]time.Duration{}, start: time.Now()}
+	for name, pid := range pids {
+		m.from[name], _ = testbed.CPUTime(pid) // an unreadable one reads as 0 cores below
+	}
+	return m
+}
+
+// String is each process's cores since the start, e.g. "etcd 1.05, apiserver 0.62".
+func (m *cpuMeter) String() string {
+	elapsed := time.Since(m.start).Seconds()
+	var parts []string
+	for _, name := range slices.Sorted(maps.Keys(m.pids)) {
+		now, err := testbed.CPUTime(m.pids[name])
+		if err != nil || m.from[name] == 0 {
+			parts = append(parts, name+" ?")
+			continue
+		}
+		parts = append(parts, fmt.Sprintf("%s %.2f", name, (now-m.from[name]).Seconds()/elapsed))
+	}
+	return strings.Join(parts, ", ") + " cores"
 }

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -182,4 +183,33 @@ func procStatusBytes(pid int, field string) (int64, error) {
 		}
 	}
 	return 0, fmt.Errorf("/proc/%d/status has no %s", pid, field)
+}
+
+// CPUTime is the CPU time (user and system) the process has used so far, from
+// /proc/<pid>/stat. Linux reports it in clock ticks of 1/100 s (USER_HZ, fixed at 100
+// for user space on every architecture Go supports).
+func CPUTime(pid int) (time.Duration, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// The command name (field 2) is in parentheses and may hold spaces: count the
+	// fields after its closing parenthesis (state is field 3; utime 14, stime 15).
+	i := strings.LastIndexByte(string(b), ')')
+	if i < 0 {
+		return 0, fmt.Errorf("/proc/%d/stat: no command name", pid)
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 13 {
+		return 0, fmt.Errorf("/proc/%d/stat: %d fields after the command name, want at least 13", pid, len(f))
+	}
+	var ticks int64
+	for _, s := range f[11:13] {
+		v, err := strconv.ParseInt(s, 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("/proc/%d/stat: %w", pid, err)
+		}
+		ticks += v
+	}
+	return time.Duration(ticks) * 10 * time.Millisecond, nil
 }
