@@ -97,7 +97,9 @@ func migrateWithoutAPIServer(ctx context.Context, progress io.Writer, dir string
 	defer set.Close()
 	cpu := startCPUMeter(map[string]int{"etcd": b.etcd.PID(), "migration": os.Getpid()})
 	start := time.Now()
-	out, err := migrate.Migrate(ctx, migrate.Options{Client: b.cli, Source: migrate.FromSet(set), Resources: []migrate.Resource{migrate.ResourceFor(scalePrefix, secretsGR)}})
+	// The quota is the bed's, as the shim's --storage-migration-etcd-quota-bytes says.
+	out, err := migrate.Migrate(ctx, migrate.Options{Client: b.cli, Source: migrate.FromSet(set), Resources: []migrate.Resource{migrate.ResourceFor(scalePrefix, secretsGR)},
+		Space: migrate.SpaceOptions{QuotaBytes: quota}})
 	took := time.Since(start)
 	if err != nil {
 		return fmt.Errorf("migrating with no apiserver: %w", err)
