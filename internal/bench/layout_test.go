@@ -29,6 +29,7 @@ func TestFilesDependOnlyOnHelpers(t *testing.T) {
 		"scale.go":             "scale",
 		"scale_bed.go":         "scale",
 		"scale_upstream.go":    "scale",
+		"scale_ceiling.go":     "scale",
 	}
 	rendering := map[string]bool{"report.go": true, "chart.go": true}
 	const registry = "scenarios.go" // lists every scenario: may use them all
