@@ -11,8 +11,6 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
-
-	"github.com/rekey-io/rekey/internal/freeport"
 )
 
 // EtcdCluster is a static etcd cluster of separate processes on loopback, each
@@ -45,36 +43,21 @@ type EtcdMember struct {
 
 // StartEtcdCluster starts an n-member etcd cluster with its data and logs under dir
 // and waits until it has a leader and serves linearizable reads.
-//
-// A port found free can be taken by another process before its member binds it; a
-// start that failed on "address already in use" is retried on new ports (3 attempts).
 func StartEtcdCluster(ctx context.Context, bin, dir string, n int) (*EtcdCluster, error) {
 	if n < 1 {
 		return nil, fmt.Errorf("etcd cluster of %d members: need at least one", n)
 	}
-	for attempt := 1; ; attempt++ {
-		c, err := startEtcdCluster(ctx, bin, dir, n)
-		if err == nil || attempt == 3 || !strings.Contains(err.Error(), "address already in use") {
-			return c, err
-		}
-		for i := range n {
-			if err := os.RemoveAll(filepath.Join(dir, "etcd-"+strconv.Itoa(i))); err != nil {
-				return nil, err
-			}
-		}
-	}
-}
-
-func startEtcdCluster(ctx context.Context, bin, dir string, n int) (*EtcdCluster, error) {
 	c := &EtcdCluster{}
 	var initial []string
-	// Distinct ports for every member's client and peer URLs.
-	ports, err := freeport.PickN(2 * n)
-	if err != nil {
-		return nil, err
-	}
 	for i := range n {
-		cport, pport := ports[2*i], ports[2*i+1]
+		cport, err := FreePort()
+		if err != nil {
+			return nil, err
+		}
+		pport, err := FreePort()
+		if err != nil {
+			return nil, err
+		}
 		m := &EtcdMember{
 			Name:     "etcd-" + strconv.Itoa(i),
 			Endpoint: "http://127.0.0.1:" + strconv.Itoa(cport),
