@@ -31,23 +31,38 @@ import (
 // promotes onto a key this file drops, and when every file drops it, every guard lets
 // it go.
 //
+// The guard fails closed: a migration state it cannot read (etcd does not answer, the
+// stored state does not decode, a follower has not loaded it yet) says nothing about
+// whether a migration still needs a dropped key, so the drop is refused and the reload
+// retried.
+//
 // Stored objects counted under the key by the local inventory are pkg/guard's
 // business; compose the two.
 func (n *Node) Guard(current, next *config.Config) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*etcdTimeout)
+	defer cancel()
+	return n.guard(ctx, current, next)
+}
+
+// guard is Guard with the context of its etcd reads.
+func (n *Node) guard(ctx context.Context, current, next *config.Config) error {
 	if current == nil || next == nil {
 		return nil
 	}
 	cur, nxt := configState(n.opts.ID, current), configState(n.opts.ID, next)
 	check := checkDrops(n.opts.ID, cur, nxt, n.membersWithSelf(n.view.Members()))
-	reasons := append(check.InUse, n.migrationReasons(check.Drops)...)
+	reasons := slices.Clone(check.InUse)
+	if migReasons, err := n.migrationReasons(ctx, check.Drops); err != nil {
+		reasons = append(reasons, fmt.Sprintf("%s: %v", migrationStateUnknown, err))
+	} else {
+		reasons = append(reasons, migReasons...)
+	}
 	if len(reasons) > 0 || len(check.Drops) == 0 {
 		n.setDropPlan(nil)
 		return n.refuse(next, append(reasons, check.Configured...))
 	}
 	// Announce, then look again at a revision after the announcement.
 	n.setDropPlan(&dropPlan{configHash: next.Hash, drops: check.Drops, at: n.opts.Clock.Now()})
-	ctx, cancel := context.WithTimeout(context.Background(), 2*etcdTimeout)
-	defer cancel()
 	if err := n.publishNow(ctx, true); err != nil {
 		n.setDropPlan(nil)
 		return n.refuse(next, []string{fmt.Sprintf("cannot announce the keys it drops to the other apiservers (%v); retrying", err)})
@@ -88,21 +103,18 @@ func (n *Node) membersWithSelf(members []MemberState) []MemberState {
 	return append(slices.DeleteFunc(slices.Clone(members), func(m MemberState) bool { return m.APIServerID == n.opts.ID }), self)
 }
 
-// migrationReasons says why the cluster's migration still needs a dropped key.
-func (n *Node) migrationReasons(drops map[string][]Key) []string {
+// migrationStateUnknown opens the guard's refusal when the migration state is unknown.
+const migrationStateUnknown = "cannot read the cluster's migration state; retrying"
+
+// migrationReasons says why the cluster's migration still needs a dropped key; err is
+// why the migration state is unknown (the guard then refuses every drop).
+func (n *Node) migrationReasons(ctx context.Context, drops map[string][]Key) ([]string, error) {
 	if len(drops) == 0 {
-		return nil
+		return nil, nil
 	}
-	n.mu.Lock()
-	mig := n.migrator
-	n.mu.Unlock()
-	var state MigrationState
-	if mig != nil {
-		state, _ = mig.State()
-	} else if st, err := readMigrationState(n); err == nil {
-		state = st
-	} else {
-		return nil
+	state, err := n.migrationState(ctx)
+	if err != nil {
+		return nil, err
 	}
 	var reasons []string
 	for _, res := range slices.Sorted(maps.Keys(drops)) {
@@ -121,12 +133,21 @@ func (n *Node) migrationReasons(drops map[string][]Key) []string {
 			}
 		}
 	}
-	return reasons
+	return reasons, nil
 }
 
-func readMigrationState(n *Node) (MigrationState, error) {
-	m := &Migrator{opts: MigratorOptions{Client: n.opts.Client, Prefix: n.opts.Prefix}}
-	return m.readState(context.Background())
+// migrationState is the cluster's migration state as the guard needs it: the
+// migrator's when this apiserver runs one (the leader's own; a follower's as read and
+// decoded from etcd, unknown before its first read), else a linearizable read of it.
+func (n *Node) migrationState(ctx context.Context) (MigrationState, error) {
+	n.mu.Lock()
+	mig := n.migrator
+	n.mu.Unlock()
+	if mig != nil {
+		return mig.knownState()
+	}
+	st, _, err := readMigrationStateAt(ctx, n.opts.Client, n.opts.Prefix)
+	return st, err
 }
 
 // dropPlan is a drop this apiserver announced: the configuration that drops them and

@@ -3,6 +3,8 @@ package cluster
 import (
 	"context"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -85,31 +87,35 @@ func (p *statePublisher) publish(st MigrationState, running bool) error {
 }
 
 // follow keeps the state read from etcd current until ctx ends: a read, then a watch
-// from the revision read; after a compaction or a broken watch it reads again.
+// from the revision read; after a compaction or a broken watch it reads again. While
+// the latest read failed or the latest state does not decode, the state is unknown
+// (knownState says why) and the guard refuses drops.
 func (m *Migrator) follow(ctx context.Context) {
 	for ctx.Err() == nil {
 		st, rev, err := m.getState(ctx)
 		if rev == 0 {
 			m.log.V(2).Info("Cannot read the migration state; retrying", "err", err)
+			m.setStateUnknown(err)
 			wait(ctx, m.opts.Clock, electionRetry)
 			continue
 		}
-		if err != nil { // read but not decoded: keep the last good one, watch for the next
-			m.log.V(2).Info("Ignoring a migration state that does not decode", "err", err)
+		if err != nil { // read but not decoded: unknown until the next one that decodes
+			m.log.V(2).Info("The migration state does not decode; waiting for the next one", "err", err)
 			st, _ = m.State()
 		}
-		m.followFrom(ctx, st, rev)
+		m.followFrom(ctx, st, rev, err)
 	}
 }
 
-// followFrom applies st, read at rev, then every change after rev until the watch
-// ends. A follower's inventory refresh that failed is retried on the clock meanwhile.
-func (m *Migrator) followFrom(ctx context.Context, st MigrationState, rev int64) {
+// followFrom applies st, read at rev (undecodable: why the state at rev is unknown),
+// then every change after rev until the watch ends. A follower's inventory refresh that
+// failed is retried on the clock meanwhile.
+func (m *Migrator) followFrom(ctx context.Context, st MigrationState, rev int64, undecodable error) {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
 	changes := m.opts.Client.Watch(wctx, MigrationStateKey(m.opts.Prefix), clientv3.WithRev(rev+1))
 	for {
-		m.setState(st)
+		m.setFollowed(st, undecodable)
 		var retry <-chan time.Time
 		if !m.refreshInventory(ctx, st.Records) {
 			retry = m.opts.Clock.After(inventoryRetry)
@@ -123,26 +129,65 @@ func (m *Migrator) followFrom(ctx context.Context, st MigrationState, rev int64)
 				m.log.V(2).Info("Migration state watch ended; reading it again", "err", resp.Err())
 				return
 			}
-			st = m.applyEvents(st, resp.Events)
+			st, undecodable = m.applyEvents(st, undecodable, resp.Events)
 		}
 	}
 }
 
-// applyEvents returns the state after events; an undecodable one is skipped (logged).
-func (m *Migrator) applyEvents(st MigrationState, events []*clientv3.Event) MigrationState {
+// applyEvents returns the state after events, and why it is unknown when the latest
+// event does not decode (logged; st is then the last state that decoded).
+func (m *Migrator) applyEvents(st MigrationState, undecodable error, events []*clientv3.Event) (MigrationState, error) {
 	for _, ev := range events {
 		if ev.Type == mvccpb.DELETE {
-			st = MigrationState{}
+			st, undecodable = MigrationState{}, nil
 			continue
 		}
-		var next MigrationState
-		if err := json.Unmarshal(ev.Kv.Value, &next); err != nil {
-			m.log.V(2).Info("Ignoring a migration state that does not decode", "key", string(ev.Kv.Key), "err", err)
+		next, err := decodeState(string(ev.Kv.Key), ev.Kv.Value)
+		if err != nil {
+			m.log.V(2).Info("The migration state does not decode; waiting for the next one", "err", err)
+			undecodable = err
 			continue
 		}
-		st = next
+		st, undecodable = next, nil
 	}
-	return st
+	return st, undecodable
+}
+
+// errStateNotLoaded is knownState's answer before the first read of a follower.
+var errStateNotLoaded = errors.New("this apiserver has not loaded it from etcd yet (its migrator is starting, or cannot reach etcd)")
+
+// knownState returns the migration state when it is known: set by the leader, or read
+// from etcd and decoded by the follower. Before the first read, while the latest read
+// failed and while the latest state does not decode, it returns why instead: nothing
+// then says whether a migration runs (callers that guard keys must refuse).
+func (m *Migrator) knownState() (MigrationState, error) {
+	m.mu.Lock()
+	loaded, err := m.loaded, m.stateErr
+	m.mu.Unlock()
+	switch {
+	case err != nil:
+		return MigrationState{}, err
+	case !loaded:
+		return MigrationState{}, errStateNotLoaded
+	}
+	st, _ := m.State()
+	return st, nil
+}
+
+// setFollowed sets the state a follower read (undecodable: why the latest one in etcd
+// is unknown; st is then the last one that decoded, kept for the status document).
+func (m *Migrator) setFollowed(st MigrationState, undecodable error) {
+	m.mu.Lock()
+	m.state, m.loaded, m.stateErr = st, true, undecodable
+	m.mu.Unlock()
+}
+
+// setStateUnknown records that the state in etcd cannot be read now (err); the last
+// one read stays for the status document.
+func (m *Migrator) setStateUnknown(err error) {
+	m.mu.Lock()
+	m.stateErr = err
+	m.mu.Unlock()
 }
 
 func (m *Migrator) readState(ctx context.Context) (MigrationState, error) {
@@ -151,18 +196,35 @@ func (m *Migrator) readState(ctx context.Context) (MigrationState, error) {
 }
 
 // getState reads the state and the revision it was read at (0 when the read failed);
-// no state is the zero one.
+// no state is the zero one. A state that does not decode is an error with the
+// revision read.
 func (m *Migrator) getState(ctx context.Context) (MigrationState, int64, error) {
-	var st MigrationState
+	return readMigrationStateAt(ctx, m.opts.Client, m.opts.Prefix)
+}
+
+// readMigrationStateAt reads the state at prefix (bounded by etcdTimeout) and the
+// revision it was read at (0 when the read failed); no state is the zero one. A state
+// that does not decode is an error with the revision read.
+func readMigrationStateAt(ctx context.Context, cli *clientv3.Client, prefix string) (MigrationState, int64, error) {
+	key := MigrationStateKey(prefix)
 	ctx, cancel := context.WithTimeout(ctx, etcdTimeout)
 	defer cancel()
-	resp, err := m.opts.Client.Get(ctx, MigrationStateKey(m.opts.Prefix))
+	resp, err := cli.Get(ctx, key)
 	if err != nil {
-		return st, 0, err
+		return MigrationState{}, 0, fmt.Errorf("reading %s: %w", key, err)
 	}
 	if len(resp.Kvs) == 0 {
-		return st, resp.Header.Revision, nil
+		return MigrationState{}, resp.Header.Revision, nil
 	}
-	err = json.Unmarshal(resp.Kvs[0].Value, &st)
+	st, err := decodeState(key, resp.Kvs[0].Value)
 	return st, resp.Header.Revision, err
+}
+
+// decodeState decodes the state stored at key.
+func decodeState(key string, data []byte) (MigrationState, error) {
+	var st MigrationState
+	if err := json.Unmarshal(data, &st); err != nil {
+		return MigrationState{}, fmt.Errorf("%s does not decode: %w (the elected migration leader rewrites it at least every 30 s)", key, err)
+	}
+	return st, nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -101,7 +102,7 @@ func TestFollowerWatchesTheState(t *testing.T) {
 		t.Fatal(err)
 	}
 	ended := make(chan struct{})
-	go func() { defer close(ended); m.followFrom(ctx, MigrationState{}, old) }()
+	go func() { defer close(ended); m.followFrom(ctx, MigrationState{}, old, nil) }()
 	select {
 	case <-ended:
 	case <-time.After(20 * time.Second):
@@ -117,6 +118,59 @@ func TestFollowerWatchesTheState(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, "the deletion seen through the watch", func() bool { st, _ := m.State(); return st.Leader == "" && len(st.Records) == 0 })
+	cancel()
+	<-followed
+}
+
+// TestFollowerStateIsUnknownUntilReadAndWhileItDoesNotDecode: a follower's migration
+// state is unknown (knownState fails) before its first read and while the latest state
+// in etcd does not decode, whether read at the start or seen through the watch; a state
+// that decodes, or its deletion, makes it known again.
+func TestFollowerStateIsUnknownUntilReadAndWhileItDoesNotDecode(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	m := NewMigrator(MigratorOptions{Client: cli, Prefix: DefaultPrefix, ID: "b",
+		Logger: ktesting.NewLogger(t, ktesting.NewConfig()), Clock: clocktesting.NewFakeClock(epoch)})
+	key := MigrationStateKey(DefaultPrefix)
+	put := func(v string) {
+		t.Helper()
+		if _, err := cli.Put(ctx, key, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	unknown := func(want string) func() bool {
+		return func() bool {
+			_, err := m.knownState()
+			return err != nil && strings.Contains(err.Error(), want)
+		}
+	}
+	known := func(leader string) func() bool {
+		return func() bool {
+			st, err := m.knownState()
+			return err == nil && st.Leader == leader
+		}
+	}
+
+	if _, err := m.knownState(); !errors.Is(err, errStateNotLoaded) {
+		t.Fatalf("knownState before the first read = %v, want %v", err, errStateNotLoaded)
+	}
+	put(`{"leader": "a", "records": {`)
+	followed := make(chan struct{})
+	go func() { defer close(followed); m.follow(ctx) }()
+	eventually(t, "an undecodable state read at the start is unknown", unknown(key+" does not decode"))
+	put(`{"leader": "a", "records": {}}`)
+	eventually(t, "a state that decodes is known", known("a"))
+	put(`not json`)
+	eventually(t, "an undecodable state seen through the watch is unknown", unknown(key+" does not decode"))
+	if st, _ := m.State(); st.Leader != "a" {
+		t.Errorf("the status document lost the last state that decoded: leader %q, want a", st.Leader)
+	}
+	if _, err := cli.Delete(ctx, key); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "no state (deleted) is known: nothing runs", known(""))
 	cancel()
 	<-followed
 }

@@ -65,7 +65,11 @@ type Migrator struct {
 	mu      sync.Mutex
 	leading bool
 	state   MigrationState
-	last    *migrate.MigrationRecord
+	// loaded is set once state was read from etcd or set by the leader; stateErr is why
+	// the state in etcd is unknown now (unreadable or undecodable). See knownState.
+	loaded   bool
+	stateErr error
+	last     *migrate.MigrationRecord
 	// resume is where the previous resource's migration left the pacer.
 	resume resumeRate
 }
@@ -134,7 +138,7 @@ func (m *Migrator) Run(ctx context.Context) {
 
 func (m *Migrator) setState(st MigrationState) {
 	m.mu.Lock()
-	m.state = st
+	m.state, m.loaded, m.stateErr = st, true, nil
 	m.mu.Unlock()
 }
 
