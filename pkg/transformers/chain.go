@@ -157,7 +157,7 @@ func (c *Chain) TransformFromStorage(ctx context.Context, data []byte, dataCtx v
 			continue
 		}
 		if c.obs != nil {
-			c.obs[i].read(start, err)
+			c.obs[i].read(start, stale, err)
 		}
 		if err != nil {
 			errs = append(errs, err)

@@ -42,7 +42,8 @@ const (
 )
 
 var (
-	errShortData         = aescbc.ErrShortData
+	// errShortData is upstream's words for a value too short for its nonce and tag.
+	errShortData         = errors.New("the stored data was shorter than the required size")
 	errIdentityEncrypted = errors.New("identity transformer tried to read encrypted data")
 )
 

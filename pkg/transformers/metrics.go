@@ -2,11 +2,14 @@ package transformers
 
 import (
 	"errors"
+	"strings"
 	"time"
 
 	"google.golang.org/grpc/status"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/component-base/metrics"
+
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv1"
 )
 
 // Metrics records upstream's storage transformation metrics
@@ -17,9 +20,15 @@ import (
 //
 // One deliberate difference: identity writes are labelled transformer_prefix="identity"
 // (upstream labels them "" on writes and "identity" on reads).
+//
+// It also counts the values read with AES-CBC (rekey_storage_transformation_cbc_reads_total):
+// the aescbc provider, and KMS v1 values written before Kubernetes 1.25. CBC is
+// unauthenticated; the count shows where it is still read, and its failures (a wrong key,
+// a corrupted or a forged value) where someone may be probing it.
 type Metrics struct {
 	operations *metrics.CounterVec
 	duration   *metrics.HistogramVec
+	cbcReads   *metrics.CounterVec
 }
 
 // NewMetrics creates the metrics and registers them in reg.
@@ -40,8 +49,15 @@ func NewMetrics(reg metrics.KubeRegistry) *Metrics {
 			Buckets:        metrics.ExponentialBuckets(5e-6, 2, 25),
 			StabilityLevel: metrics.ALPHA,
 		}, []string{"transformation_type", "transformer_prefix"}),
+		cbcReads: metrics.NewCounterVec(&metrics.CounterOpts{
+			Namespace:      "rekey",
+			Subsystem:      "storage_transformation",
+			Name:           "cbc_reads_total",
+			Help:           "Values read from storage with AES-CBC (the aescbc provider; KMS v1 values written before Kubernetes 1.25), by status: OK, or failed (wrong key, corrupted or forged value). CBC is unauthenticated: migrate these values to aesgcm, secretbox or KMS v2.",
+			StabilityLevel: metrics.ALPHA,
+		}, []string{"resource", "transformer_prefix", "status"}),
 	}
-	reg.MustRegister(m.operations, m.duration)
+	reg.MustRegister(m.operations, m.duration, m.cbcReads)
 	return m
 }
 
@@ -56,17 +72,42 @@ type observers struct {
 	resource, prefix  string
 	writeOK, readOK   metrics.CounterMetric
 	writeDur, readDur metrics.ObserverMetric
+	// cbc says which of the provider's reads are AES-CBC reads; cbcOK counts them.
+	cbc   cbcReads
+	cbcOK metrics.CounterMetric
 }
+
+// cbcReads says which reads of a provider are AES-CBC reads.
+type cbcReads int
+
+const (
+	noCBC    cbcReads = iota
+	allCBC            // aescbc: every read
+	kmsv1CBC          // KMS v1: a stale read (CBC data), or a failure of both ciphers
+)
+
+// cbcFailed is the status of a CBC read that failed.
+const cbcFailed = "failed"
 
 func (m *Metrics) observersFor(gr schema.GroupResource, prefix string) *observers {
 	res := gr.String()
-	return &observers{
+	o := &observers{
 		m: m, resource: res, prefix: prefix,
 		writeOK:  m.operations.WithLabelValues(res, toStorage, prefix, "OK"),
 		readOK:   m.operations.WithLabelValues(res, fromStorage, prefix, "OK"),
 		writeDur: m.duration.WithLabelValues(toStorage, prefix),
 		readDur:  m.duration.WithLabelValues(fromStorage, prefix),
 	}
+	switch {
+	case prefix == AESCBCPrefix:
+		o.cbc = allCBC
+	case strings.HasPrefix(prefix, kmsv1.Prefix):
+		o.cbc = kmsv1CBC
+	}
+	if o.cbc != noCBC {
+		o.cbcOK = m.cbcReads.WithLabelValues(res, prefix, "OK")
+	}
+	return o
 }
 
 func now() time.Time { return time.Now() }
@@ -80,13 +121,30 @@ func (o *observers) write(start time.Time, err error) {
 	o.m.operations.WithLabelValues(o.resource, toStorage, o.prefix, statusLabel(err)).Inc()
 }
 
-func (o *observers) read(start time.Time, err error) {
+// read records a read by the provider; stale is what its Open said.
+func (o *observers) read(start time.Time, stale bool, err error) {
+	o.countCBC(stale, err)
 	if err == nil {
 		o.readOK.Inc()
 		o.readDur.Observe(time.Since(start).Seconds())
 		return
 	}
 	o.m.operations.WithLabelValues(o.resource, fromStorage, o.prefix, statusLabel(err)).Inc()
+}
+
+// countCBC counts a read that decrypted AES-CBC (or failed to).
+func (o *observers) countCBC(stale bool, err error) {
+	switch {
+	case o.cbc == noCBC:
+	case o.cbc == kmsv1CBC && err == nil && !stale:
+		// AES-GCM data, as Kubernetes 1.25 and later write it.
+	case o.cbc == kmsv1CBC && err != nil && !errors.Is(err, kmsv1.ErrUndecryptable):
+		// The plugin or the framing failed before any data was decrypted.
+	case err == nil:
+		o.cbcOK.Inc()
+	default:
+		o.m.cbcReads.WithLabelValues(o.resource, o.prefix, cbcFailed).Inc()
+	}
 }
 
 // unknown records a read that no provider's prefix matched, as upstream does.

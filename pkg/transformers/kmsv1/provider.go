@@ -33,6 +33,10 @@ const (
 // ErrReadOnly is the error of every write: KMS v1 is only ever read.
 var ErrReadOnly = errors.New(config.KMSv1ReadOnlyError)
 
+// ErrUndecryptable is the error of every value whose data (after a DEK the plugin
+// unwrapped) decrypts neither as AES-GCM nor as AES-CBC: one error, whatever failed.
+var ErrUndecryptable = errors.New("the data decrypts neither as AES-GCM nor as AES-CBC under its DEK")
+
 // Decrypter unwraps the encrypted DEK of a value: a KMS v1 plugin (Client).
 type Decrypter interface {
 	Decrypt(ctx context.Context, encryptedDEK []byte) ([]byte, error)
@@ -110,17 +114,15 @@ func (p *Provider) Open(ctx context.Context, data []byte, dataCtx value.Context)
 	}
 	// Kubernetes 1.25 and later write AES-GCM; 1.24 and earlier wrote AES-CBC. The
 	// value does not say which, so GCM is tried first, as upstream does.
-	var gcmErr error
-	if len(sealed) < gcmNonceSize {
-		gcmErr = aescbc.ErrShortData
-	} else if out, err := k.gcm.Open(nil, sealed[:gcmNonceSize], sealed[gcmNonceSize:], dataCtx.AuthenticatedData()); err == nil {
-		return out, false, nil
-	} else {
-		gcmErr = err
+	if len(sealed) >= gcmNonceSize {
+		if out, err := k.gcm.Open(nil, sealed[:gcmNonceSize], sealed[gcmNonceSize:], dataCtx.AuthenticatedData()); err == nil {
+			return out, false, nil
+		}
 	}
-	out, cbcErr := k.cbc.Open(sealed)
-	if cbcErr != nil {
-		return nil, false, fmt.Errorf("kms v1 provider %q: the data decrypts neither as AES-GCM (%v) nor as AES-CBC (%v) under its DEK: a corrupted value, or one moved to another etcd key", p.name, gcmErr, cbcErr)
+	// One error whatever failed (see aescbc.ErrOpen: no padding oracle).
+	out, err := k.cbc.Open(sealed)
+	if err != nil {
+		return nil, false, fmt.Errorf("kms v1 provider %q: %w: a corrupted value, or one moved to another etcd key", p.name, ErrUndecryptable)
 	}
 	return out, true, nil
 }

@@ -215,3 +215,49 @@ func TestPluginDown(t *testing.T) {
 		t.Fatalf("after the plugin came back: %q %v", out, err)
 	}
 }
+
+// TestCBCFailuresShareOneError: a KMS v1 value whose data is AES-CBC fails the same
+// way, word for word, whether its data has a bad length, is an IV alone, or decrypts
+// to a bad padding (a last byte above 16, or padding bytes that disagree): no answer
+// tells a padding error from another (a padding oracle).
+func TestCBCFailuresShareOneError(t *testing.T) {
+	ctx := context.Background()
+	f := newFakeKMS()
+	p := kmsv1.NewWithDecrypter("old", 10, asDecrypter{f})
+	pt := []byte("payload of some length") // 22 bytes: the last block ends in ten 10s
+	v, err := upstreamWriter(f, true).TransformToStorage(ctx, pt, aad)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out, _, err := p.Open(ctx, v, aad); err != nil || !bytes.Equal(out, pt) {
+		t.Fatalf("the intact value: %q, %v", out, err)
+	}
+	// The data after the 2-byte length and the encrypted DEK: IV ‖ two blocks.
+	dataAt := len(v) - 3*16
+	// flipLast flips bits of the penultimate ciphertext block's last byte, which flips
+	// the same bits of the plaintext's last byte (the padding length).
+	flipLast := func(bits byte) []byte {
+		w := bytes.Clone(v)
+		w[len(w)-16-1] ^= bits
+		return w
+	}
+	var texts []string
+	for name, w := range map[string][]byte{
+		"not a multiple of the block": v[:len(v)-1],
+		"an IV alone":                 v[:dataAt+16],
+		"last byte above 16":          flipLast(0x80), // 10 → 138
+		"padding bytes disagree":      flipLast(0x01), // 10 → 11
+		"last byte 0":                 flipLast(10),   // 10 → 0
+	} {
+		_, _, err := p.Open(ctx, w, aad)
+		if err == nil || !errors.Is(err, kmsv1.ErrUndecryptable) {
+			t.Fatalf("%s: %v, want ErrUndecryptable", name, err)
+		}
+		texts = append(texts, err.Error())
+	}
+	for _, s := range texts[1:] {
+		if s != texts[0] {
+			t.Fatalf("CBC failures differ in their words:\n%s", strings.Join(texts, "\n"))
+		}
+	}
+}

@@ -67,41 +67,44 @@ func (c *Cipher) Decrypt(iv, dst, src []byte) {
 	}
 }
 
-// Errors of Open, in upstream's words (k8s.io/apiserver's aes CBC transformer), so a
-// value fails the same way whichever provider stores it.
-var (
-	ErrShortData    = errors.New("the stored data was shorter than the required size")
-	ErrBlockSize    = errors.New("the stored data is not a multiple of the block size")
-	ErrInvalidPKCS7 = errors.New("invalid PKCS7 data (empty or not padded)")
-	ErrPadding      = errors.New("invalid padding on input (wrong key or corrupted value)")
-)
+// ErrOpen is the one error of Open, whatever failed: the length of the data or its
+// padding. CBC has no MAC, so an answer that told a bad padding from a bad length (or
+// took longer for one than the other) would let whoever can write stored values and
+// watch reads decrypt them a byte at a time (a padding oracle). The length of stored
+// data is no secret, but one error for everything leaves nothing to compare.
+var ErrOpen = errors.New("the stored data does not decrypt as AES-CBC (wrong key, corrupted value, or not an AES-CBC value)")
 
 // Open decrypts data = IV(16) ‖ ciphertext and removes its PKCS#7 padding, the stored
 // form of upstream's CBC transformer (the aescbc provider, and the data of KMS v1
 // values written before Kubernetes 1.25). CBC has no MAC: a wrong key or a corrupted
-// value fails only when the garbage it decrypts to is not validly padded.
+// value fails only when the garbage it decrypts to is not validly padded. Every
+// failure is ErrOpen, and the padding is checked in constant time.
 func (c *Cipher) Open(data []byte) ([]byte, error) {
-	if len(data) < BlockSize {
-		return nil, ErrShortData
+	if len(data) < 2*BlockSize || len(data)%BlockSize != 0 {
+		// An IV and no ciphertext (upstream panics there), a short or a ragged value.
+		return nil, ErrOpen
 	}
 	body := data[BlockSize:]
-	if len(body)%BlockSize != 0 {
-		return nil, ErrBlockSize
-	}
-	if len(body) == 0 {
-		// Upstream panics here (index out of range); an IV with no ciphertext is simply corrupt.
-		return nil, ErrInvalidPKCS7
-	}
 	out := make([]byte, len(body))
 	c.Decrypt(data[:BlockSize], out, body)
-	pad := int(out[len(out)-1])
-	if pad == 0 || pad > BlockSize || pad > len(out) {
-		return nil, ErrInvalidPKCS7
-	}
-	for _, b := range out[len(out)-pad:] {
-		if int(b) != pad {
-			return nil, ErrPadding
-		}
+	pad, ok := unpad(out[len(out)-BlockSize:])
+	if !ok {
+		clear(out)
+		return nil, ErrOpen
 	}
 	return out[:len(out)-pad], nil
+}
+
+// unpad checks the PKCS#7 padding of last, the final block, in constant time: its last
+// byte n must be 1..BlockSize and the n bytes that end the block must all be n.
+func unpad(last []byte) (n int, ok bool) {
+	pad := last[BlockSize-1]
+	good := subtle.ConstantTimeLessOrEq(1, int(pad)) & subtle.ConstantTimeLessOrEq(int(pad), BlockSize)
+	for i := 0; i < BlockSize; i++ {
+		// Bytes within the padding (BlockSize-i <= pad) must equal pad.
+		inPad := subtle.ConstantTimeLessOrEq(BlockSize-i, int(pad))
+		same := subtle.ConstantTimeByteEq(last[i], pad)
+		good &= subtle.ConstantTimeSelect(inPad, same, 1)
+	}
+	return int(pad), good == 1
 }
