@@ -74,11 +74,14 @@ func (a *acknowledgeFlags) run(ctx context.Context, w io.Writer, c *common) erro
 	defer s.Close()
 	switch {
 	case a.list:
-		acks, err := migrate.LoadAcknowledgements(ctx, s.etcd, prefix)
+		// Listing collects the void ones too: the apiservers' inventories do it as well,
+		// but a cluster without them would otherwise keep them forever.
+		c, err := migrate.CollectAcknowledgements(ctx, s.etcd, prefix)
 		if err != nil {
 			return err
 		}
-		writeAcknowledgements(w, acks.Sorted())
+		writeAcknowledgements(w, c.InForce.Sorted())
+		writeCollected(w, c)
 		return nil
 	case len(a.remove) > 0:
 		for _, ref := range a.remove {
@@ -150,4 +153,23 @@ func writeAcknowledgements(w io.Writer, acks []migrate.Acknowledgement) {
 		row(tw, a.Resource, orDash(a.Namespace), a.Name, a.Prefix, a.Class, fmt.Sprint(a.ModRevision), a.At.UTC().Format("2006-01-02T15:04:05Z"), a.By, a.Reason)
 	}
 	_ = tw.Flush()
+}
+
+// writeCollected says which void acknowledgements listing deleted, and which it could
+// not (they cover nothing; a later listing or inventory deletes them).
+func writeCollected(w io.Writer, c migrate.CollectedAcknowledgements) {
+	for _, a := range c.Deleted {
+		printLine(w, "deleted the void acknowledgement of %s/%s: the object was rewritten or deleted after mod revision %d", a.Resource, objectRef(a), a.ModRevision)
+	}
+	if c.DeleteErr != nil {
+		printLine(w, "could not delete every void acknowledgement (they cover nothing; the next listing or inventory retries): %v", c.DeleteErr)
+	}
+}
+
+// objectRef is <namespace>/<name>, or <name> when cluster-scoped.
+func objectRef(a migrate.Acknowledgement) string {
+	if a.Namespace == "" {
+		return a.Name
+	}
+	return a.Namespace + "/" + a.Name
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"strings"
 	"testing"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/enctest"
 	"github.com/rekey-io/rekey/internal/etcdtest"
+	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/migrate"
 )
 
@@ -76,6 +78,21 @@ func TestAcknowledgeUnreadableFlags(t *testing.T) {
 	}
 	if _, err := run(t, migrateArgs...); !errors.Is(err, migrate.ErrNotFinished) {
 		t.Fatalf("migrate after the acknowledgement was removed: %v", err)
+	}
+
+	// Acknowledged again, then the object is rewritten: the acknowledgement is void, and
+	// listing deletes it, saying so.
+	if _, err := run(t, append(ack, "--acknowledge-unreadable", "secrets/lost-ns/o0000", "--reason", "x")...); err != nil {
+		t.Fatal(err)
+	}
+	seedResource(t, cli, goneCfg, "secrets", "lost-ns", 1)
+	out, err = run(t, list...)
+	if err != nil || !strings.Contains(out, "no unreadable object is acknowledged") ||
+		!strings.Contains(out, "deleted the void acknowledgement of secrets/lost-ns/o0000: the object was rewritten or deleted") {
+		t.Fatalf("list after the acknowledged object was rewritten: %v\n%s", err, out)
+	}
+	if resp, err := cli.Get(context.Background(), migrate.AcknowledgedPrefix(cluster.DefaultPrefix), clientv3.WithPrefix()); err != nil || len(resp.Kvs) != 0 {
+		t.Fatalf("acknowledgements left in etcd: %v, %v", resp, err)
 	}
 }
 

@@ -71,23 +71,115 @@ func (a Acknowledgements) Sorted() []Acknowledgement {
 	return out
 }
 
-// LoadAcknowledgements reads every acknowledgement under coordinationPrefix. There are
-// as many as operators named, one by one, so one range read holds them.
+// acknowledgementPage bounds one read of acknowledgements: a page, then one transaction
+// reading the mod revisions of its objects (as many reads as the page holds, under
+// etcd's default --max-txn-ops of 128).
+const acknowledgementPage = 100
+
+// LoadAcknowledgements reads the acknowledgements under coordinationPrefix that are in
+// force: the value acknowledged is still its object's. It reads them page by page, and
+// deletes the void ones on the way (CollectAcknowledgements); a void one it cannot delete
+// now is left for the next load: it covers nothing either way.
 func LoadAcknowledgements(ctx context.Context, cli *clientv3.Client, coordinationPrefix string) (Acknowledgements, error) {
-	resp, err := cli.Get(ctx, AcknowledgedPrefix(coordinationPrefix), clientv3.WithPrefix())
-	if err != nil {
-		return nil, fmt.Errorf("reading the acknowledged unreadable objects under %s: %w", AcknowledgedPrefix(coordinationPrefix), err)
+	c, err := CollectAcknowledgements(ctx, cli, coordinationPrefix)
+	return c.InForce, err
+}
+
+// CollectedAcknowledgements is what CollectAcknowledgements found.
+type CollectedAcknowledgements struct {
+	// InForce are the acknowledgements whose object still holds the value acknowledged.
+	InForce Acknowledgements
+	// Deleted are the void ones it deleted: their object was rewritten or deleted.
+	Deleted []Acknowledgement
+	// DeleteErr is why some void ones could not be deleted (they are left for the next
+	// collection; nil when every one was).
+	DeleteErr error
+}
+
+// CollectAcknowledgements reads the acknowledgements under coordinationPrefix in pages
+// of acknowledgementPage, compares each with the mod revision its object has now, and
+// deletes the void ones: an object rewritten (a new mod revision) or deleted since was
+// acknowledged for a value that is gone, and nothing else ever removes its record. A
+// deletion is a transaction that succeeds only while the object's mod revision still
+// differs from the acknowledged one and the acknowledgement is still the one read, so it
+// never removes an acknowledgement recorded again meanwhile. A record that does not
+// decode is left alone (ignoring it makes its object block, the safe side).
+func CollectAcknowledgements(ctx context.Context, cli *clientv3.Client, coordinationPrefix string) (CollectedAcknowledgements, error) {
+	return collectAcknowledgements(ctx, cli, coordinationPrefix, acknowledgementPage)
+}
+
+func collectAcknowledgements(ctx context.Context, cli clientv3.KV, coordinationPrefix string, pageSize int64) (CollectedAcknowledgements, error) {
+	dir := AcknowledgedPrefix(coordinationPrefix)
+	out := CollectedAcknowledgements{InForce: Acknowledgements{}}
+	// The scans' pager: pages bounded in keys and bytes.
+	p := newPager(cli, Resource{KeyPrefix: dir}, "", pageSize, false)
+	for {
+		kvs, err := p.page(ctx)
+		if err != nil {
+			return out, fmt.Errorf("reading the acknowledged unreadable objects under %s: %w", dir, err)
+		}
+		if len(kvs) == 0 {
+			return out, nil
+		}
+		var page []ackRecord
+		for _, kv := range kvs {
+			var ack Acknowledgement
+			if err := json.Unmarshal(kv.Value, &ack); err != nil || ack.Key == "" {
+				continue
+			}
+			page = append(page, ackRecord{ack: ack, key: string(kv.Key), rev: kv.ModRevision})
+		}
+		if err := out.sortPage(ctx, cli, page); err != nil {
+			return out, err
+		}
 	}
-	out := Acknowledgements{}
-	for _, kv := range resp.Kvs {
-		var ack Acknowledgement
-		if err := json.Unmarshal(kv.Value, &ack); err != nil || ack.Key == "" {
-			// Ignoring it only makes its object block again, which is the safe side.
+}
+
+// ackRecord is an acknowledgement as read: its etcd key and mod revision.
+type ackRecord struct {
+	ack Acknowledgement
+	key string
+	rev int64
+}
+
+// sortPage reads the mod revisions of page's objects in one transaction and files each
+// acknowledgement as in force or void; the void ones are deleted.
+func (c *CollectedAcknowledgements) sortPage(ctx context.Context, cli clientv3.KV, page []ackRecord) error {
+	if len(page) == 0 {
+		return nil
+	}
+	gets := make([]clientv3.Op, len(page))
+	for i, r := range page {
+		gets[i] = clientv3.OpGet(r.ack.Key, clientv3.WithKeysOnly())
+	}
+	resp, err := cli.Txn(ctx).Then(gets...).Commit()
+	if err != nil {
+		return fmt.Errorf("reading the objects of %d acknowledgements: %w", len(page), err)
+	}
+	for i, r := range page {
+		var now int64 // 0: the object is gone
+		if kvs := resp.Responses[i].GetResponseRange().GetKvs(); len(kvs) > 0 {
+			now = kvs[0].ModRevision
+		}
+		if now == r.ack.ModRevision {
+			c.InForce[r.ack.Key] = r.ack
 			continue
 		}
-		out[ack.Key] = ack
+		del, err := cli.Txn(ctx).
+			If(clientv3.Compare(clientv3.ModRevision(r.ack.Key), "!=", r.ack.ModRevision),
+				clientv3.Compare(clientv3.ModRevision(r.key), "=", r.rev)).
+			Then(clientv3.OpDelete(r.key)).
+			Commit()
+		switch {
+		case err != nil:
+			c.DeleteErr = errors.Join(c.DeleteErr, fmt.Errorf("deleting the void acknowledgement %s: %w", r.key, err))
+		case del.Succeeded:
+			c.Deleted = append(c.Deleted, r.ack)
+		}
+		// Not succeeded: the acknowledgement was recorded again since it was read (for
+		// the object's new value); the next collection looks at it again.
 	}
-	return out, nil
+	return nil
 }
 
 // AcknowledgeOptions name the object to acknowledge and why.

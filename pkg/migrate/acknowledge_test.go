@@ -2,6 +2,7 @@ package migrate
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -129,8 +130,20 @@ func TestAcknowledgedUnreadableObject(t *testing.T) {
 		t.Fatalf("migration after the acknowledged object was rewritten: %v, want it to block again", err)
 	}
 
+	// The void acknowledgement is gone: the migration's inventory collected it.
 	acks, err := LoadAcknowledgements(ctx, cli, testCoordination)
-	if err != nil || len(acks.Sorted()) != 1 {
+	if err != nil || len(acks.Sorted()) != 0 {
+		t.Fatalf("acknowledgements after the object was rewritten = %v, %v; want none", acks, err)
+	}
+	if stored, err := cli.Get(ctx, AcknowledgementKey(testCoordination, res, lost)); err != nil || len(stored.Kvs) != 0 {
+		t.Fatalf("the void acknowledgement is still stored: %v %v", stored, err)
+	}
+
+	// Acknowledged again (its new value), then removed.
+	if _, err := Acknowledge(ctx, ackOpts); err != nil {
+		t.Fatal(err)
+	}
+	if acks, err := LoadAcknowledgements(ctx, cli, testCoordination); err != nil || len(acks.Sorted()) != 1 {
 		t.Fatalf("acknowledgements = %v, %v", acks, err)
 	}
 	if removed, err := RemoveAcknowledgement(ctx, cli, testCoordination, res, "team-a", "lost"); err != nil || !removed {
@@ -212,5 +225,101 @@ rekey_storage_unreadable_acknowledged_objects{resource="secrets"} 1
 `
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "rekey_storage_unreadable_acknowledged_objects"); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// pageKV records the largest page a range read returned, and how many there were.
+type pageKV struct {
+	clientv3.KV
+	reads, largest int
+}
+
+func (k *pageKV) Get(ctx context.Context, key string, opts ...clientv3.OpOption) (*clientv3.GetResponse, error) {
+	resp, err := k.KV.Get(ctx, key, opts...)
+	if err == nil {
+		k.reads++
+		k.largest = max(k.largest, len(resp.Kvs))
+	}
+	return resp, err
+}
+
+// TestVoidAcknowledgementsAreCollected: acknowledgements are read in bounded pages;
+// those whose object was rewritten or deleted since are deleted, the others (and a
+// record that does not decode) stay; a void one recorded again after it was read is
+// not deleted.
+func TestVoidAcknowledgementsAreCollected(t *testing.T) {
+	ctx := context.Background()
+	cli := startEtcd(t)
+	_, gone := setFor(t, "secrets", "aesgcm:gone")
+	_, cur := setFor(t, "secrets", "aesgcm:key1")
+	res := ResourceFor(DefaultEtcdPrefix, secrets)
+	names := []string{"a", "b", "c", "d", "e"}
+	for _, name := range names {
+		plant(t, cli, gone, keyOf(secrets, "ns", name))
+		if _, err := Acknowledge(ctx, AcknowledgeOptions{Client: cli, Source: FromSet(cur), CoordinationPrefix: testCoordination,
+			Resource: res, Namespace: "ns", Name: name, Reason: "lost with the old key"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	garbage := AcknowledgedPrefix(testCoordination) + "secrets/ns/zz"
+	if _, err := cli.Put(ctx, garbage, "{not json"); err != nil {
+		t.Fatal(err)
+	}
+	plant(t, cli, gone, keyOf(secrets, "ns", "b")) // rewritten
+	if _, err := cli.Delete(ctx, keyOf(secrets, "ns", "d")); err != nil {
+		t.Fatal(err)
+	}
+
+	kv := &pageKV{KV: cli.KV}
+	got, err := collectAcknowledgements(ctx, kv, testCoordination, 2)
+	if err != nil || got.DeleteErr != nil {
+		t.Fatalf("collect: %v, %v", err, got.DeleteErr)
+	}
+	if kv.largest > 2 || kv.reads < 3 {
+		t.Errorf("6 records in pages of 2: %d range reads, the largest of %d records", kv.reads, kv.largest)
+	}
+	var inForce, deleted []string
+	for _, a := range got.InForce.Sorted() {
+		inForce = append(inForce, a.Name)
+	}
+	for _, a := range got.Deleted {
+		deleted = append(deleted, a.Name)
+	}
+	if strings.Join(inForce, ",") != "a,c,e" || strings.Join(deleted, ",") != "b,d" {
+		t.Fatalf("in force %v, deleted %v; want a,c,e and b,d", inForce, deleted)
+	}
+	resp, err := cli.Get(ctx, AcknowledgedPrefix(testCoordination), clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stored []string
+	for _, kv := range resp.Kvs {
+		stored = append(stored, strings.TrimPrefix(string(kv.Key), AcknowledgedPrefix(testCoordination)))
+	}
+	if want := "secrets/ns/a,secrets/ns/c,secrets/ns/e,secrets/ns/zz"; strings.Join(stored, ",") != want {
+		t.Fatalf("stored acknowledgements %v, want %s", stored, want)
+	}
+
+	// A void acknowledgement read before it was recorded again stays.
+	plant(t, cli, gone, keyOf(secrets, "ns", "c")) // c is now void...
+	key := AcknowledgementKey(testCoordination, res, keyOf(secrets, "ns", "c"))
+	before, err := cli.Get(ctx, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stale Acknowledgement
+	if err := json.Unmarshal(before.Kvs[0].Value, &stale); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Acknowledge(ctx, AcknowledgeOptions{Client: cli, Source: FromSet(cur), CoordinationPrefix: testCoordination,
+		Resource: res, Namespace: "ns", Name: "c", Reason: "still lost"}); err != nil { // ...and acknowledged again
+		t.Fatal(err)
+	}
+	c := CollectedAcknowledgements{InForce: Acknowledgements{}}
+	if err := c.sortPage(ctx, cli, []ackRecord{{ack: stale, key: key, rev: before.Kvs[0].ModRevision}}); err != nil || len(c.Deleted) != 0 {
+		t.Fatalf("collecting an acknowledgement recorded again since it was read: deleted %v, %v", c.Deleted, err)
+	}
+	if acks, err := LoadAcknowledgements(ctx, cli, testCoordination); err != nil || !acks.Covers(keyOf(secrets, "ns", "c"), acks[keyOf(secrets, "ns", "c")].ModRevision) || len(acks) != 3 {
+		t.Fatalf("acknowledgements after c was acknowledged again = %v, %v; want a, c, e", acks, err)
 	}
 }
