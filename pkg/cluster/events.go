@@ -19,11 +19,16 @@ type MigrationMirror interface {
 
 // nodeEvents turns what Node.evaluate sees each tick into events on changes only:
 // this apiserver starting to straggle for a resource, a key conflict involving it
-// appearing. A fact that goes on is reported once; one that ends and comes back is
-// reported again.
+// appearing, an entry nobody writes with that it has with another check value than
+// another member (readiness lets that pass, so the event is how it gets noticed). A
+// fact that goes on is reported once; one that ends and comes back is reported again.
 type nodeEvents struct {
 	straggling map[string]bool
 	conflicts  map[string]bool
+	// readOnly is keyed by resource and entry, not by the members on each side: a
+	// socket path rolled node by node changes those sides at every step and is one
+	// episode.
+	readOnly map[string]bool
 }
 
 // step returns the events for the members as they are now (self included).
@@ -44,8 +49,20 @@ func (e *nodeEvents) step(self string, members []MemberState) []event {
 			}
 		}
 	}
+	written, readOnlyConflicts := splitConflicts(members)
+	readOnly := map[string]bool{}
+	for _, c := range readOnlyConflicts {
+		if !c.involves(self) {
+			continue
+		}
+		id := c.Resource + " " + c.Key.String()
+		readOnly[id] = true
+		if !e.readOnly[id] {
+			out = append(out, event{events.Warning, events.ReasonKeyConflict, c.readOnlyWarning()})
+		}
+	}
 	conflicts := map[string]bool{}
-	for _, c := range keyConflicts(members) {
+	for _, c := range written {
 		if !c.involves(self) {
 			continue
 		}
@@ -56,7 +73,7 @@ func (e *nodeEvents) step(self string, members []MemberState) []event {
 				s + ": give one of the secrets another key name, or the same secret on every apiserver"})
 		}
 	}
-	e.straggling, e.conflicts = straggling, conflicts
+	e.straggling, e.conflicts, e.readOnly = straggling, conflicts, readOnly
 	return out
 }
 

@@ -21,14 +21,15 @@ var epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 // parseKey reads "aesgcm/k1", "aesgcm/k1#s2" (a local key whose secret has check
 // value s2; without #, every local key's check value is "s1": one secret per name),
 // "aesgcm/k1#" (no check value: a record of an older rekey), "kms/vault@h1" (key id
-// hash h1) or "identity".
+// hash h1), "kmsv1/old#e2" (a KMS v1 provider, whose check value is its endpoint's;
+// "s1" without #) or "identity".
 func parseKey(s string) Key {
 	s, hash, _ := strings.Cut(strings.TrimSpace(s), "@")
 	s, check, hasCheck := strings.Cut(s, "#")
 	p, k, _ := strings.Cut(s, "/")
 	key := Key{Provider: p, Key: k, KeyIDHash: hash}
 	switch p {
-	case transformers.ProviderAESGCM, transformers.ProviderAESCBC, transformers.ProviderSecretbox:
+	case transformers.ProviderAESGCM, transformers.ProviderAESCBC, transformers.ProviderSecretbox, transformers.ProviderKMSv1:
 		key.Check = "s1"
 		if hasCheck {
 			key.Check = check

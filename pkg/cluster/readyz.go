@@ -2,6 +2,7 @@ package cluster
 
 import (
 	"fmt"
+	"maps"
 	"net/http"
 	"slices"
 	"strings"
@@ -55,7 +56,8 @@ func (n *Node) ReadyzCheck() healthz.HealthChecker {
 // MissingKeys lists what ReadyzCheck reports: the keys other live members write with
 // that this apiserver's configuration cannot read (a KMS key id its plugin does not
 // decrypt counts), keys this apiserver has under the name of another member's key with
-// another secret, and keys the latest inventory counts stored objects under that
+// another secret where a live member writes with that name (splitConflicts; the others
+// are ReadinessWarnings), and keys the latest inventory counts stored objects under that
 // another live member can read. The write keys of stragglers (see stragglers) never
 // count: a member that lags must not take the others out of service.
 func (n *Node) MissingKeys() []string {
@@ -83,7 +85,8 @@ func missingKeys(own MemberState, members []MemberState, inv *migrate.Inventory)
 		}
 	}
 	all := append(slices.Clone(others), own)
-	for _, c := range keyConflicts(all) {
+	written, _ := splitConflicts(all)
+	for _, c := range written {
 		if c.involves(own.APIServerID) {
 			add(c.String() + " (the same name with different secrets: neither can read what the other writes; give every apiserver the same key)")
 		}
@@ -135,6 +138,89 @@ func missingKeys(own MemberState, members []MemberState, inv *migrate.Inventory)
 		}
 	}
 	return missing
+}
+
+// ReadinessWarnings lists what readiness deliberately lets pass (readinessWarnings):
+// entries that no live member writes with, present on this apiserver with a check
+// value another live member's differs from. The status document shows them.
+func (n *Node) ReadinessWarnings() []string {
+	return readinessWarnings(n.state(time.Time{}), n.view.Members())
+}
+
+// readinessWarnings is ReadinessWarnings for this apiserver's state own (as it is now)
+// and the live members (own may be among them, as published).
+func readinessWarnings(own MemberState, members []MemberState) []string {
+	all := append(slices.DeleteFunc(slices.Clone(members), func(m MemberState) bool { return m.APIServerID == own.APIServerID }), own)
+	_, readOnly := splitConflicts(all)
+	var out []string
+	for _, c := range readOnly {
+		if c.involves(own.APIServerID) {
+			out = append(out, c.readOnlyWarning())
+		}
+	}
+	return out
+}
+
+// splitConflicts separates the key conflicts among members (keyConflicts) into those
+// of entries a live member writes with, which fail the readiness of every member
+// involved, and those of read-only entries, which are warnings.
+//
+// Why a read-only entry's conflict must not fail readiness: nothing new is written with
+// it, so the members agree on every value written from now on; at worst some values
+// stored under it long ago are unreadable on the members with the other check value,
+// which failing readiness would not fix. And a KMS v1 entry is always read-only while
+// its check value is that of its endpoint: rolling a socket path node by node makes
+// the members differ for the whole roll, with one plugin key behind both paths —
+// failing every apiserver's readiness for that would take the control plane down.
+// Promotion and the guards still compare strictly (KeyInfo.Match): only readiness,
+// the verdict and the alarm relax.
+func splitConflicts(members []MemberState) (written, readOnly []Conflict) {
+	for _, c := range keyConflicts(members) {
+		if writesWith(members, c.Key) {
+			written = append(written, c)
+		} else {
+			readOnly = append(readOnly, c)
+		}
+	}
+	return written, readOnly
+}
+
+// writesWith reports whether some live member writes with the provider entry k (its
+// provider and name, whatever its check value) for any resource: as its write entry
+// now, as the key its fence holds back, or as the first entry of a chain (the
+// configured write key, which a fence may promote at any moment). Any resource, not
+// only the conflict's: a name that writes anywhere is not left to a warning. A KMS v1
+// entry never writes: upstream forbids it in the write position and its Seal fails.
+func writesWith(members []MemberState, k Key) bool {
+	if k.Provider == transformers.ProviderKMSv1 {
+		return false
+	}
+	for _, m := range members {
+		for _, r := range m.Resources {
+			if r.Write.SameEntry(k) || r.Held != nil && r.Held.SameEntry(k) || len(r.Read) > 0 && r.Read[0].SameEntry(k) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// readOnlyWarning is the warning of a conflict of a read-only entry: "secrets:
+// kmsv1/old has 2 endpoints: check … on a; check … on b,c (read only, …)".
+func (c Conflict) readOnlyWarning() string {
+	checks := slices.Sorted(maps.Keys(c.Members))
+	parts := make([]string, 0, len(checks))
+	for _, check := range checks {
+		parts = append(parts, fmt.Sprintf("check %s on %s", check, strings.Join(c.Members[check], ",")))
+	}
+	// A KMS v1 check value is that of its name and endpoint (it has no key id), so
+	// what differs is the endpoint, and two endpoints may well reach one plugin key.
+	what, fix := "secrets", "values stored under it are unreadable where the secret differs: give every apiserver the same secret"
+	if c.Key.Provider == transformers.ProviderKMSv1 {
+		what, fix = "endpoints", "make sure every endpoint reaches a plugin with the same key"
+	}
+	return fmt.Sprintf("%s: %s has %d %s: %s (read only, so readiness does not depend on it; %s)",
+		c.Resource, c.Key, len(checks), what, strings.Join(parts, "; "), fix)
 }
 
 // readBy names the first member, stragglers left out, that may read k for resource

@@ -22,7 +22,11 @@ type Status struct {
 	// MissingKeys are keys the cluster uses that this configuration cannot read (the
 	// readyz check fails while there are any).
 	MissingKeys []string `json:"missingKeys,omitempty"`
-	Verdict     Verdict  `json:"verdict"`
+	// Warnings are entries of this configuration that another live member has with
+	// another check value while nobody writes with them (Node.ReadinessWarnings):
+	// readiness lets them pass, so they are reported here, and as an Event.
+	Warnings []string `json:"warnings,omitempty"`
+	Verdict  Verdict  `json:"verdict"`
 	// MigrationLeader is set on the elected migration leader.
 	MigrationLeader bool            `json:"migrationLeader"`
 	Migration       *MigrationState `json:"migration,omitempty"`
@@ -48,7 +52,7 @@ func (n *Node) Status() Status {
 	alarmed := n.alarm.Raised()
 	n.mu.Unlock()
 	if agent != nil {
-		st.MissingKeys = n.MissingKeys()
+		st.MissingKeys, st.Warnings = n.MissingKeys(), n.ReadinessWarnings()
 	}
 	if mig != nil {
 		ms, leading := mig.State()

@@ -19,9 +19,16 @@ type Verdict struct {
 	Summary string `json:"summary"`
 	// Disagreement says which write keys differ or are held ("" when none).
 	Disagreement string `json:"disagreement,omitempty"`
-	// Conflicts lists keys that members have under one name with different secrets;
-	// the summary then starts with "conflict: " and the cluster is not converged.
+	// Conflicts lists keys that members have under one name with different secrets
+	// and that a live member writes with; the summary then starts with "conflict: "
+	// and the cluster is not converged.
 	Conflicts []Conflict `json:"conflicts,omitempty"`
+	// Warnings describe entries that members have with different check values but
+	// nobody writes with (read-only keys, every KMS v1 provider: splitConflicts). They
+	// leave the summary, convergence, the alarm and readiness alone: nothing written
+	// from now on depends on them, and a KMS v1 socket path rolled node by node would
+	// otherwise count as a conflict for the whole roll.
+	Warnings []string `json:"warnings,omitempty"`
 	// Alarm is set when a member reports disagreeing for longer than the threshold.
 	Alarm   bool `json:"alarm"`
 	Members int  `json:"members"`
@@ -53,7 +60,11 @@ func Evaluate(members []MemberState, mig *MigrationState, now time.Time, alarmAf
 			disagree = append(disagree, r+": "+why)
 		}
 	}
-	v.Conflicts = keyConflicts(members)
+	var readOnly []Conflict
+	v.Conflicts, readOnly = splitConflicts(members)
+	for _, c := range readOnly {
+		v.Warnings = append(v.Warnings, c.readOnlyWarning())
+	}
 	var conflicts []string
 	for _, c := range v.Conflicts {
 		conflicts = append(conflicts, c.String())

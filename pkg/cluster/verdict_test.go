@@ -102,5 +102,30 @@ func renderVerdict(v Verdict) string {
 	if v.Disagreement != "" {
 		s += "disagreement: " + v.Disagreement + "\n"
 	}
+	for _, w := range v.Warnings {
+		s += "warning: " + w + "\n"
+	}
 	return s
+}
+
+// A read-only entry with two check values (here a KMS v1 socket path being rolled) is a
+// warning of the verdict, not a disagreement: the alarm, which a conflict raises at
+// once, stays down.
+func TestReadOnlyConflictRaisesNoAlarm(t *testing.T) {
+	a := parseMember(t, "a", "secrets: *aesgcm/k1, kmsv1/old#e2", epoch)
+	b := parseMember(t, "b", "secrets: *aesgcm/k1, kmsv1/old#e1", epoch)
+	alarm := newDisagreementAlarm(2*time.Minute, epoch)
+	alarm.Step(membersChanged{Members: []MemberState{a, b}})
+	alarm.Step(tick{Now: epoch.Add(time.Hour)})
+	if alarm.Raised() || !alarm.Since().IsZero() {
+		t.Errorf("alarm raised=%t since=%s (%s), want down", alarm.Raised(), alarm.Since(), alarm.Detail())
+	}
+	// The same with a key someone writes with: raised at once, as before.
+	a = parseMember(t, "a", "secrets: *aesgcm/k1#s2", epoch)
+	b = parseMember(t, "b", "secrets: *aesgcm/k1", epoch)
+	alarm = newDisagreementAlarm(2*time.Minute, epoch)
+	alarm.Step(membersChanged{Members: []MemberState{a, b}})
+	if !alarm.Raised() {
+		t.Error("a conflict of a written key raised no alarm")
+	}
 }

@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/hex"
+	"net/url"
 	"strings"
 	"time"
 
@@ -11,6 +12,7 @@ import (
 	"k8s.io/apiserver/pkg/apis/apiserver"
 
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
 )
 
 // This file owns the rules every other package needs to read a configuration or a
@@ -232,12 +234,64 @@ func CheckValue(providerPrefix string, secret []byte) string {
 // way KeyFingerprint identifies a local key by its secret. KMS v1 has no key id: the
 // plugin never says which key-encryption key it holds, and the stored prefix names
 // only the provider. The name says which values it reads; the endpoint says which
-// plugin unwraps their DEKs. Two configurations naming one provider at two endpoints
+// plugin unwraps their DEKs. Two configurations naming one provider at two sockets
 // may reach two plugins with different keys, and nothing can prove otherwise, so they
 // are different keys (the guard then refuses to move values' provider to a plugin that
-// may not decrypt them). Neither part is secret.
+// may not decrypt them). Two spellings of one socket are one plugin, so the endpoint
+// counts as the socket it dials (kmsEndpointIdentity), not as written. Neither part is
+// secret.
 func KMSv1Fingerprint(name, endpoint string) [32]byte {
-	return KeyFingerprint(KMSv1Prefix, []byte(name+"\x00"+endpoint))
+	return KeyFingerprint(KMSv1Prefix, []byte(name+"\x00"+kmsEndpointIdentity(endpoint)))
+}
+
+// kmsEndpointIdentity is the spelling of a KMS plugin endpoint that KMSv1Fingerprint
+// hashes: the socket the client dials (client.ParseEndpoint, which reads an endpoint
+// as upstream's k8s.io/kms/pkg/util.ParseEndpoint does: the URL's path; its host,
+// query and fragment are ignored; "/@name" is the abstract socket "@name"), with runs
+// of "/" and "." segments inside a filesystem path removed (the kernel resolves them
+// alike), written back as unix://<path>. unix:/x, unix:///x, unix://host/x,
+// unix:////x and unix:///x?q are then one socket with one check value. unix:///<path>
+// is the spelling upstream documents and the one this returns, so a configuration
+// already spelled so keeps its check value, and the applied-state fingerprints
+// persisted from it still match.
+//
+// An endpoint that names no socket (unix://x: x is the URL's host and the path is
+// empty, so nothing is dialled) or a socket no URL spells back (a filesystem path
+// that begins with "/@" once cleaned would read as an abstract socket) is kept as
+// written: distinct spellings then stay distinct keys, the safe side for the guard.
+func kmsEndpointIdentity(endpoint string) string {
+	addr, err := client.ParseEndpoint(endpoint)
+	if err != nil {
+		return endpoint
+	}
+	// An abstract socket's name is bytes, not a path: nothing to clean.
+	want, path := addr, "/"+addr
+	if !strings.HasPrefix(addr, "@") {
+		want = cleanSocketPath(addr)
+		path = want
+	}
+	canonical := (&url.URL{Scheme: "unix", Path: path}).String()
+	if back, err := client.ParseEndpoint(canonical); err != nil || back != want {
+		return endpoint
+	}
+	return canonical
+}
+
+// cleanSocketPath removes empty and "." segments from an absolute path, except the
+// last: "/a//b" and "/a/./b" resolve as "/a/b", while a trailing "/" or "/." makes
+// the kernel require a directory (a socket then fails to connect), so it stays and
+// such an endpoint keeps a check value of its own. ".." is kept: through a symbolic
+// link it may lead elsewhere than the lexical parent.
+func cleanSocketPath(p string) string {
+	segs := strings.Split(p, "/")
+	out := make([]string, 1, len(segs))
+	for i, s := range segs[1:] {
+		if (s == "" || s == ".") && i < len(segs)-2 {
+			continue
+		}
+		out = append(out, s)
+	}
+	return strings.Join(out, "/")
 }
 
 func checkOf(fp [32]byte) string { return hex.EncodeToString(fp[:checkValueSize]) }

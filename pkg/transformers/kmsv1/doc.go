@@ -24,11 +24,11 @@
 // key-encryption key it holds, and the stored prefix names only the provider. What a
 // configuration can state about the key is therefore the provider name (what the
 // values carry) and the endpoint (which plugin unwraps them): pkg/transformers
-// identifies a KMS v1 key by both (KMSv1Fingerprint). Two entries with one name and
-// different endpoints may be two plugins with different keys, and nothing can prove
-// otherwise, so they are not the same key: the guard refuses to move a v1 provider to
-// another endpoint while values under it remain, as it refuses to replace a local
-// key's secret.
+// identifies a KMS v1 key by both (KMSv1Fingerprint; the endpoint as the socket it
+// dials, so unix:/x and unix:///x are one). Two entries with one name and different
+// sockets may be two plugins with different keys, and nothing can prove otherwise, so
+// they are not the same key: the guard refuses to move a v1 provider to another socket
+// while values under it remain, as it refuses to replace a local key's secret.
 //
 // Errors of the plugin keep their gRPC status (Unavailable and DeadlineExceeded when
 // it is down), so storage migration retries them instead of counting values
