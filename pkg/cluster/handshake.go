@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"slices"
 	"time"
+
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // The handshake between a configuration that drops keys (the guard) and a promotion
@@ -119,7 +121,8 @@ type membersRead struct {
 // handshake is the promotion side of the handshake, a pure machine: the fence asks it
 // (promotionGate) whether a configured write key that every member of its view can read
 // may start writing. It may once a read issued after this member's record showed that
-// key as configured found every other member able to read it; the record keeps showing
+// key (the same key: name, check value, KMS key id hash) as configured found every
+// other member able to read it; the record keeps showing
 // the key until the promotion, so a member dropping it later reads it there and backs
 // off. Not safe for concurrent use; the Node serialises access.
 type handshake struct {
@@ -151,7 +154,7 @@ func (h *handshake) BeginDecision() { clear(h.pending) }
 
 // MayPromote is the promotionGate.
 func (h *handshake) MayPromote(resource string, k Key) (bool, string) {
-	if c, ok := h.confirmed[resource]; ok && c.SameEntry(k) {
+	if c, ok := h.confirmed[resource]; ok && sameConfirmedKey(c, k) {
 		return true, ""
 	}
 	h.pending[resource] = k
@@ -195,10 +198,18 @@ func (h *handshake) Read(r membersRead) {
 func (h *handshake) Published(st MemberState) {
 	for res, k := range h.confirmed {
 		i := slices.IndexFunc(st.Resources, func(r ResourceState) bool { return r.Resource == res })
-		if i < 0 || !configuredWriteKey(st.Resources[i]).SameEntry(k) {
+		if i < 0 || !sameConfirmedKey(configuredWriteKey(st.Resources[i]), k) {
 			delete(h.confirmed, res)
 		}
 	}
+}
+
+// sameConfirmedKey reports whether a confirmation of key c holds for key k: the same
+// key, not merely the same name — provider, name and check value (KeyInfo.Match proves
+// the secrets equal; a key without a check value is never confirmed), and for KMS the
+// same key id hash. A same-named key with other material needs a read of its own.
+func sameConfirmedKey(c, k Key) bool {
+	return c.Match(k) == transformers.KeysSame && c.KeyIDHash == k.KeyIDHash
 }
 
 // RecordLost withdraws every confirmation: while this member had no record, a member

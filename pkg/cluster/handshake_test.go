@@ -212,3 +212,43 @@ func renderRecord(st MemberState) string {
 	}
 	return strings.Join(parts, "; ")
 }
+
+// TestHandshakeConfirmsKeysNotNames: a read confirms the key a member's record shows
+// held — provider, name, check value and, for KMS v2, key id hash — and the fence may
+// promote that key only: not a same-named key with another secret, nor the same KMS
+// provider under another key id. A record that shows another key under the name
+// withdraws the confirmation.
+func TestHandshakeConfirmsKeysNotNames(t *testing.T) {
+	for _, tc := range []struct {
+		name              string
+		self, other       string
+		confirmed, others Key
+	}{
+		{"local key, other secret",
+			"secrets: aesgcm/k2, *aesgcm/k1", "secrets: aesgcm/k2, aesgcm/k1",
+			parseKey("aesgcm/k2"), parseKey("aesgcm/k2#s2")},
+		{"KMS v2, other key id",
+			"secrets: kms/vault@h1, *aesgcm/k1\nplugin vault: writes=h1", "secrets: kms/vault@h1, aesgcm/k1\nplugin vault: writes=h1",
+			parseKey("kms/vault@h1"), parseKey("kms/vault@h2")},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHandshake("a")
+			self, other := parseMember(t, "a", tc.self, epoch), parseMember(t, "b", tc.other, epoch)
+			h.Read(membersRead{Members: []MemberState{self, other}})
+			if ok, _ := h.MayPromote("secrets", tc.confirmed); !ok {
+				t.Fatalf("%s not confirmed by a read where every member reads it", tc.confirmed)
+			}
+			h.BeginDecision()
+			if ok, why := h.MayPromote("secrets", tc.others); ok || why != waitingForConfirmation || !h.Pending() {
+				t.Fatalf("%s (same name as the confirmed %s) may promote: %v %q, pending %v", tc.others, tc.confirmed, ok, why, h.Pending())
+			}
+			// This member's record now shows the other key as configured: the
+			// confirmation of the first is withdrawn.
+			self.Resources[0].Read[0], self.Resources[0].Held = tc.others, &tc.others
+			h.Published(self)
+			if ok, _ := h.MayPromote("secrets", tc.confirmed); ok {
+				t.Fatalf("%s still confirmed after the record showed %s configured", tc.confirmed, tc.others)
+			}
+		})
+	}
+}
