@@ -25,6 +25,12 @@ import (
 // The lock file is created once (mode 0600) and never deleted: a run that deletes it
 // while another waits on it lets a third create a new one and lock that, and two runs
 // then hold "the" lock at once.
+//
+// It is opened without following a symbolic link (O_NOFOLLOW), and, once open, must be
+// a regular file owned by the user running rekey (checked on the open file, so nothing
+// can swap it in between): otherwise whoever can write the directory could point the
+// lock at another file — created or truncated with the operator's rights — or hold a
+// lock rekey would then wait on.
 const (
 	editLockWait  = 10 * time.Second
 	editLockRetry = 20 * time.Millisecond
@@ -33,14 +39,19 @@ const (
 // lockForEdit takes the edit lock of the configuration file path; the caller calls
 // unlock once the file is replaced (or left alone).
 func lockForEdit(ctx context.Context, path string) (unlock func(), err error) {
+	return lockForEditAs(ctx, path, os.Geteuid())
+}
+
+// lockForEditAs is lockForEdit for the user uid: the lock file must be theirs.
+func lockForEditAs(ctx context.Context, path string, uid int) (unlock func(), err error) {
 	target, err := filepath.EvalSymlinks(path)
 	if err != nil {
 		return nil, fmt.Errorf("resolving %q: %w", path, err)
 	}
 	lockPath := target + ".lock"
-	f, err := os.OpenFile(lockPath, os.O_RDWR|os.O_CREATE, 0o600)
+	f, err := openLockFile(lockPath, target, uid)
 	if err != nil {
-		return nil, fmt.Errorf("opening the edit lock %q (the directory of %q must be writable, as for the edit itself): %w", lockPath, target, err)
+		return nil, err
 	}
 	deadline := time.Now().Add(editLockWait)
 	for {
@@ -64,4 +75,53 @@ func lockForEdit(ctx context.Context, path string) (unlock func(), err error) {
 		case <-time.After(editLockRetry):
 		}
 	}
+}
+
+// openLockFile opens (creating it if needed) the lock file lockPath of target without
+// following a symbolic link, and checks the open file: a regular file owned by uid.
+func openLockFile(lockPath, target string, uid int) (*os.File, error) {
+	// O_NONBLOCK: opening a FIFO or a device someone put there must not hang or act
+	// before the checks below refuse it.
+	f, err := os.OpenFile(lockPath, os.O_RDWR|os.O_CREATE|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0o600)
+	if errors.Is(err, syscall.ELOOP) {
+		return nil, fmt.Errorf("the edit lock %q is a symbolic link, which rekey does not follow (it creates the lock as a plain file): remove the link and run again", lockPath)
+	}
+	if errors.Is(err, syscall.EISDIR) {
+		return nil, fmt.Errorf("the edit lock %q is not a regular file but a directory, which rekey never creates: remove it and run again", lockPath)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("opening the edit lock %q (the directory of %q must be writable, as for the edit itself): %w", lockPath, target, err)
+	}
+	fi, err := f.Stat()
+	if err != nil {
+		_ = f.Close()
+		return nil, fmt.Errorf("checking the edit lock %q: %w", lockPath, err)
+	}
+	if !fi.Mode().IsRegular() {
+		_ = f.Close()
+		return nil, fmt.Errorf("the edit lock %q is not a regular file but a %s, which rekey never creates: remove it and run again", lockPath, fileType(fi.Mode()))
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		_ = f.Close()
+		return nil, fmt.Errorf("checking the owner of the edit lock %q: the file system reports none", lockPath)
+	}
+	if int(st.Uid) != uid {
+		_ = f.Close()
+		return nil, fmt.Errorf("the edit lock %q belongs to user id %d, not to the user running rekey (%d): run rekey as the user who edits %q, or remove the lock file if nobody uses it", lockPath, st.Uid, uid, target)
+	}
+	return f, nil
+}
+
+// fileType names a mode's file type for an error.
+func fileType(m os.FileMode) string {
+	switch {
+	case m&os.ModeNamedPipe != 0:
+		return "named pipe"
+	case m&os.ModeSocket != 0:
+		return "socket"
+	case m&os.ModeDevice != 0:
+		return "device"
+	}
+	return "special file (" + m.Type().String() + ")"
 }

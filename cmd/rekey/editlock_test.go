@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -92,4 +93,70 @@ func TestEditLock(t *testing.T) {
 		t.Fatalf("lock after the first was released: %v", err)
 	}
 	unlock()
+}
+
+// The lock file is never reached through a symbolic link, and must be a regular file
+// of the user running rekey: otherwise the edit is refused, saying why, and nothing is
+// created or locked where the link points.
+func TestEditLockRefusesWhatItDidNotCreate(t *testing.T) {
+	t.Run("symbolic link", func(t *testing.T) {
+		target := writeConfig(t, "enc.yaml", "key1")
+		elsewhere := filepath.Join(t.TempDir(), "victim")
+		if err := os.Symlink(elsewhere, target+".lock"); err != nil {
+			t.Fatal(err)
+		}
+		_, err := lockForEdit(t.Context(), target)
+		if err == nil || !strings.Contains(err.Error(), "is a symbolic link, which rekey does not follow") {
+			t.Fatalf("lock through a symbolic link: %v, want a refusal naming the link", err)
+		}
+		if _, err := os.Lstat(elsewhere); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("the link's target was created: %v", err)
+		}
+	})
+	t.Run("named pipe", func(t *testing.T) {
+		target := writeConfig(t, "enc.yaml", "key1")
+		if err := syscall.Mkfifo(target+".lock", 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := lockForEdit(t.Context(), target); err == nil || !strings.Contains(err.Error(), "not a regular file but a named pipe") {
+			t.Fatalf("lock file that is a named pipe: %v, want a refusal", err)
+		}
+	})
+	t.Run("directory", func(t *testing.T) {
+		target := writeConfig(t, "enc.yaml", "key1")
+		if err := os.Mkdir(target+".lock", 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := lockForEdit(t.Context(), target); err == nil || !strings.Contains(err.Error(), "not a regular file but a directory") {
+			t.Fatalf("lock file that is a directory: %v, want a refusal", err)
+		}
+	})
+	t.Run("another owner", func(t *testing.T) {
+		target := writeConfig(t, "enc.yaml", "key1")
+		unlock, err := lockForEdit(t.Context(), target) // creates it, ours
+		if err != nil {
+			t.Fatal(err)
+		}
+		unlock()
+		const other = 65534 // nobody
+		lock := func() error {
+			_, err := lockForEdit(t.Context(), target)
+			return err
+		}
+		if os.Geteuid() == 0 {
+			// As root the file can really belong to someone else.
+			if err := os.Chown(target+".lock", other, other); err != nil {
+				t.Fatal(err)
+			}
+		} else {
+			// Otherwise the file stays ours and rekey runs "as" another user.
+			lock = func() error {
+				_, err := lockForEditAs(t.Context(), target, other)
+				return err
+			}
+		}
+		if err := lock(); err == nil || !strings.Contains(err.Error(), "belongs to user id") || !strings.Contains(err.Error(), "not to the user running rekey") {
+			t.Fatalf("lock file of another user: %v, want a refusal naming the owner", err)
+		}
+	})
 }
