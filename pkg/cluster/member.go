@@ -40,6 +40,12 @@ type MemberState struct {
 	// apiserver would migrate instead of waiting for it forever. Nil in the records of
 	// versions that did not publish it: they do not say.
 	StorageMigration *StorageMigrationState `json:"storageMigration,omitempty"`
+	// BackupRetention is this apiserver's --backup-retention (time.Duration text, "0s"
+	// when off): its retention guard refuses a configuration that drops a key a
+	// snapshot that old may need, so `rekey rotate` and `check-config` judge with the
+	// largest one published, and the key ledger keeps what it covers. Empty in the
+	// records of versions that did not publish it: unknown (PublishedRetention).
+	BackupRetention string `json:"backupRetention,omitempty"`
 	// KeyWrites counts, per key, the values this member sealed since it started (at
 	// most MaxPublishedKeyWrites keys, those with the most writes). The cluster's
 	// lifetime totals are KeyTotal, under KeyWritesPrefix. Records of versions that did
@@ -99,6 +105,33 @@ func (s MemberState) Migrates(resource string) (migrates, known bool) {
 	return slices.ContainsFunc(s.StorageMigration.Resources, func(r string) bool {
 		return transformers.RuleCovers(schema.ParseGroupResource(r), want)
 	}), true
+}
+
+// PublishedRetention is the member's --backup-retention; known is false for a record
+// that does not say (an older version) or says something unreadable.
+func (s MemberState) PublishedRetention() (retention time.Duration, known bool) {
+	d, err := time.ParseDuration(s.BackupRetention)
+	if err != nil || d < 0 {
+		return 0, false
+	}
+	return d, true
+}
+
+// LargestRetention is the longest --backup-retention members publish, the apiservers
+// that publish it (by apiserver id), and those whose retention is unknown.
+func LargestRetention(members []MemberState) (longest time.Duration, by, unknown []string) {
+	for _, m := range members {
+		d, ok := m.PublishedRetention()
+		switch {
+		case !ok:
+			unknown = append(unknown, m.APIServerID)
+		case d > longest:
+			longest, by = d, []string{m.APIServerID}
+		case d == longest && d > 0:
+			by = append(by, m.APIServerID)
+		}
+	}
+	return longest, by, unknown
 }
 
 // KMSState is one KMS v2 provider of a member.

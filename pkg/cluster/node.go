@@ -61,6 +61,9 @@ type Options struct {
 	// elected migration leader; nil with --storage-migration off. Published in the
 	// member record (MemberState.StorageMigration).
 	MigratesResources []string
+	// BackupRetention is this apiserver's --backup-retention, published in its member
+	// record (MemberState.BackupRetention).
+	BackupRetention time.Duration
 	// KeyWritesFlushInterval is how often this member adds its per-key write counts to
 	// the cluster's totals in etcd (default DefaultKeyWritesFlushInterval); it adds
 	// them once more on Close.
@@ -400,6 +403,7 @@ func (n *Node) state(now time.Time) MemberState {
 	st := stateFromStatus(n.opts.ID, n.opts.Version, status, held, now)
 	st.DisagreeingSince, st.ClusterID = since, clusterID
 	st.StorageMigration = &StorageMigrationState{Resources: slices.Clone(n.opts.MigratesResources)}
+	st.BackupRetention = n.opts.BackupRetention.String()
 	st.KeyWrites = boundKeyWrites(status.KeyWrites, MaxPublishedKeyWrites)
 	return n.announced(st, status.ActiveConfigHash, status.LastAttemptAt, status.LastErrorAt)
 }

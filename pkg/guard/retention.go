@@ -3,6 +3,7 @@ package guard
 import (
 	"context"
 	"fmt"
+	"strings"
 	"time"
 
 	"k8s.io/klog/v2"
@@ -22,45 +23,88 @@ const BackupRetentionFlag = "backup-retention"
 // RetentionHold is one key a configuration drops that a snapshot kept within the
 // backup retention may still need.
 type RetentionHold struct {
-	// Key is the ledger's entry: provider, name, check value or KMS key id hash.
+	// Key is the ledger's entry: provider, name, check value or KMS key id hash (for a
+	// key the ledger does not know, the dropped key as the configuration names it).
 	Key keyledger.Entry
 	// Until is when the retention lets it go.
 	Until time.Time
 	// NeededFor is the age of the youngest snapshot that may hold values under it
 	// (0 while it is not retired: one taken now may).
 	NeededFor time.Duration
-	// Retention is the --backup-retention it was judged with.
+	// Retention is the --backup-retention it was judged with, and Source whose it is
+	// (RetentionOptions.Source).
 	Retention time.Duration
+	Source    string
+	// Forgotten is set when the ledger does not know the key but forgot keys retired
+	// up to it (keyledger.Ledger.Forgotten): the key may be one of them.
+	Forgotten *keyledger.Event
 }
+
+const holdTimeLayout = "2006-01-02T15:04Z"
 
 func (h RetentionHold) String() string {
-	const layout = "2006-01-02T15:04Z"
 	what := h.Key.String()
-	if h.Key.Retired == nil {
-		return fmt.Sprintf("%s was last written at %s (revision %d) and no inventory since has found it gone from storage, so a snapshot taken now may hold values under it: keep it until at least %s (now + --%s %s) or lower --%s",
-			what, h.Key.LastUse.At.Format(layout), h.Key.LastUse.Revision, h.Until.Format(layout), BackupRetentionFlag, h.Retention, BackupRetentionFlag)
+	retention := "--" + BackupRetentionFlag + " " + h.Retention.String()
+	if h.Source != "" {
+		retention += " " + h.Source
 	}
-	return fmt.Sprintf("a snapshot up to %s old may hold values under %s (last written at %s, retired at %s, revision %d): keep it until %s or lower --%s below %s",
-		roundAge(h.Retention), what, h.Key.LastUse.At.Format(layout), h.Key.Retired.At.Format(layout), h.Key.Retired.Revision, h.Until.Format(layout), BackupRetentionFlag, roundAge(h.NeededFor))
+	switch {
+	case h.Forgotten != nil:
+		return fmt.Sprintf("the key ledger does not know %s, and it forgot keys retired up to %s (revision %d) to stay within %d entries: %s may be one of them, so a snapshot up to %s old may hold values under it: keep it until %s, when %s lets go of every key the ledger forgot",
+			what, h.Forgotten.At.Format(holdTimeLayout), h.Forgotten.Revision, keyledger.MaxHeldEntries, what, roundAge(h.Retention), h.Until.Format(holdTimeLayout), retention)
+	case h.Key.Retired == nil:
+		return fmt.Sprintf("%s was last written at %s (revision %d) and no inventory since has found it gone from storage, so a snapshot taken now may hold values under it: keep it until at least %s (now + %s)",
+			what, h.Key.LastUse.At.Format(holdTimeLayout), h.Key.LastUse.Revision, h.Until.Format(holdTimeLayout), retention)
+	}
+	s := fmt.Sprintf("a snapshot up to %s old may hold values under %s (last written at %s, retired at %s, revision %d): keep it until %s, when %s lets it go",
+		roundAge(h.Retention), what, h.Key.LastUse.At.Format(holdTimeLayout), h.Key.Retired.At.Format(holdTimeLayout), h.Key.Retired.Revision, h.Until.Format(holdTimeLayout), retention)
+	if h.NeededFor >= time.Minute {
+		s += fmt.Sprintf(" (sooner only if no snapshot older than %s is kept: a --%s of %s or less)", floorAge(h.NeededFor), BackupRetentionFlag, floorAge(h.NeededFor))
+	}
+	return s
 }
 
-// roundAge renders an age in days and hours when it is that long.
+// roundAge renders an age in days and hours when it is that long, rounded.
 func roundAge(d time.Duration) string {
 	d = d.Round(time.Minute)
 	if d >= 24*time.Hour {
-		days, rest := d/(24*time.Hour), d%(24*time.Hour)
-		if rest.Round(time.Hour) == 0 {
-			return fmt.Sprintf("%dd", days)
-		}
-		return fmt.Sprintf("%dd%dh", days, rest.Round(time.Hour)/time.Hour)
+		d = d.Round(time.Hour)
 	}
-	return d.String()
+	return ageText(d)
+}
+
+// floorAge renders an age rounded down (to whole hours from a day on), so that a
+// retention of at most it is one that lets a key go.
+func floorAge(d time.Duration) string {
+	d = d.Truncate(time.Minute)
+	if d >= 24*time.Hour {
+		d = d.Truncate(time.Hour)
+	}
+	return ageText(d)
+}
+
+// ageText renders a whole number of minutes as "7d", "1d12h", "1h", "1h30m" or "45m".
+func ageText(d time.Duration) string {
+	days, hours, minutes := d/(24*time.Hour), d%(24*time.Hour)/time.Hour, d%time.Hour/time.Minute
+	var b strings.Builder
+	if days > 0 {
+		fmt.Fprintf(&b, "%dd", days)
+	}
+	if hours > 0 {
+		fmt.Fprintf(&b, "%dh", hours)
+	}
+	if minutes > 0 || b.Len() == 0 {
+		fmt.Fprintf(&b, "%dm", minutes)
+	}
+	return b.String()
 }
 
 // CheckRetention lists the keys next drops (current's rules read them for a resource,
 // next's do not) that a snapshot taken within retention may need, per the ledger: a
-// key retired less than retention ago, or not retired at all. Keys the ledger does not
-// know were never written with by a member that recorded them; they are not held.
+// key retired less than retention ago, or not retired at all. A key the ledger does
+// not know was never written with by a member that recorded it, unless the ledger
+// forgot it to stay within its bound: while a key it forgot (retired up to
+// Ledger.Forgotten) may be needed, an unknown key is held too (fail closed).
 // retention <= 0 checks nothing.
 func CheckRetention(l *keyledger.Ledger, current, next []transformers.Entry[transformers.KeyInfo], retention time.Duration, now time.Time) []RetentionHold {
 	if retention <= 0 || l == nil {
@@ -69,7 +113,16 @@ func CheckRetention(l *keyledger.Ledger, current, next []transformers.Entry[tran
 	var out []RetentionHold
 	seen := map[keyledger.Entry]bool{}
 	for _, k := range DroppedKeys(current, next) {
-		for _, e := range l.Of(k) {
+		entries := l.Of(k)
+		if len(entries) == 0 && l.Forgotten != nil {
+			if until := l.Forgotten.At.Add(retention); now.Before(until) {
+				forgotten := *l.Forgotten
+				out = append(out, RetentionHold{Key: keyledger.Entry{Provider: k.Provider, Name: k.Key, Check: k.Check, KeyIDHash: k.KeyIDHash},
+					Until: until, NeededFor: max(now.Sub(forgotten.At), 0), Retention: retention, Forgotten: &forgotten})
+			}
+			continue
+		}
+		for _, e := range entries {
 			anchor, needed := now, time.Duration(0)
 			if e.Retired != nil {
 				anchor, needed = e.Retired.At, now.Sub(e.Retired.At)
@@ -83,6 +136,26 @@ func CheckRetention(l *keyledger.Ledger, current, next []transformers.Entry[tran
 		}
 	}
 	return out
+}
+
+// retentionRefusalMark is in the first line of every backup-retention refusal
+// (RefusedError.Error with Check Retention).
+const retentionRefusalMark = "an etcd snapshot kept within --" + BackupRetentionFlag + " may need"
+
+// RetentionRefusal reports whether text, a refused configuration as an apiserver
+// publishes it (reload.Status.LastError, cluster.MemberState.LastReloadError), is the
+// backup-retention guard's refusal, and returns its first hold ("" when the text was
+// cut before it).
+func RetentionRefusal(text string) (firstHold string, ok bool) {
+	first, rest, _ := strings.Cut(text, "\n")
+	if !strings.Contains(first, retentionRefusalMark) {
+		return "", false
+	}
+	hold, _, _ := strings.Cut(rest, "\n")
+	if h, isHold := strings.CutPrefix(hold, "  - "); isHold {
+		return h, true
+	}
+	return "", true
 }
 
 // DroppedKeys lists the keys that some resource's chain reads under current and not
@@ -154,6 +227,9 @@ func appliedKeys(s *AppliedState) []transformers.Entry[transformers.KeyInfo] {
 type RetentionOptions struct {
 	// Retention is --backup-retention; <= 0 checks nothing.
 	Retention time.Duration
+	// Source says whose retention it is when not the caller's own flag ("published
+	// by apiserver a"); it follows the flag in the refusal.
+	Source string
 	// Ledger reads the cluster's key ledger (keyledger.Store.Load).
 	Ledger func(ctx context.Context) (*keyledger.Ledger, error)
 	// Override lets a refused change through (logged), as for every guard.
@@ -182,6 +258,9 @@ func (o RetentionOptions) check(ctx context.Context, current []transformers.Entr
 	holds := CheckRetention(l, current, nextKeys, o.Retention, c.Now())
 	if len(holds) == 0 {
 		return nil
+	}
+	for i := range holds {
+		holds[i].Source = o.Source
 	}
 	gerr := &RefusedError{Check: Retention, Next: ConfigName(next), Holds: holds}
 	if o.Override != nil && o.Override() {

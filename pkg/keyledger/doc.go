@@ -21,4 +21,17 @@
 // retirement may hold values under it. pkg/guard refuses to drop a key retired less than
 // --backup-retention ago; a snapshot file carries its own ledger, which `rekey inventory
 // --snapshot` reads to tell keys of one name apart.
+//
+// The ledger is bounded without forgetting what a backup may need. Each member publishes
+// its --backup-retention in its member record, and the Recorder passes the largest
+// (Observation.Retention; unknown while a member does not say) to Observe, which:
+//
+//   - folds the key ids of a KMS v2 provider beyond MaxKMSKeyIDs into one history entry
+//     of the provider (Entry.EarlierKeyIDs): the guard looks a KMS v2 provider up by
+//     name, so the history holds it as long as its latest key id needs it, and a plugin
+//     whose key id changes hourly cannot crowd out local keys;
+//   - beyond MaxEntries, forgets only entries retired longer ago than that retention;
+//   - beyond MaxHeldEntries, forgets the oldest entries anyway and records the latest
+//     retirement it forgot (Ledger.Forgotten): the guard then refuses to drop a key the
+//     ledger does not know while a snapshot within the retention may need one it forgot.
 package keyledger

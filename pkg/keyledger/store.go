@@ -95,6 +95,10 @@ type Recorder struct {
 	// Inventory is the member's latest inventory (migrate.InventoryStore.Latest); nil
 	// or returning nil: no retirement is recorded by this member.
 	Inventory func() *migrate.Inventory
+	// Retention returns the largest --backup-retention the cluster's members publish,
+	// and whether every live member published one (Observation.Retention); nil is
+	// unknown: every retired entry is kept up to MaxHeldEntries.
+	Retention func() (retention time.Duration, known bool)
 	// TouchInterval: see Ledger.Observe; zero is DefaultTouchInterval.
 	TouchInterval time.Duration
 	Clock         clock.PassiveClock
@@ -109,6 +113,9 @@ func (r *Recorder) Record(ctx context.Context) (written bool, err error) {
 	}
 	if r.Inventory != nil {
 		o.Inventory = r.Inventory()
+	}
+	if r.Retention != nil {
+		o.Retention, o.RetentionKnown = r.Retention()
 	}
 	c := r.Clock
 	if c == nil {

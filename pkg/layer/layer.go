@@ -392,8 +392,8 @@ func (l *Layer) startClusterNode(ctx context.Context) error {
 	node, err := cluster.New(cluster.Options{
 		Client: l.client, ID: o.MemberID, Prefix: o.CoordinationPrefix, ResourcePrefix: o.EtcdPrefix,
 		LeaseTTL: o.ClusterLeaseTTL, DisagreementAlarm: o.ClusterDisagreementAlarm,
-		MigratesResources: migratedResources(o),
-		Inventory:         l.store, Metrics: cm, Logger: o.Logger, Events: l.events,
+		MigratesResources: migratedResources(o), BackupRetention: o.BackupRetention,
+		Inventory: l.store, Metrics: cm, Logger: o.Logger, Events: l.events,
 	})
 	if err == nil {
 		err = node.Start(ctx)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/keyledger"
 )
@@ -22,7 +23,18 @@ func (l *Layer) ledgerStore() keyledger.Store {
 // fence may hold the configuration's first key back) and retirements its inventories
 // show.
 func (l *Layer) ledgerRecorder() *keyledger.Recorder {
-	return &keyledger.Recorder{Store: l.ledgerStore(), Rules: l.agent.Rules, Inventory: l.store.Latest, Logger: l.log}
+	return &keyledger.Recorder{Store: l.ledgerStore(), Rules: l.agent.Rules, Inventory: l.store.Latest, Retention: l.largestRetention, Logger: l.log}
+}
+
+// largestRetention is the largest --backup-retention the live members publish (this
+// one's included), known when every one of them publishes it: the key ledger keeps
+// what it covers. Without cluster coordination the other apiservers do not say.
+func (l *Layer) largestRetention() (time.Duration, bool) {
+	if l.node == nil {
+		return l.opts.BackupRetention, false
+	}
+	longest, _, unknown := cluster.LargestRetention(l.node.Members())
+	return max(longest, l.opts.BackupRetention), len(unknown) == 0
 }
 
 // retentionOptions are the backup-retention guard's, on reload and at start.
