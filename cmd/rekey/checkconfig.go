@@ -36,8 +36,9 @@ reaches another plugin or keyring fails the check. Before anything else, every K
 plugin the new configuration names must answer a healthy Status with a key id and
 encrypt and decrypt a random test value within its timeout (--skip-preflight skips
 that, with a warning). Run it before you install a new configuration; the apiserver shim
-applies the same guard to every reload. With --backup-retention it also refuses to drop
-a key that an etcd snapshot kept that long may need, per the apiservers' key ledger.`,
+applies the same guard to every reload. It also refuses to drop a key that an etcd
+snapshot within the largest --backup-retention (this flag, or one a live apiserver
+publishes) may need, per the apiservers' key ledger, as their own guard would.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if next == "" {

@@ -21,14 +21,21 @@ func newLedgerCommand() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "ledger",
 		Short: "List every key the cluster wrote with, and when it retired: what etcd backups need",
-		Long: `ledger prints the key ledger the apiservers keep in etcd under --coordination-prefix:
+		Long: fmt.Sprintf(`ledger prints the key ledger the apiservers keep in etcd under --coordination-prefix:
 every local key (provider, name, check value) and KMS v2 key id (sha256 hash) any of
 them wrote with, when it was first and last written, the last time an inventory counted
 objects under it, and when it retired (nobody writes with it and an inventory taken
 after its last write found no object under it), each with the etcd revision it was
 observed at. A snapshot taken before a key's retirement may need it: keep the key (or a
 copy of it, offline) as long as you keep such snapshots. rekey inventory --snapshot
-FILE says which keys one snapshot needs. No key material is stored or printed.`,
+FILE says which keys one snapshot needs. No key material is stored or printed.
+
+The ledger lists at most %d key ids of one KMS v2 provider; earlier ones are one history
+row of the provider ("N earlier key ids"), which holds the provider as long as the
+latest of them needs it. Entries that no apiserver's --backup-retention covers any more
+are forgotten beyond %d entries; should more than %d be needed, the oldest go anyway
+and the ledger notes up to when it forgot, so that the guard refuses to drop a key it
+does not know while a snapshot within the retention may need it.`, keyledger.MaxKMSKeyIDs, keyledger.MaxEntries, keyledger.MaxHeldEntries),
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
@@ -63,12 +70,19 @@ func writeLedgerTable(w io.Writer, l *keyledger.Ledger, now time.Time) {
 	row(tw, "PROVIDER", "NAME", "CHECK / KEY ID HASH", "FIRST WRITTEN", "LAST WRITTEN", "LAST STORED", "RETIRED")
 	for _, e := range l.Entries {
 		id := e.Check
-		if e.KeyIDHash != "" {
+		switch {
+		case e.IsHistory():
+			id = fmt.Sprintf("%d earlier key ids", e.EarlierKeyIDs)
+		case e.KeyIDHash != "":
 			id = e.KeyIDHash
 		}
 		row(tw, e.Provider, e.Name, orDash(id), eventText(&e.FirstUse, now), eventText(&e.LastUse, now), eventText(e.LastStored, now), eventText(e.Retired, now))
 	}
 	_ = tw.Flush()
+	if f := l.Forgotten; f != nil {
+		fmt.Fprintf(w, "\nThe ledger forgot keys retired up to %s to stay within %d entries: the backup-retention guard refuses to drop a key it does not know until that date plus the retention.\n",
+			eventText(f, now), keyledger.MaxHeldEntries)
+	}
 }
 
 func eventText(e *keyledger.Event, now time.Time) string {

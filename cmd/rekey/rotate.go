@@ -51,7 +51,9 @@ in a Secret).
 Once every apiserver writes with the new key and the migration is verified (rekey
 status, rekey migrate), --remove-old NAME removes the read key NAME (step 1 prints it). It takes a
 fresh inventory (--etcd-servers) and refuses, naming resource, key and object count,
-when any stored object still needs that key.
+when any stored object still needs that key, or when an etcd snapshot within the
+largest --backup-retention (this flag, or one a live apiserver publishes) may need it,
+per the key ledger (rekey ledger).
 
 --wait runs the whole rotation and follows the apiservers (cluster coordination, under
 --coordination-prefix): new key first in the file; every apiserver writes with it; the

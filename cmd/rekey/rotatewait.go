@@ -15,6 +15,7 @@ import (
 	"github.com/rekey-io/rekey/internal/progress"
 	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -199,7 +200,7 @@ func (c *common) waitEdit(cmd *cobra.Command, m *rotation.Machine, rd rotation.R
 		m.Step(rotation.EditSkipped{})
 		return nil
 	case err != nil && rd.Action == rotation.ActionRemoveOld:
-		m.Step(rotation.RemoveRefused{Reason: oneLine(err.Error())})
+		m.Step(removeRefused(err))
 		return nil
 	case err != nil:
 		return fmt.Errorf("rotate --wait: writing the first edit: %w", err)
@@ -211,6 +212,25 @@ func (c *common) waitEdit(cmd *cobra.Command, m *rotation.Machine, rd rotation.R
 		m.Step(rotation.FirstEditWritten{})
 	}
 	return nil
+}
+
+// removeRefused is the machine's event for a refused second edit: the guard that
+// refused, and for the backup-retention guard when the last key it holds may go.
+func removeRefused(err error) rotation.RemoveRefused {
+	ev := rotation.RemoveRefused{Reason: oneLine(err.Error())}
+	var rerr *guard.RefusedError
+	if errors.Is(err, errRetentionUnknown) {
+		ev.Guard = guard.Retention
+	}
+	if errors.As(err, &rerr) {
+		ev.Guard = rerr.Check
+		for _, h := range rerr.Holds {
+			if h.Until.After(ev.Until) {
+				ev.Until = h.Until
+			}
+		}
+	}
+	return ev
 }
 
 func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }

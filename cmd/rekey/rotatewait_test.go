@@ -39,8 +39,10 @@ type fakeApiservers struct {
 	migrates []string
 	// paused keeps the fake leader from migrating.
 	paused atomic.Bool
-	wg     sync.WaitGroup
-	stop   context.CancelFunc
+	// retention is the --backup-retention both publish (a string; "0s" unless set).
+	retention atomic.Value
+	wg        sync.WaitGroup
+	stop      context.CancelFunc
 }
 
 // startFakeApiservers starts them; a publishes that it migrates migrates (default:
@@ -90,8 +92,12 @@ func (f *fakeApiservers) run(ctx context.Context) {
 				running["b"] = cur
 			}
 			for id, s := range running {
+				retention, _ := f.retention.Load().(string)
+				if retention == "" {
+					retention = "0s"
+				}
 				m := cluster.MemberState{APIServerID: id, ConfigHash: s.hash, Resources: s.rules, PublishedAt: time.Now(),
-					StorageMigration: &cluster.StorageMigrationState{}}
+					StorageMigration: &cluster.StorageMigrationState{}, BackupRetention: retention}
 				if id == "a" {
 					m.StorageMigration.Resources = f.migrates
 				}

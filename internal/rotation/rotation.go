@@ -14,7 +14,10 @@
 //  2. migrate — the elected migration leader has a verified record for every rotated
 //     resource whose target is the key every member writes with;
 //  3. remove  — the keys behind the new write key leave the file (the second edit),
-//     once the guard (a fresh inventory and guard.CheckChange) allows it;
+//     once the guard (a fresh inventory and guard.CheckChange, then the backup-retention
+//     guard with the largest retention the apiservers publish) allows it; a
+//     backup-retention hold past the wait's deadline fails the wait at once, naming
+//     the date to run it again;
 //  4. ack     — every live apiserver runs the file as it is now (its published
 //     configuration hash equals the file's).
 //
@@ -47,6 +50,7 @@ import (
 	"time"
 
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -176,7 +180,14 @@ type FirstEditWritten struct{}
 type RemoveWritten struct{}
 
 // RemoveRefused reports that the guard refused the second edit (Reason says why).
-type RemoveRefused struct{ Reason string }
+// Guard names the guard that refused when it is one of pkg/guard's (a RefusedError's
+// Check; empty for the count of stored objects), and Until, for the backup-retention
+// guard, is when the last key it holds may go.
+type RemoveRefused struct {
+	Reason string
+	Guard  guard.Check
+	Until  time.Time
+}
 
 // EditSkipped reports that the edit handed out was not made because the file changed
 // since it was read (another rotate, a person, a pipeline wrote it): the machine waits
@@ -260,6 +271,11 @@ type Machine struct {
 	edited   bool         // the first edit was written
 	retryAt  time.Time
 	refused  string
+	// refusedBy is the guard that refused the second edit last (RemoveRefused.Guard).
+	refusedBy guard.Check
+	// ackRefusedByRetention: an apiserver's backup-retention guard refused the file
+	// the ack stage waits for.
+	ackRefusedByRetention bool
 	// noMigratorSince is when a rotated resource was first seen with no live apiserver
 	// migrating it (zero while every one has one).
 	noMigratorSince time.Time
@@ -305,7 +321,7 @@ func (m *Machine) Step(ev Event) {
 		}
 	case RemoveWritten:
 		if m.stage == StageRemove {
-			m.inflight, m.refused = false, ""
+			m.inflight, m.refused, m.refusedBy = false, "", ""
 			m.linef("second edit written: %s removed", strings.Join(m.removeNames(), ", "))
 			m.file = nil
 		}
@@ -314,9 +330,15 @@ func (m *Machine) Step(ev Event) {
 			m.inflight = false
 			m.retryAt = m.now.Add(m.cfg.GuardRetry)
 			if e.Reason != m.refused {
-				m.linef("the guard refused the second edit; asking again every %s: %s", m.cfg.GuardRetry, e.Reason)
+				m.linef("%s refused the second edit; asking again every %s: %s", guardName(e.Guard), m.cfg.GuardRetry, e.Reason)
 			}
-			m.refused = e.Reason
+			m.refused, m.refusedBy = e.Reason, e.Guard
+			if deadline := m.start.Add(m.cfg.Timeout); e.Guard == guard.Retention && m.cfg.Timeout > 0 && e.Until.After(deadline) {
+				m.fail("stage %d/%d (%s): the backup-retention guard keeps %s in the file until %s, after --wait-timeout ends (%s): %s; "+
+					"every apiserver writes with the new key and the migration is verified, so only the removal is left: run `rekey rotate --wait` again after %s",
+					m.stage.Number(), Stages, m.stage, strings.Join(m.removeNames(), ", "), e.Until.UTC().Format(time.RFC3339),
+					deadline.UTC().Format(time.RFC3339), e.Reason, e.Until.UTC().Format(time.RFC3339))
+			}
 		}
 	case EditSkipped:
 		if m.inflight {
@@ -435,7 +457,7 @@ func (m *Machine) advance() {
 			ok = len(names) == 0
 			m.waiting = "the guard and the second edit (removing " + strings.Join(names, ", ") + ")"
 			if m.refused != "" {
-				m.waiting = "the guard refused removing " + strings.Join(names, ", ") + ": " + m.refused
+				m.waiting = guardName(m.refusedBy) + " refused removing " + strings.Join(names, ", ") + ": " + m.refused
 			}
 		case StageAck:
 			ok = m.ackOK()
@@ -838,13 +860,20 @@ func (m *Machine) migrateOK() bool {
 func (m *Machine) acked() (int, []string) {
 	n := 0
 	var missing []string
+	m.ackRefusedByRetention = false
 	for _, mem := range m.cluster.Members {
 		if mem.ConfigHash == m.file.Hash {
 			n++
 			continue
 		}
 		s := fmt.Sprintf("%s runs %s", mem.APIServerID, short(mem.ConfigHash))
-		if mem.LastReloadError != "" {
+		if hold, ok := guard.RetentionRefusal(mem.LastReloadError); ok {
+			m.ackRefusedByRetention = true
+			s += " and its backup-retention guard refused a newer file"
+			if hold != "" {
+				s += ": " + hold
+			}
+		} else if mem.LastReloadError != "" {
 			first, _, _ := strings.Cut(mem.LastReloadError, "\n")
 			s += " and refused a newer file: " + first
 		}
@@ -877,7 +906,31 @@ func (m *Machine) checkDeadline() {
 		where = fmt.Sprintf("at stage %d/%d (%s)", n, Stages, m.stage)
 	}
 	m.fail("not complete after %s, %s: %s; %s; run `rekey rotate --wait` again to continue from there",
-		m.cfg.Timeout, where, dash(m.waiting), advice[m.stage])
+		m.cfg.Timeout, where, dash(m.waiting), m.advice())
+}
+
+// advice is what to do about the stage the wait stopped at.
+func (m *Machine) advice() string {
+	switch {
+	case m.stage == StageRemove && m.refusedBy == guard.Retention:
+		return "the backup-retention guard keeps the old key while an etcd snapshot within the largest --backup-retention (this command's or an apiserver's) may need it; `rekey ledger` shows when it retired"
+	case m.stage == StageRemove && m.refusedBy != "":
+		return "the " + string(m.refusedBy) + " guard refused the removal; its message says what it waits for"
+	case m.stage == StageAck && m.ackRefusedByRetention:
+		return "an apiserver's backup-retention guard refused the final file (an etcd snapshot within its --backup-retention may need the old key): put the old key back behind the write key, then run `rekey rotate --wait` again, which removes it once that retention lets it go"
+	}
+	return advice[m.stage]
+}
+
+// guardName names the guard that refused the second edit.
+func guardName(c guard.Check) string {
+	switch c {
+	case "":
+		return "the guard"
+	case guard.Retention:
+		return "the backup-retention guard"
+	}
+	return "the " + string(c) + " guard"
 }
 
 var advice = map[Stage]string{

@@ -12,6 +12,8 @@ import (
 	"github.com/cockroachdb/datadriven"
 
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/guard"
+	"github.com/rekey-io/rekey/pkg/keyledger"
 )
 
 var epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
@@ -28,16 +30,20 @@ var epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 //	file hash=<h> [rotates=<res>,…]      input: "<resources>: <key>, <key>…" per rule (first
 //	                                     writes); rotates: FileRead.Rotates (default: every
 //	                                     resource of the rules)
-//	member id=<id> hash=<h> [gone] [error=<text>] [migrates=<res>,…|none]
+//	member id=<id> hash=<h> [gone] [error=<text>|retention-refused] [migrates=<res>,…|none]
 //	                                     input: "<resource>: <key>, …" with * on the writing
 //	                                     entry (a * not on the first entry: the first is held);
-//	                                     without migrates the record does not say (older)
+//	                                     without migrates the record does not say (older);
+//	                                     retention-refused: the error is the backup-retention
+//	                                     guard's refusal of aesgcm/k1, as an apiserver publishes it
 //	stored                               input: "<resource> objects=<n> stale=<n> plaintext=<n>";
 //	                                     what the next inventory counts (default: nothing)
 //	inventoried / inventory-failed reason=<text>
 //	migration                            input: none | record <res> <key> verified|error=<text> |
 //	                                     running <res> <key> <done>/<total> | plan <res> <state>
-//	first-edit-written / remove-written / remove-refused reason=<text> / edit-skipped
+//	first-edit-written / remove-written / edit-skipped
+//	remove-refused reason=<text> [guard=<check>] [until=<d>]
+//	                                     until: the guard holds the key for d from now
 //	tick <duration>
 //
 // Keys are "aesgcm/k1", "kms/vault@h1" (key id hash h1) or "identity".
@@ -126,6 +132,9 @@ func TestTranscripts(t *testing.T) {
 					if d.HasArg("error") {
 						d.ScanArgs(t, "error", &mem.LastReloadError)
 					}
+					if d.HasArg("retention-refused") {
+						mem.LastReloadError = "new configuration refused: " + retentionRefusal(now).Error()
+					}
 					if d.HasArg("migrates") {
 						var list string
 						d.ScanArgs(t, "migrates", &list)
@@ -213,7 +222,18 @@ func TestTranscripts(t *testing.T) {
 			case "remove-refused":
 				var reason string
 				d.ScanArgs(t, "reason", &reason)
-				m.Step(RemoveRefused{Reason: reason})
+				ev := RemoveRefused{Reason: reason}
+				if d.HasArg("guard") {
+					var g string
+					d.ScanArgs(t, "guard", &g)
+					ev.Guard = guard.Check(g)
+				}
+				if d.HasArg("until") {
+					var u string
+					d.ScanArgs(t, "until", &u)
+					ev.Until = now.Add(mustDuration(t, d, u))
+				}
+				m.Step(ev)
 			case "edit-skipped":
 				m.Step(EditSkipped{})
 			case "tick":
@@ -228,6 +248,15 @@ func TestTranscripts(t *testing.T) {
 			return render(ready())
 		})
 	})
+}
+
+// retentionRefusal is the backup-retention guard's refusal of a file without aesgcm/k1,
+// retired an hour before now, under a 30-day retention.
+func retentionRefusal(now time.Time) *guard.RefusedError {
+	retired := keyledger.Event{At: now.Add(-time.Hour), Revision: 40}
+	k1 := keyledger.Entry{Provider: "aesgcm", Name: "k1", Check: "s1", LastUse: keyledger.Event{At: now.Add(-2 * time.Hour), Revision: 30}, Retired: &retired}
+	return &guard.RefusedError{Check: guard.Retention, Next: `"enc.yaml" (h3)`, Holds: []guard.RetentionHold{
+		{Key: k1, Until: retired.At.Add(720 * time.Hour), NeededFor: time.Hour, Retention: 720 * time.Hour}}}
 }
 
 func render(r Ready) string {
