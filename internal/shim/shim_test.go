@@ -55,7 +55,7 @@ resources:
 `
 
 func TestMain(m *testing.M) {
-	os.Exit(runMain(m))
+	os.Exit(testbed.MainWithLeakCheck(func() int { return runMain(m) }))
 }
 
 func runMain(m *testing.M) int {

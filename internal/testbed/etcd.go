@@ -26,6 +26,15 @@ func StartEtcd(ctx context.Context, bin, dir string) (*Etcd, error) {
 // that measures the database against its quota).
 func StartEtcdWith(ctx context.Context, bin, dir string, extra ...string) (*Etcd, error) {
 	data := filepath.Join(dir, "etcd-data")
+	return retryLostPort(func() (*Etcd, error) {
+		if err := os.RemoveAll(data); err != nil {
+			return nil, err
+		}
+		return startEtcd(ctx, bin, dir, data, extra)
+	})
+}
+
+func startEtcd(ctx context.Context, bin, dir, data string, extra []string) (*Etcd, error) {
 	if err := os.MkdirAll(data, 0o700); err != nil {
 		return nil, err
 	}

@@ -2,6 +2,7 @@ package testbed
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -11,6 +12,8 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/rekey-io/rekey/internal/freeport"
 )
 
 // EtcdCluster is a static etcd cluster of separate processes on loopback, each
@@ -43,21 +46,32 @@ type EtcdMember struct {
 
 // StartEtcdCluster starts an n-member etcd cluster with its data and logs under dir
 // and waits until it has a leader and serves linearizable reads.
+// A start that lost a port to another process is tried again on new ports
+// (retryLostPort).
 func StartEtcdCluster(ctx context.Context, bin, dir string, n int) (*EtcdCluster, error) {
 	if n < 1 {
 		return nil, fmt.Errorf("etcd cluster of %d members: need at least one", n)
 	}
+	return retryLostPort(func() (*EtcdCluster, error) {
+		for i := range n {
+			if err := os.RemoveAll(filepath.Join(dir, "etcd-"+strconv.Itoa(i))); err != nil {
+				return nil, err
+			}
+		}
+		return startEtcdCluster(ctx, bin, dir, n)
+	})
+}
+
+func startEtcdCluster(ctx context.Context, bin, dir string, n int) (*EtcdCluster, error) {
 	c := &EtcdCluster{}
 	var initial []string
+	// Distinct ports for every member's client and peer URLs.
+	ports, err := freeport.PickN(2 * n)
+	if err != nil {
+		return nil, err
+	}
 	for i := range n {
-		cport, err := FreePort()
-		if err != nil {
-			return nil, err
-		}
-		pport, err := FreePort()
-		if err != nil {
-			return nil, err
-		}
+		cport, pport := ports[2*i], ports[2*i+1]
 		m := &EtcdMember{
 			Name:     "etcd-" + strconv.Itoa(i),
 			Endpoint: "http://127.0.0.1:" + strconv.Itoa(cport),
@@ -252,6 +266,30 @@ func (c *EtcdCluster) Health(ctx context.Context) error {
 	defer cancel()
 	_, err = cli.Get(gctx, "testbed-health")
 	return err
+}
+
+// Leader is the member that leads the cluster now, as the running members report.
+func (c *EtcdCluster) Leader(ctx context.Context) (*EtcdMember, error) {
+	cli, err := EtcdClient(c.RunningEndpoints())
+	if err != nil {
+		return nil, err
+	}
+	defer cli.Close()
+	for _, m := range c.Members {
+		if !m.Running() {
+			continue
+		}
+		sctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		st, err := cli.Status(sctx, m.Endpoint)
+		cancel()
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", m.Name, err)
+		}
+		if st.Leader != 0 && st.Leader == st.Header.MemberId {
+			return m, nil
+		}
+	}
+	return nil, errors.New("no running member says it leads the cluster")
 }
 
 // WaitHealthy polls Health until it passes or ctx ends; a member that exited

@@ -135,6 +135,10 @@ func StartKubeAPIServer(ctx context.Context, bin string, c KubeAPIServerConfig) 
 	if c.Name == "" {
 		c.Name = "kube-apiserver"
 	}
+	return retryLostPort(func() (*Shim, error) { return startKubeAPIServer(ctx, bin, c) })
+}
+
+func startKubeAPIServer(ctx context.Context, bin string, c KubeAPIServerConfig) (*Shim, error) {
 	port, err := FreePort()
 	if err != nil {
 		return nil, err

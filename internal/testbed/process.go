@@ -75,7 +75,11 @@ func Start(name, logDir, bin string, args ...string) (*Process, error) {
 	}
 	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
-	// Own process group: a Ctrl-C in the test's terminal does not reach it first.
+	// The owner mark lets Leaked find this process and everything it starts, even
+	// after the test process lost track of it.
+	cmd.Env = append(os.Environ(), ownerEnv+"="+strconv.Itoa(os.Getpid()))
+	// Own process group: a Ctrl-C in the test's terminal does not reach it first, and
+	// Stop can signal whatever it started along with it.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := cmd.Start(); err != nil {
 		logFile.Close()
@@ -102,33 +106,42 @@ func (p *Process) ExitErr() error {
 	return p.err
 }
 
-// Stop sends SIGTERM to the process's PID and waits up to timeout, then SIGKILL.
-// Safe to call more than once and after the process exited.
+// Stop sends SIGTERM to the process and waits up to timeout, then SIGKILL. A stopped
+// process (SIGSTOP) gets SIGCONT too: it would not see the SIGTERM before. Whatever
+// else is left in its process group when it exits is killed. Safe to call more than
+// once and after the process exited.
 func (p *Process) Stop(timeout time.Duration) {
+	defer p.killGroup()
 	select {
 	case <-p.done:
 		return
 	default:
 	}
 	_ = syscall.Kill(p.PID(), syscall.SIGTERM)
+	_ = syscall.Kill(p.PID(), syscall.SIGCONT)
 	select {
 	case <-p.done:
 	case <-time.After(timeout):
-		_ = syscall.Kill(p.PID(), syscall.SIGKILL)
+		_ = syscall.Kill(-p.PID(), syscall.SIGKILL)
 		<-p.done
 	}
 }
 
-// Kill sends SIGKILL to the process's PID and waits for it.
+// Kill sends SIGKILL to the process and its process group and waits for it.
 func (p *Process) Kill() {
+	defer p.killGroup()
 	select {
 	case <-p.done:
 		return
 	default:
 	}
-	_ = syscall.Kill(p.PID(), syscall.SIGKILL)
+	_ = syscall.Kill(-p.PID(), syscall.SIGKILL)
 	<-p.done
 }
+
+// killGroup kills what the process started in its own process group (it leads the
+// group: Start sets Setpgid). ESRCH, an empty group, is the usual answer.
+func (p *Process) killGroup() { _ = syscall.Kill(-p.PID(), syscall.SIGKILL) }
 
 // Log returns the last max bytes of the process's output.
 func (p *Process) Log(max int) string {
@@ -142,6 +155,23 @@ func (p *Process) Log(max int) string {
 // FreePort returns a loopback TCP port that was free a moment ago, below the ephemeral
 // range (internal/freeport says why).
 func FreePort() (int, error) { return freeport.Pick() }
+
+// lostPortAttempts is how often a start that lost its port is tried on new ones.
+const lostPortAttempts = 4
+
+// retryLostPort runs start, which picks its ports with FreePort, again when its
+// process failed to bind one: between the pick and the bind another process (a test
+// package running beside this one) may take the port. A program that must know its
+// peers' ports before it starts (etcd) cannot bind port 0, so the start is tried
+// again on fresh ports instead.
+func retryLostPort[T any](start func() (T, error)) (T, error) {
+	for attempt := 1; ; attempt++ {
+		v, err := start()
+		if err == nil || attempt == lostPortAttempts || !strings.Contains(err.Error(), "address already in use") {
+			return v, err
+		}
+	}
+}
 
 // poll calls f every interval until it returns nil, ctx ends or p exits.
 func poll(ctx context.Context, p *Process, interval time.Duration, f func() error) error {

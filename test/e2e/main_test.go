@@ -27,7 +27,7 @@ var (
 )
 
 func TestMain(m *testing.M) {
-	os.Exit(runMain(m))
+	os.Exit(testbed.MainWithLeakCheck(func() int { return runMain(m) }))
 }
 
 func runMain(m *testing.M) int {
