@@ -108,17 +108,18 @@ func (g *gentle) migrating(gr schema.GroupResource) {
 }
 
 // observeWatchCache feeds the pacer how far the watch cache is behind a commit at
-// revision rev made at now. Called with mu held.
+// revision rev made at now: as far as its last reading showed, at the time of that
+// reading. Called with mu held: g.watchCache answers without waiting.
 func (g *gentle) observeWatchCache(rev int64, now time.Time) {
 	if g.watchCache == nil || rev == 0 {
 		return
 	}
-	cache, ok := g.watchCache(g.resource)
+	cache, at, ok := g.watchCache(g.resource)
 	if !ok {
 		return
 	}
 	g.lag.committed(rev, now)
-	g.pacer.ObserveWatchLag(g.lag.lag(cache, now))
+	g.pacer.ObserveWatchLag(g.lag.lag(cache, at))
 }
 
 // close ends the migration's writing: requests answered from now on make the
@@ -251,11 +252,14 @@ func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func()
 		if err := g.admit(ctx, bytes); err != nil {
 			return nil, err
 		}
-		if err := g.limiter.WaitN(ctx, objects); err != nil {
+		if err := waitForTokens(ctx, g.limiter, objects); err != nil {
 			return nil, err
 		}
 		start := g.clock.Now()
 		resp, err := build().Commit()
+		// The transaction's latency ends here: waiting for the lock below is the
+		// other workers' business, not etcd's.
+		latency := g.clock.Since(start)
 		noSpace := errors.Is(err, rpctypes.ErrNoSpace)
 		g.mu.Lock()
 		now := g.clock.Now()
@@ -267,7 +271,7 @@ func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func()
 			g.observeWatchCache(resp.Header.Revision, now)
 		}
 		before := g.pacer.last
-		g.pacer.Observe(now, now.Sub(start), objects, err)
+		g.pacer.Observe(now, latency, objects, err)
 		if v := g.pacer.last; v != before && v.Change == "decrease" {
 			g.log.V(2).Info("Storage migration slows down", "cause", v.Cause, "p90", v.P90, "target", g.pacer.Target(),
 				"clientsP99", v.ServingP99, "clientsTarget", g.pacer.ServingTarget(), "watchCacheLag", v.WatchLag,
@@ -287,6 +291,23 @@ func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func()
 			return resp, err
 		}
 	}
+}
+
+// waitForTokens waits until l allows n events. A batch is sized from the burst when it
+// is built, and another worker's transaction may lower the burst before this one
+// commits: rate.Limiter.WaitN fails outright for n above the burst ("Wait(n=10)
+// exceeds limiter's burst 1", which aborted a migration). The tokens are taken in
+// pieces no larger than the burst read at each step, so the batch is paced at the new
+// rate instead.
+func waitForTokens(ctx context.Context, l *rate.Limiter, n int) error {
+	for n > 0 {
+		piece := min(n, max(1, l.Burst()))
+		if err := l.WaitN(ctx, piece); err != nil {
+			return err
+		}
+		n -= piece
+	}
+	return nil
 }
 
 // admit returns once the space gate lets bytes be written.

@@ -15,8 +15,10 @@ import (
 )
 
 // WatchCacheRevision reports the etcd revision the apiserver's watch cache of a
-// resource has reached; ok is false when the resource has none (or none yet).
-type WatchCacheRevision func(gr schema.GroupResource) (rev int64, ok bool)
+// resource had reached at the time at; ok is false when the resource has none (or none
+// yet). It is called on the migration's write path: it must answer at once, with the
+// last reading it has, never wait for a new one.
+type WatchCacheRevision func(gr schema.GroupResource) (rev int64, at time.Time, ok bool)
 
 // DefaultMaxWatchLag: a window in which the apiserver's watch cache was further behind
 // the migration's own writes than this is congestion.
@@ -55,7 +57,8 @@ func (w *watchLag) lag(cache int64, now time.Time) time.Duration {
 	if len(w.commits) == 0 {
 		return 0
 	}
-	return now.Sub(w.commits[0].at)
+	// A reading taken before the oldest commit it lacks was made says nothing late.
+	return max(0, now.Sub(w.commits[0].at))
 }
 
 // reset forgets every commit (a new resource: another cache).

@@ -41,4 +41,10 @@ func TestWatchLagIsTheAgeOfTheOldestCommitNotReached(t *testing.T) {
 	if got := w.lag(0, at(3000)); got != 0 {
 		t.Errorf("lag %v after reset, want 0", got)
 	}
+	// A reading older than the commit it lacks (the cache's revision is read in the
+	// background, and reported with the time it was read) is no lag.
+	w.committed(40, at(5000))
+	if got := w.lag(39, at(4900)); got != 0 {
+		t.Errorf("lag %v from a reading taken before the commit, want 0", got)
+	}
 }
