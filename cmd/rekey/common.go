@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 	"time"
 
 	"github.com/spf13/pflag"
@@ -135,9 +136,12 @@ func (c *common) client(ctx context.Context) (*clientv3.Client, error) {
 	}
 	sctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
-	if _, err := cli.Status(sctx, c.etcd.Servers[0]); err != nil {
+	// A read through the client's balancer, not a status call to one member: with one
+	// member of three down (an upgrade, a reboot) the others answer, and every command
+	// must work.
+	if _, err := cli.Get(sctx, "health", clientv3.WithCountOnly()); err != nil {
 		_ = cli.Close()
-		return nil, fmt.Errorf("etcd %s does not answer (%v); check --etcd-servers and the TLS flags", c.etcd.Servers[0], err)
+		return nil, fmt.Errorf("etcd does not answer at any of %s (%v); check --etcd-servers and the TLS flags", strings.Join(c.etcd.Servers, ","), err)
 	}
 	return cli, nil
 }
