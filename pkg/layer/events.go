@@ -1,13 +1,17 @@
 package layer
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strings"
 	"sync"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/record"
@@ -47,18 +51,41 @@ func (l *Layer) AddEventsHook(c *genericapiserver.Config, involved *corev1.Objec
 		if err != nil {
 			return fmt.Errorf("encryption layer events: %w", err)
 		}
-		b := record.NewBroadcaster(record.WithContext(hc.Context), record.WithCorrelatorOptions(eventCorrelation()))
-		b.StartRecordingToSink(&corev1client.EventSinkImpl{Interface: client.Events("")})
-		rec := b.NewRecorder(runtime.NewScheme(), corev1.EventSource{Component: EventComponent, Host: l.opts.APIServerID})
-		if dropped := l.events.Attach(recorderSink{rec: rec, involved: involved}); dropped > 0 {
-			l.log.Info("Events from before the apiserver served were dropped: the buffer was full; the log has them", "dropped", dropped)
-		}
 		go func() {
+			// On a cluster's first start the involved object's namespace (kube-system) is
+			// created by another post-start hook, maybe after this one: an Event posted
+			// before it is refused for good ("namespaces kube-system not found (will
+			// not retry!)"). Events stay buffered until the namespace exists.
+			if err := waitForNamespace(hc.Context, client, involved.Namespace, namespacePollInterval); err != nil {
+				return
+			}
+			b := record.NewBroadcaster(record.WithContext(hc.Context), record.WithCorrelatorOptions(eventCorrelation()))
+			b.StartRecordingToSink(&corev1client.EventSinkImpl{Interface: client.Events("")})
+			rec := b.NewRecorder(runtime.NewScheme(), corev1.EventSource{Component: EventComponent, Host: l.opts.APIServerID})
+			if dropped := l.events.Attach(recorderSink{rec: rec, involved: involved}); dropped > 0 {
+				l.log.Info("Events from before the apiserver served were dropped: the buffer was full; the log has them", "dropped", dropped)
+			}
 			<-hc.Context.Done()
 			l.events.Attach(nil)
 			b.Shutdown()
 		}()
 		return nil
+	})
+}
+
+// namespacePollInterval is how often the events hook looks for the involved object's
+// namespace before it starts posting.
+const namespacePollInterval = 500 * time.Millisecond
+
+// waitForNamespace returns once namespace exists ("" exists always), or with ctx's error.
+// Other errors (the loopback client not served yet, a timeout) are retried too.
+func waitForNamespace(ctx context.Context, client corev1client.NamespacesGetter, namespace string, every time.Duration) error {
+	if namespace == "" {
+		return nil
+	}
+	return wait.PollUntilContextCancel(ctx, every, true, func(ctx context.Context) (bool, error) {
+		_, err := client.Namespaces().Get(ctx, namespace, metav1.GetOptions{})
+		return err == nil, nil
 	})
 }
 

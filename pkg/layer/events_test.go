@@ -1,9 +1,14 @@
 package layer
 
 import (
+	"context"
 	"strings"
 	"testing"
+	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/client-go/tools/record"
 
 	"github.com/rekey-io/rekey/pkg/events"
@@ -41,5 +46,32 @@ func TestKMSKeyIDChanges(t *testing.T) {
 	}
 	if got := <-fake.Events; !strings.Contains(got, "KMSKeyIDChanged") || !strings.Contains(got, "from sha256:aa to sha256:bb") {
 		t.Errorf("event %q", got)
+	}
+}
+
+// The events hook waits for the involved object's namespace: on a cluster's first start
+// kube-system is created after the apiserver serves, and an Event posted before is
+// refused for good.
+func TestWaitForNamespace(t *testing.T) {
+	client := fake.NewClientset()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- waitForNamespace(ctx, client.CoreV1(), "kube-system", 5*time.Millisecond) }()
+	select {
+	case err := <-done:
+		t.Fatalf("returned (%v) before kube-system existed", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	if _, err := client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "kube-system"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("after kube-system was created: %v", err)
+	}
+	stopped, stop := context.WithCancel(t.Context())
+	stop()
+	if err := waitForNamespace(stopped, client.CoreV1(), "missing", 5*time.Millisecond); err == nil {
+		t.Fatal("a cancelled wait for a missing namespace returned no error")
 	}
 }
