@@ -30,6 +30,8 @@ type WriteRefusedError struct {
 	// Reason is the write fence's explanation: the resource, the key this apiserver
 	// cannot read and what to add to its configuration. It names keys, never holds them.
 	Reason string
+	// RetryAfter is set when the refusal is expected to end on its own (Writer.RetryAfter).
+	RetryAfter time.Duration
 }
 
 var _ apierrors.APIStatus = (*WriteRefusedError)(nil)
@@ -37,11 +39,16 @@ var _ apierrors.APIStatus = (*WriteRefusedError)(nil)
 func (e *WriteRefusedError) Error() string { return e.Reason }
 
 // Status is the answer to the refused request: 503 ServiceUnavailable with Reason as its
-// message. It carries no Retry-After: the refusal lasts until this apiserver's
-// configuration file catches up, and a Retry-After would make client-go repeat the write
-// against the same apiserver up to ten times before the client sees why.
+// message. A refusal that lasts until this apiserver's configuration file catches up
+// carries no Retry-After: it would make client-go repeat the write against the same
+// apiserver up to ten times before the client sees why. One that ends on its own
+// (RetryAfter set) carries it, so clients come back instead of failing.
 func (e *WriteRefusedError) Status() metav1.Status {
-	return apierrors.NewServiceUnavailable(e.Reason).ErrStatus
+	st := apierrors.NewServiceUnavailable(e.Reason).ErrStatus
+	if e.RetryAfter > 0 {
+		st.Details = &metav1.StatusDetails{RetryAfterSeconds: int32(max(1, e.RetryAfter.Round(time.Second)/time.Second))}
+	}
+	return st
 }
 
 // Chain is the transformer of one resource rule: the first Sealer writes; on read, every
@@ -71,8 +78,10 @@ type Chain struct {
 	// writer is the index of the sealer that writes: 0 unless a write fence holds the
 	// configuration's first entry back. Staleness stays relative to entry 0.
 	writer int
-	// refuse, when set, is why a write fence refuses every write of this rule.
-	refuse string
+	// refuse, when set, is why a write fence refuses every write of this rule;
+	// retryAfter is Writer.RetryAfter.
+	refuse     string
+	retryAfter time.Duration
 }
 
 var _ value.Transformer = (*Chain)(nil)
@@ -103,7 +112,7 @@ func newChain(gr schema.GroupResource, resource string, sealers []Sealer, m *Met
 // withWriter returns a copy of c that writes with the entry w chooses, or refuses.
 func (c *Chain) withWriter(w Writer) *Chain {
 	d := *c
-	d.writer, d.refuse = w.Index, w.Refuse
+	d.writer, d.refuse, d.retryAfter = w.Index, w.Refuse, w.RetryAfter
 	return &d
 }
 
@@ -113,7 +122,7 @@ func (c *Chain) withWriter(w Writer) *Chain {
 // write data the other apiservers cannot read.
 func (c *Chain) TransformToStorage(ctx context.Context, data []byte, dataCtx value.Context) ([]byte, error) {
 	if c.refuse != "" {
-		return nil, &WriteRefusedError{Reason: c.refuse}
+		return nil, &WriteRefusedError{Reason: c.refuse, RetryAfter: c.retryAfter}
 	}
 	if c.obs == nil {
 		out, err := c.sealers[c.writer].Seal(ctx, data, dataCtx)

@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/apis/apiserver"
@@ -223,6 +224,10 @@ type Writer struct {
 	// what is missing), and reads are unchanged. A write fence refuses rather than write data that no other live
 	// apiserver can read.
 	Refuse string
+	// RetryAfter, with Refuse, marks a refusal expected to end on its own (the fence is
+	// waiting for the cluster, not for a configuration edit): the 503 carries it as
+	// Retry-After. Zero: no Retry-After.
+	RetryAfter time.Duration
 }
 
 // WithWriters returns a Set with the same providers whose rule for each resource named

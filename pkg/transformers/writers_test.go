@@ -7,6 +7,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apiserver/pkg/storage"
@@ -106,6 +107,24 @@ func TestWithWritersRefusal(t *testing.T) {
 	info := refusing.Rules()[0]
 	if _, ok := info.Writer(); ok || info.WriteIndex != transformers.NoWriter || info.WriteRefused != why {
 		t.Fatalf("refusing rule info = %+v, want no writer and the reason", info)
+	}
+	// A refusal that lasts until a configuration edit carries no Retry-After.
+	if st := refused.Status(); st.Details != nil && st.Details.RetryAfterSeconds != 0 {
+		t.Fatalf("refusal without RetryAfter answers Retry-After %d", st.Details.RetryAfterSeconds)
+	}
+
+	// One that ends on its own does: the REST layer turns it into the Retry-After header.
+	waiting, err := base.WithWriters(map[string]transformers.Writer{"secrets": {Refuse: why, RetryAfter: 2 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer waiting.Close()
+	_, err = waiting.TransformerFor(secrets).TransformToStorage(ctx, []byte("w"), dataCtx)
+	if !errors.As(err, &refused) {
+		t.Fatalf("write while refused: %v, want a *transformers.WriteRefusedError", err)
+	}
+	if st := refused.Status(); st.Code != 503 || st.Details == nil || st.Details.RetryAfterSeconds != 2 {
+		t.Fatalf("refusal with RetryAfter 2s answers %+v, want 503 with Retry-After 2", st)
 	}
 }
 
