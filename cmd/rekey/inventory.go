@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"text/tabwriter"
@@ -13,7 +14,7 @@ import (
 func newInventoryCommand() *cobra.Command {
 	var c common
 	var output outputFormat
-	var decrypt bool
+	var decrypt, skipHashCheck bool
 	var prefix, snapshot string
 	cmd := &cobra.Command{
 		Use:   "inventory",
@@ -33,13 +34,20 @@ rekey migrate --acknowledge-unreadable are marked so.
 
 --snapshot FILE reads an etcd snapshot file offline instead (no --etcd-servers): the
 keys its objects need, per resource and stored prefix or KMS key id, with the check
-values the snapshot's key ledger recorded for them; with --encryption-provider-config
-it fails unless that configuration can read them all (by check value where the ledger
-knows the key).`,
+values the snapshot's key ledger recorded for them ("no check value known" where it
+recorded none); with --encryption-provider-config it fails unless that configuration
+can read them all, by check value: a local key of the right name whose check value is
+not known is not taken for the right secret. The file is verified before it is read:
+etcd's trailing sha256 (--skip-hash-check skips it, for a database copied from a
+member's data directory, which has none), then the bbolt pages, read from a private
+copy in $TMPDIR by a child process; a damaged file fails with "corrupt snapshot".`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if snapshot != "" {
-				return c.snapshotInventory(cmd, snapshot, prefix, output)
+				return c.snapshotInventory(cmd, snapshot, prefix, skipHashCheck, output)
+			}
+			if skipHashCheck {
+				return errors.New("--skip-hash-check applies to --snapshot only")
 			}
 			ctx := cmd.Context()
 			s, err := c.open(ctx, preamble{config: true})
@@ -59,6 +67,8 @@ knows the key).`,
 	addOutputFlag(cmd.Flags(), &output)
 	addCoordinationPrefixFlag(cmd.Flags(), &prefix)
 	cmd.Flags().StringVar(&snapshot, "snapshot", "", "An etcd snapshot file (etcdctl snapshot save) to inventory offline instead of etcd.")
+	cmd.Flags().BoolVar(&skipHashCheck, "skip-hash-check", false, "With --snapshot: do not check etcd's sha256 at the end of the file (as etcdutl snapshot restore --skip-hash-check); needed for a database copied from a member's data directory (member/snap/db), which has none.")
+	cmd.AddCommand(newSnapshotReaderCommand())
 	cmd.Flags().BoolVar(&decrypt, "decrypt-check", false, "Also decrypt every value (KMS v2: calls the plugin for each DEK not cached) to count unreadable objects exactly.")
 	return cmd
 }

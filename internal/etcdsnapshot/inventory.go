@@ -1,6 +1,7 @@
 package etcdsnapshot
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"sort"
@@ -9,6 +10,7 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 
+	"github.com/rekey-io/rekey/internal/etcdsnapshot/snapshotfile"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/keyledger"
@@ -23,6 +25,8 @@ type Options struct {
 	Layout *storagelayout.Layout
 	// CoordinationPrefix is where the apiservers kept the key ledger.
 	CoordinationPrefix string
+	// Read says how the file is read: hash check, reader process.
+	Read snapshotfile.Options
 }
 
 // Report is what a snapshot's objects need.
@@ -57,6 +61,10 @@ type Bucket struct {
 	// Checks are the check values the snapshot's ledger knows for this key name (local
 	// keys): the secrets values under this prefix were written with.
 	Checks []string `json:"checks,omitempty"`
+	// NoCheckValue: a local key (aesgcm, aescbc, secretbox) of which the snapshot's
+	// ledger knows no check value (no ledger, or none for this name), so nothing tells
+	// which secret of that name its values need.
+	NoCheckValue bool `json:"noCheckValueKnown,omitempty"`
 }
 
 // Key names the bucket's key the way an error names it.
@@ -71,12 +79,26 @@ func (b Bucket) String() string {
 	if len(b.Checks) > 0 {
 		s += " (check " + strings.Join(b.Checks, " or ") + ")"
 	}
+	if b.NoCheckValue {
+		s += " (no check value known)"
+	}
 	return s
 }
 
+// localKey reports whether provider's keys are secrets in the configuration, told
+// apart by check value; a KMS provider's key is the plugin's.
+func localKey(provider string) bool {
+	switch provider {
+	case transformers.ProviderAESGCM, transformers.ProviderAESCBC, transformers.ProviderSecretbox:
+		return true
+	}
+	return false
+}
+
 // Inventory reads the snapshot at path: every live key under the layout's etcd
-// prefix, by resource and stored prefix, and the key ledger.
-func Inventory(path string, o Options) (*Report, error) {
+// prefix, by resource and stored prefix, and the key ledger. A file that is not an
+// intact snapshot gives a *snapshotfile.CorruptError.
+func Inventory(ctx context.Context, path string, o Options) (*Report, error) {
 	if o.Layout == nil {
 		o.Layout = storagelayout.Kube(storagelayout.DefaultEtcdPrefix)
 	}
@@ -86,7 +108,7 @@ func Inventory(path string, o Options) (*Report, error) {
 	resources := map[string]*Resource{}
 	ledgerKey := keyledger.Key(o.CoordinationPrefix)
 	var ledgerErr error
-	rev, err := Latest(path, func(kv *mvccpb.KeyValue) error {
+	rev, err := Latest(ctx, path, o.Read, func(kv *mvccpb.KeyValue) error {
 		key := string(kv.Key)
 		if o.CoordinationPrefix != "" && key == ledgerKey {
 			rep.Ledger, ledgerErr = keyledger.Decode(kv.Value)
@@ -125,6 +147,7 @@ func Inventory(path string, o Options) (*Report, error) {
 			}
 		}
 		sort.Strings(b.Checks)
+		b.NoCheckValue = localKey(b.Provider) && len(b.Checks) == 0
 		resources[bk.resource].Buckets = append(resources[bk.resource].Buckets, *b)
 	}
 	for _, r := range resources {
@@ -140,41 +163,49 @@ func Inventory(path string, o Options) (*Report, error) {
 	return rep, nil
 }
 
-// Unreadable is a bucket of a snapshot a configuration cannot read.
-type Unreadable struct {
+// Finding is a bucket of a snapshot a configuration cannot read, or cannot be shown to
+// read.
+type Finding struct {
 	Resource string `json:"resource"`
 	Bucket   Bucket `json:"bucket"`
 	Reason   string `json:"reason"`
 }
 
-func (u Unreadable) String() string {
+func (u Finding) String() string {
 	return fmt.Sprintf("%s: %d objects under %s: %s", u.Resource, u.Bucket.Objects, u.Bucket, u.Reason)
 }
 
-// Check lists the buckets of rep that cfg cannot read: every bucket must be readable
-// by a provider of its resource's rule, and a local key must be the secret the
-// snapshot's ledger says its values were written with (by check value) when the
-// ledger knows the name. A KMS v2 bucket is readable by a provider of its name; which
-// key ids the plugin decrypts only the plugin knows, so the key id is named.
-func Check(rep *Report, cfg *config.Config) []Unreadable {
+// Check sorts the buckets of rep that cfg may not read. Every bucket must be readable
+// by a provider of its resource's rule. A local key must be the secret the snapshot's
+// ledger says its values were written with, by check value: one of another check value
+// is unreadable; where the ledger knows no check value for the key (no ledger, or none
+// for that name), a key of the same name proves nothing, and the bucket is unverified
+// ("no check value known"), not readable. A KMS v2 bucket is readable by a provider of
+// its name; which key ids the plugin decrypts only the plugin knows, so the key id is
+// named.
+func Check(rep *Report, cfg *config.Config) (unreadable, unverified []Finding) {
 	rules, _ := transformers.ByResource(guard.ConfigKeys(cfg))
-	var out []Unreadable
 	for _, r := range rep.Resources {
 		chain, ok := transformers.Lookup(rules, schema.ParseGroupResource(r.Resource))
 		if !ok {
 			chain = []transformers.KeyInfo{{Provider: transformers.ProviderIdentity}}
 		}
 		for _, b := range r.Buckets {
-			if reason := unreadable(chain, b); reason != "" {
-				out = append(out, Unreadable{Resource: r.Resource, Bucket: b, Reason: reason})
+			reason, verified := readable(chain, b)
+			switch {
+			case reason != "" && !verified:
+				unverified = append(unverified, Finding{Resource: r.Resource, Bucket: b, Reason: reason})
+			case reason != "":
+				unreadable = append(unreadable, Finding{Resource: r.Resource, Bucket: b, Reason: reason})
 			}
 		}
 	}
-	return out
+	return unreadable, unverified
 }
 
-// unreadable says why chain cannot read b, "" when it can.
-func unreadable(chain []transformers.KeyInfo, b Bucket) string {
+// readable says why chain cannot read b ("" when it can). verified is false when it
+// cannot be told: reason then says why.
+func readable(chain []transformers.KeyInfo, b Bucket) (reason string, verified bool) {
 	var named []transformers.KeyInfo
 	for _, k := range chain {
 		if k.Provider == b.Provider && k.Key == b.Key {
@@ -183,17 +214,20 @@ func unreadable(chain []transformers.KeyInfo, b Bucket) string {
 	}
 	if len(named) == 0 {
 		if b.Provider == transformers.ProviderIdentity {
-			return "they are plaintext and the resource's rule has no identity provider"
+			return "they are plaintext and the resource's rule has no identity provider", true
 		}
-		return "the resource's rule has no such key: add it as a read key (not first) from the configuration that wrote them"
+		return "the resource's rule has no such key: add it as a read key (not first) from the configuration that wrote them", true
+	}
+	if !localKey(b.Provider) {
+		return "", true // identity, or a KMS provider of that name: the plugin holds the key
 	}
 	if len(b.Checks) == 0 {
-		return "" // no ledger to tell secrets apart: the name is all there is to match
+		return fmt.Sprintf("no check value known: the snapshot's key ledger records none for this key, so nothing tells whether the configuration's key of that name (check %s) is the secret they were written with", named[0].Check), false
 	}
 	for _, k := range named {
 		if slices.Contains(b.Checks, k.Check) {
-			return ""
+			return "", true
 		}
 	}
-	return fmt.Sprintf("the configuration's key of that name has check %s, another secret than the one the snapshot's key ledger says they were written with: restore that key", named[0].Check)
+	return fmt.Sprintf("the configuration's key of that name has check %s, another secret than the one the snapshot's key ledger says they were written with: restore that key", named[0].Check), true
 }

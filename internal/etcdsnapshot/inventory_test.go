@@ -82,7 +82,7 @@ func TestSnapshotBeforeRotationNeedsTheOldKey(t *testing.T) {
 	// The rotation after the snapshot changes nothing in it.
 	put("/registry/secrets/default/a", "k8s:enc:aesgcm:v1:key2:ciphertext")
 
-	rep, err := Inventory(path, Options{Layout: storagelayout.Kube("/registry"), CoordinationPrefix: "/rekey"})
+	rep, err := Inventory(context.Background(), path, Options{Layout: storagelayout.Kube("/registry"), CoordinationPrefix: "/rekey", Read: readOpts()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -102,14 +102,55 @@ func TestSnapshotBeforeRotationNeedsTheOldKey(t *testing.T) {
 	}
 
 	keys := map[string][]byte{"key1": secret1, "key2": secret2}
-	if got := Check(rep, aesgcmConfig(t, keys, "key2")); len(got) != 1 || got[0].Resource != "secrets" || !strings.Contains(got[0].String(), "no such key") {
-		t.Fatalf("without key1: %v, want the secrets under key1 unreadable", got)
+	if got, unverified := Check(rep, aesgcmConfig(t, keys, "key2")); len(got) != 1 || len(unverified) != 0 || got[0].Resource != "secrets" || !strings.Contains(got[0].String(), "no such key") {
+		t.Fatalf("without key1: %v %v, want the secrets under key1 unreadable", got, unverified)
 	}
-	if got := Check(rep, aesgcmConfig(t, keys, "key2", "key1")); len(got) != 0 {
-		t.Fatalf("with key1: %v, want everything readable", got)
+	if got, unverified := Check(rep, aesgcmConfig(t, keys, "key2", "key1")); len(got) != 0 || len(unverified) != 0 {
+		t.Fatalf("with key1: %v %v, want everything readable", got, unverified)
 	}
 	other := map[string][]byte{"key1": secret2}
-	if got := Check(rep, aesgcmConfig(t, other, "key1")); len(got) != 1 || !strings.Contains(got[0].String(), "another secret") {
-		t.Fatalf("another secret named key1: %v, want unreadable by check value", got)
+	if got, unverified := Check(rep, aesgcmConfig(t, other, "key1")); len(got) != 1 || len(unverified) != 0 || !strings.Contains(got[0].String(), "another secret") {
+		t.Fatalf("another secret named key1: %v %v, want unreadable by check value", got, unverified)
+	}
+}
+
+// Where the key ledger knows no check value for a local key (here: no ledger at all),
+// a configuration key of the same name proves nothing: the bucket is reported as "no
+// check value known", never as readable, and never matched by name.
+func TestNoCheckValueKnownIsNotAMatchByName(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	ctx := context.Background()
+	for k, v := range map[string]string{
+		"/registry/secrets/default/a":    "k8s:enc:aesgcm:v1:key1:ciphertext-a",
+		"/registry/secrets/default/b":    "k8s:enc:secretbox:v1:box:ciphertext-b",
+		"/registry/configmaps/default/c": "plaintext",
+	} {
+		if _, err := cli.Put(ctx, k, v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	path, _ := takeSnapshot(t, cli, "no-ledger.db")
+	rep, err := Inventory(ctx, path, Options{Layout: storagelayout.Kube("/registry"), CoordinationPrefix: "/rekey", Read: readOpts()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Ledger != nil || len(rep.Resources) != 2 {
+		t.Fatalf("report = %+v, want configmaps and secrets, no ledger", rep)
+	}
+	cm, sec := rep.Resources[0], rep.Resources[1]
+	if b := cm.Buckets[0]; b.NoCheckValue {
+		t.Fatalf("plaintext bucket %+v marked: identity needs no key", b)
+	}
+	if len(sec.Buckets) != 2 || !sec.Buckets[0].NoCheckValue || !sec.Buckets[1].NoCheckValue || !strings.Contains(sec.Buckets[0].String(), "no check value known") {
+		t.Fatalf("secrets buckets = %+v, want both local keys marked no check value known", sec.Buckets)
+	}
+	cfg := aesgcmConfig(t, map[string][]byte{"key1": secret1}, "key1")
+	unreadable, unverified := Check(rep, cfg)
+	if len(unverified) != 1 || unverified[0].Bucket.Key != "key1" || !strings.Contains(unverified[0].String(), "no check value known") {
+		t.Fatalf("unverified = %v, want aesgcm key1 (named in the configuration) with no check value known", unverified)
+	}
+	if len(unreadable) != 1 || unreadable[0].Bucket.Provider != "secretbox" || !strings.Contains(unreadable[0].Reason, "no such key") {
+		t.Fatalf("unreadable = %v, want the secretbox key the configuration lacks", unreadable)
 	}
 }
