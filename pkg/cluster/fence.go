@@ -43,6 +43,15 @@ type fence struct {
 	holds   map[string]Hold // by resource
 	// gate, when set, must also agree before a key is promoted (SetPromotionGate).
 	gate promotionGate
+	// The resynchronisation after a lost lease or a pause (fence_resync.go): ttl is the
+	// member lease (0: pauses are not looked for), viewRev the revision of the latest
+	// view, selfListed whether it shows this apiserver's record, losses how many losses
+	// were stepped in, resync the hold of every write while one is not over (nil: none).
+	ttl        time.Duration
+	viewRev    int64
+	selfListed bool
+	losses     int
+	resync     *resync
 }
 
 // Hold is a configured write key held back.
@@ -75,6 +84,9 @@ type fenceEvent interface{ fenceEvent() }
 type membersChanged struct {
 	Members []MemberState
 	Unknown []UnknownMember
+	// Rev is the etcd revision the view is at (0: not known; the machines that do not
+	// resynchronise ignore it).
+	Rev int64
 }
 
 // tick advances the fence's clock.
@@ -104,10 +116,14 @@ func (f *fence) Step(ev fenceEvent) {
 		for i, m := range f.live {
 			f.members[m.APIServerID] = i
 		}
+		f.viewStepped(e)
 	case tick:
+		f.checkPause(e.Now)
 		if e.Now.After(f.now) {
 			f.now = e.Now
 		}
+	case leaseLost, recordPut:
+		f.stepResync(e)
 	}
 }
 
@@ -116,6 +132,9 @@ func (f *fence) Step(ev fenceEvent) {
 // entry each rule writes with, or that it refuses writes. It records the holds. This
 // is the reload.Options.WriteFence contract.
 func (f *fence) Writers(current, next []transformers.RuleInfo) map[string]transformers.Writer {
+	if f.resync != nil {
+		return f.resyncWriters(next)
+	}
 	out := map[string]transformers.Writer{}
 	holds := map[string]Hold{}
 	for _, n := range next {
@@ -302,9 +321,10 @@ func keyIDWaitingFor(members []MemberState, self, name, keyIDHash string) []stri
 
 // MayWriteKeyID is the key-id fence's answer for this apiserver's KMS provider name: it
 // may write under keyIDHash once no other live member's plugin is waiting for it.
-// Before the first member list it stays closed.
+// Before the first member list, and while writes are held to resynchronise, it stays
+// closed.
 func (f *fence) MayWriteKeyID(name, keyIDHash string) bool {
-	return f.synced && len(f.unknown) == 0 && len(keyIDWaitingFor(f.others(), f.self, name, keyIDHash)) == 0
+	return f.synced && f.resync == nil && len(f.unknown) == 0 && len(keyIDWaitingFor(f.others(), f.self, name, keyIDHash)) == 0
 }
 
 // KeyIDHolds describes the key ids self (this apiserver's state) holds back as Holds:

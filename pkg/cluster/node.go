@@ -118,6 +118,11 @@ type Node struct {
 	edges nodeEvents
 
 	notify chan struct{}
+	// resyncChanged asks the loop to apply the fence again and, while the fence waits
+	// for this apiserver's record, to publish it: a loss was detected, or the
+	// resynchronisation ended, outside the loop (see fence_resync.go).
+	resyncChanged chan struct{}
+
 	cancel context.CancelFunc
 	done   chan struct{}
 }
@@ -167,13 +172,15 @@ func New(opts Options) (*Node, error) {
 	return &Node{
 		opts:      opts,
 		log:       log,
-		view:      newView(opts.Client, opts.Prefix, log),
+		view:      newView(opts.Client, opts.Prefix, log, opts.Clock, opts.LeaseTTL),
 		pub:       newPublisher(opts.Client, MemberKey(opts.Prefix, opts.ID), opts.LeaseTTL, log),
 		fence:     fence,
 		handshake: handshake,
 		alarm:     newDisagreementAlarm(opts.DisagreementAlarm, opts.Clock.Now()),
 		keyWrites: newKeyWritesFlusher(opts.Client, opts.Prefix),
 		notify:    make(chan struct{}, 1),
+		// A loss or the end of a resynchronisation, noticed outside the loop.
+		resyncChanged: make(chan struct{}, 1),
 	}, nil
 }
 
@@ -216,6 +223,8 @@ func (n *Node) Start(ctx context.Context) error {
 	}
 	n.mu.Lock()
 	n.fence.Step(n.viewEvent())
+	// From now on a tick more than a lease TTL after the previous one is a pause.
+	n.fence.SetLeaseTTL(n.opts.LeaseTTL, n.opts.Clock.Now())
 	n.mu.Unlock()
 	runCtx, stop := context.WithCancel(context.Background())
 	n.cancel, n.done = stop, make(chan struct{})
@@ -224,6 +233,8 @@ func (n *Node) Start(ctx context.Context) error {
 		var wg sync.WaitGroup
 		wg.Add(1)
 		go func() { defer wg.Done(); n.view.Run(runCtx) }()
+		wg.Add(1)
+		go func() { defer wg.Done(); n.watchPauses(runCtx) }()
 		n.run(runCtx)
 		wg.Wait()
 	}()
@@ -235,10 +246,11 @@ func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]tran
 	ev := n.viewEvent()
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	n.fence.Step(tick{Now: n.opts.Clock.Now()})
+	n.stepClockLocked(n.opts.Clock.Now())
 	// Decide with the members the watch has delivered, not the ones the node's loop
 	// has fed the fence so far: a member that just appeared must not miss a promotion.
-	n.fence.Step(ev)
+	n.stepViewLocked(ev)
+	resyncing, _, _ := n.fence.Resync()
 	before := map[string]Hold{}
 	for _, h := range n.fence.Holds() {
 		before[h.Resource] = h
@@ -250,7 +262,11 @@ func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]tran
 			continue
 		}
 		if h.Refused != "" {
-			n.log.Info("Write fence refuses writes: no other live apiserver could read them", "resource", h.Resource, "reason", h.Refused)
+			msg := "Write fence refuses writes: no other live apiserver could read them"
+			if resyncing {
+				msg = resyncHoldMessage
+			}
+			n.log.Info(msg, "resource", h.Resource, "reason", h.Refused)
 			n.opts.Events.Event(events.Warning, events.ReasonWritesRefused, fmt.Sprintf("%s: the write fence refuses writes: %s", h.Resource, h.Refused))
 			continue
 		}
@@ -283,7 +299,7 @@ func (n *Node) MayWriteKeyID(provider, keyIDHash string) bool {
 	ev := n.viewEvent()
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	n.fence.Step(ev)
+	n.stepViewLocked(ev)
 	return n.fence.MayWriteKeyID(provider, keyIDHash)
 }
 
@@ -318,10 +334,10 @@ func (n *Node) run(ctx context.Context) {
 		case <-n.notify:
 			n.publish(ctx, false)
 		case <-n.pub.Lost():
-			n.mu.Lock()
-			n.handshake.RecordLost()
-			n.mu.Unlock()
-			n.publish(ctx, true)
+			n.lose(leaseLost{At: n.opts.Clock.Now()})
+			n.resync(ctx)
+		case <-n.resyncChanged:
+			n.resync(ctx)
 		case <-changed:
 			changed = n.view.Changed()
 			n.membersChanged(ctx)
@@ -334,7 +350,7 @@ func (n *Node) run(ctx context.Context) {
 // membersChanged feeds the fence and lets the agent promote (or hold) write keys.
 func (n *Node) membersChanged(ctx context.Context) {
 	n.mu.Lock()
-	n.fence.Step(n.viewEvent())
+	n.stepViewLocked(n.viewEvent())
 	agent := n.agent
 	n.mu.Unlock()
 	if agent != nil {
@@ -375,11 +391,16 @@ func (n *Node) confirmPromotions(ctx context.Context) {
 func (n *Node) tick(ctx context.Context) {
 	now := n.opts.Clock.Now()
 	n.mu.Lock()
-	n.fence.Step(tick{Now: now})
+	started := n.stepClockLocked(now)
 	agent, due := n.agent, now.Sub(n.lastPublish) >= n.opts.RefreshInterval
+	awaitsPut := n.fence.AwaitsPut()
 	n.mu.Unlock()
 	if agent == nil {
 		return
+	}
+	if started || awaitsPut {
+		// Hold the writes now, and publish until the record is back.
+		n.resync(ctx)
 	}
 	// The cheap fallback for changes no hook reported (e.g. a KMS key id seen by a
 	// read-only provider): compare the state we would publish with the published one.
@@ -435,7 +456,10 @@ func (n *Node) publishNow(ctx context.Context, force bool) error {
 	}
 	pctx, cancel := context.WithTimeout(ctx, etcdTimeout)
 	defer cancel()
-	err := n.pub.Publish(pctx, st)
+	n.mu.Lock()
+	losses := n.fence.Losses() // before the Put: a loss after it voids it
+	n.mu.Unlock()
+	rev, err := n.pub.Publish(pctx, st)
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if err != nil {
@@ -450,6 +474,7 @@ func (n *Node) publishNow(ctx context.Context, force bool) error {
 	}
 	n.publishErr, n.published, n.lastPublish, n.publishFailingSince = "", st, now, time.Time{}
 	n.handshake.Published(st)
+	n.stepViewLocked(recordPut{Rev: rev, Losses: losses})
 	return nil
 }
 
@@ -540,9 +565,10 @@ func (n *Node) Holds() []Hold {
 }
 
 // viewEvent is what the watch has delivered, as the fence's event: the live members of
-// this cluster and the unknown records apart.
+// this cluster and the unknown records apart, at the view's revision.
 func (n *Node) viewEvent() membersChanged {
-	return membersChanged{Members: n.view.Members(), Unknown: n.view.Unknown()}
+	members, unknown, rev := n.view.snapshot()
+	return membersChanged{Members: members, Unknown: unknown, Rev: rev}
 }
 
 // ownClusterID is the cluster identity Start read or created.
@@ -550,4 +576,124 @@ func (n *Node) ownClusterID() string {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	return n.clusterID
+}
+
+// The resynchronisation after a lost lease or a pause (fence_resync.go): the Node steps
+// the losses, its record's Puts, the views and the ticks into the fence, applies the
+// fence again when a resynchronisation starts or ends, and publishes its record until
+// it is back. Readiness fails meanwhile (clusterViewFailure).
+
+// resyncHoldMessage is the log line of every write the fence holds to resynchronise.
+const resyncHoldMessage = "Holding every write until this apiserver is back in the cluster's view"
+
+// watchPauses steps the fence's clock every tickInterval on a goroutine that never
+// waits on etcd, so that a pause longer than the lease TTL is noticed as soon as the
+// process runs again, even while the loop waits on etcd, and the writes are held at
+// once.
+func (n *Node) watchPauses(ctx context.Context) {
+	t := n.opts.Clock.NewTicker(tickInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C():
+		}
+		n.mu.Lock()
+		lost := n.stepClockLocked(n.opts.Clock.Now())
+		agent := n.agent
+		n.mu.Unlock()
+		if lost && agent != nil {
+			if err := agent.Refence(); err != nil {
+				n.log.Error(err, "Could not apply the write fence's decision")
+			}
+		}
+	}
+}
+
+// stepClockLocked steps the fence's clock (n.mu held) and reports whether that was a
+// loss: a pause longer than the lease TTL.
+func (n *Node) stepClockLocked(now time.Time) bool {
+	before := n.fence.Losses()
+	n.fence.Step(tick{Now: now})
+	if n.fence.Losses() == before {
+		return false
+	}
+	n.lostLocked()
+	return true
+}
+
+// lose steps a lost lease into the fence.
+func (n *Node) lose(ev leaseLost) {
+	n.mu.Lock()
+	n.fence.Step(ev)
+	n.lostLocked()
+	n.mu.Unlock()
+}
+
+// lostLocked follows a loss (n.mu held): confirmations of promotions are withdrawn
+// (while this apiserver had no record, a member dropping a key could read the members
+// without seeing it), and the loop is asked to hold the writes and publish.
+func (n *Node) lostLocked() {
+	n.handshake.RecordLost()
+	_, _, why := n.fence.Resync()
+	n.log.Info(resyncHoldMessage, "reason", why)
+	n.signalResync()
+}
+
+// stepViewLocked steps a view or a Put of this apiserver's record into the fence (n.mu
+// held) and, when that ends a resynchronisation, says so and asks the loop to apply the
+// fence again.
+func (n *Node) stepViewLocked(ev fenceEvent) {
+	held, since, _ := n.fence.Resync()
+	n.fence.Step(ev)
+	if still, _, _ := n.fence.Resync(); held && !still {
+		n.log.Info("Back in the cluster's view: this apiserver's record is published again and its view includes it; the write fence decides again",
+			"heldFor", n.opts.Clock.Since(since).Round(time.Millisecond), "viewRevision", n.fence.viewRev)
+		n.signalResync()
+	}
+}
+
+// signalResync asks the loop to resync; it never blocks.
+func (n *Node) signalResync() {
+	select {
+	case n.resyncChanged <- struct{}{}:
+	default:
+	}
+}
+
+// resync applies the fence again (holding or releasing every write) and, while the
+// fence waits for this apiserver's record, publishes it.
+func (n *Node) resync(ctx context.Context) {
+	n.mu.Lock()
+	agent, awaitsPut := n.agent, n.fence.AwaitsPut()
+	n.mu.Unlock()
+	if agent == nil {
+		return
+	}
+	if err := agent.Refence(); err != nil {
+		n.log.Error(err, "Could not apply the write fence's decision")
+	}
+	if awaitsPut {
+		n.publish(ctx, true)
+	}
+}
+
+// clusterViewFailure is why readiness fails while this apiserver cannot trust its
+// picture of the others: its view of the members was last known current more than a
+// lease TTL ago, or its fence holds every write to resynchronise.
+func (n *Node) clusterViewFailure() error {
+	now := n.opts.Clock.Now()
+	if fresh := n.view.FreshAt(); !fresh.IsZero() && now.Sub(fresh) > n.opts.LeaseTTL {
+		return fmt.Errorf("this apiserver's view of the live apiservers under %s was last known current %s ago, longer than its %s lease: the others may have changed keys since; "+
+			"waiting for the watch to catch up (check the connection to etcd)", MembersPrefix(n.opts.Prefix), now.Sub(fresh).Round(time.Millisecond), n.opts.LeaseTTL)
+	}
+	n.mu.Lock()
+	held, since, why := n.fence.Resync()
+	n.mu.Unlock()
+	if held {
+		return fmt.Errorf("this apiserver holds every write since %s: %s; waiting until its member record is published again and its view of the other apiservers includes it",
+			since.UTC().Format(time.RFC3339), why)
+	}
+	return nil
 }

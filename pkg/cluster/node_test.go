@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -22,6 +23,7 @@ import (
 	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/rekey-io/rekey/internal/etcdtest"
+	"github.com/rekey-io/rekey/pkg/events"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/reload"
 )
@@ -432,4 +434,127 @@ func storeSecrets(t *testing.T, cli *clientv3.Client, m *member, n int, nameForm
 			t.Fatal(err)
 		}
 	}
+}
+
+// eventLog is an events.Sink that keeps the messages.
+type eventLog struct {
+	mu   sync.Mutex
+	msgs []string
+}
+
+func (l *eventLog) Event(_ events.Kind, _, message string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.msgs = append(l.msgs, message)
+}
+
+func (l *eventLog) has(s string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.ContainsFunc(l.msgs, func(m string) bool { return strings.Contains(m, s) })
+}
+
+// memberRevision is the mod revision of id's record (0 when there is none).
+func memberRevision(t *testing.T, cli *clientv3.Client, id string) int64 {
+	t.Helper()
+	resp, err := cli.Get(context.Background(), MemberKey(DefaultPrefix, id))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Kvs) == 0 {
+		return 0
+	}
+	return resp.Kvs[0].ModRevision
+}
+
+// writes reports whether m's agent lets a secret be written now.
+func (m *member) writes() bool {
+	_, err := m.agent.TransformerForResource(secrets).TransformToStorage(context.Background(), []byte("x"), value.DefaultContext("/registry/secrets/ns/x"))
+	return err == nil
+}
+
+// TestPauseLongerThanTheLeaseHoldsWrites: when the injected clock steps past the lease
+// TTL (a paused process or VM), the node holds every write, publishes its record again,
+// and lets writes through once its view includes that record.
+func TestPauseLongerThanTheLeaseHoldsWrites(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	clk := testingclock.NewFakeClock(epoch)
+	rec := &eventLog{}
+	a := startMember(t, cli, "a", secretsConfig("k1"), func(o *Options) { o.Clock, o.Events = clk, rec })
+	eventually(t, "a ready", func() bool { return a.node.ReadyzCheck().Check(nil) == nil && a.writes() })
+	before := memberRevision(t, cli, "a")
+
+	clk.Step(3 * time.Second) // the lease is 2 s
+	eventually(t, "writes held, naming the pause", func() bool {
+		return rec.has("writes of secrets are held: this apiserver did not run for 3s, longer than its 2s member lease")
+	})
+	eventually(t, "writes resume once the record is back in the view", func() bool {
+		return a.writes() && a.node.ReadyzCheck().Check(nil) == nil
+	})
+	if after := memberRevision(t, cli, "a"); after <= before {
+		t.Fatalf("the record was not published again after the pause (mod revision %d, before %d)", after, before)
+	}
+	if held, _, _ := a.node.fence.Resync(); held {
+		t.Fatal("the fence still resynchronises")
+	}
+}
+
+// TestLostLeaseHoldsWrites: when the member lease ends (here: revoked behind the
+// node's back), the node holds every write until its record is back in its view, under
+// a new lease.
+func TestLostLeaseHoldsWrites(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	rec := &eventLog{}
+	a := startMember(t, cli, "a", secretsConfig("k1"), func(o *Options) { o.Events = rec })
+	leaseOf := func() clientv3.LeaseID {
+		a.node.pub.mu.Lock()
+		defer a.node.pub.mu.Unlock()
+		if a.node.pub.session == nil {
+			return clientv3.NoLease
+		}
+		return a.node.pub.session.Lease()
+	}
+	eventually(t, "a ready and published", func() bool {
+		return a.node.ReadyzCheck().Check(nil) == nil && a.writes() && leaseOf() != clientv3.NoLease
+	})
+	lease := leaseOf()
+
+	if _, err := cli.Revoke(context.Background(), lease); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "writes held, naming the lost lease", func() bool {
+		return rec.has("writes of secrets are held: its member lease ended")
+	})
+	eventually(t, "writes resume once the record is back in the view, under a new lease", func() bool {
+		l := leaseOf()
+		return a.writes() && a.node.ReadyzCheck().Check(nil) == nil && memberRevision(t, cli, "a") != 0 && l != clientv3.NoLease && l != lease
+	})
+}
+
+// TestReadinessFailsWhileTheViewIsOlderThanTheLease: a node whose watch has confirmed
+// nothing for longer than the lease TTL is not ready, saying how old its view is; the
+// progress it asks an idle watch for makes it current, and ready, again.
+func TestReadinessFailsWhileTheViewIsOlderThanTheLease(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	clk := testingclock.NewFakeClock(epoch)
+	a := startMember(t, cli, "a", secretsConfig("k1"), func(o *Options) { o.Clock = clk })
+	eventually(t, "a ready, its record in its view", func() bool {
+		return a.node.ReadyzCheck().Check(nil) == nil && memberIDs(a.node.view) == "a"
+	})
+
+	// Nothing changes, and the watch has said nothing for 2.5 s.
+	a.node.view.mu.Lock()
+	a.node.view.freshAt = clk.Now().Add(-2500 * time.Millisecond)
+	a.node.view.mu.Unlock()
+	err := a.node.ReadyzCheck().Check(nil)
+	for _, want := range []string{"view of the live apiservers under /rekey/members/ was last known current 2.5s ago, longer than its 2s lease", "waiting for the watch to catch up"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Fatalf("readiness with a view older than the lease: %v; want %q", err, want)
+		}
+	}
+	clk.Step(a.node.view.progressEvery) // the view asks the idle watch for progress
+	eventually(t, "ready once the watch confirmed the view", func() bool { return a.node.ReadyzCheck().Check(nil) == nil })
 }

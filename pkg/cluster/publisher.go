@@ -46,26 +46,28 @@ func newPublisher(cli *clientv3.Client, key string, ttl time.Duration, log klog.
 // Lost is signalled when the lease ended; publish again.
 func (p *publisher) Lost() <-chan struct{} { return p.lost }
 
-// Publish writes st under the session's lease, opening a session first if needed.
-func (p *publisher) Publish(ctx context.Context, st MemberState) error {
+// Publish writes st under the session's lease, opening a session first if needed, and
+// returns the revision of the Put.
+func (p *publisher) Publish(ctx context.Context, st MemberState) (int64, error) {
 	data, sent, err := encodeRecord(st, MaxMemberRecordBytes)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	p.noteReduced(sent.Reduced, len(data))
 	s, err := p.ensureSession(ctx)
 	if err != nil {
-		return err
+		return 0, err
 	}
-	if _, err := p.cli.Put(ctx, p.key, string(data), clientv3.WithLease(s.Lease())); err != nil {
+	resp, err := p.cli.Put(ctx, p.key, string(data), clientv3.WithLease(s.Lease()))
+	if err != nil {
 		p.mu.Lock()
 		if p.session == s {
 			p.dropLocked() // e.g. the lease expired while etcd was unreachable
 		}
 		p.mu.Unlock()
-		return fmt.Errorf("publishing member state at %s: %w", p.key, err)
+		return 0, fmt.Errorf("publishing member state at %s: %w", p.key, err)
 	}
-	return nil
+	return resp.Header.Revision, nil
 }
 
 // noteReduced logs when the published record starts or stops being reduced.

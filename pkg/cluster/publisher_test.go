@@ -35,7 +35,7 @@ func TestPublisherOpensANewSessionWhenTheLeaseEnds(t *testing.T) {
 		return resp
 	}
 
-	if err := pub.Publish(ctx, st); err != nil {
+	if _, err := pub.Publish(ctx, st); err != nil {
 		t.Fatal(err)
 	}
 	first := record()
@@ -59,7 +59,7 @@ func TestPublisherOpensANewSessionWhenTheLeaseEnds(t *testing.T) {
 	if n := len(record().Kvs); n != 0 {
 		t.Fatalf("%d member records after the lease ended; want none", n)
 	}
-	if err := pub.Publish(ctx, st); err != nil {
+	if _, err := pub.Publish(ctx, st); err != nil {
 		t.Fatal(err)
 	}
 	second := record()
@@ -83,11 +83,11 @@ func TestPublisherGrantBoundedByTheCallersContext(t *testing.T) {
 	pub := newPublisher(cli, MemberKey(DefaultPrefix, "a"), 2*time.Second, ktesting.NewLogger(t, ktesting.NewConfig()))
 	ended, cancel := context.WithCancel(context.Background())
 	cancel()
-	if err := pub.Publish(ended, MemberState{APIServerID: "a"}); err == nil {
+	if _, err := pub.Publish(ended, MemberState{APIServerID: "a"}); err == nil {
 		t.Fatal("a publish with an ended context succeeded")
 	}
 	pctx, pcancel := context.WithTimeout(context.Background(), etcdTimeout)
-	err := pub.Publish(pctx, MemberState{APIServerID: "a"})
+	_, err := pub.Publish(pctx, MemberState{APIServerID: "a"})
 	pcancel() // the publish's context ends; the session must not
 	if err != nil {
 		t.Fatal(err)

@@ -40,6 +40,9 @@ func (n *Node) ReadyzCheck() healthz.HealthChecker {
 		if err := n.publishFailure(); err != nil {
 			return err
 		}
+		if err := n.clusterViewFailure(); err != nil { // a stale view, or writes held to resynchronise
+			return err
+		}
 		if n.opts.Inventory != nil && n.opts.Inventory.Latest() == nil {
 			return fmt.Errorf("no inventory of the stored objects yet, so it is not known whether this apiserver's encryption configuration can read them; waiting for the first one")
 		}

@@ -11,15 +11,25 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/klog/v2"
+	"k8s.io/utils/clock"
 )
 
 // view is the live member set: a list of <prefix>/members/ followed by a watch from
 // the listed revision. A member whose lease expired is deleted by etcd and drops out.
 // Records that are not live members of this cluster are kept apart (Unknown).
+//
+// The view knows the revision it shows and when it last knew that revision current
+// (FreshAt: a list, or a watch response). An idle watch delivers nothing, so the view
+// asks etcd for a progress notification every progressEvery: a healthy view is never
+// older than that, and one older than a lease TTL (etcd unreachable, the process or its
+// VM paused) may miss what the others did meanwhile.
 type view struct {
 	cli    *clientv3.Client
 	prefix string
 	log    klog.Logger
+	clock  clock.WithTicker
+	// progressEvery is how often an idle watch is asked to confirm its revision.
+	progressEvery time.Duration
 
 	mu        sync.Mutex
 	clusterID string
@@ -27,13 +37,16 @@ type view struct {
 	// unknown are the records that are not members of this cluster, by apiserver id.
 	unknown map[string]UnknownMember
 	rev     int64
+	freshAt time.Time // when rev was last known current
 	loaded  bool
 	changed chan struct{} // closed and replaced on every change
 }
 
-// newView returns a view of the members under prefix; call Load, then Run.
-func newView(cli *clientv3.Client, prefix string, log klog.Logger) *view {
-	return &view{cli: cli, prefix: prefix, log: log, members: map[string]MemberState{}, unknown: map[string]UnknownMember{}, changed: make(chan struct{})}
+// newView returns a view of the members under prefix, on clk, whose idle watch is
+// asked for progress three times per lease TTL; call Load, then Run.
+func newView(cli *clientv3.Client, prefix string, log klog.Logger, clk clock.WithTicker, ttl time.Duration) *view {
+	return &view{cli: cli, prefix: prefix, log: log, clock: clk, progressEvery: max(ttl/3, 100*time.Millisecond),
+		members: map[string]MemberState{}, unknown: map[string]UnknownMember{}, changed: make(chan struct{})}
 }
 
 // bindCluster makes records of other clusters unknown members; call it before Load.
@@ -55,7 +68,7 @@ func (v *view) Load(ctx context.Context) error {
 	for _, kv := range resp.Kvs {
 		v.putLocked(kv)
 	}
-	v.rev, v.loaded = resp.Header.Revision, true
+	v.rev, v.loaded, v.freshAt = resp.Header.Revision, true, v.clock.Now()
 	v.notifyLocked()
 	return nil
 }
@@ -90,25 +103,7 @@ func (v *view) Run(ctx context.Context) {
 		v.mu.Unlock()
 		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 		ch := v.cli.Watch(wctx, MembersPrefix(v.prefix), clientv3.WithPrefix(), clientv3.WithRev(rev+1), clientv3.WithPrevKV())
-		for resp := range ch {
-			if err := resp.Err(); err != nil {
-				v.log.V(2).Info("Member watch ended; listing again", "err", err)
-				break
-			}
-			v.mu.Lock()
-			for _, ev := range resp.Events {
-				if ev.Type == clientv3.EventTypeDelete {
-					id := strings.TrimPrefix(string(ev.Kv.Key), MembersPrefix(v.prefix))
-					delete(v.members, id)
-					delete(v.unknown, id)
-					continue
-				}
-				v.putLocked(ev.Kv)
-			}
-			v.rev = resp.Header.Revision
-			v.notifyLocked()
-			v.mu.Unlock()
-		}
+		v.follow(wctx, ch)
 		cancel()
 		for ctx.Err() == nil {
 			lctx, lcancel := context.WithTimeout(ctx, 5*time.Second)
@@ -125,10 +120,74 @@ func (v *view) Run(ctx context.Context) {
 	}
 }
 
+// follow applies the watch's responses until it ends, asking for a progress
+// notification every progressEvery (on the watch's own stream: the same context
+// metadata). A response confirms the view current at its revision; only one with
+// events is a change.
+func (v *view) follow(wctx context.Context, ch clientv3.WatchChan) {
+	progress := v.clock.NewTicker(v.progressEvery)
+	defer progress.Stop()
+	for {
+		select {
+		case <-progress.C():
+			if err := v.cli.RequestProgress(wctx); err != nil && wctx.Err() == nil {
+				v.log.V(2).Info("Cannot ask the member watch for progress", "err", err)
+			}
+		case resp, ok := <-ch:
+			if !ok {
+				return
+			}
+			if err := resp.Err(); err != nil {
+				v.log.V(2).Info("Member watch ended; listing again", "err", err)
+				return
+			}
+			v.apply(resp)
+		}
+	}
+}
+
+// apply files one watch response.
+func (v *view) apply(resp clientv3.WatchResponse) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for _, ev := range resp.Events {
+		if ev.Type == clientv3.EventTypeDelete {
+			id := strings.TrimPrefix(string(ev.Kv.Key), MembersPrefix(v.prefix))
+			delete(v.members, id)
+			delete(v.unknown, id)
+			continue
+		}
+		v.putLocked(ev.Kv)
+	}
+	v.rev, v.freshAt = max(v.rev, resp.Header.Revision), v.clock.Now()
+	if len(resp.Events) > 0 {
+		v.notifyLocked()
+	}
+}
+
+// snapshot returns the live members sorted by id, the unknown records sorted by key
+// and the revision they are at, read together.
+func (v *view) snapshot() ([]MemberState, []UnknownMember, int64) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.membersLocked(), v.unknownLocked(), v.rev
+}
+
+// FreshAt is when the view was last known current (zero before the first list).
+func (v *view) FreshAt() time.Time {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.freshAt
+}
+
 // Members returns the live members sorted by id.
 func (v *view) Members() []MemberState {
 	v.mu.Lock()
 	defer v.mu.Unlock()
+	return v.membersLocked()
+}
+
+func (v *view) membersLocked() []MemberState {
 	out := make([]MemberState, 0, len(v.members))
 	for _, m := range v.members {
 		out = append(out, m)
@@ -142,6 +201,10 @@ func (v *view) Members() []MemberState {
 func (v *view) Unknown() []UnknownMember {
 	v.mu.Lock()
 	defer v.mu.Unlock()
+	return v.unknownLocked()
+}
+
+func (v *view) unknownLocked() []UnknownMember {
 	out := slices.Collect(maps.Values(v.unknown))
 	slices.SortFunc(out, func(a, b UnknownMember) int { return strings.Compare(a.Key, b.Key) })
 	return out
