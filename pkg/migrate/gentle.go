@@ -16,6 +16,8 @@ import (
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"golang.org/x/time/rate"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
@@ -247,7 +249,17 @@ func (g *gentle) state() (PauseState, float64, string) {
 // txn commits the transaction build makes, writing objects objects of bytes bytes,
 // once etcd has room for it and the rate allows it. A write etcd refuses for lack of
 // space pauses the migration and is tried again when there is room.
-func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func() clientv3.Txn) (*clientv3.TxnResponse, error) {
+//
+// etcd being briefly unavailable is not the migration's failure: while a member is
+// lost (its connection reset, a new leader elected) a transaction fails with
+// Unavailable, "leader changed" or etcd's own 7 s request timeout. Each attempt gets
+// etcdAttemptTimeout, and an attempt that failed so is tried again, for up to
+// etcdRetryFor, without counting as congestion. The compare-and-swap makes that safe:
+// an attempt etcd applied after all makes the next one a conflict, which the caller
+// handles as any conflict.
+func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func(context.Context) clientv3.Txn) (*clientv3.TxnResponse, error) {
+	var unavailableSince time.Time
+	backoff := etcdRetryBackoff
 	for {
 		if err := g.admit(ctx, bytes); err != nil {
 			return nil, err
@@ -256,10 +268,25 @@ func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func()
 			return nil, err
 		}
 		start := g.clock.Now()
-		resp, err := build().Commit()
+		attempt, cancel := context.WithTimeout(ctx, etcdAttemptTimeout)
+		resp, err := build(attempt).Commit()
+		cancel()
 		// The transaction's latency ends here: waiting for the lock below is the
 		// other workers' business, not etcd's.
 		latency := g.clock.Since(start)
+		if err != nil && ctx.Err() == nil && etcdUnavailable(err) {
+			if unavailableSince.IsZero() {
+				unavailableSince = start
+			}
+			if g.clock.Since(unavailableSince) < etcdRetryFor {
+				g.log.V(2).Info("etcd did not answer a migration transaction; trying again", "err", err, "after", backoff)
+				if err := g.sleep(ctx, backoff); err != nil {
+					return nil, err
+				}
+				backoff = min(2*backoff, etcdRetryBackoffMax)
+				continue
+			}
+		}
 		noSpace := errors.Is(err, rpctypes.ErrNoSpace)
 		g.mu.Lock()
 		now := g.clock.Now()
@@ -291,6 +318,43 @@ func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func()
 			return resp, err
 		}
 	}
+}
+
+// etcdAttemptTimeout bounds one attempt of a migration transaction: a batch commits in
+// milliseconds, and an attempt sent to a member that went down or caught in a leader
+// election would otherwise wait for etcd's 7 s request timeout.
+const etcdAttemptTimeout = 3 * time.Second
+
+// etcdRetryFor is how long a transaction is tried again while etcd is unavailable; past
+// it the migration fails and the controller retries it (from its checkpoint).
+const etcdRetryFor = 30 * time.Second
+
+// etcdRetryBackoff and etcdRetryBackoffMax space the attempts.
+const (
+	etcdRetryBackoff    = 100 * time.Millisecond
+	etcdRetryBackoffMax = 2 * time.Second
+)
+
+// etcdUnavailable reports the failures of a transaction that say etcd could not answer
+// it then (a member lost, a leader election, an attempt's deadline), not that it is
+// wrong or that etcd refused it.
+func etcdUnavailable(err error) bool {
+	for _, e := range []error{rpctypes.ErrLeaderChanged, rpctypes.ErrNoLeader, rpctypes.ErrTimeout,
+		rpctypes.ErrTimeoutDueToLeaderFail, rpctypes.ErrTimeoutDueToConnectionLost, rpctypes.ErrTimeoutWaitAppliedIndex} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		return true
+	}
+	if s, ok := status.FromError(err); ok {
+		switch s.Code() {
+		case codes.Unavailable, codes.DeadlineExceeded:
+			return true
+		}
+	}
+	return false
 }
 
 // waitForTokens waits until l allows n events. A batch is sized from the burst when it

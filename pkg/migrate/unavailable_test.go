@@ -1,0 +1,71 @@
+package migrate
+
+import (
+	"context"
+	"errors"
+	"testing"
+
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"k8s.io/utils/clock"
+)
+
+// scriptedTxn fails Commit with the errors left in errs, one per attempt, then
+// succeeds; it records each attempt's context.
+type scriptedTxn struct {
+	errs     *[]error
+	attempts *[]context.Context
+	ctx      context.Context
+}
+
+func (s scriptedTxn) If(...clientv3.Cmp) clientv3.Txn  { return s }
+func (s scriptedTxn) Then(...clientv3.Op) clientv3.Txn { return s }
+func (s scriptedTxn) Else(...clientv3.Op) clientv3.Txn { return s }
+func (s scriptedTxn) Commit() (*clientv3.TxnResponse, error) {
+	*s.attempts = append(*s.attempts, s.ctx)
+	if len(*s.errs) > 0 {
+		err := (*s.errs)[0]
+		*s.errs = (*s.errs)[1:]
+		return nil, err
+	}
+	return &clientv3.TxnResponse{Succeeded: true}, nil
+}
+
+// While etcd elects a new leader or loses the member a transaction went to, the
+// transaction is tried again, each attempt under its own deadline, and the failures do
+// not slow the migration down as congestion would. A migration failed on the first
+// such error before, started over and crawled (a killed etcd leader made its migrate
+// stage ×3).
+func TestTxnTriesAgainWhileEtcdIsUnavailable(t *testing.T) {
+	cli := startEtcd(t)
+	g := newGentle(Options{Client: cli, Clock: clock.RealClock{}}, 8, testLogger(t), nil)
+	rateBefore := g.pacer.Rate()
+	errs := []error{rpctypes.ErrTimeoutDueToLeaderFail, rpctypes.ErrLeaderChanged, context.DeadlineExceeded}
+	var attempts []context.Context
+	resp, err := g.txn(t.Context(), 1, 100, func(ctx context.Context) clientv3.Txn {
+		return scriptedTxn{errs: &errs, attempts: &attempts, ctx: ctx}
+	})
+	if err != nil || resp == nil || !resp.Succeeded {
+		t.Fatalf("txn = %v, %v; want it to succeed on the fourth attempt", resp, err)
+	}
+	if len(attempts) != 4 {
+		t.Fatalf("%d attempts, want 4", len(attempts))
+	}
+	for i, ctx := range attempts {
+		if dl, ok := ctx.Deadline(); !ok || dl.IsZero() {
+			t.Errorf("attempt %d had no deadline of its own", i)
+		}
+	}
+	if g.pacer.errors != 0 || g.pacer.Rate() < rateBefore {
+		t.Errorf("unavailability counted as congestion: %d errors, rate %v → %v", g.pacer.errors, rateBefore, g.pacer.Rate())
+	}
+
+	// A refusal is not unavailability: it is returned at once.
+	refused := errors.New("etcdserver: permission denied")
+	errs, attempts = []error{refused}, nil
+	if _, err := g.txn(t.Context(), 1, 100, func(ctx context.Context) clientv3.Txn {
+		return scriptedTxn{errs: &errs, attempts: &attempts, ctx: ctx}
+	}); !errors.Is(err, refused) || len(attempts) != 1 {
+		t.Errorf("txn with a refusal = %v after %d attempts; want it returned after 1", err, len(attempts))
+	}
+}
