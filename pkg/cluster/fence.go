@@ -167,6 +167,11 @@ func (f *fence) Writers(current, next []transformers.RuleInfo) map[string]transf
 			// Writing would store data that no other live apiserver can read.
 			out[n.Resource] = transformers.Writer{Refuse: why}
 			h.Writing, h.Refused = Key{}, why
+		} else if why := f.downgrade(n, idx, current, h.WaitingFor); why != "" {
+			// Holding a key back must never turn encryption off: wait for the cluster
+			// instead, and tell clients to come back.
+			out[n.Resource] = transformers.Writer{Refuse: why, RetryAfter: downgradeRetryAfter}
+			h.Writing, h.Refused = Key{}, why
 		} else if len(h.WaitingFor) == 0 {
 			continue
 		} else {
@@ -215,6 +220,33 @@ func (f *fence) straggling(n transformers.RuleInfo, idx int) string {
 		n.Resource, strings.Join(parts, ", "), n.ReadKeys[idx])
 }
 
+// downgradeRetryAfter is the Retry-After of a write refused rather than written in
+// plaintext: the hold ends as soon as the cluster view shows the key readable.
+const downgradeRetryAfter = 2 * time.Second
+
+// downgrade says why rule n must refuse writes rather than write with its entry idx
+// while the configured key is held for waiting ("" when it may write): a hold falls
+// back only to a key the cluster was already writing with. identity is allowed only
+// where plaintext was being written before — by this apiserver (a first-time
+// encryption from [identity]) or by another live member; in a fresh cluster, or for a
+// lone member whose own record is not visible yet, falling back to identity would write
+// plaintext that nobody wrote before.
+func (f *fence) downgrade(n transformers.RuleInfo, idx int, current []transformers.RuleInfo, waitingFor []string) string {
+	if idx == 0 || n.ReadKeys[idx].Provider != transformers.ProviderIdentity || n.ReadKeys[0].Provider == transformers.ProviderIdentity {
+		return ""
+	}
+	if writesAlready(current, n.Resource, n.ReadKeys[idx]) {
+		return ""
+	}
+	for _, o := range f.others() {
+		if w, ok := o.writes(n.Resource); ok && w.Provider == transformers.ProviderIdentity {
+			return ""
+		}
+	}
+	return fmt.Sprintf("writes of %s are refused for now: the write fence holds %s back (waiting for %s), and the only entry every apiserver reads is identity, which no apiserver of this cluster writes with; writing plaintext would turn encryption off. Writes resume once every apiserver can read %s",
+		n.Resource, n.ReadKeys[0], strings.Join(waitingFor, ","), n.ReadKeys[0])
+}
+
 // writesAlready reports whether the rule for resource in current writes with k.
 func writesAlready(current []transformers.RuleInfo, resource string, k Key) bool {
 	for _, c := range current {
@@ -248,7 +280,8 @@ func (f *fence) fallback(n transformers.RuleInfo, current []transformers.RuleInf
 		return prev, false
 	}
 	for i, k := range n.ReadKeys[1:] {
-		if len(f.cannotRead(n.Resource, k)) == 0 {
+		// KMS v1 only reads: an entry of it cannot stand in for the held key.
+		if k.Provider != transformers.ProviderKMSv1 && len(f.cannotRead(n.Resource, k)) == 0 {
 			return i + 1, false
 		}
 	}

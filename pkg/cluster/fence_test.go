@@ -140,8 +140,8 @@ func TestFenceHoldsUntilEveryMemberReads(t *testing.T) {
 	f.Step(membersChanged{Members: []MemberState{b}})
 	current := []transformers.RuleInfo{{Resource: "secrets", ReadKeys: []Key{k1}}}
 	next := []transformers.RuleInfo{{Resource: "secrets", ReadKeys: []Key{k2, k1}}}
-	if got := fmt.Sprint(f.Writers(current, next), f.Holds()[0].WaitingFor); got != "map[secrets:{1 }] [b]" {
-		t.Errorf("b reads k1 only: writers and waiting = %s, want map[secrets:{1 }] [b] (k1 keeps writing, k2 waits for b)", got)
+	if got := fmt.Sprint(f.Writers(current, next), f.Holds()[0].WaitingFor); got != "map[secrets:{1  0s}] [b]" {
+		t.Errorf("b reads k1 only: writers and waiting = %s, want map[secrets:{1  0s}] [b] (k1 keeps writing, k2 waits for b)", got)
 	}
 
 	b.Resources[0].Read = []Key{k1, k2}
