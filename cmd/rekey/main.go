@@ -1,7 +1,7 @@
 // Command rekey is the operator CLI of the rekey encryption-at-rest layer.
 //
 //	rekey inventory    --etcd-servers URL --encryption-provider-config FILE [-o table|json] [--decrypt-check]
-//	rekey inventory    --snapshot FILE [--encryption-provider-config FILE] [--etcd-prefix /registry]
+//	rekey inventory    --snapshot FILE [--skip-hash-check] [--encryption-provider-config FILE] [--etcd-prefix /registry]
 //	rekey migrate      --etcd-servers URL --encryption-provider-config FILE [--rate N] [--checkpoint PATH] [--resume] [--progress auto|bar|plain|none]
 //	rekey check-config --etcd-servers URL --encryption-provider-config FILE --new FILE
 //	rekey status       --etcd-servers URL [--coordination-prefix /rekey] [-o table|json]
