@@ -169,12 +169,19 @@ type term struct {
 
 // lead is the election's OnStartedLeading: it runs until ctx ends (the session ended)
 // or a guarded write finds the leadership gone, and stops the running migration then.
+// Until it has read the stored state (or found none), it starts no migration and
+// publishes nothing (see loadRecords).
 func (m *Migrator) lead(ctx context.Context, guard []clientv3.Cmp) {
 	ctx, cancel := context.WithCancel(ctx)
-	t := m.newTerm(ctx, guard)
+	defer cancel()
 	m.log.Info("Elected storage migration leader", "apiserverID", m.opts.ID)
 	m.setLeading(true)
 	defer m.setLeading(false)
+	records, ok := m.loadRecords(ctx)
+	if !ok {
+		return
+	}
+	t := m.newTerm(ctx, guard, records)
 	defer func() { cancel(); t.awaitRunning() }()
 	ticker := m.opts.Clock.NewTicker(time.Second)
 	defer ticker.Stop()
@@ -211,13 +218,59 @@ func resourceNames(rs []migrate.Resource) []string {
 	return names
 }
 
-func (m *Migrator) newTerm(ctx context.Context, guard []clientv3.Cmp) *term {
-	l := newLeader(resourceNames(m.resources()), m.opts.Clock.Now())
-	st, err := m.readState(ctx)
-	if err != nil {
-		m.log.Error(err, "Cannot read the migration state; starting without records")
+// State reading: a newly elected leader that cannot read or decode the stored state
+// tries again after stateReadRetry, doubling up to stateReadRetryMax.
+const (
+	stateReadRetry    = 500 * time.Millisecond
+	stateReadRetryMax = 15 * time.Second
+)
+
+// loadRecords reads the stored migration state for a newly elected leader: its records
+// (none when no state is stored). The records are what the cluster knows of verified
+// migrations, and the leader's first publish replaces the stored state, so while the
+// state cannot be read (etcd fails) or does not decode, loadRecords retries with backoff
+// and never returns without it; ok is false when ctx ended first (the term is over).
+// Meanwhile the state counts as unknown (knownState: the guard refuses drops). A state
+// that does not decode is left as it is (it may be a newer rekey's, or repairable): the
+// error and an event say so and what an operator can do.
+func (m *Migrator) loadRecords(ctx context.Context) (records map[string]Record, ok bool) {
+	key := MigrationStateKey(m.opts.Prefix)
+	delay, warned := stateReadRetry, false
+	for {
+		st, rev, err := m.getState(ctx)
+		if err == nil {
+			return st.Records, true
+		}
+		if ctx.Err() != nil {
+			return nil, false
+		}
+		m.setStateUnknown(err)
+		if rev == 0 {
+			m.log.Error(err, "Cannot read the migration state; this migration leader starts no migration and publishes no state until it has read it, and retries (check that etcd answers)", "key", key, "retryIn", delay)
+		} else {
+			cause := err
+			if inner := errors.Unwrap(err); inner != nil {
+				cause = inner
+			}
+			msg := fmt.Sprintf("the stored migration state at %s does not decode (%s): the migration leader does not overwrite it and starts no migration until it decodes; "+
+				"restore it, or delete it (etcdctl del %s) to start from no records (every resource is then migrated and verified again)", key, errtext.Bounded(cause, errtext.MaxPublished), key)
+			m.log.Error(nil, "Storage migration held: "+msg, "retryIn", delay)
+			if !warned {
+				m.opts.Events.Event(events.Warning, events.ReasonMigrationFailed, "Storage migration held: "+msg)
+				warned = true
+			}
+		}
+		wait(ctx, m.opts.Clock, delay)
+		if ctx.Err() != nil {
+			return nil, false
+		}
+		delay = min(2*delay, stateReadRetryMax)
 	}
-	l.Step(recordsLoaded{Records: st.Records})
+}
+
+func (m *Migrator) newTerm(ctx context.Context, guard []clientv3.Cmp, records map[string]Record) *term {
+	l := newLeader(resourceNames(m.resources()), m.opts.Clock.Now())
+	l.Step(recordsLoaded{Records: records})
 	l.Step(leadership{Leading: true})
 	return &term{m: m, guard: guard, leader: l, results: make(chan migrationResult, 1),
 		state: &statePublisher{client: m.opts.Client, key: MigrationStateKey(m.opts.Prefix), guard: guard}}
