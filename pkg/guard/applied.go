@@ -158,13 +158,7 @@ func chainsOf(rules []AppliedRule) chains {
 		e := transformers.Entry[chainEntry]{Resources: r.Resources, Items: make([]chainEntry, 0, len(r.Keys))}
 		for _, k := range r.Keys {
 			ce := chainEntry{prefix: k.Prefix}
-			if k.Fingerprint != "" {
-				if b, err := hex.DecodeString(trimHashPrefix(k.Fingerprint)); err == nil && len(b) == len(ce.fp) {
-					copy(ce.fp[:], b)
-				} else {
-					ce.fp = [32]byte{0: 0xff, 31: 0xff}
-				}
-			}
+			ce.fp, _ = k.fingerprint()
 			e.Items = append(e.Items, ce)
 		}
 		entries = append(entries, e)
@@ -175,6 +169,45 @@ func chainsOf(rules []AppliedRule) chains {
 		cs.byGR[gr] = chain{entries: es}
 	}
 	return cs
+}
+
+// fingerprint is the entry's fingerprint as this version compares it, and false when
+// the entry has none (identity, KMS v2). A fingerprint that does not decode is one no
+// key has, so a damaged state errs on the side of refusing.
+//
+// A KMS v1 entry's fingerprint is recomputed from its Name and Endpoint with
+// transformers.KMSv1Fingerprint, which hashes the socket the endpoint dials, not its
+// spelling: states saved before that change hold the fingerprint of the endpoint as
+// written (kmsv1SpellingFingerprint), and a configuration spelling the same socket
+// otherwise (unix:/x for unix:///x) must still find its key. It is recomputed only when
+// the stored fingerprint is provably of that name and endpoint (either way of
+// computing it); without an endpoint, or with a fingerprint of something else, the
+// stored one stays and is compared strictly.
+func (k AppliedKey) fingerprint() ([32]byte, bool) {
+	if k.Fingerprint == "" {
+		return [32]byte{}, false
+	}
+	var fp [32]byte
+	b, err := hex.DecodeString(trimHashPrefix(k.Fingerprint))
+	if err != nil || len(b) != len(fp) {
+		return [32]byte{0: 0xff, 31: 0xff}, true
+	}
+	copy(fp[:], b)
+	if k.Provider == transformers.ProviderKMSv1 && k.Endpoint != "" {
+		current := transformers.KMSv1Fingerprint(k.Name, k.Endpoint)
+		if fp == current || fp == kmsv1SpellingFingerprint(k.Name, k.Endpoint) {
+			return current, true
+		}
+	}
+	return fp, true
+}
+
+// kmsv1SpellingFingerprint is transformers.KMSv1Fingerprint as rekey computed it before
+// KMS v1 check values followed the socket (commit ba3140f): of the endpoint as written.
+// It only recognises the fingerprints of applied states saved then; nothing computes
+// new ones with it.
+func kmsv1SpellingFingerprint(name, endpoint string) [32]byte {
+	return transformers.KeyFingerprint(transformers.KMSv1Prefix, []byte(name+"\x00"+endpoint))
 }
 
 func trimHashPrefix(s string) string {
