@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -122,6 +123,9 @@ type Node struct {
 	// for this apiserver's record, to publish it: a loss was detected, or the
 	// resynchronisation ended, outside the loop (see fence_resync.go).
 	resyncChanged chan struct{}
+	// ticked is when watchPauses last stepped the clock (nil before Start): WriteGate
+	// compares it with the clock on every write.
+	ticked atomic.Pointer[time.Time]
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -224,7 +228,9 @@ func (n *Node) Start(ctx context.Context) error {
 	n.mu.Lock()
 	n.fence.Step(n.viewEvent())
 	// From now on a tick more than a lease TTL after the previous one is a pause.
-	n.fence.SetLeaseTTL(n.opts.LeaseTTL, n.opts.Clock.Now())
+	now := n.opts.Clock.Now()
+	n.fence.SetLeaseTTL(n.opts.LeaseTTL, now)
+	n.ticked.Store(&now)
 	n.mu.Unlock()
 	runCtx, stop := context.WithCancel(context.Background())
 	n.cancel, n.done = stop, make(chan struct{})
@@ -599,16 +605,38 @@ func (n *Node) watchPauses(ctx context.Context) {
 			return
 		case <-t.C():
 		}
+		now := n.opts.Clock.Now()
 		n.mu.Lock()
-		lost := n.stepClockLocked(n.opts.Clock.Now())
+		lost := n.stepClockLocked(now)
 		agent := n.agent
 		n.mu.Unlock()
+		// Stored after the fence stepped: the gate opens only once the fence holds.
+		n.ticked.Store(&now)
 		if lost && agent != nil {
 			if err := agent.Refence(); err != nil {
 				n.log.Error(err, "Could not apply the write fence's decision")
 			}
 		}
 	}
+}
+
+// WriteGate is reload.Options.WriteGate: it refuses every write while the clock has run
+// more than a lease TTL past watchPauses' last step. After a pause (SIGSTOP, a VM
+// frozen) a request can be served before watchPauses runs again and the fence holds
+// the writes; this apiserver may have been dropped by the others meanwhile, and they
+// may have dropped its write key. The refusal ends at the next step (at most a
+// tickInterval), when the fence takes over.
+func (n *Node) WriteGate() error {
+	last := n.ticked.Load()
+	if last == nil {
+		return nil
+	}
+	if gap := n.opts.Clock.Since(*last); gap > n.opts.LeaseTTL {
+		return &transformers.WriteRefusedError{RetryAfter: tickInterval, Reason: fmt.Sprintf(
+			"writes are held: this apiserver did not run for %s, longer than its %s member lease (a paused process or VM, or a starved one); they resume once it has checked its place in the cluster again",
+			gap.Round(time.Millisecond), n.opts.LeaseTTL)}
+	}
+	return nil
 }
 
 // stepClockLocked steps the fence's clock (n.mu held) and reports whether that was a

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/base64"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -20,12 +21,14 @@ import (
 	"k8s.io/apiserver/pkg/storage/value"
 	"k8s.io/component-base/metrics"
 	"k8s.io/klog/v2/ktesting"
+	"k8s.io/utils/clock"
 	testingclock "k8s.io/utils/clock/testing"
 
 	"github.com/rekey-io/rekey/internal/etcdtest"
 	"github.com/rekey-io/rekey/pkg/events"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/reload"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 func TestMain(m *testing.M) {
@@ -90,7 +93,7 @@ func startMember(t *testing.T, cli *clientv3.Client, id, content string, mutate 
 	}
 	agent, err := reload.NewAgent(context.Background(), reload.Options{
 		Path: m.path, AutomaticReload: true, GracePeriod: time.Millisecond,
-		WriteFence: node.WriteFence, OnChange: node.Notify, Guard: node.Guard,
+		WriteFence: node.WriteFence, OnChange: node.Notify, Guard: node.Guard, WriteGate: node.WriteGate,
 		Logger: opts.Logger,
 	})
 	if err != nil {
@@ -499,6 +502,46 @@ func TestPauseLongerThanTheLeaseHoldsWrites(t *testing.T) {
 		t.Fatal("the fence still resynchronises")
 	}
 }
+
+// TestWriteGateHoldsWritesTheMomentAPausedProcessRuns: after a pause longer than the
+// lease, a write served before the node's clock goroutine ran again (the fence does not
+// know of the pause yet) is refused with 503 and Retry-After; the gate opens at that
+// goroutine's next step, when the fence has taken over (TestPauseLongerThanTheLease…).
+func TestWriteGateHoldsWritesTheMomentAPausedProcessRuns(t *testing.T) {
+	clk := testingclock.NewFakePassiveClock(epoch)
+	n := &Node{opts: Options{Clock: testingclock.NewFakeClock(epoch), LeaseTTL: 2 * time.Second}}
+	n.opts.Clock = passiveWithTicker{clk, n.opts.Clock}
+	if err := n.WriteGate(); err != nil {
+		t.Fatalf("WriteGate before Start = %v; want nil", err)
+	}
+	stepped := epoch
+	n.ticked.Store(&stepped)
+	clk.SetTime(epoch.Add(1900 * time.Millisecond))
+	if err := n.WriteGate(); err != nil {
+		t.Fatalf("WriteGate within the lease = %v; want nil", err)
+	}
+	clk.SetTime(epoch.Add(2500 * time.Millisecond)) // the process was stopped
+	var refused *transformers.WriteRefusedError
+	if err := n.WriteGate(); !errors.As(err, &refused) || refused.RetryAfter <= 0 ||
+		!strings.Contains(refused.Reason, "did not run for 2.5s, longer than its 2s member lease") {
+		t.Fatalf("WriteGate right after a pause = %v; want a refusal with Retry-After naming the pause", err)
+	}
+	stepped = clk.Now() // watchPauses ran: the fence holds from now on
+	n.ticked.Store(&stepped)
+	if err := n.WriteGate(); err != nil {
+		t.Fatalf("WriteGate after the clock goroutine stepped = %v; want nil (the fence decides)", err)
+	}
+}
+
+// passiveWithTicker reads the time from a passive fake clock (which fires nothing when
+// set) and hands out tickers of another.
+type passiveWithTicker struct {
+	*testingclock.FakePassiveClock
+	clock.WithTicker
+}
+
+func (p passiveWithTicker) Now() time.Time                  { return p.FakePassiveClock.Now() }
+func (p passiveWithTicker) Since(t time.Time) time.Duration { return p.FakePassiveClock.Since(t) }
 
 // TestLostLeaseHoldsWrites: when the member lease ends (here: revoked behind the
 // node's back), the node holds every write until its record is back in its view, under

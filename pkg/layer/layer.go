@@ -363,7 +363,7 @@ func (l *Layer) agentOptions(running *runningRules) reload.Options {
 			}
 			return node.Guard(current, next)
 		}
-		ropts.WriteFence, ropts.OnChange = node.WriteFence, node.Notify
+		ropts.WriteFence, ropts.OnChange, ropts.WriteGate = node.WriteFence, node.Notify, node.WriteGate
 		ropts.StatusExtras = func() map[string]any {
 			return map[string]any{StorageStatusKey: l.storageStatus(), ClusterStatusKey: node.Status()}
 		}

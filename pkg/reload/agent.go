@@ -127,6 +127,12 @@ type Options struct {
 	// a held key). It must not block and must not call back into the Agent. A cluster
 	// write fence (pkg/cluster) implements it; pkg/reload does not know about clusters.
 	WriteFence func(current, next []transformers.RuleInfo) map[string]transformers.Writer
+	// WriteGate, when set, is asked before every write; a non-nil error refuses the
+	// write with it (a *transformers.WriteRefusedError answers 503). It covers what a
+	// swapped Set cannot: the moment a paused process runs again, before any of its
+	// goroutines has noticed the pause and applied the fence again. It must be cheap and
+	// must not block (it runs on every write).
+	WriteGate func() error
 	// OnChange, when set, is called after every swap: an applied configuration, a
 	// promotion or hold by Refence. It runs on the swapping goroutine and must only
 	// signal (e.g. a non-blocking send), never call back into the Agent.

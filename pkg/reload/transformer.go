@@ -47,6 +47,11 @@ func (t *resourceTransformer) TransformFromStorage(ctx context.Context, data []b
 }
 
 func (t *resourceTransformer) TransformToStorage(ctx context.Context, data []byte, dataCtx value.Context) ([]byte, error) {
+	if gate := t.agent.opts.WriteGate; gate != nil {
+		if err := gate(); err != nil {
+			return nil, err
+		}
+	}
 	g := t.agent.acquire()
 	defer g.release()
 	return t.chain(g).TransformToStorage(ctx, data, dataCtx)
