@@ -190,11 +190,6 @@ func (m *Migrator) setStateUnknown(err error) {
 	m.mu.Unlock()
 }
 
-func (m *Migrator) readState(ctx context.Context) (MigrationState, error) {
-	st, _, err := m.getState(ctx)
-	return st, err
-}
-
 // getState reads the state and the revision it was read at (0 when the read failed);
 // no state is the zero one. A state that does not decode is an error with the
 // revision read.
@@ -224,7 +219,7 @@ func readMigrationStateAt(ctx context.Context, cli *clientv3.Client, prefix stri
 func decodeState(key string, data []byte) (MigrationState, error) {
 	var st MigrationState
 	if err := json.Unmarshal(data, &st); err != nil {
-		return MigrationState{}, fmt.Errorf("%s does not decode: %w (the elected migration leader rewrites it at least every 30 s)", key, err)
+		return MigrationState{}, fmt.Errorf("%s does not decode: %w (the elected migration leader does not overwrite a state it cannot decode: restore the key, or delete it with etcdctl del to have every resource migrated and verified again)", key, err)
 	}
 	return st, nil
 }
