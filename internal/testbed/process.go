@@ -139,6 +139,13 @@ func (p *Process) Kill() {
 	<-p.done
 }
 
+// Pause stops the process with SIGSTOP, as a frozen VM or a debugger would: it keeps
+// its sockets and leases but runs nothing until Resume.
+func (p *Process) Pause() error { return syscall.Kill(p.PID(), syscall.SIGSTOP) }
+
+// Resume continues a paused process (SIGCONT).
+func (p *Process) Resume() error { return syscall.Kill(p.PID(), syscall.SIGCONT) }
+
 // killGroup kills what the process started in its own process group (it leads the
 // group: Start sets Setpgid). ESRCH, an empty group, is the usual answer.
 func (p *Process) killGroup() { _ = syscall.Kill(-p.PID(), syscall.SIGKILL) }

@@ -224,6 +224,24 @@ type WritersConfig struct {
 	// ExcuseNotReady excuses a failed write on an endpoint that says it is not ready
 	// when asked right after the failure, as SamplerConfig.ExcuseNotReady does.
 	ExcuseNotReady bool
+	// ExcuseEtcdLeaderLoss excuses a write that etcd itself failed while it elected a
+	// new leader, or that was in flight to a member killed under it (a scenario that
+	// kills etcd members): any apiserver answers those with an error, and clients
+	// retry them.
+	ExcuseEtcdLeaderLoss bool
+}
+
+// etcdLeaderLoss reports etcd's own errors of a leader election in progress, or of a
+// request lost with the member it was sent to, as an apiserver passes them on.
+func etcdLeaderLoss(err error) bool {
+	for _, s := range []string{"etcdserver: leader changed", "etcdserver: no leader", "etcdserver: request timed out",
+		// A request in flight on the apiserver's connection to the member that went down.
+		"code = Unavailable desc = error reading from server"} {
+		if strings.Contains(err.Error(), s) {
+			return true
+		}
+	}
+	return false
 }
 
 // Writers update the workload's Secrets through every endpoint. Every object is
@@ -364,7 +382,8 @@ func (wr *Writers) update(ctx context.Context, c kubernetes.Interface, name stri
 
 func (wr *Writers) count(ep Endpoint, err error) {
 	// Asked before the lock: a readiness request must not stall the other writers.
-	excused := err != nil && (!ep.InRotation() || wr.cfg.ExcuseNotReady && notReadyNow(context.Background(), ep))
+	excused := err != nil && (!ep.InRotation() || wr.cfg.ExcuseEtcdLeaderLoss && etcdLeaderLoss(err) ||
+		wr.cfg.ExcuseNotReady && notReadyNow(context.Background(), ep))
 	wr.mu.Lock()
 	defer wr.mu.Unlock()
 	c := wr.perEP[ep.Name()]

@@ -24,10 +24,14 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/rekey-io/rekey/internal/testbed"
 )
@@ -101,8 +105,9 @@ type bedConfig struct {
 	defaultCoordination bool
 	// syncMode is the layout of the shims' config files (default the kubelet's).
 	syncMode testbed.SyncMode
-	// stopEtcdMember stops the last etcd member before the shims start.
-	stopEtcdMember bool
+	// etcdLeaderLoss excuses the writes etcd fails while it elects a new leader (the
+	// scenario stops etcd's leader).
+	etcdLeaderLoss bool
 	args           []string
 	minDelay       time.Duration
 	maxDelay       time.Duration // default 10 s
@@ -168,12 +173,6 @@ func newClusterBed(t testing.TB, cfg bedConfig) *clusterBed {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { b.cli.Close() })
-	if cfg.stopEtcdMember {
-		b.etcd.Members[len(b.etcd.Members)-1].Stop()
-		if err := b.etcd.WaitHealthy(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
 
 	if cfg.plugins {
 		sockRoot, err := os.MkdirTemp("", "kms") // unix socket paths are short
@@ -269,7 +268,8 @@ type clusterLoad struct {
 
 func (b *clusterBed) startLoad() *clusterLoad {
 	return &clusterLoad{
-		writers: b.load.StartWriters(b.t.Context(), testbed.WritersConfig{PerEndpoint: 2, Pause: 20 * time.Millisecond, CreateEvery: 50}),
+		writers: b.load.StartWriters(b.t.Context(), testbed.WritersConfig{PerEndpoint: 2, Pause: 20 * time.Millisecond, CreateEvery: 50,
+			ExcuseEtcdLeaderLoss: b.cfg.etcdLeaderLoss}),
 		sampler: b.load.StartSampler(b.t.Context(), testbed.SamplerConfig{Rate: 200}),
 	}
 }
@@ -750,19 +750,149 @@ func TestClusterLeaderKilledMidMigration(t *testing.T) {
 	b.finish(l)
 }
 
-// (e) One etcd member stopped throughout: the shims run on the two others.
+// (e) One etcd member of three goes down during a rotation, as in an upgrade or a
+// reboot: every shim has all three endpoints. After a rotation with every member up
+// (the baseline), one loses the etcd leader once the new key writes, the next a
+// follower; each finishes through the outage with the clients served, and the old key
+// is dropped while the member is down. Each rotation's migrate stage (the first object
+// under the new key to the last one under the old, as etcd shows it) is logged beside
+// the baseline's.
 func TestClusterOneEtcdMemberDown(t *testing.T) {
 	requireClusterShim(t)
-	b := newClusterBed(t, bedConfig{name: "cluster-e", objects: clusterObjects(t), coordination: true, stopEtcdMember: true})
+	b := newClusterBed(t, bedConfig{name: "cluster-e", objects: clusterObjects(t), coordination: true, etcdLeaderLoss: true, args: []string{"--v=2"}})
 	l := b.startLoad()
-	edit := testbed.SecretsConfig(testbed.AESGCM(b.key2, b.key1))
-	if _, err := b.syncer.Apply(t.Context(), edit.Render()).Wait(t.Context()); err != nil {
-		t.Fatal(err)
+	ctx := t.Context()
+	steps := []struct {
+		down     string // which member goes down: "", "leader" or "follower"
+		cfg      testbed.EncryptionConfig
+		drop     string
+		from, to string
+	}{
+		{"", testbed.SecretsConfig(testbed.AESGCM(b.key2, b.key1)), "key1", stored1, stored2},
+		{"leader", testbed.SecretsConfig(testbed.AESGCM(b.key3, b.key2)), "key2", stored2, stored3},
+		{"follower", testbed.SecretsConfig(testbed.AESGCM(b.key1, b.key3)), "key3", stored3, stored1},
 	}
-	b.waitConverged("every object on key2", 60*time.Second, edit.Render(),
-		testbed.StoredUnderProbe(b.cli, b.secretsKey, stored2))
-	b.dropAndCheck(edit.WithoutKey("key1"))
+	var baseline time.Duration
+	for _, st := range steps {
+		stage := b.watchMigrateStage(st.from, st.to)
+		applied := time.Now()
+		if _, err := b.syncer.Apply(ctx, st.cfg.Render()).Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+		var m *testbed.EtcdMember
+		if st.down != "" {
+			// Killed (not stopped: a graceful stop of the leader hands leadership over
+			// first and takes seconds) once the new key writes, before the migration
+			// has got far.
+			b.storedUnder(st.to, 60*time.Second)
+			m = b.etcdMember(st.down)
+			m.Kill()
+			t.Logf("%s (the etcd %s) killed %v after the edit", m.Name, st.down, time.Since(applied).Round(time.Millisecond))
+		}
+		verified := b.waitConverged(fmt.Sprintf("every object under %s (etcd member down: %q)", st.to, st.down), 60*time.Second,
+			st.cfg.Render(), testbed.StoredUnderProbe(b.cli, b.secretsKey, st.to))
+		took := stage()
+		if st.down == "" {
+			baseline = took
+			t.Logf("rotation with every etcd member up: edit → verified %v, migrate stage %v", verified.Sub(applied).Round(time.Millisecond), took.Round(time.Millisecond))
+		} else {
+			t.Logf("rotation with the etcd %s down: edit → verified %v, migrate stage %v (×%.2f the baseline's %v)", st.down,
+				verified.Sub(applied).Round(time.Millisecond), took.Round(time.Millisecond), took.Seconds()/max(baseline.Seconds(), 0.001), baseline.Round(time.Millisecond))
+		}
+		b.dropAndCheck(st.cfg.WithoutKey(st.drop))
+		if m == nil {
+			continue
+		}
+		if err := m.Restart(); err != nil {
+			t.Fatal(err)
+		}
+		rctx, cancel := contextWithTimeout(t, 60*time.Second)
+		if err := b.etcd.WaitHealthy(rctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := b.etcd.WaitCaughtUp(rctx, m); err != nil {
+			t.Fatal(err)
+		}
+		cancel()
+	}
 	b.finish(l)
+}
+
+// watchMigrateStage polls etcd from now on and returns a function that stops and
+// returns the migrate stage: from the first Secret stored under to until none is left
+// under from (0 when that was not seen).
+func (b *clusterBed) watchMigrateStage(from, to string) func() time.Duration {
+	ctx, cancel := context.WithCancel(b.t.Context())
+	done := make(chan time.Duration, 1)
+	go func() {
+		var first time.Time
+		for {
+			if got, err := testbed.StoredPrefixes(ctx, b.cli, b.secretsKey); err == nil {
+				if first.IsZero() && got[to] > 0 {
+					first = time.Now()
+				}
+				if !first.IsZero() && got[from] == 0 {
+					done <- time.Since(first)
+					return
+				}
+			}
+			select {
+			case <-ctx.Done():
+				done <- 0
+				return
+			case <-time.After(100 * time.Millisecond):
+			}
+		}
+	}()
+	return func() time.Duration {
+		defer cancel()
+		select {
+		case d := <-done:
+			return d
+		case <-time.After(5 * time.Second):
+			return 0
+		}
+	}
+}
+
+// etcdMember is the etcd member that leads now ("leader") or one that does not.
+func (b *clusterBed) etcdMember(which string) *testbed.EtcdMember {
+	b.t.Helper()
+	leader, err := b.etcd.Leader(b.t.Context())
+	if err != nil {
+		b.t.Fatal(err)
+	}
+	if which == "leader" {
+		return leader
+	}
+	for _, m := range b.etcd.Members {
+		if m != leader && m.Running() {
+			return m
+		}
+	}
+	b.t.Fatal("no running follower")
+	return nil
+}
+
+// storedUnder waits until etcd holds a Secret under prefix: the new key writes.
+func (b *clusterBed) storedUnder(prefix string, timeout time.Duration) {
+	t := b.t
+	t.Helper()
+	ctx, cancel := contextWithTimeout(t, timeout)
+	defer cancel()
+	err := testbed.WaitFor(ctx, 50*time.Millisecond, testbed.Probe{Name: "stored under " + prefix, Check: func(ctx context.Context) error {
+		got, err := testbed.StoredPrefixes(ctx, b.cli, b.secretsKey)
+		if err != nil {
+			return err
+		}
+		if got[prefix] > 0 {
+			return nil
+		}
+		return fmt.Errorf("stored %v", got)
+	}})
+	if err != nil {
+		t.Fatalf("waiting for a Secret under %s: %v", prefix, err)
+	}
 }
 
 // (f) The key changes again (key3) while the migration to key2 runs: key3 is
@@ -794,4 +924,97 @@ func TestClusterKeyChangesDuringMigration(t *testing.T) {
 
 func contextWithTimeout(t testing.TB, d time.Duration) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(t.Context(), d)
+}
+
+// (g) An apiserver paused (SIGSTOP) for longer than its member lease comes back after
+// the others rotated to key2 and dropped key1, the key its own file still writes with:
+// it writes nothing with key1. A create sent to it while it was stopped is answered the
+// moment it runs again, before any of its goroutines noticed the pause; that one and
+// every later write are refused (the write gate, then the fence), and nothing is
+// stored under key1.
+func TestClusterPausedMemberWritesNothingWithADroppedKey(t *testing.T) {
+	requireClusterShim(t)
+	b := newClusterBed(t, bedConfig{name: "cluster-g", objects: 200, coordination: true})
+	ctx := t.Context()
+	paused := b.fleet.Shims[2].Current()
+	if err := paused.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	resumed := false
+	t.Cleanup(func() {
+		if !resumed {
+			_ = paused.Resume()
+		}
+	})
+	wait := func(what string, timeout time.Duration, probes ...testbed.Probe) {
+		t.Helper()
+		wctx, cancel := contextWithTimeout(t, timeout)
+		defer cancel()
+		if err := testbed.WaitFor(wctx, 100*time.Millisecond, probes...); err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+	}
+	// Its lease (3 s) ends; the others rotate without it and drop key1.
+	wait("the paused apiserver's record gone", 30*time.Second,
+		testbed.MembersProbe(b.cli, b.coord, b.idsOf(0, 1), func(string, json.RawMessage) error { return nil }))
+	to2 := testbed.SecretsConfig(testbed.AESGCM(b.key2, b.key1))
+	b.applyTo(to2.Render(), 0, 1)
+	wait("every Secret under key2", 60*time.Second, testbed.StoredUnderProbe(b.cli, b.secretsKey, stored2),
+		testbed.ConfigAppliedProbe(shimsOf(b.fleet, 0, 1), to2.Render(), nil))
+	only2 := to2.WithoutKey("key1")
+	b.applyTo(only2.Render(), 0, 1)
+	wait("key1 dropped by the others", 60*time.Second, testbed.ConfigAppliedProbe(shimsOf(b.fleet, 0, 1), only2.Render(), nil))
+
+	// Creates through the paused apiserver: the first waits in its socket's backlog.
+	client, err := kubernetes.NewForConfig(paused.RESTConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var created, refused atomic.Int64
+	var firstErr atomic.Value
+	wctx, stopWriting := context.WithCancel(ctx)
+	writing := make(chan struct{})
+	go func() {
+		defer close(writing)
+		for i := 0; wctx.Err() == nil; i++ {
+			rctx, cancel := context.WithTimeout(wctx, 10*time.Second)
+			_, err := client.CoreV1().Secrets(b.load.Namespace).Create(rctx, &corev1.Secret{
+				ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("after-pause-%d", i)},
+				Data:       map[string][]byte{"v": []byte("x")}}, metav1.CreateOptions{})
+			cancel()
+			if err == nil {
+				created.Add(1)
+			} else if wctx.Err() == nil {
+				refused.Add(1)
+				firstErr.CompareAndSwap(nil, err.Error())
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+	time.Sleep(300 * time.Millisecond) // the first create is in flight
+	if err := paused.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	resumed = true
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		got, err := testbed.StoredPrefixes(ctx, b.cli, b.secretsKey)
+		if err == nil && got[stored1] > 0 {
+			stopWriting()
+			t.Fatalf("%d Secrets stored under key1, which every other apiserver dropped", got[stored1])
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	stopWriting()
+	<-writing
+	t.Logf("through the resumed apiserver: %d creates refused (first: %v), %d created", refused.Load(), firstErr.Load(), created.Load())
+	if created.Load() > 0 {
+		t.Errorf("%d creates succeeded through an apiserver that can only write with the dropped key1", created.Load())
+	}
+	if refused.Load() == 0 {
+		t.Error("no create was refused: the writer never reached the resumed apiserver")
+	}
+	if !strings.Contains(paused.Log(1<<20), "Holding every write until this apiserver is back in the cluster's view") {
+		t.Error("the resumed apiserver never logged that it held its writes after the pause")
+	}
 }
