@@ -3,8 +3,6 @@ SHELL := /bin/bash
 GO ?= go
 export PATH := $(shell $(GO) env GOROOT 2>/dev/null)/bin:$(PATH)
 
-# Packages small enough to run under the race detector inside the CI budget.
-RACE_PKGS ?= ./pkg/...
 BIN := bin
 # Lint tools, pinned; `make tools` installs them under bin/tools/<version>/.
 STATICCHECK_VERSION := v0.8.2
@@ -25,14 +23,12 @@ all: build
 build:
 	$(GO) build -ldflags "$(VERSION_LDFLAGS)" -o $(BIN)/ ./cmd/...
 
-## test: the default test run (CI runs this): lint, unit + compatibility tests with -race
-## on ./pkg/..., then everything else without -race.
+## test: the default test run (CI runs this): lint, then three groups at once (hack/test.sh):
+## ./pkg/... under the race detector, the process-level e2e package, and every other
+## package and module (dist/kube-apiserver, deploy/monitoring); verbose logs in bin/test-logs,
+## the slowest tests printed at the end.
 test: lint
-	$(GO) test -race -count=1 -timeout 20m $(RACE_PKGS)
-	$(GO) test -count=1 -timeout 45m $$($(GO) list ./... | grep -v '/pkg/')
-	@if [ "$$REKEY_SKIP_KUBE_APISERVER" != 1 ]; then cd dist/kube-apiserver && $(GO) test -count=1 .; fi
-	@# deploy/monitoring: the alert rules and dashboard checked against running shims (a module of its own).
-	cd deploy/monitoring && $(GO) test -count=1 -timeout 10m .
+	GO=$(GO) bash hack/test.sh
 
 ## lint: gofmt, go vet, staticcheck, `go mod tidy` leaves no diff (here and in deploy/monitoring), the
 ## generated OpenAPI is current.

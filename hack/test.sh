@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The default test run's tests (`make test` runs the linters first). Three groups run
+# at once, because they wait on different things: the process-level e2e package spends
+# most of its time waiting for etcd, shims and kubectl, while the race-detector run of
+# ./pkg/... and the other packages and modules keep the cores busy meanwhile.
+#
+#   race:  go test -race ./pkg/...
+#   e2e:   go test ./test/e2e
+#   other: every other package of the module, then dist/kube-apiserver's and
+#          deploy/monitoring's own modules
+#
+# Each group's verbose output goes to $TEST_LOG_DIR (default bin/test-logs)/<group>.log.
+# At the end the script prints each group's time, the slowest tests of the run, and the
+# failures with their output; it exits non-zero when any group failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+GO=${GO:-go}
+logs=${TEST_LOG_DIR:-bin/test-logs}
+rm -rf "$logs"
+mkdir -p "$logs"
+
+others=$($GO list ./... | grep -v -e '/pkg/' -e '/test/e2e$')
+
+group_race() { $GO test -race -count=1 -v -timeout 20m ./pkg/...; }
+group_e2e() { $GO test -count=1 -v -timeout 45m ./test/e2e; }
+group_other() {
+	local rc=0
+	# shellcheck disable=SC2086 # one argument per package
+	$GO test -count=1 -v -timeout 30m $others || rc=1
+	if [ "${REKEY_SKIP_KUBE_APISERVER:-}" != 1 ]; then
+		(cd dist/kube-apiserver && $GO test -count=1 -v .) || rc=1
+	fi
+	# deploy/monitoring: the alert rules and dashboard checked against running shims.
+	(cd deploy/monitoring && $GO test -count=1 -v -timeout 10m .) || rc=1
+	return $rc
+}
+
+start=$(date +%s)
+pids=()
+for g in e2e race other; do
+	(
+		s=$(date +%s)
+		"group_$g" >"$logs/$g.log" 2>&1
+		rc=$?
+		echo "$rc $(($(date +%s) - s))" >"$logs/$g.result"
+	) &
+	pids+=($!)
+done
+wait "${pids[@]}"
+
+failed=0
+echo
+echo "== test groups (wall time; they ran at once)"
+for g in e2e race other; do
+	read -r rc secs <"$logs/$g.result"
+	status=ok
+	if [ "$rc" != 0 ]; then status=FAIL failed=1; fi
+	printf '%-6s %-5s %4ds   %s\n' "$g" "$status" "$secs" "$logs/$g.log"
+done
+echo "total: $(($(date +%s) - start))s"
+
+echo
+echo "== slowest tests"
+grep -h -E '^\s*--- (PASS|FAIL): [^ ]+ \([0-9.]+s\)' "$logs"/*.log | grep -v '^\s\s' |
+	sed -E 's/^\s*--- (PASS|FAIL): ([^ ]+) \(([0-9.]+)s\)/\3 \1 \2/' | sort -rn | head -15
+
+if [ "$failed" != 0 ]; then
+	echo
+	echo "== failures"
+	for g in e2e race other; do
+		read -r rc _ <"$logs/$g.result"
+		[ "$rc" = 0 ] && continue
+		echo "---- $g ($logs/$g.log): failing tests and package results"
+		grep -n -E '^(--- FAIL|FAIL|ok |panic:)|^\s+--- FAIL' "$logs/$g.log" | head -40
+		echo "---- $g: the first failure's output"
+		awk '/^=== RUN/ {buf=""} {buf = buf $0 "\n"} /^--- FAIL/ {printf "%s", buf; exit}' "$logs/$g.log" |
+			grep -v 'addrConn.createTransport' | tail -150
+		echo "---- $g: last lines"
+		tail -30 "$logs/$g.log"
+	done
+	exit 1
+fi
