@@ -2,6 +2,7 @@ package guard
 
 import (
 	"context"
+	"encoding/hex"
 	"fmt"
 	"strings"
 	"time"
@@ -213,8 +214,10 @@ func appliedKeys(s *AppliedState) []transformers.Entry[transformers.KeyInfo] {
 		keys := make([]transformers.KeyInfo, len(r.Keys))
 		for i, k := range r.Keys {
 			keys[i] = transformers.KeyInfo{Provider: k.Provider, Key: k.Name}
-			if fp := trimHashPrefix(k.Fingerprint); len(fp) >= len(transformers.CheckValue("", nil)) {
-				keys[i].Check = fp[:len(transformers.CheckValue("", nil))]
+			// fingerprint, not the stored text: a KMS v1 entry of an older record carries
+			// its endpoint's spelling, which fingerprint maps to the socket's.
+			if fp, ok := k.fingerprint(); ok {
+				keys[i].Check = hex.EncodeToString(fp[:])[:len(transformers.CheckValue("", nil))]
 			}
 		}
 		out = append(out, transformers.Entry[transformers.KeyInfo]{Resources: r.Resources, Items: keys})
