@@ -1,6 +1,7 @@
 package testbed
 
 import (
+	"errors"
 	"os/exec"
 	"strings"
 	"testing"
@@ -53,5 +54,30 @@ func waitFor(t *testing.T, cond func() bool, what string) {
 			t.Fatalf("timed out waiting for %s (leaked: %v)", what, leakedCommands(t))
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// A start that lost its port to another process is tried again on fresh ports, a few
+// times; any other failure is returned at once.
+func TestRetryLostPort(t *testing.T) {
+	lost := errors.New("etcd exited (exit status 1); log tail: listen tcp 127.0.0.1:23456: bind: address already in use")
+	calls := 0
+	got, err := retryLostPort(func() (int, error) {
+		if calls++; calls < 3 {
+			return 0, lost
+		}
+		return calls, nil
+	})
+	if err != nil || got != 3 {
+		t.Fatalf("retryLostPort = %d, %v after %d calls; want success on the third", got, err, calls)
+	}
+	calls = 0
+	if _, err := retryLostPort(func() (int, error) { calls++; return 0, lost }); !errors.Is(err, lost) || calls != lostPortAttempts {
+		t.Fatalf("always losing the port: %v after %d calls; want the error after %d", err, calls, lostPortAttempts)
+	}
+	calls = 0
+	other := errors.New("etcd not ready: context deadline exceeded")
+	if _, err := retryLostPort(func() (int, error) { calls++; return 0, other }); !errors.Is(err, other) || calls != 1 {
+		t.Fatalf("another failure: %v after %d calls; want it returned after 1", err, calls)
 	}
 }
