@@ -3,6 +3,7 @@ package migrate
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -324,7 +325,7 @@ func TestMigrationSlowsDownForSlowClients(t *testing.T) {
 	var mu sync.Mutex
 	var rates []float64
 	var floorAt, verifyAt time.Time
-	var slowedBy string
+	var slowedBy []string
 	res, err := Migrate(ctx, Options{
 		Client: cli, Source: FromSet(next), Resources: []Resource{ResourceFor(DefaultEtcdPrefix, secrets)},
 		Workers: 1, PageSize: 20, Logger: testLogger(t),
@@ -338,8 +339,8 @@ func TestMigrationSlowsDownForSlowClients(t *testing.T) {
 			if p.AllowedRate == floor && floorAt.IsZero() {
 				floorAt = time.Now()
 			}
-			if p.SlowedBy != "" {
-				slowedBy = p.SlowedBy
+			if p.SlowedBy != "" && !slices.Contains(slowedBy, p.SlowedBy) {
+				slowedBy = append(slowedBy, p.SlowedBy)
 			}
 			if p.Phase == "verify" && verifyAt.IsZero() {
 				verifyAt = time.Now()
@@ -370,8 +371,10 @@ func TestMigrationSlowsDownForSlowClients(t *testing.T) {
 	if least := time.Duration(float64(objects-20) / (readCost * floor) * float64(time.Second)); verifyTook < least*9/10 {
 		t.Errorf("the verifying re-scan of %d objects took %v; at most %v/s with the clients slow, it takes at least %v", objects, verifyTook, readCost*floor, least)
 	}
-	if !strings.Contains(slowedBy, "clients answered slower") {
-		t.Errorf("progress says the migration was slowed by %q, want the apiserver's clients", slowedBy)
+	// The clients must be named; etcd may be too (on a loaded machine its latency passes
+	// the target as well, and the last window's cause is then etcd's).
+	if !slices.ContainsFunc(slowedBy, func(s string) bool { return strings.Contains(s, "clients answered slower") }) {
+		t.Errorf("progress says the migration was slowed by %q, want the apiserver's clients among the causes", slowedBy)
 	}
 	for _, c := range kv.commitsAfter(floorAt.Add(100 * time.Millisecond)) {
 		if c.objects > 2 {
