@@ -23,8 +23,8 @@ all: build
 build:
 	$(GO) build -ldflags "$(VERSION_LDFLAGS)" -o $(BIN)/ ./cmd/...
 
-## test: the default test run (CI runs this): lint, then three groups at once (hack/test.sh):
-## ./pkg/... under the race detector, the process-level e2e package, and every other
+## test: the default test run (CI runs this): lint, then the tests (hack/test.sh): ./pkg/...
+## under the race detector first, then the process-level e2e package beside every other
 ## package and module (dist/kube-apiserver, deploy/monitoring); verbose logs in bin/test-logs,
 ## the slowest tests printed at the end.
 test: lint

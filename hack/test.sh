@@ -1,20 +1,14 @@
 #!/usr/bin/env bash
-# The default test run's tests (`make test` runs the linters first). Four groups run
-# at once, because they wait on different things: the process-level e2e package spends
-# much of its time waiting for etcd, shims and kubectl, while the race-detector run of
-# ./pkg/... and the other packages and modules keep the cores busy meanwhile. The e2e
-# package is the longest (its tests run one after the other, ~700 s in all), so it is
-# run as two processes: the many-apiserver scenarios (TestCluster*) and the rest.
+# The default test run's tests (`make test` runs the linters first), in two phases:
 #
-#   race:    go test -race ./pkg/...
-#   cluster: go test -run '^TestCluster' ./test/e2e
-#   e2e:     go test -skip '^TestCluster' ./test/e2e
-#   other:   every other package of the module, then dist/kube-apiserver's and
-#            deploy/monitoring's own modules
+#   race:   go test -race ./pkg/..., alone: the race detector's runs of the pacing and
+#           readiness tests are timing-sensitive, and on two cores they failed now and
+#           then when everything else ran beside them;
+#   then at once:
+#   e2e:    go test ./test/e2e (its tests run one after the other);
+#   other:  every other package of the module, then dist/kube-apiserver's and
+#           deploy/monitoring's own modules.
 #
-# Each group's verbose output goes to $TEST_LOG_DIR (default bin/test-logs)/<group>.log.
-# At the end the script prints each group's time, the slowest tests of the run, and the
-# failures with their output; it exits non-zero when any group failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 GO=${GO:-go}
@@ -25,8 +19,7 @@ mkdir -p "$logs"
 others=$($GO list ./... | grep -v -e '/pkg/' -e '/test/e2e$')
 
 group_race() { $GO test -race -count=1 -v -timeout 20m ./pkg/...; }
-group_cluster() { $GO test -count=1 -v -timeout 45m -run '^TestCluster' ./test/e2e; }
-group_e2e() { $GO test -count=1 -v -timeout 45m -skip '^TestCluster' ./test/e2e; }
+group_e2e() { $GO test -count=1 -v -timeout 45m ./test/e2e; }
 group_other() {
 	local rc=0
 	# shellcheck disable=SC2086 # one argument per package
@@ -39,23 +32,24 @@ group_other() {
 	return $rc
 }
 
+run_group() {
+	local g=$1 s
+	s=$(date +%s)
+	"group_$g" >"$logs/$g.log" 2>&1
+	echo "$? $(($(date +%s) - s))" >"$logs/$g.result"
+}
+
 start=$(date +%s)
-pids=()
-for g in cluster e2e race other; do
-	(
-		s=$(date +%s)
-		"group_$g" >"$logs/$g.log" 2>&1
-		rc=$?
-		echo "$rc $(($(date +%s) - s))" >"$logs/$g.result"
-	) &
-	pids+=($!)
-done
-wait "${pids[@]}"
+run_group race
+run_group e2e &
+e2e=$!
+run_group other
+wait "$e2e"
 
 failed=0
 echo
-echo "== test groups (wall time; they ran at once)"
-for g in cluster e2e race other; do
+echo "== test groups (wall time; race first, then e2e and other at once)"
+for g in race e2e other; do
 	read -r rc secs <"$logs/$g.result"
 	status=ok
 	if [ "$rc" != 0 ]; then status=FAIL failed=1; fi
@@ -71,7 +65,7 @@ grep -h -E '^\s*--- (PASS|FAIL): [^ ]+ \([0-9.]+s\)' "$logs"/*.log | grep -v '^\
 if [ "$failed" != 0 ]; then
 	echo
 	echo "== failures"
-	for g in cluster e2e race other; do
+	for g in race e2e other; do
 		read -r rc _ <"$logs/$g.result"
 		[ "$rc" = 0 ] && continue
 		echo "---- $g ($logs/$g.log): failing tests and package results"
