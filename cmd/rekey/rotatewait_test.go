@@ -56,21 +56,6 @@ func startFakeApiservers(t *testing.T, cli *clientv3.Client, path, endpoint stri
 	f.follow.Store(true)
 	f.wg.Go(func() { f.run(ctx) })
 	t.Cleanup(f.Stop)
-	// A command started before both records exist sees a cluster without them ("no live
-	// apiserver migrates secrets"): wait for the first round.
-	deadline := time.Now().Add(10 * time.Second)
-	for _, id := range []string{"a", "b"} {
-		for {
-			resp, err := cli.Get(context.Background(), cluster.MemberKey(cluster.DefaultPrefix, id))
-			if err == nil && len(resp.Kvs) > 0 {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("the fake apiserver %s published no member record within 10s (%v)", id, err)
-			}
-			time.Sleep(10 * time.Millisecond)
-		}
-	}
 	return f
 }
 
