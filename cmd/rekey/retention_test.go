@@ -160,8 +160,7 @@ func TestRotateWaitHonoursThePublishedRetention(t *testing.T) {
 	path := writeConfig(t, "enc.yaml", "key1")
 	seed(t, cli, path, 10)
 	recordWrites(t, cli, path)
-	f := startFakeApiservers(t, cli, path, srv.Endpoint)
-	f.retention.Store("1h0m0s")
+	startFakeApiservers(t, cli, path, srv.Endpoint, publishingRetention("1h0m0s"))
 
 	out, err := run(t, "rotate", "--encryption-provider-config", path, "--wait", "--etcd-servers", srv.Endpoint,
 		"--progress", "plain", "--wait-interval", "50ms", "--wait-timeout", "1m")

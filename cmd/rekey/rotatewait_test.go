@@ -45,18 +45,50 @@ type fakeApiservers struct {
 	stop      context.CancelFunc
 }
 
-// startFakeApiservers starts them; a publishes that it migrates migrates (default:
-// secrets).
-func startFakeApiservers(t *testing.T, cli *clientv3.Client, path, endpoint string, migrates ...string) *fakeApiservers {
+// startFakeApiservers starts them, with the options applied first (a publishes that it
+// migrates secrets unless migrating says otherwise), and returns once both have
+// published their records: a command started before that sees a cluster without them.
+func startFakeApiservers(t *testing.T, cli *clientv3.Client, path, endpoint string, opts ...func(*fakeApiservers)) *fakeApiservers {
 	ctx, cancel := context.WithCancel(context.Background())
-	if len(migrates) == 0 {
-		migrates = []string{"secrets"}
-	}
-	f := &fakeApiservers{t: t, cli: cli, path: path, etcd: endpoint, stop: cancel, migrates: migrates}
+	f := &fakeApiservers{t: t, cli: cli, path: path, etcd: endpoint, stop: cancel, migrates: []string{"secrets"}}
 	f.follow.Store(true)
+	for _, o := range opts {
+		o(f)
+	}
 	f.wg.Go(func() { f.run(ctx) })
 	t.Cleanup(f.Stop)
+	waitForMembers(t, cli, 2)
 	return f
+}
+
+// migrating makes a publish that it migrates resources (instead of secrets).
+func migrating(resources ...string) func(*fakeApiservers) {
+	return func(f *fakeApiservers) { f.migrates = resources }
+}
+
+// leaderPaused keeps the fake migration leader from migrating from the start; the test
+// lets it go with f.paused.Store(false).
+func leaderPaused(f *fakeApiservers) { f.paused.Store(true) }
+
+// publishingRetention makes both publish --backup-retention d.
+func publishingRetention(d string) func(*fakeApiservers) {
+	return func(f *fakeApiservers) { f.retention.Store(d) }
+}
+
+// waitForMembers waits until n member records are published.
+func waitForMembers(t *testing.T, cli *clientv3.Client, n int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		resp, err := cli.Get(context.Background(), cluster.MembersPrefix(cluster.DefaultPrefix), clientv3.WithPrefix())
+		if err == nil && len(resp.Kvs) == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the fake apiservers did not publish %d member records within 10s (%v)", n, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 func (f *fakeApiservers) Stop() {
@@ -189,18 +221,7 @@ func TestRotateWaitResume(t *testing.T) {
 	path := writeConfig(t, "enc.yaml", "key1")
 	seed(t, cli, path, 10)
 	f := startFakeApiservers(t, cli, path, srv.Endpoint)
-	// Wait until both publish key1, then stop following the file.
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		resp, err := cli.Get(context.Background(), cluster.MembersPrefix(cluster.DefaultPrefix), clientv3.WithPrefix())
-		if err == nil && len(resp.Kvs) == 2 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("fake apiservers did not publish")
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	// Both publish key1 (startFakeApiservers waited for that); now stop following the file.
 	f.follow.Store(false)
 	args := []string{"rotate", "--encryption-provider-config", path, "--wait", "--etcd-servers", srv.Endpoint, "--wait-interval", "50ms"}
 	out, err := run(t, append(args, "--wait-timeout", "3s", "--progress", "bar")...)
@@ -362,8 +383,7 @@ func TestRotateWaitKeepsTheIdentityFallback(t *testing.T) {
 	seed(t, cli, path, 10) // 10 plaintext Secrets
 	identityConfig(t, path, "key1")
 	seed(t, cli, path, 4) // 4 of them now under key1: 6 plaintext left
-	f := startFakeApiservers(t, cli, path, srv.Endpoint)
-	f.paused.Store(true) // the leader waits until rotate --wait has taken its inventory
+	f := startFakeApiservers(t, cli, path, srv.Endpoint, leaderPaused) // the leader waits until rotate --wait has taken its inventory
 	time.AfterFunc(time.Second, func() { f.paused.Store(false) })
 	args := []string{"rotate", "--encryption-provider-config", path, "--wait", "--etcd-servers", srv.Endpoint,
 		"--progress", "plain", "--wait-interval", "50ms", "--wait-timeout", "1m"}
@@ -402,7 +422,7 @@ func TestRotateWaitRefusesARotationNobodyMigrates(t *testing.T) {
 	cli := srv.Client(t)
 	path := writeConfig(t, "enc.yaml", "key1")
 	seed(t, cli, path, 5)
-	startFakeApiservers(t, cli, path, srv.Endpoint, "configmaps")
+	startFakeApiservers(t, cli, path, srv.Endpoint, migrating("configmaps"))
 	start := time.Now()
 	out, err := run(t, "rotate", "--encryption-provider-config", path, "--wait", "--etcd-servers", srv.Endpoint,
 		"--progress", "plain", "--wait-interval", "50ms", "--wait-timeout", "1m")
