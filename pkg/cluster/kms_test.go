@@ -67,7 +67,7 @@ func startKMSNodes(t *testing.T, cli *clientv3.Client, fenced bool) ([]*member, 
 		sock := "unix://" + filepath.Join(filepath.Dir(keys), "p.sock")
 		writeFile(t, m.path, "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n- resources: [secrets]\n  providers:\n  - kms:\n      apiVersion: v2\n      name: vault\n      endpoint: "+sock+"\n      timeout: 2s\n")
 		log := ktesting.NewLogger(t, ktesting.NewConfig())
-		node, err := New(Options{Client: cli, ID: id, ResourcePrefix: "/registry", LeaseTTL: 2 * time.Second, Logger: log})
+		node, err := New(Options{Client: cli, ID: id, ResourcePrefix: "/registry", LeaseTTL: DefaultLeaseTTL, Logger: log})
 		if err != nil {
 			t.Fatal(err)
 		}

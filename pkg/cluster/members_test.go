@@ -272,7 +272,7 @@ func TestReadinessFailsWhenPublishingFailsLongerThanTheLease(t *testing.T) {
 		t.Fatal(err)
 	}
 	clock := testingclock.NewFakeClock(epoch)
-	a := startMember(t, cli, "a", secretsConfig("k1"), func(o *Options) { o.Clock = clock })
+	a := startMember(t, cli, "a", secretsConfig("k1"), shortLease, func(o *Options) { o.Clock = clock })
 	eventually(t, "a ready", func() bool { return a.node.ReadyzCheck().Check(nil) == nil })
 	ctx := context.Background()
 

@@ -80,7 +80,10 @@ func startMember(t *testing.T, cli *clientv3.Client, id, content string, mutate 
 	t.Helper()
 	m := &member{id: id, path: filepath.Join(t.TempDir(), "enc.yaml")}
 	writeFile(t, m.path, content)
-	opts := Options{Client: cli, ID: id, ResourcePrefix: "/registry", LeaseTTL: 2 * time.Second, Logger: ktesting.NewLogger(t, ktesting.NewConfig())}
+	// The production lease: a 2 s lease on a real clock saw race-detector runs on two
+	// busy cores starve a node's clock goroutine past it (a "pause"), which holds writes
+	// and fails readiness. Tests of the lease's own timing take shortLease.
+	opts := Options{Client: cli, ID: id, ResourcePrefix: "/registry", LeaseTTL: DefaultLeaseTTL, Logger: ktesting.NewLogger(t, ktesting.NewConfig())}
 	for _, f := range mutate {
 		f(&opts)
 	}
@@ -103,8 +106,21 @@ func startMember(t *testing.T, cli *clientv3.Client, id, content string, mutate 
 	node.Attach(agent)
 	m.node, m.agent = node, agent
 	t.Cleanup(m.stop)
+	if fc, ok := opts.Clock.(*testingclock.FakeClock); ok {
+		// A test that steps the clock before a goroutine has made its ticker steps past
+		// it: that ticker then never fires (on a loaded machine watchPauses missed the
+		// step of a pause, and the write gate stayed shut). Wait for the node's three:
+		// its loop, watchPauses and the view's progress requests.
+		eventually(t, "the node's tickers on the fake clock", func() bool { return fc.Waiters() >= nodeTickers })
+	}
 	return m
 }
+
+// nodeTickers is how many tickers a started node keeps on its clock.
+const nodeTickers = 3
+
+// shortLease is a startMember option for tests of what a lease's expiry does: a 2 s lease.
+func shortLease(o *Options) { o.LeaseTTL = 2 * time.Second }
 
 func (m *member) stop() {
 	if m.node != nil {
@@ -172,7 +188,7 @@ func TestMembershipLeaseAndClose(t *testing.T) {
 	eventually(t, "b gone after a clean shutdown", func() bool { return memberIDs(a.node.view) == "a" })
 
 	// A member that dies without revoking: stop its keep-alive only.
-	c := startMember(t, cli, "c", secretsConfig("k1"))
+	c := startMember(t, cli, "c", secretsConfig("k1"), shortLease)
 	eventually(t, "c visible", func() bool { return memberIDs(a.node.view) == "a,c" })
 	c.node.cancel()
 	<-c.node.done
@@ -484,7 +500,7 @@ func TestPauseLongerThanTheLeaseHoldsWrites(t *testing.T) {
 	cli := srv.Client(t)
 	clk := testingclock.NewFakeClock(epoch)
 	rec := &eventLog{}
-	a := startMember(t, cli, "a", secretsConfig("k1"), func(o *Options) { o.Clock, o.Events = clk, rec })
+	a := startMember(t, cli, "a", secretsConfig("k1"), shortLease, func(o *Options) { o.Clock, o.Events = clk, rec })
 	eventually(t, "a ready", func() bool { return a.node.ReadyzCheck().Check(nil) == nil && a.writes() })
 	before := memberRevision(t, cli, "a")
 
@@ -583,7 +599,7 @@ func TestReadinessFailsWhileTheViewIsOlderThanTheLease(t *testing.T) {
 	srv := etcdtest.Start(t)
 	cli := srv.Client(t)
 	clk := testingclock.NewFakeClock(epoch)
-	a := startMember(t, cli, "a", secretsConfig("k1"), func(o *Options) { o.Clock = clk })
+	a := startMember(t, cli, "a", secretsConfig("k1"), shortLease, func(o *Options) { o.Clock = clk })
 	eventually(t, "a ready, its record in its view", func() bool {
 		return a.node.ReadyzCheck().Check(nil) == nil && memberIDs(a.node.view) == "a"
 	})
