@@ -383,7 +383,8 @@ func TestRotateWaitKeepsTheIdentityFallback(t *testing.T) {
 	seed(t, cli, path, 10) // 10 plaintext Secrets
 	identityConfig(t, path, "key1")
 	seed(t, cli, path, 4) // 4 of them now under key1: 6 plaintext left
-	f := startFakeApiservers(t, cli, path, srv.Endpoint, leaderPaused) // the leader waits until rotate --wait has taken its inventory
+	// The leader waits until rotate --wait has taken its inventory.
+	f := startFakeApiservers(t, cli, path, srv.Endpoint, leaderPaused)
 	time.AfterFunc(time.Second, func() { f.paused.Store(false) })
 	args := []string{"rotate", "--encryption-provider-config", path, "--wait", "--etcd-servers", srv.Endpoint,
 		"--progress", "plain", "--wait-interval", "50ms", "--wait-timeout", "1m"}
