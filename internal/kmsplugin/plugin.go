@@ -72,7 +72,32 @@ type Faults struct {
 	DecryptWrongPlaintext bool `json:"decryptWrongPlaintext,omitempty"`
 	// Annotations are returned by Encrypt.
 	Annotations map[string]string `json:"annotations,omitempty"`
+
+	// The faults below emulate documented behaviours of real KMS v2 plugins, so that
+	// rekey kms-check (and tests) can be shown each of them.
+
+	// StartupFlap makes the first Status after the plugin started report the key id in a
+	// key URI form (StartupKeyURIPrefix + id) and every later Status and Encrypt the
+	// plain id: the key id changes once on every restart, as GCP's plugin does. Set it
+	// before the first Status (Options.Faults) or it shows after the next restart.
+	StartupFlap bool `json:"startupFlap,omitempty"`
+	// DecryptActiveOnly makes Decrypt refuse ciphertext whose key id is not the one
+	// Status currently reports ("one version per process", as Azure's plugin and
+	// upstream's mock do): data written before a rotation no longer decrypts.
+	DecryptActiveOnly bool `json:"decryptActiveOnly,omitempty"`
+	// FixedKeyID is reported by Status and Encrypt whatever key is active (as AWS's
+	// plugin reports one key ARN): a rotation of the keys file cannot be seen from the
+	// key id. Decrypt accepts it and finds the key that sealed the ciphertext.
+	FixedKeyID string `json:"fixedKeyID,omitempty"`
+	// ActiveKey makes this key of the keys file the active one instead of the first,
+	// so that a rotation, and a return to an earlier key id (A → B → A), needs no file
+	// edit. A key id reused with other material is a keys file whose key keeps its name
+	// and gets a new secret.
+	ActiveKey string `json:"activeKey,omitempty"`
 }
+
+// StartupKeyURIPrefix is what StartupFlap puts before the key id in the first Status.
+const StartupKeyURIPrefix = "kms://local-plugin/keys/"
 
 // Duration is a time.Duration that reads and writes as "150ms" in JSON.
 type Duration struct{ time.Duration }
@@ -110,6 +135,9 @@ type Options struct {
 	ControlAddr string
 	// APIVersion is the KMS API served: "" or "v2" for KMS v2, APIVersionV1 for KMS v1.
 	APIVersion string
+	// Faults are active from the start: a fault about the first calls after a start
+	// (StartupFlap) must be set before any client can call.
+	Faults Faults
 }
 
 type keyring struct {
@@ -254,7 +282,7 @@ func (p *Plugin) inject(ctx context.Context, fail bool, method string) (*Faults,
 
 // Status implements service.Service.
 func (p *Plugin) Status(ctx context.Context) (*service.StatusResponse, error) {
-	p.stats.status.Add(1)
+	first := p.stats.status.Add(1) == 1
 	f, err := p.inject(ctx, p.faults.Load().FailStatus, "Status")
 	if err != nil {
 		return nil, err
@@ -263,7 +291,14 @@ func (p *Plugin) Status(ctx context.Context) (*service.StatusResponse, error) {
 	if err != nil {
 		return nil, status.Errorf(codes.FailedPrecondition, "kms-plugin: %v", err)
 	}
-	r := &service.StatusResponse{Version: "v2", Healthz: "ok", KeyID: ring.active}
+	active, err := activeKey(ring, f)
+	if err != nil {
+		return nil, err
+	}
+	r := &service.StatusResponse{Version: "v2", Healthz: "ok", KeyID: reportedKeyID(active, f)}
+	if first && f.StartupFlap {
+		r.KeyID = StartupKeyURIPrefix + r.KeyID
+	}
 	if f.StatusHealthz != "" {
 		r.Healthz = f.StatusHealthz
 	}
@@ -291,12 +326,18 @@ func (p *Plugin) Encrypt(ctx context.Context, _ string, plaintext []byte) (*serv
 	if err != nil {
 		return nil, status.Errorf(codes.FailedPrecondition, "kms-plugin: %v", err)
 	}
-	a := ring.aeads[ring.active]
+	active, err := activeKey(ring, f)
+	if err != nil {
+		return nil, err
+	}
+	a := ring.aeads[active]
 	nonce := make([]byte, 12, 12+len(plaintext)+16)
 	if _, err := rand.Read(nonce); err != nil {
 		return nil, status.Errorf(codes.Internal, "kms-plugin: %v", err)
 	}
-	r := &service.EncryptResponse{Ciphertext: a.Seal(nonce, nonce, plaintext, []byte(ring.active)), KeyID: ring.active}
+	// The key's own name is the authenticated data even under FixedKeyID: Decrypt
+	// finds the key that sealed the ciphertext by it.
+	r := &service.EncryptResponse{Ciphertext: a.Seal(nonce, nonce, plaintext, []byte(active)), KeyID: reportedKeyID(active, f)}
 	if f.EncryptKeyID != "" {
 		r.KeyID = f.EncryptKeyID
 	}
@@ -320,21 +361,74 @@ func (p *Plugin) Decrypt(ctx context.Context, _ string, req *service.DecryptRequ
 	if err != nil {
 		return nil, status.Errorf(codes.FailedPrecondition, "kms-plugin: %v", err)
 	}
-	a, ok := ring.aeads[req.KeyID]
-	if !ok {
-		return nil, status.Errorf(codes.NotFound, "kms-plugin: unknown key id %q; it is not in the keys file", req.KeyID)
+	if f.DecryptActiveOnly {
+		active, err := activeKey(ring, f)
+		if err != nil {
+			return nil, err
+		}
+		if current := reportedKeyID(active, f); req.KeyID != current {
+			return nil, status.Errorf(codes.FailedPrecondition, "kms-plugin: key id %q is not the current key id; this plugin decrypts only with its current key (injected fault)", req.KeyID)
+		}
 	}
 	if len(req.Ciphertext) < 12+16 {
 		return nil, status.Error(codes.InvalidArgument, "kms-plugin: ciphertext is too short")
 	}
-	pt, err := a.Open(nil, req.Ciphertext[:12], req.Ciphertext[12:], []byte(req.KeyID))
+	var pt []byte
+	if f.FixedKeyID != "" && req.KeyID == f.FixedKeyID {
+		pt, err = openWithAnyKey(ring, req.Ciphertext)
+	} else {
+		pt, err = openWithKey(ring, req.KeyID, req.Ciphertext)
+	}
 	if err != nil {
-		return nil, status.Errorf(codes.InvalidArgument, "kms-plugin: ciphertext does not decrypt under key %q", req.KeyID)
+		return nil, err
 	}
 	if f.DecryptWrongPlaintext && len(pt) > 0 {
 		pt[0] ^= 0xff
 	}
 	return pt, nil
+}
+
+// activeKey is the name of the key Encrypt uses: Faults.ActiveKey, or the keys file's first.
+func activeKey(ring *keyring, f *Faults) (string, error) {
+	if f.ActiveKey == "" {
+		return ring.active, nil
+	}
+	if _, ok := ring.aeads[f.ActiveKey]; !ok {
+		return "", status.Errorf(codes.FailedPrecondition, "kms-plugin: active key %q (fault activeKey) is not in the keys file; add it or clear the fault", f.ActiveKey)
+	}
+	return f.ActiveKey, nil
+}
+
+// reportedKeyID is the key id Status and Encrypt answer for the active key.
+func reportedKeyID(active string, f *Faults) string {
+	if f.FixedKeyID != "" {
+		return f.FixedKeyID
+	}
+	return active
+}
+
+func openWithKey(ring *keyring, keyID string, ciphertext []byte) ([]byte, error) {
+	a, ok := ring.aeads[keyID]
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "kms-plugin: unknown key id %q; it is not in the keys file", keyID)
+	}
+	pt, err := a.Open(nil, ciphertext[:12], ciphertext[12:], []byte(keyID))
+	if err != nil {
+		return nil, status.Errorf(codes.InvalidArgument, "kms-plugin: ciphertext does not decrypt under key %q", keyID)
+	}
+	return pt, nil
+}
+
+// openWithAnyKey opens ciphertext of a FixedKeyID plugin: the key id says nothing about
+// the key, and GCM authentication (the key's name is the authenticated data) tells
+// the one that sealed it.
+func openWithAnyKey(ring *keyring, ciphertext []byte) ([]byte, error) {
+	for name, a := range ring.aeads {
+		if pt, err := a.Open(nil, ciphertext[:12], ciphertext[12:], []byte(name)); err == nil {
+			return pt, nil
+		}
+	}
+	return nil, status.Error(codes.InvalidArgument, "kms-plugin: ciphertext does not decrypt under any key of the keys file")
 }
 
 // Server is a running plugin: gRPC on ListenAddr and, optionally, the control API.
@@ -370,6 +464,7 @@ func Start(o Options) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	p.SetFaults(o.Faults)
 	if !strings.HasPrefix(addr, "@") {
 		_ = os.Remove(addr)
 	}
