@@ -35,7 +35,7 @@ func newRootCommand() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: false,
 	}
-	root.AddCommand(newInventoryCommand(), newMigrateCommand(), newCheckConfigCommand(), newStatusCommand(), newRotateCommand(), newLedgerCommand())
+	root.AddCommand(newInventoryCommand(), newMigrateCommand(), newCheckConfigCommand(), newStatusCommand(), newRotateCommand(), newLedgerCommand(), newKMSCheckCommand())
 	printableErrors(root)
 	return root
 }
