@@ -61,10 +61,10 @@ func startKMSCheckPlugin(t *testing.T, f kmsplugin.Faults) (*kmsplugin.Server, s
 }
 
 // fastKMSCheck are flags that keep one kms-check under a second.
-var fastKMSCheck = []string{"--calls", "4", "--observe", "100ms", "--timeout", "2s"}
+func fastKMSCheck() []string { return []string{"--calls", "4", "--observe", "100ms", "--timeout", "2s"} }
 
 func kmsCheckArgs(ep string, extra ...string) []string {
-	return append(append([]string{"kms-check", "--endpoint", ep}, fastKMSCheck...), extra...)
+	return append(append([]string{"kms-check", "--endpoint", ep}, fastKMSCheck()...), extra...)
 }
 
 func TestKMSCheckHealthyPluginTable(t *testing.T) {
@@ -281,7 +281,7 @@ func TestKMSCheckPluginCommandStartupFlap(t *testing.T) {
 	faults, _ := json.Marshal(kmsplugin.Faults{StartupFlap: true})
 	command := fmt.Sprintf("exec %s -test.run='^TestKMSCheckHelperProcess$' -- --listen-addr unix://%s", os.Args[0], sock)
 	env := []string{kmsCheckKeysEnv + "=" + keys, kmsCheckFaultsEnv + "=" + string(faults)}
-	args := append([]string{"kms-check", "--plugin-command", command, "-o", "json"}, fastKMSCheck...)
+	args := append([]string{"kms-check", "--plugin-command", command, "-o", "json"}, fastKMSCheck()...)
 	out, code := kmsCheckProcess(t, env, args...)
 	if code != 1 {
 		t.Fatalf("exit code %d, want 1 (start-up flap)\n%s", code, out)
