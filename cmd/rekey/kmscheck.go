@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/signal"
 	"sort"
@@ -187,7 +188,16 @@ func figuresText(figs map[string]float64) string {
 	sort.Strings(names)
 	parts := make([]string, len(names))
 	for i, n := range names {
-		parts[i] = n + "=" + strconv.FormatFloat(figs[n], 'g', 4, 64)
+		parts[i] = n + "=" + figureText(figs[n])
 	}
 	return strings.Join(parts, " ")
+}
+
+// figureText writes counts and byte sizes whole (32768, not 3.277e+04) and
+// measurements to four significant digits.
+func figureText(v float64) string {
+	if v == math.Trunc(v) && math.Abs(v) < 1e15 {
+		return strconv.FormatFloat(v, 'f', 0, 64)
+	}
+	return strconv.FormatFloat(v, 'g', 4, 64)
 }

@@ -61,7 +61,9 @@ func startKMSCheckPlugin(t *testing.T, f kmsplugin.Faults) (*kmsplugin.Server, s
 }
 
 // fastKMSCheck are flags that keep one kms-check under a second.
-func fastKMSCheck() []string { return []string{"--calls", "4", "--observe", "100ms", "--timeout", "2s"} }
+func fastKMSCheck() []string {
+	return []string{"--calls", "4", "--observe", "100ms", "--timeout", "2s"}
+}
 
 func kmsCheckArgs(ep string, extra ...string) []string {
 	return append(append([]string{"kms-check", "--endpoint", ep}, fastKMSCheck()...), extra...)

@@ -59,8 +59,8 @@ const (
 	CheckDeadline       = "deadline"
 	CheckLatencyEncrypt = "latency-encrypt"
 	CheckLatencyDecrypt = "latency-decrypt"
-	CheckRestartKeyID   = "restart-key-id"
 	CheckStartupFlap    = "startup-flap"
+	CheckRestartKeyID   = "restart-key-id"
 )
 
 // Check is one named check of a report.
@@ -259,7 +259,7 @@ func (k *checker) add(name string, v Verdict, detail string, figures map[string]
 
 // notChecked reports every check from name on (in report order) as not checked.
 func (k *checker) notChecked(from, reason string) {
-	all := []string{CheckReachable, CheckStatus, CheckKeyIDAgreement, CheckKeyIDStable, CheckRoundTrip, CheckOldKeyIDs, CheckKeyIDReuse, CheckAnnotations, CheckKeyIDLength, CheckDeadline, CheckLatencyEncrypt, CheckLatencyDecrypt, CheckRestartKeyID, CheckStartupFlap}
+	all := []string{CheckReachable, CheckStatus, CheckKeyIDAgreement, CheckKeyIDStable, CheckRoundTrip, CheckOldKeyIDs, CheckKeyIDReuse, CheckAnnotations, CheckKeyIDLength, CheckDeadline, CheckLatencyEncrypt, CheckLatencyDecrypt, CheckStartupFlap, CheckRestartKeyID}
 	on := false
 	for _, n := range all {
 		on = on || n == from
@@ -685,8 +685,8 @@ const restartRetry = 20 * time.Millisecond
 func (k *checker) checkRestart(ctx context.Context) {
 	if k.o.Restart == nil {
 		const why = "needs a restart of the plugin: give kms-check the command that starts it (--plugin-command)"
-		k.add(CheckRestartKeyID, NotChecked, why, nil)
 		k.add(CheckStartupFlap, NotChecked, why, nil)
+		k.add(CheckRestartKeyID, NotChecked, why, nil)
 		return
 	}
 	var before string
@@ -699,8 +699,8 @@ func (k *checker) checkRestart(ctx context.Context) {
 	}
 	if err := k.o.Restart(ctx); err != nil {
 		why := "the restart failed: " + err.Error()
-		k.add(CheckRestartKeyID, Fail, why, nil)
 		k.add(CheckStartupFlap, NotChecked, why, nil)
+		k.add(CheckRestartKeyID, Fail, why, nil)
 		return
 	}
 	first := k.firstStatusID(ctx)
