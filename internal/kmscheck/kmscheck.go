@@ -250,6 +250,11 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 	k.checkLatency(CheckLatencyEncrypt, k.encLat, k.encErrs)
 	k.checkLatency(CheckLatencyDecrypt, k.decLat, k.decErrs)
 	k.checkRestart(ctx)
+	// Calls cut short by a cancellation look like a broken plugin; a report made of
+	// them would blame it for the interruption.
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("kms-check was interrupted before its checks finished (%w); run it again to the end for a report", err)
+	}
 	return &k.report, nil
 }
 

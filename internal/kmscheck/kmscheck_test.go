@@ -284,6 +284,16 @@ func TestUnhealthyAndUnreachable(t *testing.T) {
 	}
 }
 
+func TestInterruptedRunHasNoReport(t *testing.T) {
+	b := newBed(t, kmsplugin.Faults{})
+	ctx, cancel := context.WithCancel(context.Background())
+	o := b.options(2, cancel)
+	r, err := Run(ctx, o)
+	if err == nil || !strings.Contains(err.Error(), "interrupted") || r != nil {
+		t.Fatalf("Run cancelled midway: report %v, err %v; want no report and an interruption error", r, err)
+	}
+}
+
 func TestEndpointFromCommand(t *testing.T) {
 	for cmd, want := range map[string]string{
 		"kms-plugin --keys-file k --listen-addr unix:///run/p.sock": "unix:///run/p.sock",
