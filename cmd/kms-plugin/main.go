@@ -3,7 +3,9 @@
 package main
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
@@ -19,7 +21,16 @@ func main() {
 	flag.StringVar(&o.KeysFile, "keys-file", "", "YAML or JSON file `keys: [{name: <key id>, secret: <base64 of 32 bytes>}]`; the first key is active; edits rotate")
 	flag.StringVar(&o.ControlAddr, "control-addr", "", "fault-injection API: unix:///path.sock or 127.0.0.1:port (empty: disabled)")
 	flag.StringVar(&o.APIVersion, "api-version", "v2", "KMS API to serve: v2, or v1 (k8s.io/kms/apis/v1beta1) for KMS v1 data that rekey reads and migrates off")
+	faults := flag.String("faults", "", "faults document (JSON, as the control API's PUT /faults takes) active from the start: a fault about the first calls after a start (startupFlap) needs it")
 	flag.Parse()
+	if *faults != "" {
+		dec := json.NewDecoder(bytes.NewReader([]byte(*faults)))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&o.Faults); err != nil {
+			fmt.Fprintf(os.Stderr, "kms-plugin: --faults: %v (see docs/kms-plugin.md for the faults document)\n", err)
+			os.Exit(2)
+		}
+	}
 	if o.KeysFile == "" {
 		fmt.Fprintln(os.Stderr, "kms-plugin: --keys-file is required")
 		os.Exit(2)

@@ -162,15 +162,16 @@ func (f *kmsCheckFlags) run(cmd *cobra.Command) error {
 	return nil
 }
 
-// writeKMSCheckTable renders the report; details quote what the plugin answered, so
+// writeKMSCheckTable renders the report, the detail last (it is long, and a column
+// after it would be padded to its width); details quote what the plugin answered, so
 // they go out through row only.
 func writeKMSCheckTable(w io.Writer, r *kmscheck.Report) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	row(tw, "CHECK", "VERDICT", "DETAIL", "FIGURES")
+	row(tw, "CHECK", "VERDICT", "FIGURES", "DETAIL")
 	counts := map[kmscheck.Verdict]int{}
 	for _, c := range r.Checks {
 		counts[c.Verdict]++
-		row(tw, c.Name, string(c.Verdict), c.Detail, figuresText(c.Figures))
+		row(tw, c.Name, string(c.Verdict), figuresText(c.Figures), c.Detail)
 	}
 	_ = tw.Flush()
 	fmt.Fprintf(w, "%d passed, %d warned, %d failed, %d not checked\n", counts[kmscheck.Pass], counts[kmscheck.Warn], counts[kmscheck.Fail], counts[kmscheck.NotChecked])

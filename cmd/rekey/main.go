@@ -8,6 +8,7 @@
 //	rekey ledger       --etcd-servers URL [--coordination-prefix /rekey] [-o table|json]
 //	rekey rotate       --encryption-provider-config FILE [--provider aesgcm|secretbox|aescbc|kms] [-o -] [--remove-old NAME --etcd-servers URL]
 //	rekey rotate       --encryption-provider-config FILE --wait --etcd-servers URL [--coordination-prefix /rekey] [--wait-timeout 30m] [--progress auto|bar|plain]
+//	rekey kms-check    --endpoint unix:///PATH.sock | --plugin-command CMD [--observe 10s] [--calls N] [-o table|json]
 //
 // inventory counts stored objects per resource, provider, key (KMS: provider name and
 // key id hash) and state; migrate re-encrypts every stale object with compare-and-swap
@@ -15,6 +16,8 @@
 // key still encrypting stored data. See docs/migration.md. status shows the apiservers
 // that coordinate through etcd (docs/cluster.md); ledger lists every key the cluster wrote
 // with and when it retired, what etcd backups need (--backup-retention keeps those keys).
+// kms-check tells whether a KMS v2 plugin behaves as the contract says before it is
+// trusted with data (exit 1 when a check fails).
 package main
 
 import (
