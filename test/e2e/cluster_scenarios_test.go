@@ -772,7 +772,7 @@ func TestClusterOneEtcdMemberDown(t *testing.T) {
 		{"leader", testbed.SecretsConfig(testbed.AESGCM(b.key3, b.key2)), "key2", stored2, stored3},
 		{"follower", testbed.SecretsConfig(testbed.AESGCM(b.key1, b.key3)), "key3", stored3, stored1},
 	}
-	var baseline time.Duration
+	var baseline migrateStage
 	for _, st := range steps {
 		stage := b.watchMigrateStage(st.from, st.to)
 		applied := time.Now()
@@ -794,10 +794,11 @@ func TestClusterOneEtcdMemberDown(t *testing.T) {
 		took := stage()
 		if st.down == "" {
 			baseline = took
-			t.Logf("rotation with every etcd member up: edit → verified %v, migrate stage %v", verified.Sub(applied).Round(time.Millisecond), took.Round(time.Millisecond))
+			t.Logf("rotation with every etcd member up: edit → verified %v, migrate stage %v", verified.Sub(applied).Round(time.Millisecond), took)
 		} else {
-			t.Logf("rotation with the etcd %s down: edit → verified %v, migrate stage %v (×%.2f the baseline's %v)", st.down,
-				verified.Sub(applied).Round(time.Millisecond), took.Round(time.Millisecond), took.Seconds()/max(baseline.Seconds(), 0.001), baseline.Round(time.Millisecond))
+			t.Logf("rotation with the etcd %s down: edit → verified %v, migrate stage %v: ×%.2f the baseline's %v, ×%.2f per stale object", st.down,
+				verified.Sub(applied).Round(time.Millisecond), took, took.took.Seconds()/max(baseline.took.Seconds(), 0.001), baseline.took.Round(time.Millisecond),
+				took.perObject().Seconds()/max(baseline.perObject().Seconds(), 1e-9))
 		}
 		b.dropAndCheck(st.cfg.WithoutKey(st.drop))
 		if m == nil {
@@ -818,39 +819,57 @@ func TestClusterOneEtcdMemberDown(t *testing.T) {
 	b.finish(l)
 }
 
+// migrateStage is one measured migrate stage: from the first Secret stored under the
+// new key until none is left under the old one (took 0 when that was not seen), and
+// how many were still under the old key at its start. The writers rewrite some of them
+// meanwhile, and more the later the migration starts, so the time per stale object
+// compares stages better than the time alone.
+type migrateStage struct {
+	took  time.Duration
+	stale int
+}
+
+func (m migrateStage) perObject() time.Duration {
+	return m.took / time.Duration(max(m.stale, 1))
+}
+
+func (m migrateStage) String() string {
+	return fmt.Sprintf("%v for %d stale objects (%v each)", m.took.Round(time.Millisecond), m.stale, m.perObject().Round(time.Microsecond))
+}
+
 // watchMigrateStage polls etcd from now on and returns a function that stops and
-// returns the migrate stage: from the first Secret stored under to until none is left
-// under from (0 when that was not seen).
-func (b *clusterBed) watchMigrateStage(from, to string) func() time.Duration {
+// returns the migrate stage from from to to.
+func (b *clusterBed) watchMigrateStage(from, to string) func() migrateStage {
 	ctx, cancel := context.WithCancel(b.t.Context())
-	done := make(chan time.Duration, 1)
+	done := make(chan migrateStage, 1)
 	go func() {
 		var first time.Time
+		var stale int
 		for {
 			if got, err := testbed.StoredPrefixes(ctx, b.cli, b.secretsKey); err == nil {
 				if first.IsZero() && got[to] > 0 {
-					first = time.Now()
+					first, stale = time.Now(), got[from]
 				}
 				if !first.IsZero() && got[from] == 0 {
-					done <- time.Since(first)
+					done <- migrateStage{took: time.Since(first), stale: stale}
 					return
 				}
 			}
 			select {
 			case <-ctx.Done():
-				done <- 0
+				done <- migrateStage{}
 				return
 			case <-time.After(100 * time.Millisecond):
 			}
 		}
 	}()
-	return func() time.Duration {
+	return func() migrateStage {
 		defer cancel()
 		select {
 		case d := <-done:
 			return d
 		case <-time.After(5 * time.Second):
-			return 0
+			return migrateStage{}
 		}
 	}
 }
