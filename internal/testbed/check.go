@@ -17,6 +17,8 @@ import (
 	"go.etcd.io/etcd/client/v3/concurrency"
 	"google.golang.org/protobuf/proto"
 	kmsv2api "k8s.io/apiserver/pkg/storage/value/encrypt/envelope/kmsv2/v2"
+
+	"github.com/rekey-io/rekey/pkg/coordination"
 )
 
 // StoredPrefixes counts the values stored in etcd under keyPrefix by encryption
@@ -147,9 +149,11 @@ func StoredUnderProbe(cli *clientv3.Client, keyPrefix, want string) Probe {
 	}}
 }
 
-// MembersKey is where a member publishes its state: <coordination prefix>/members/<id>.
+// MembersKey is where a member publishes its state: <coordination prefix>/members/<id>
+// (the members' directory for id ""). A prefix given with a trailing / names the same
+// keys, as a flag value typed that way would mean.
 func MembersKey(coordinationPrefix, id string) string {
-	return strings.TrimSuffix(coordinationPrefix, "/") + "/members/" + id
+	return coordination.Member(strings.TrimSuffix(coordinationPrefix, "/"), id)
 }
 
 // ReadMembers returns the member states published under the coordination prefix,
@@ -291,9 +295,10 @@ func ApplyAndWaitAccepted(ctx context.Context, syncer *FileSyncer, shims []*Shim
 	return WaitFor(ctx, 200*time.Millisecond, ConfigAppliedProbe(shims, content, before))
 }
 
-// MigrationLeaderKey is the election prefix of the storage-migration leader.
+// MigrationLeaderKey is the election prefix of the storage-migration leader (a trailing
+// / of the prefix ignored, as in MembersKey).
 func MigrationLeaderKey(coordinationPrefix string) string {
-	return strings.TrimSuffix(coordinationPrefix, "/") + "/migration/leader"
+	return coordination.MigrationLeader(strings.TrimSuffix(coordinationPrefix, "/"))
 }
 
 // MigrationLeader returns the value the current migration leader campaigned with

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/rekey-io/rekey/pkg/coordination"
 )
 
 // Identity is the cluster's identity, created once at <prefix>/cluster by the first
@@ -38,7 +40,7 @@ func cleanEtcdPrefix(p string) string { return path.Clean("/" + p) }
 // identity is bound to another --etcd-prefix: this apiserver would otherwise join
 // another cluster's coordination.
 func EnsureIdentity(ctx context.Context, cli *clientv3.Client, prefix, resourcePrefix, createdBy string, now time.Time) (Identity, error) {
-	key := identityKey(prefix)
+	key := coordination.Identity(prefix)
 	want := Identity{ClusterID: rand.Text(), EtcdPrefix: cleanEtcdPrefix(resourcePrefix), CreatedAt: now.UTC(), CreatedBy: createdBy}
 	data, err := json.Marshal(want)
 	if err != nil {
@@ -76,7 +78,7 @@ func EnsureIdentity(ctx context.Context, cli *clientv3.Client, prefix, resourceP
 // readIdentity reads the identity at <prefix>/cluster at revision rev (0: the latest);
 // nil when no apiserver has created one yet.
 func readIdentity(ctx context.Context, cli *clientv3.Client, prefix string, rev int64) (*Identity, error) {
-	key := identityKey(prefix)
+	key := coordination.Identity(prefix)
 	var opts []clientv3.OpOption
 	if rev > 0 {
 		opts = append(opts, clientv3.WithRev(rev))

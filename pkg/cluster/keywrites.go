@@ -12,6 +12,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -40,16 +41,11 @@ const DefaultKeyWritesFlushInterval = 10 * time.Second
 // must stay under MaxMemberRecordBytes. The totals in etcd count every key.
 const MaxPublishedKeyWrites = 32
 
-const keyWritesDir = "/keywrites/"
-
-// KeyWritesPrefix is the directory of the per-key totals: <prefix>/keywrites/.
-func KeyWritesPrefix(prefix string) string { return prefix + keyWritesDir }
-
 // KeyWritesKey is where k's total lives: a hash of its identity names the etcd key, so
 // key names with any characters fit; the value repeats the identity.
 func KeyWritesKey(prefix string, k Key) string {
 	sum := sha256.Sum256([]byte(k.Provider + "\x00" + k.Key + "\x00" + k.Check + "\x00" + k.KeyIDHash))
-	return KeyWritesPrefix(prefix) + hex.EncodeToString(sum[:16])
+	return coordination.KeyWrites(prefix, hex.EncodeToString(sum[:16]))
 }
 
 // KeyTotal is one key's lifetime count in the cluster.
@@ -67,9 +63,10 @@ func (t KeyTotal) Age(now time.Time) time.Duration { return now.Sub(t.FirstSeen)
 
 // ReadKeyTotals reads every key's total, sorted by key.
 func ReadKeyTotals(ctx context.Context, cli *clientv3.Client, prefix string) ([]KeyTotal, error) {
-	resp, err := cli.Get(ctx, KeyWritesPrefix(prefix), clientv3.WithPrefix())
+	dir := coordination.KeyWritesPrefix(prefix)
+	resp, err := cli.Get(ctx, dir, clientv3.WithPrefix())
 	if err != nil {
-		return nil, fmt.Errorf("reading the key write totals under %s: %w", KeyWritesPrefix(prefix), err)
+		return nil, fmt.Errorf("reading the key write totals under %s: %w", dir, err)
 	}
 	out := make([]KeyTotal, 0, len(resp.Kvs))
 	for _, kv := range resp.Kvs {

@@ -48,8 +48,8 @@ type MemberState struct {
 	BackupRetention string `json:"backupRetention,omitempty"`
 	// KeyWrites counts, per key, the values this member sealed since it started (at
 	// most MaxPublishedKeyWrites keys, those with the most writes). The cluster's
-	// lifetime totals are KeyTotal, under KeyWritesPrefix. Records of versions that did
-	// not count leave it out.
+	// lifetime totals are KeyTotal, under coordination.KeyWritesPrefix. Records of
+	// versions that did not count leave it out.
 	KeyWrites []transformers.KeyWrites `json:"keyWrites,omitempty"`
 	// LastReloadError is the latest refused configuration, if it is newer than the one
 	// in use.

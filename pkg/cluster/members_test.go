@@ -14,6 +14,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/errtext"
 	"github.com/rekey-io/rekey/internal/etcdtest"
+	"github.com/rekey-io/rekey/pkg/coordination"
 )
 
 // TestIdentityBindsTheCoordinationPrefix: the first apiserver creates <prefix>/cluster
@@ -37,7 +38,7 @@ func TestIdentityBindsTheCoordinationPrefix(t *testing.T) {
 	}
 
 	_, err = EnsureIdentity(ctx, cli, DefaultPrefix, "/other", "c", epoch)
-	for _, want := range []string{`"/registry"`, `"/other"`, "--coordination-prefix", first.ClusterID, identityKey(DefaultPrefix)} {
+	for _, want := range []string{`"/registry"`, `"/other"`, "--coordination-prefix", first.ClusterID, coordination.Identity(DefaultPrefix)} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("identity bound to another --etcd-prefix: error %v; want it to name %s", err, want)
 		}
@@ -51,7 +52,7 @@ func TestIdentityBindsTheCoordinationPrefix(t *testing.T) {
 		t.Fatalf("Start with another --etcd-prefix: %v", err)
 	}
 
-	if _, err := cli.Put(ctx, identityKey("/damaged"), "{}"); err != nil {
+	if _, err := cli.Put(ctx, coordination.Identity("/damaged"), "{}"); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := EnsureIdentity(ctx, cli, "/damaged", "/registry", "a", epoch); err == nil || !strings.Contains(err.Error(), "does not hold a cluster identity") {

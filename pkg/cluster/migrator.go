@@ -13,6 +13,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/rekey-io/rekey/internal/errtext"
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/events"
 	"github.com/rekey-io/rekey/pkg/migrate"
 )
@@ -132,7 +133,7 @@ func (m *Migrator) State() (MigrationState, bool) {
 
 // Run campaigns and leads until ctx ends.
 func (m *Migrator) Run(ctx context.Context) {
-	e := &elector{client: m.opts.Client, key: leaderKey(m.opts.Prefix), id: m.opts.ID, ttl: m.opts.SessionTTL, clock: m.opts.Clock, log: m.log}
+	e := &elector{client: m.opts.Client, key: coordination.MigrationLeader(m.opts.Prefix), id: m.opts.ID, ttl: m.opts.SessionTTL, clock: m.opts.Clock, log: m.log}
 	e.Run(ctx, electionCallbacks{OnStartedLeading: m.lead, WhileFollowing: m.follow})
 }
 
@@ -401,7 +402,7 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.
 	res, err := migrate.Migrate(ctx, migrate.Options{
 		Client: m.opts.Client, Source: m.opts.Source, Resources: []migrate.Resource{resource}, Rate: m.opts.Rate, Space: m.opts.Space,
 		Pacing:      pacing,
-		Checkpoints: &etcdCheckpoints{Client: m.opts.Client, Key: checkpointKey(m.opts.Prefix), Guard: guard},
+		Checkpoints: &etcdCheckpoints{Client: m.opts.Client, Key: coordination.MigrationCheckpoint(m.opts.Prefix), Guard: guard},
 		Resume:      true, Inventory: verified, Metrics: m.opts.Metrics, ConfigHash: m.opts.ConfigHash(), Logger: m.opts.Logger,
 		CoordinationPrefix: m.opts.Prefix,
 		Progress: func(p migrate.Progress) {

@@ -14,6 +14,7 @@ import (
 	"k8s.io/apiserver/pkg/storage/value"
 
 	"github.com/rekey-io/rekey/internal/etcdtest"
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/migrate"
 )
 
@@ -183,7 +184,7 @@ func countPrefix(t *testing.T, cli *clientv3.Client, prefix string) int {
 // guard that holds while it stays (deleting it stands for a lost leadership).
 func holdLeaderKey(t *testing.T, cli *clientv3.Client) (string, []clientv3.Cmp) {
 	t.Helper()
-	lk := leaderKey(DefaultPrefix) + "/x"
+	lk := coordination.MigrationLeader(DefaultPrefix) + "/x"
 	put, err := cli.Put(context.Background(), lk, "a")
 	if err != nil {
 		t.Fatal(err)
@@ -198,7 +199,7 @@ func TestEtcdCheckpointsGuardedByLeadership(t *testing.T) {
 	cli := srv.Client(t)
 	ctx := context.Background()
 	lk, guard := holdLeaderKey(t, cli)
-	store := &etcdCheckpoints{Client: cli, Key: checkpointKey(DefaultPrefix), Guard: guard}
+	store := &etcdCheckpoints{Client: cli, Key: coordination.MigrationCheckpoint(DefaultPrefix), Guard: guard}
 	if c, err := store.Load(); c != nil || err != nil {
 		t.Fatalf("empty store: %v %v", c, err)
 	}
@@ -262,7 +263,7 @@ func TestLeaderKilledMidMigrationAnotherResumes(t *testing.T) {
 	if done >= n {
 		t.Fatalf("the migration finished before the leader stopped (%d objects); slow it down", done)
 	}
-	ck, err := (&etcdCheckpoints{Client: cli, Key: checkpointKey(DefaultPrefix)}).Load()
+	ck, err := (&etcdCheckpoints{Client: cli, Key: coordination.MigrationCheckpoint(DefaultPrefix)}).Load()
 	// (The checkpoint moves past a page only once all of it is handled; these objects
 	// fit one page, so progress shows in the counters.)
 	if err != nil || ck == nil || ck.Completed || ck.Resource != "secrets" || ck.Counters.Rewritten == 0 {

@@ -323,35 +323,6 @@ func guardRefusals(t *testing.T, reg metrics.KubeRegistry) float64 {
 	return 0
 }
 
-func TestValidatePrefix(t *testing.T) {
-	for _, c := range []struct {
-		prefix, resource string
-		ok               bool
-	}{
-		{"/rekey", "/registry", true},
-		{"/registry", "/registry", false},
-		{"/registry/rekey", "/registry", false},
-		{"/reg", "/registry", true},
-		{"/", "/registry", false},
-		{"rekey", "/registry", false},
-		{"/rekey/", "/registry", false},
-	} {
-		if err := ValidatePrefix(c.prefix, c.resource); (err == nil) != c.ok {
-			t.Errorf("ValidatePrefix(%q, %q) = %v, want ok=%v", c.prefix, c.resource, err, c.ok)
-		}
-	}
-	// The suggested prefix must itself be valid with that --etcd-prefix (the bench once
-	// used --etcd-prefix /rekey, where the default is the collision).
-	for _, resource := range []string{"/registry", "/rekey", "/rekey/data"} {
-		err := ValidatePrefix(resource, resource)
-		_, suggest, ok := strings.Cut(fmt.Sprint(err), "(e.g. ")
-		suggest = strings.TrimSuffix(suggest, ")")
-		if !ok || ValidatePrefix(suggest, resource) != nil {
-			t.Errorf("ValidatePrefix(%q, %q) = %v; its suggestion %q does not fit that --etcd-prefix", resource, resource, err, suggest)
-		}
-	}
-}
-
 // TestReadinessCountsStoredKeysAnotherMemberReads: a stored key this apiserver cannot
 // read fails readiness only when another live member can read it; data nobody reads
 // is lost, not a sign of a straggler.

@@ -5,6 +5,8 @@ import (
 	"strings"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/rekey-io/rekey/pkg/coordination"
 )
 
 // UnknownMember is a record under <prefix>/members/ that is not a live member of this
@@ -47,7 +49,7 @@ func classifyRecord(prefix, clusterID string, kv *mvccpb.KeyValue) (MemberState,
 		return unknown("carries no cluster id (an older rekey, or not written by rekey); upgrade that apiserver, or delete the key")
 	case clusterID != "" && m.ClusterID != clusterID:
 		return unknown("belongs to cluster %s, not to this cluster %s (%s): another cluster shares this etcd and --coordination-prefix; "+
-			"give one of them its own --coordination-prefix", m.ClusterID, clusterID, identityKey(prefix))
+			"give one of them its own --coordination-prefix", m.ClusterID, clusterID, coordination.Identity(prefix))
 	}
 	return m, nil
 }

@@ -18,6 +18,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/atomicfile"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
@@ -30,17 +31,14 @@ const AppliedStateVersion = 1
 // It is still read when the new key is absent (EtcdAppliedState.Fallback), so an
 // upgrade keeps its start-up check. With the default coordination prefix (/rekey, for
 // --etcd-prefix /registry) both are the same key.
-const AppliedStatePrefix = "/rekey/applied/"
-
-// appliedStateDir is the directory of applied states under a coordination prefix.
-const appliedStateDir = "/applied/"
+const AppliedStatePrefix = coordination.LegacyAppliedStatePrefix
 
 // AppliedStateKey is where apiserver id keeps its AppliedState in etcd: under the
 // coordination prefix, which lies outside the resource prefix (so no scan, migration
 // or watch of stored objects ever sees it) and belongs to one cluster (so two
 // clusters sharing an etcd do not read each other's states).
 func AppliedStateKey(coordinationPrefix, id string) string {
-	return coordinationPrefix + appliedStateDir + id
+	return coordination.AppliedState(coordinationPrefix, id)
 }
 
 // maxKeyIDHashes bounds the KMS v2 key id hashes remembered per provider.

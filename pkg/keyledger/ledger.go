@@ -7,6 +7,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
@@ -23,11 +24,8 @@ const Version = 2
 // a watermark and within MaxEntries.
 const versionWithoutHistory = 1
 
-// ledgerPath is the ledger's key under the coordination prefix.
-const ledgerPath = "/ledger"
-
 // Key is where the ledger of the cluster under coordinationPrefix is kept.
-func Key(coordinationPrefix string) string { return coordinationPrefix + ledgerPath }
+func Key(coordinationPrefix string) string { return coordination.Ledger(coordinationPrefix) }
 
 // MaxEntries is how many entries the ledger keeps once it may forget freely: beyond
 // it, the entries retired longer ago than the largest --backup-retention the members

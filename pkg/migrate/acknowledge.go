@@ -10,18 +10,16 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/utils/clock"
-)
 
-// acknowledgedDir is where acknowledgements live under the coordination prefix, beside
-// the cluster's records (pkg/cluster/keys.go) and the applied state (pkg/guard).
-const acknowledgedDir = "/acknowledged/"
+	"github.com/rekey-io/rekey/pkg/coordination"
+)
 
 // DefaultAcknowledgedBy is who an acknowledgement is from when no apiserver id is given.
 const DefaultAcknowledgedBy = "rekey-cli"
 
 // AcknowledgedPrefix is the directory of acknowledgements: <coordination-prefix>/acknowledged/.
 func AcknowledgedPrefix(coordinationPrefix string) string {
-	return coordinationPrefix + acknowledgedDir
+	return coordination.AcknowledgedPrefix(coordinationPrefix)
 }
 
 // AcknowledgementKey is where the acknowledgement of the object at etcd key key of res
@@ -29,10 +27,7 @@ func AcknowledgedPrefix(coordinationPrefix string) string {
 // .../<resource>/<name> for a cluster-scoped resource.
 func AcknowledgementKey(coordinationPrefix string, res Resource, key string) string {
 	ns, name := ObjectName(res, key)
-	if ns == "" {
-		return AcknowledgedPrefix(coordinationPrefix) + res.String() + "/" + name
-	}
-	return AcknowledgedPrefix(coordinationPrefix) + res.String() + "/" + ns + "/" + name
+	return coordination.Acknowledgement(coordinationPrefix, res.String(), ns, name)
 }
 
 // Acknowledgement records that an operator knows one stored object is unreadable and
