@@ -13,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/storagelayout"
 )
@@ -63,7 +64,7 @@ func (a *acknowledgeFlags) run(ctx context.Context, w io.Writer, c *common) erro
 		return errors.New("--acknowledge-unreadable needs --reason: say why the objects may stay unreadable")
 	}
 	prefix := c.coordinationPrefix(a.prefix)
-	if err := cluster.ValidatePrefix(prefix, c.etcdPrefix); err != nil {
+	if err := coordination.ValidatePrefix(prefix, c.etcdPrefix); err != nil {
 		return err
 	}
 	// Only acknowledging reads stored data; listing and removing need etcd alone.

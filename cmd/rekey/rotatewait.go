@@ -15,6 +15,7 @@ import (
 	"github.com/rekey-io/rekey/internal/progress"
 	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
@@ -49,7 +50,7 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation.Request, w waitOption
 		return errors.New("--wait needs --etcd-servers: it follows the apiservers through the coordination keys in etcd")
 	}
 	w.prefix = c.coordinationPrefix(w.prefix)
-	if err := cluster.ValidatePrefix(w.prefix, c.etcdPrefix); err != nil {
+	if err := coordination.ValidatePrefix(w.prefix, c.etcdPrefix); err != nil {
 		return err
 	}
 	if w.interval <= 0 {

@@ -17,12 +17,3 @@ func MemberKey(prefix, id string) string { return coordination.Member(prefix, id
 
 // MigrationStateKey holds the leader's MigrationState: records and progress.
 func MigrationStateKey(prefix string) string { return coordination.MigrationState(prefix) }
-
-// ValidatePrefix checks a coordination prefix against the resource prefix
-// (coordination.ValidatePrefix).
-func ValidatePrefix(prefix, resourcePrefix string) error {
-	return coordination.ValidatePrefix(prefix, resourcePrefix)
-}
-
-// ValidateID checks an apiserver id (coordination.ValidateID).
-func ValidateID(id string) error { return coordination.ValidateID(id) }

@@ -15,6 +15,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/events"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/reload"
@@ -139,10 +140,10 @@ func New(opts Options) (*Node, error) {
 	if opts.Prefix == "" {
 		opts.Prefix = DefaultPrefix
 	}
-	if err := ValidatePrefix(opts.Prefix, opts.ResourcePrefix); err != nil {
+	if err := coordination.ValidatePrefix(opts.Prefix, opts.ResourcePrefix); err != nil {
 		return nil, err
 	}
-	if err := ValidateID(opts.ID); err != nil {
+	if err := coordination.ValidateID(opts.ID); err != nil {
 		return nil, err
 	}
 	if opts.LeaseTTL <= 0 {

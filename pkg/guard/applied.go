@@ -27,19 +27,11 @@ import (
 const AppliedStateVersion = 1
 
 // AppliedStatePrefix is where apiservers persisted their AppliedState before it moved
-// under the coordination prefix (AppliedStateKey): <AppliedStatePrefix><apiserver-id>.
+// under the coordination prefix (coordination.AppliedState): <AppliedStatePrefix><apiserver-id>.
 // It is still read when the new key is absent (EtcdAppliedState.Fallback), so an
 // upgrade keeps its start-up check. With the default coordination prefix (/rekey, for
 // --etcd-prefix /registry) both are the same key.
 const AppliedStatePrefix = coordination.LegacyAppliedStatePrefix
-
-// AppliedStateKey is where apiserver id keeps its AppliedState in etcd: under the
-// coordination prefix, which lies outside the resource prefix (so no scan, migration
-// or watch of stored objects ever sees it) and belongs to one cluster (so two
-// clusters sharing an etcd do not read each other's states).
-func AppliedStateKey(coordinationPrefix, id string) string {
-	return coordination.AppliedState(coordinationPrefix, id)
-}
 
 // maxKeyIDHashes bounds the KMS v2 key id hashes remembered per provider.
 const maxKeyIDHashes = 16
@@ -280,7 +272,10 @@ type AppliedStateStore interface {
 	String() string
 }
 
-// EtcdAppliedState keeps the state in etcd at Key (AppliedStateKey).
+// EtcdAppliedState keeps the state in etcd at Key (coordination.AppliedState: under the
+// coordination prefix, which lies outside the resource prefix, so no scan, migration or
+// watch of stored objects ever sees it, and belongs to one cluster, so two clusters
+// sharing an etcd do not read each other's states).
 // This is the shim's choice: etcd is the one store every restart of the apiserver is
 // guaranteed to see (a local file can be lost with a node or a container's ephemeral
 // disk, and then the check silently passes), it already holds the data whose keys the

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/rekey-io/rekey/internal/etcdtest"
+	"github.com/rekey-io/rekey/pkg/coordination"
 )
 
 // TestEtcdAppliedStateFallsBackToTheOldKey: the applied state moved under the
@@ -16,14 +17,11 @@ func TestEtcdAppliedStateFallsBackToTheOldKey(t *testing.T) {
 	srv := etcdtest.Start(t)
 	cli := srv.Client(t)
 	ctx := context.Background()
-	if got := AppliedStateKey("/rekey-kube", "a"); got != "/rekey-kube/applied/a" {
-		t.Fatalf("AppliedStateKey = %q", got)
-	}
 	old := EtcdAppliedState{Client: cli, Key: AppliedStatePrefix + "a"}
 	if err := old.Save(ctx, &AppliedState{Version: AppliedStateVersion, ConfigHash: "sha256:old"}); err != nil {
 		t.Fatal(err)
 	}
-	state := EtcdAppliedState{Client: cli, Key: AppliedStateKey("/rekey-kube", "a"), Fallback: AppliedStatePrefix + "a"}
+	state := EtcdAppliedState{Client: cli, Key: coordination.AppliedState("/rekey-kube", "a"), Fallback: AppliedStatePrefix + "a"}
 	got, err := state.Load(ctx)
 	if err != nil || got == nil || got.ConfigHash != "sha256:old" {
 		t.Fatalf("Load before the first save at the new key = %+v, %v; want the old key's state", got, err)
@@ -34,7 +32,7 @@ func TestEtcdAppliedStateFallsBackToTheOldKey(t *testing.T) {
 	if got, err = state.Load(ctx); err != nil || got == nil || got.ConfigHash != "sha256:new" {
 		t.Fatalf("Load after a save = %+v, %v; want the new key's state", got, err)
 	}
-	none := EtcdAppliedState{Client: cli, Key: AppliedStateKey("/rekey-kube", "b"), Fallback: AppliedStatePrefix + "b"}
+	none := EtcdAppliedState{Client: cli, Key: coordination.AppliedState("/rekey-kube", "b"), Fallback: AppliedStatePrefix + "b"}
 	if got, err = none.Load(ctx); err != nil || got != nil {
 		t.Fatalf("Load with neither key = %+v, %v; want none", got, err)
 	}

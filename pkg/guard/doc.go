@@ -24,11 +24,12 @@
 //
 // The checks above compare configurations in memory; CheckStartup closes the way
 // around them through a restart. An AppliedState (key fingerprints, never keys) of
-// every applied configuration is kept in etcd (EtcdAppliedState, AppliedStateKey: under
-// the coordination prefix) or a file (FileAppliedState), and before serving the configuration on
-// disk is checked against it (CheckApplied, then CheckDecrypt):
+// every applied configuration is kept in etcd (EtcdAppliedState, at
+// coordination.AppliedState under the coordination prefix) or a file
+// (FileAppliedState), and before serving the configuration on disk is checked against
+// it (CheckApplied, then CheckDecrypt):
 //
-//	state := guard.EtcdAppliedState{Client: etcdClient, Key: guard.AppliedStateKey("/rekey", apiserverID),
+//	state := guard.EtcdAppliedState{Client: etcdClient, Key: coordination.AppliedState("/rekey", apiserverID),
 //		Fallback: guard.AppliedStatePrefix + apiserverID}
 //	err := guard.CheckStartup(ctx, guard.StartupOptions{State: state, Config: agent.ActiveConfig(),
 //		Client: etcdClient, Source: migrate.FromRules(agent, agent.Rules), Resources: resources,

@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/storagelayout"
@@ -307,7 +308,7 @@ func (f *Flags) Validate() []error {
 	}
 	errs = append(errs, ValidateStorageMigrationSpace(f.StorageMigrationEtcdQuotaBytes, f.StorageMigrationMaxDBFraction)...)
 	if f.ClusterCoordination && f.Rekey() && f.APIServerID != "" {
-		if err := cluster.ValidateID(f.APIServerID); err != nil {
+		if err := coordination.ValidateID(f.APIServerID); err != nil {
 			errs = append(errs, err)
 		}
 	}

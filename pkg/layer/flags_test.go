@@ -8,6 +8,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
@@ -143,7 +144,7 @@ func TestDefaultCoordinationPrefix(t *testing.T) {
 		if got != want {
 			t.Errorf("DefaultCoordinationPrefix(%q) = %q, want %q", etcdPrefix, got, want)
 		}
-		if err := cluster.ValidatePrefix(got, etcdPrefix); etcdPrefix != "" && err != nil {
+		if err := coordination.ValidatePrefix(got, etcdPrefix); etcdPrefix != "" && err != nil {
 			t.Errorf("DefaultCoordinationPrefix(%q) = %q: %v", etcdPrefix, got, err)
 		}
 	}

@@ -41,6 +41,7 @@ import (
 
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/events"
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/migrate"
@@ -133,7 +134,7 @@ type Options struct {
 	BackupRetention time.Duration
 	// EncryptionStateFile keeps the applied state in a file instead of etcd.
 	EncryptionStateFile string
-	// StateID names the applied state in etcd (key guard.AppliedStateKey under the
+	// StateID names the applied state in etcd (key coordination.AppliedState under the
 	// coordination prefix, read from guard.AppliedStatePrefix + StateID when absent);
 	// it must be stable across restarts of the same apiserver.
 	StateID string
@@ -170,13 +171,13 @@ func (o *Options) Validate() error {
 		return nil
 	}
 	// The applied state lives under the coordination prefix with or without Cluster.
-	if err := cluster.ValidatePrefix(o.coordinationPrefix(), o.EtcdPrefix); err != nil {
+	if err := coordination.ValidatePrefix(o.coordinationPrefix(), o.EtcdPrefix); err != nil {
 		return err
 	}
 	if !o.Cluster {
 		return nil
 	}
-	return cluster.ValidateID(o.MemberID)
+	return coordination.ValidateID(o.MemberID)
 }
 
 // coordinationPrefix is CoordinationPrefix or its default.
@@ -451,7 +452,7 @@ func (l *Layer) kmsFactory() transformers.KMSFactory {
 }
 
 // CheckStart compares the configuration on disk with the state the last applied one
-// left in etcd (key guard.AppliedStateKey under the coordination prefix, or where an
+// left in etcd (key coordination.AppliedState under the coordination prefix, or where an
 // older version kept it, guard.AppliedStatePrefix + Options.StateID) or in
 // EncryptionStateFile, before the server serves: a configuration refused on reload, or
 // edited while the apiserver was down, must not be applied silently by a restart.
@@ -463,7 +464,7 @@ func (l *Layer) CheckStart(ctx context.Context) error {
 		return errors.New("encryption start-up check: no state id for the applied state in etcd (--encryption-state-id, or the apiserver's identity)")
 	}
 	var state guard.AppliedStateStore = guard.EtcdAppliedState{Client: l.client,
-		Key: guard.AppliedStateKey(l.opts.CoordinationPrefix, l.opts.StateID), Fallback: guard.AppliedStatePrefix + l.opts.StateID}
+		Key: coordination.AppliedState(l.opts.CoordinationPrefix, l.opts.StateID), Fallback: guard.AppliedStatePrefix + l.opts.StateID}
 	if l.opts.EncryptionStateFile != "" {
 		state = guard.FileAppliedState{Path: l.opts.EncryptionStateFile}
 	}
