@@ -8,8 +8,6 @@
 // It imports nothing of this module: every package that touches the prefix may import it.
 package coordination
 
-import "strings"
-
 // DefaultPrefix is the default coordination prefix (--coordination-prefix) for kube's
 // /registry resource prefix.
 const DefaultPrefix = "/rekey"
@@ -137,9 +135,8 @@ func AcknowledgedPrefix(prefix string) string { return prefix + acknowledgedDir 
 // lives: <prefix>/acknowledged/<resource>/<namespace>/<name>, or without the namespace
 // for a cluster-scoped object (namespace "").
 func Acknowledgement(prefix, resource, namespace, name string) string {
-	parts := []string{resource, name}
-	if namespace != "" {
-		parts = []string{resource, namespace, name}
+	if namespace == "" {
+		return AcknowledgedPrefix(prefix) + resource + "/" + name
 	}
-	return AcknowledgedPrefix(prefix) + strings.Join(parts, "/")
+	return AcknowledgedPrefix(prefix) + resource + "/" + namespace + "/" + name
 }
