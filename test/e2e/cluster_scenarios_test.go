@@ -476,7 +476,7 @@ func (b *clusterBed) trackHolds() *holdTracker {
 	go func() {
 		defer close(h.done)
 		for ctx.Err() == nil {
-			resp, err := b.cli.Get(ctx, b.coord+"/members/", clientv3.WithPrefix())
+			resp, err := b.cli.Get(ctx, testbed.MembersKey(b.coord, ""), clientv3.WithPrefix())
 			now := time.Now()
 			if err == nil {
 				for _, kv := range resp.Kvs {

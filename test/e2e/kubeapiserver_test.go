@@ -254,10 +254,11 @@ func TestKubeAPIServerWithRekey(t *testing.T) {
 	// Cluster coordination is on by default, as in the shim: the member key is published
 	// under the coordination prefix with kube-apiserver's etcd client flags, and the
 	// rekey-cluster check is on /readyz only.
-	members, err := cli.Get(ctx, coordinationPrefix(t)+"/members/", clientv3.WithPrefix())
+	membersDir := testbed.MembersKey(coordinationPrefix(t), "")
+	members, err := cli.Get(ctx, membersDir, clientv3.WithPrefix())
 	if err != nil || len(members.Kvs) != 1 || members.Kvs[0].Lease == 0 {
-		t.Errorf("member keys under %s/members/: %v %v, want one under a lease", coordinationPrefix(t), err, members)
-	} else if id := strings.TrimPrefix(string(members.Kvs[0].Key), coordinationPrefix(t)+"/members/"); !strings.HasPrefix(id, "apiserver-") {
+		t.Errorf("member keys under %s: %v %v, want one under a lease", membersDir, err, members)
+	} else if id := strings.TrimPrefix(string(members.Kvs[0].Key), membersDir); !strings.HasPrefix(id, "apiserver-") {
 		t.Errorf("member id %q, want kube-apiserver's identity apiserver-<hash>", id)
 	}
 	if code, body := get(t, s, "/readyz?verbose"); code != http.StatusOK || !strings.Contains(body, "[+]"+cluster.ReadyzCheckName+" ok") {
