@@ -10,6 +10,7 @@ import (
 	"github.com/rekey-io/rekey/internal/progress"
 	"github.com/rekey-io/rekey/pkg/layer"
 	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/migrate/pace"
 )
 
 func newMigrateCommand() *cobra.Command {
@@ -85,7 +86,7 @@ now (a rewrite of the object voids it), and the migration then verifies except i
 	c.addFlags(cmd.Flags())
 	fs := cmd.Flags()
 	fs.Float64Var(&o.Rate, "rate", 0, "Rewrite at most this many objects per second (0: no ceiling); below it the rate adapts to etcd's latency.")
-	o.Space = migrate.SpaceOptions{QuotaBytes: migrate.DefaultEtcdQuotaBytes, MaxFraction: migrate.DefaultMaxDBFraction}
+	o.Space = pace.SpaceOptions{QuotaBytes: pace.DefaultEtcdQuotaBytes, MaxFraction: pace.DefaultMaxDBFraction}
 	layer.AddStorageMigrationSpaceFlags(fs, &o.Space.QuotaBytes, &o.Space.MaxFraction)
 	fs.StringVar(&o.CheckpointPath, "checkpoint", "", "Record progress in this file so a stopped migration can be resumed.")
 	fs.BoolVar(&o.Resume, "resume", false, "Continue the migration recorded in --checkpoint.")

@@ -28,6 +28,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/testbed"
 	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/migrate/pace"
 )
 
 // measureCeilings measures etcd's own rate for the rewrite of the same n Secrets, each
@@ -99,7 +100,7 @@ func migrateWithoutAPIServer(ctx context.Context, progress io.Writer, dir string
 	start := time.Now()
 	// The quota is the bed's, as the shim's --storage-migration-etcd-quota-bytes says.
 	out, err := migrate.Migrate(ctx, migrate.Options{Client: b.cli, Source: migrate.FromSet(set), Resources: []migrate.Resource{migrate.ResourceFor(scalePrefix, secretsGR)},
-		Space: migrate.SpaceOptions{QuotaBytes: quota}})
+		Space: pace.SpaceOptions{QuotaBytes: quota}})
 	took := time.Since(start)
 	if err != nil {
 		return fmt.Errorf("migrating with no apiserver: %w", err)

@@ -10,7 +10,7 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
-	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/migrate/pace"
 )
 
 // MigrationState is what the migration leader keeps at <prefix>/migration/state: the
@@ -41,7 +41,7 @@ type Progress struct {
 	SlowedBy string `json:"slowedBy,omitempty"`
 	// Paused, when set, is the condition holding the migration: etcd's database near
 	// its quota or a NOSPACE alarm.
-	Paused *migrate.PauseState `json:"paused,omitempty"`
+	Paused *pace.PauseState `json:"paused,omitempty"`
 }
 
 // State publishing: while a migration runs, its progress is written every second;

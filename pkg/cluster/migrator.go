@@ -16,6 +16,7 @@ import (
 	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/events"
 	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/migrate/pace"
 )
 
 // MigratorOptions configure a Migrator.
@@ -37,10 +38,10 @@ type MigratorOptions struct {
 	Metrics   *migrate.Metrics
 	Rate      float64
 	// Space bounds how full the migration lets etcd's database get.
-	Space migrate.SpaceOptions
+	Space pace.SpaceOptions
 	// Pacing tunes the adaptive rate (its Ceiling is Rate): its Serving is this
 	// apiserver's own request latency.
-	Pacing migrate.PacingOptions
+	Pacing pace.Options
 	// ConfigHash returns the active configuration's hash (recorded in inventories).
 	ConfigHash func() string
 	// Members returns the live members; MembersChanged is closed when they change.

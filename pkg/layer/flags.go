@@ -13,6 +13,7 @@ import (
 	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/migrate/pace"
 	"github.com/rekey-io/rekey/pkg/storagelayout"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
@@ -127,7 +128,7 @@ type Flags struct {
 	StorageMigrationClientLatencyFactor float64
 	StorageMigrationMaxWatchLag         time.Duration
 	// StorageMigrationEtcdQuotaBytes and StorageMigrationMaxDBFraction: see
-	// migrate.SpaceOptions.
+	// pace.SpaceOptions.
 	StorageMigrationEtcdQuotaBytes int64
 	StorageMigrationMaxDBFraction  float64
 	StorageResources               []string
@@ -158,10 +159,10 @@ func NewFlags(d Defaults) Flags {
 		KMSSeedMaxWrites:                    kmsv2.DefaultSeedMaxWrites,
 		KMSDEKCacheIdle:                     kmsv2.DefaultDEKCacheIdle,
 		StorageMigration:                    d.StorageMigration,
-		StorageMigrationEtcdQuotaBytes:      migrate.DefaultEtcdQuotaBytes,
-		StorageMigrationMaxDBFraction:       migrate.DefaultMaxDBFraction,
-		StorageMigrationClientLatencyFactor: migrate.DefaultServingFactor,
-		StorageMigrationMaxWatchLag:         migrate.DefaultMaxWatchLag,
+		StorageMigrationEtcdQuotaBytes:      pace.DefaultEtcdQuotaBytes,
+		StorageMigrationMaxDBFraction:       pace.DefaultMaxDBFraction,
+		StorageMigrationClientLatencyFactor: pace.DefaultServingFactor,
+		StorageMigrationMaxWatchLag:         pace.DefaultMaxWatchLag,
 		StorageResources:                    d.StorageResources,
 		ClusterCoordination:                 true,
 		ClusterLeaseTTL:                     cluster.DefaultLeaseTTL,
@@ -353,7 +354,7 @@ func (f *Flags) ApplyTo(o *Options) error {
 	if o.StorageMigrationMaxWatchLag == 0 {
 		o.StorageMigrationMaxWatchLag = -1
 	}
-	o.StorageMigrationSpace = migrate.SpaceOptions{QuotaBytes: f.StorageMigrationEtcdQuotaBytes, MaxFraction: f.StorageMigrationMaxDBFraction}
+	o.StorageMigrationSpace = pace.SpaceOptions{QuotaBytes: f.StorageMigrationEtcdQuotaBytes, MaxFraction: f.StorageMigrationMaxDBFraction}
 	o.StorageCheckInterval = f.StorageCheckInterval
 	o.StorageInventoryInterval = f.StorageInventoryInterval
 	o.AllowDroppingKeysInUse = f.AllowDroppingKeysInUse

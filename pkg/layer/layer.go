@@ -45,6 +45,7 @@ import (
 	"github.com/rekey-io/rekey/pkg/events"
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/migrate/pace"
 	"github.com/rekey-io/rekey/pkg/reload"
 	"github.com/rekey-io/rekey/pkg/storagelayout"
 	"github.com/rekey-io/rekey/pkg/transformers"
@@ -108,14 +109,14 @@ type Options struct {
 	StorageMigration     bool
 	StorageMigrationRate float64
 	// StorageMigrationSpace bounds how full migrations let etcd's database get.
-	StorageMigrationSpace migrate.SpaceOptions
+	StorageMigrationSpace pace.SpaceOptions
 	// StorageMigrationClientLatencyFactor: migrations slow down while the apiserver
 	// answers its clients more than this many times slower than before (p99; see
-	// migrate.PacingOptions.ServingFactor). 0 leaves the clients' latency out.
+	// pace.Options.ServingFactor). 0 leaves the clients' latency out.
 	StorageMigrationClientLatencyFactor float64
 	// StorageMigrationMaxWatchLag: migrations slow down while the apiserver's watch
 	// cache of the resource is further behind their writes than this
-	// (migrate.PacingOptions.MaxWatchLag; 0: the default; negative: the watch cache
+	// (pace.Options.MaxWatchLag; 0: the default; negative: the watch cache
 	// is left out). Needs WatchCacheMetrics.
 	StorageMigrationMaxWatchLag time.Duration
 	// WatchCacheMetrics is where k8s.io/apiserver reports its watch caches'
@@ -215,7 +216,7 @@ type Layer struct {
 	keyIDs *kmsKeyIDs
 	// serving is how fast the apiserver answers its clients (AddServingLatency feeds
 	// it); migrations slow down when they slow it.
-	serving *migrate.ServingLatency
+	serving *pace.ServingLatency
 	// watchCache reads how far the apiserver's watch caches have got (nil: not known).
 	watchCache *watchCacheRevisions
 
@@ -237,8 +238,8 @@ type Layer struct {
 
 // pacing is how migrations adapt their rate: to etcd, and with the clients' latency
 // timed (AddServingLatency) to them too.
-func (l *Layer) pacing() migrate.PacingOptions {
-	p := migrate.PacingOptions{Serving: l.serving, ServingFactor: l.opts.StorageMigrationClientLatencyFactor, MaxWatchLag: l.opts.StorageMigrationMaxWatchLag}
+func (l *Layer) pacing() pace.Options {
+	p := pace.Options{Serving: l.serving, ServingFactor: l.opts.StorageMigrationClientLatencyFactor, MaxWatchLag: l.opts.StorageMigrationMaxWatchLag}
 	if l.watchCache != nil {
 		p.WatchCache = l.watchCache.Revision
 	}
@@ -282,7 +283,7 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 	o.layout() // set once, before any goroutine reads the options
 	l := &Layer{opts: o, client: cli, store: &migrate.InventoryStore{}, metrics: m, log: o.Logger, events: &events.Deferred{}}
 	if o.StorageMigrationClientLatencyFactor > 0 {
-		l.serving = migrate.NewServingLatency(nil)
+		l.serving = pace.NewServingLatency(nil)
 	}
 	if o.WatchCacheMetrics != nil && o.StorageMigrationMaxWatchLag >= 0 {
 		l.watchCache = newWatchCacheRevisions(o.WatchCacheMetrics, nil)

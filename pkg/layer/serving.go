@@ -10,7 +10,7 @@ import (
 
 // AddServingLatency makes the handler chain of c time every request it answers, so
 // that storage migrations slow down when they slow the apiserver's clients
-// (migrate.PacingOptions.Serving): on a control plane whose CPUs etcd, the apiserver
+// (pace.Options.Serving): on a control plane whose CPUs etcd, the apiserver
 // and the migration share, etcd can stay fast while the clients wait. Watches and
 // other long-running requests (c.LongRunningFunc) are not timed. Call it on the config
 // of the server that answers the clients: the only one in a single server, the

@@ -5,7 +5,7 @@ import (
 
 	"github.com/spf13/pflag"
 
-	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/migrate/pace"
 )
 
 // Flag names of a migration's space bounds: the layer and `rekey migrate` declare
@@ -31,10 +31,10 @@ func AddStorageMigrationSpaceFlags(fs *pflag.FlagSet, quotaBytes *int64, fractio
 func ValidateStorageMigrationSpace(quotaBytes int64, fraction float64) []error {
 	var errs []error
 	if quotaBytes < 0 {
-		errs = append(errs, fmt.Errorf("--%s=%d: must be the etcd members' --quota-backend-bytes (0: etcd's default, %d)", FlagStorageMigrationEtcdQuotaBytes, quotaBytes, int64(migrate.DefaultEtcdQuotaBytes)))
+		errs = append(errs, fmt.Errorf("--%s=%d: must be the etcd members' --quota-backend-bytes (0: etcd's default, %d)", FlagStorageMigrationEtcdQuotaBytes, quotaBytes, int64(pace.DefaultEtcdQuotaBytes)))
 	}
 	if fraction < 0 || fraction > 1 {
-		errs = append(errs, fmt.Errorf("--%s=%v: must be above 0 and at most 1 (0: the default, %v)", FlagStorageMigrationMaxDBFraction, fraction, migrate.DefaultMaxDBFraction))
+		errs = append(errs, fmt.Errorf("--%s=%v: must be above 0 and at most 1 (0: the default, %v)", FlagStorageMigrationMaxDBFraction, fraction, pace.DefaultMaxDBFraction))
 	}
 	return errs
 }

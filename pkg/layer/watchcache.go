@@ -18,7 +18,7 @@ const watchCacheRevisionMetric = "apiserver_watch_cache_resource_version"
 const watchCacheReadEvery = 250 * time.Millisecond
 
 // watchCacheRevisions tells migrations how far the apiserver's watch caches have got
-// (migrate.WatchCacheRevision). k8s.io/apiserver keeps no handle on its caches that an
+// (pace.WatchCacheRevision). k8s.io/apiserver keeps no handle on its caches that an
 // embedded layer could ask, but it reports their revisions as a metric; that is read.
 //
 // A gather runs every collector of the apiserver's registry, and some do I/O:

@@ -8,6 +8,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
+
+	"github.com/rekey-io/rekey/pkg/migrate/pace"
 )
 
 // Controller defaults.
@@ -40,11 +42,11 @@ type ControllerOptions struct {
 	InventoryInterval time.Duration
 	// Rate is the ceiling of the adaptive rewrite rate (objects/s); 0 is no ceiling.
 	Rate float64
-	// Space bounds how full migrations let etcd's database get (see SpaceOptions).
-	Space SpaceOptions
+	// Space bounds how full migrations let etcd's database get (see pace.SpaceOptions).
+	Space pace.SpaceOptions
 	// Pacing tunes the adaptive rate (its Ceiling is Rate): in an apiserver, its
 	// Serving is the apiserver's own request latency.
-	Pacing PacingOptions
+	Pacing pace.Options
 	// ConfigHash returns the active configuration's hash (recorded in inventories).
 	ConfigHash func() string
 	// CoordinationPrefix, when set, is where acknowledged unreadable objects are read

@@ -13,6 +13,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/apiserver/pkg/storage/value"
 	"k8s.io/utils/clock"
+
+	"github.com/rekey-io/rekey/pkg/migrate/pace"
 )
 
 // maxUnreadableSamples bounds how many keys of unreadable objects an inventory names.
@@ -160,8 +162,8 @@ type InventoryOptions struct {
 	Workers int
 	Clock   clock.PassiveClock
 	Metrics *Metrics
-	// pace, when set, paces the pages (a migration's verifying re-scan).
-	pace *readPacer
+	// readPacer, when set, paces the pages (a migration's verifying re-scan).
+	readPacer *pace.ReadPacer
 }
 
 // TakeInventory scans every resource at one etcd revision each and counts its objects
@@ -220,16 +222,16 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 	bound := newBucketBound(cl)
 	p := newPager(opts.Client, res, "", opts.PageSize, true).withPageBytes(opts.PageBytes)
 	var results []checkResult
-	if opts.pace != nil {
+	if opts.readPacer != nil {
 		total, err := countKeys(ctx, opts.Client, res)
 		if err != nil {
 			return nil, err
 		}
-		opts.pace.resource(total)
+		opts.readPacer.Resource(total)
 	}
 	last := 0
 	for {
-		if err := opts.pace.wait(ctx, last); err != nil {
+		if err := opts.readPacer.Wait(ctx, last); err != nil {
 			return nil, err
 		}
 		start := opts.Clock.Now()
@@ -251,7 +253,7 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 			}
 		}
 		// Paid for before the next page: reading and decrypting this one.
-		opts.pace.read(opts.Clock.Since(start), len(kvs))
+		opts.readPacer.Read(opts.Clock.Since(start), len(kvs))
 		for i, kv := range kvs {
 			b := cl.classify(kv.Value)
 			unreadable := !b.KnownKey

@@ -5,6 +5,8 @@ import (
 	"sync"
 
 	"k8s.io/component-base/metrics"
+
+	"github.com/rekey-io/rekey/pkg/migrate/pace"
 )
 
 // Metric results of rewritten objects.
@@ -76,8 +78,8 @@ func NewMetrics(reg metrics.KubeRegistry) (*Metrics, error) {
 		guardRefusals: metrics.NewCounter(&metrics.CounterOpts{Namespace: "rekey", Subsystem: "storage", Name: "guard_refusals_total", Help: "Configuration changes refused because they would drop a key that still encrypts stored data.", StabilityLevel: metrics.ALPHA}),
 		paused: metrics.NewGaugeVec(&metrics.GaugeOpts{
 			Namespace: "rekey", Subsystem: "storage", Name: "migration_paused",
-			Help: "1 while the storage migration is paused, by reason: " + PauseDBSize + " (etcd's database at --storage-migration-max-db-fraction of " +
-				"--storage-migration-etcd-quota-bytes), " + PauseNoSpace + " (etcd raised NOSPACE), " + PauseUnknown + " (etcd's size could not be read).",
+			Help: "1 while the storage migration is paused, by reason: " + pace.PauseDBSize + " (etcd's database at --storage-migration-max-db-fraction of " +
+				"--storage-migration-etcd-quota-bytes), " + pace.PauseNoSpace + " (etcd raised NOSPACE), " + pace.PauseUnknown + " (etcd's size could not be read).",
 			StabilityLevel: metrics.ALPHA,
 		}, []string{"reason"}),
 		allowedRate: gauge("migration_allowed_rate", "Objects per second the storage migration's adaptive pacing allows now; 0 is no limit."),
@@ -160,7 +162,7 @@ func (m *Metrics) setPaused(reason string) {
 	if m == nil {
 		return
 	}
-	for _, r := range []string{PauseDBSize, PauseNoSpace, PauseUnknown} {
+	for _, r := range []string{pace.PauseDBSize, pace.PauseNoSpace, pace.PauseUnknown} {
 		v := 0.0
 		if r == reason {
 			v = 1

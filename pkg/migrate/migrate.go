@@ -15,6 +15,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
+
+	"github.com/rekey-io/rekey/pkg/migrate/pace"
 )
 
 // Defaults of a migration.
@@ -35,14 +37,14 @@ type Options struct {
 	Source    Source
 	Resources []Resource
 	// Rate is the most objects rewritten per second; 0 means no ceiling. Below it the
-	// rate adapts to etcd's latency (see PacingOptions).
+	// rate adapts to etcd's latency (see pace.Options).
 	Rate float64
 	// Pacing tunes the adaptive rate (the zero value is the defaults); its Ceiling is
 	// Rate.
-	Pacing PacingOptions
+	Pacing pace.Options
 	// Space bounds how full the migration lets etcd's database get: it pauses before
 	// the fraction of the quota and resumes when compaction frees space.
-	Space SpaceOptions
+	Space pace.SpaceOptions
 	// PageSize and PageBytes bound one etcd range request: objects (DefaultPageSize)
 	// and bytes (DefaultPageBytes; see there how the byte bound is kept).
 	PageSize  int64
@@ -101,7 +103,7 @@ type Progress struct {
 	// Phase is "migrate" or "verify".
 	Phase string
 	// Paused, when its Reason is set, is why the migration does not write now.
-	Paused PauseState
+	Paused pace.PauseState
 	// AllowedRate is the objects per second the pacer allows now; 0 is no limit.
 	AllowedRate float64
 	// SlowedBy says why the pacer's rate is below where it started (etcd's latency or
@@ -130,8 +132,21 @@ type Result struct {
 	Acknowledged int64
 	// AllowedRate is the pacer's rate when the migration ended, in objects per second
 	// (+Inf: no limit): the next migration of the same rotation can resume from it
-	// (PacingOptions.ResumeRate).
+	// (pace.Options.ResumeRate).
 	AllowedRate float64
+}
+
+// newWriter paces the migration's transactions at most at opts.Rate; pauseChanged
+// resends the progress when etcd's room pauses or resumes the migration.
+func (m *migrator) newWriter(pauseChanged func()) *pace.Writer {
+	pacing := m.opts.Pacing
+	pacing.Ceiling = m.opts.Rate
+	return pace.NewWriter(pace.WriterOptions{
+		Client: m.opts.Client, Clock: m.opts.Clock, Logger: m.log,
+		Pacing: pacing, Space: m.opts.Space, MaxBatch: m.opts.BatchSize,
+		RecordRate: m.opts.Metrics.setAllowedRate, RecordPause: m.opts.Metrics.setPaused,
+		PauseChanged: pauseChanged,
+	})
 }
 
 // ErrNotFinished reports that a verifying re-scan still found stale or unreadable
@@ -161,7 +176,7 @@ func (c *counters) restore(s Counters) {
 type migrator struct {
 	opts   Options
 	log    klog.Logger
-	gentle *gentle
+	writer *pace.Writer
 	start  time.Time
 	c      counters
 
@@ -215,13 +230,13 @@ func Migrate(ctx context.Context, opts Options) (*Result, error) {
 	if opts.Rate > 0 && float64(opts.BatchSize) > opts.Rate {
 		m.opts.BatchSize = max(1, int(opts.Rate))
 	}
-	m.gentle = newGentle(m.opts, m.opts.BatchSize, m.log, m.resendProgress)
-	defer m.gentle.close()
+	m.writer = m.newWriter(m.resendProgress)
+	defer m.writer.Close()
 	opts.Metrics.setRunning(true)
 	defer opts.Metrics.setRunning(false)
 	res, err := m.run(ctx)
 	if res != nil {
-		_, res.AllowedRate, _ = m.gentle.state()
+		_, res.AllowedRate, _ = m.writer.State()
 	}
 	opts.Metrics.migrationDone(err, float64(opts.Clock.Now().UnixNano())/1e9)
 	return res, err
@@ -263,7 +278,7 @@ func (m *migrator) run(ctx context.Context) (*Result, error) {
 			Client: m.opts.Client, Source: m.opts.Source, Resources: m.opts.Resources,
 			PageSize: m.opts.PageSize, PageBytes: m.opts.PageBytes, DecryptCheck: true, ConfigHash: m.opts.ConfigHash,
 			CoordinationPrefix: m.opts.CoordinationPrefix, Clock: m.opts.Clock, Metrics: m.opts.Metrics,
-			pace: m.gentle.readPacer(),
+			readPacer: m.writer.ReadPacer(),
 		})
 		if err != nil {
 			return m.result(res), fmt.Errorf("verifying re-scan: %w", err)
@@ -327,7 +342,7 @@ func (m *migrator) report(p Progress) {
 	p.Counters = m.c.snapshot()
 	p.Elapsed = m.opts.Clock.Since(m.start)
 	var allowed float64
-	p.Paused, allowed, p.SlowedBy = m.gentle.state()
+	p.Paused, allowed, p.SlowedBy = m.writer.State()
 	if !math.IsInf(allowed, 1) {
 		p.AllowedRate = allowed
 	}
@@ -345,7 +360,7 @@ func (m *migrator) migrateResource(ctx context.Context, pass int, r Resource, fr
 		m.ckpt.LastKey = strings.TrimSuffix(from, "\x00")
 	}
 	tr := m.opts.Source.TransformerFor(r.GroupResource)
-	m.gentle.migrating(r.GroupResource)
+	m.writer.Migrating(r.GroupResource)
 	// Pages are read at the latest revision: the compare-and-swap on every write is
 	// what keeps a rewrite safe, and a long migration must survive the apiserver's
 	// periodic compaction.

@@ -118,7 +118,7 @@ func TestCommitConflicts(t *testing.T) {
 
 	newMigrator := func() *migrator {
 		m := &migrator{opts: Options{Client: cli, Source: FromSet(next), BatchSize: 8, Clock: clock.RealClock{}}, log: testLogger(t)}
-		m.gentle = newGentle(m.opts, m.opts.BatchSize, m.log, nil)
+		m.writer = m.newWriter(nil)
 		return m
 	}
 	stage := func(name string) (rewrite, string) {

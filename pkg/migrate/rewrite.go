@@ -64,7 +64,7 @@ func (m *migrator) handleChunk(ctx context.Context, tr value.Transformer, resour
 		}
 		batch = append(batch, rw)
 		size += int(rw.size())
-		if len(batch) >= m.gentle.batchLimit() {
+		if len(batch) >= m.writer.BatchLimit() {
 			if err := flush(); err != nil {
 				return err
 			}
@@ -142,7 +142,7 @@ func (m *migrator) commit(ctx context.Context, tr value.Transformer, resource st
 		puts[i] = putOp(rw)
 		size += rw.size()
 	}
-	resp, err := m.gentle.txn(ctx, len(batch), size, func(ctx context.Context) clientv3.Txn {
+	resp, err := m.writer.Txn(ctx, len(batch), size, func(ctx context.Context) clientv3.Txn {
 		return m.opts.Client.Txn(ctx).If(cmps...).Then(puts...)
 	})
 	if err != nil {
@@ -166,7 +166,7 @@ func (m *migrator) commit(ctx context.Context, tr value.Transformer, resource st
 func (m *migrator) commitOne(ctx context.Context, tr value.Transformer, resource string, rw rewrite) error {
 	key := string(rw.key)
 	for attempt := 0; attempt < maxConflictRetries; attempt++ {
-		resp, err := m.gentle.txn(ctx, 1, rw.size(), func(ctx context.Context) clientv3.Txn {
+		resp, err := m.writer.Txn(ctx, 1, rw.size(), func(ctx context.Context) clientv3.Txn {
 			return m.opts.Client.Txn(ctx).
 				If(clientv3.Compare(clientv3.ModRevision(key), "=", rw.modRev)).
 				Then(putOp(rw)).

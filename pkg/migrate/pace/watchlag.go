@@ -1,4 +1,4 @@
-package migrate
+package pace
 
 // How far the apiserver's watch cache is behind the migration, as a signal for the
 // pacer. Every object a migration rewrites is a watch event that the apiserver's cache

@@ -1,4 +1,4 @@
-package migrate
+package pace
 
 import (
 	"errors"
@@ -12,7 +12,10 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 )
 
-// TestGentleTranscripts runs testdata/pacing_*.txt and testdata/space_*.txt: the pacer
+// t0 is where the transcripts' and the tests' fake clocks start.
+var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+
+// TestPacingTranscripts runs testdata/pacing_*.txt and testdata/space_*.txt: the pacer
 // (adaptive rate) and the space gate as stories, with scripted latencies and etcd
 // readings and a clock that moves only when told. `-rewrite` rewrites the answers.
 //
@@ -38,33 +41,33 @@ import (
 //	                      moves the clock by D (default 0) and asks to write SIZE bytes,
 //	                      N times: each answer, the readings it needed, the room left
 //	refused               a write failed with NOSPACE
-func TestGentleTranscripts(t *testing.T) {
+func TestPacingTranscripts(t *testing.T) {
 	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
 		base := path[strings.LastIndex(path, "/")+1:]
 		if !strings.HasPrefix(base, "pacing_") && !strings.HasPrefix(base, "space_") {
 			t.Skip("not a pacing or space transcript")
 		}
-		h := &gentleHarness{now: t0}
+		h := &pacingHarness{now: t0}
 		datadriven.RunTest(t, path, func(t *testing.T, d *datadriven.TestData) string {
 			return h.run(t, d)
 		})
 	})
 }
 
-type gentleHarness struct {
+type pacingHarness struct {
 	now     time.Time
 	pacer   *pacer
 	gate    *spaceGate
 	reading etcdSpace
 }
 
-func (h *gentleHarness) at() string { return "+" + h.now.Sub(t0).String() }
+func (h *pacingHarness) at() string { return "+" + h.now.Sub(t0).String() }
 
-func (h *gentleHarness) run(t *testing.T, d *datadriven.TestData) string {
+func (h *pacingHarness) run(t *testing.T, d *datadriven.TestData) string {
 	var b strings.Builder
 	switch d.Cmd {
 	case "pacer":
-		var o PacingOptions
+		var o Options
 		var target, window, serving string
 		d.MaybeScanArgs(t, "serving", &serving)
 		d.MaybeScanArgs(t, "ceiling", &o.Ceiling)

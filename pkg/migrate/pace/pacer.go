@@ -1,4 +1,4 @@
-package migrate
+package pace
 
 // Adaptive pacing of a migration's writes: additive increase, multiplicative decrease
 // (AIMD, as TCP congestion control) on the latency of the migration's own etcd
@@ -71,8 +71,8 @@ const (
 	busyFraction = 0.8
 )
 
-// PacingOptions tune the pacer. The zero value is the defaults.
-type PacingOptions struct {
+// Options tune the pacer. The zero value is the defaults.
+type Options struct {
 	// Ceiling is the most objects per second ever allowed (--storage-migration-rate);
 	// 0 is no ceiling.
 	Ceiling float64
@@ -108,7 +108,7 @@ type PacingOptions struct {
 	ResumeRate float64
 }
 
-func (o PacingOptions) withDefaults() PacingOptions {
+func (o Options) withDefaults() Options {
 	if o.Window <= 0 {
 		o.Window = DefaultPacingWindow
 	}
@@ -154,7 +154,7 @@ func (o PacingOptions) withDefaults() PacingOptions {
 // start): starting at full speed would slow every client for the windows it takes to
 // halve down, and those seconds alone make a p99.
 type pacer struct {
-	opts PacingOptions
+	opts Options
 	rate float64
 	// target is opts.TargetLatency or the baseline's; 0 until the first judged window.
 	target time.Duration
@@ -201,7 +201,7 @@ type pacerVerdict struct {
 	Cause string
 }
 
-func newPacer(opts PacingOptions) *pacer {
+func newPacer(opts Options) *pacer {
 	opts = opts.withDefaults()
 	p := &pacer{opts: opts, rate: math.Inf(1), target: opts.TargetLatency}
 	if opts.Ceiling > 0 {

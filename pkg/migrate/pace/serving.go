@@ -1,4 +1,4 @@
-package migrate
+package pace
 
 // The apiserver's own request latency, as a signal for the pacer. On a control plane
 // whose CPUs are shared by etcd, the apiserver and the migration, etcd's transaction
@@ -37,7 +37,7 @@ const (
 // handler chain feeds it; see layer.Layer.AddServingLatency). Requests answered while
 // no migration writes make the baseline; those answered while one writes are handed to
 // its pacer, which slows the migration down when they are slower than the baseline
-// allows (PacingOptions.ServingFactor). Safe for concurrent use; a nil
+// allows (Options.ServingFactor). Safe for concurrent use; a nil
 // *ServingLatency records nothing.
 type ServingLatency struct {
 	clock clock.PassiveClock

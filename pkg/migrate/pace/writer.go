@@ -1,7 +1,7 @@
-package migrate
+package pace
 
 // The driver of the pacer and the space gate: every etcd transaction of a migration
-// goes through gentle.txn, which waits for room in etcd and for the pacer's rate,
+// goes through Writer.Txn, which waits for room in etcd and for the pacer's rate,
 // times the transaction and feeds the outcome back.
 
 import (
@@ -41,13 +41,36 @@ type PauseState struct {
 	Since     time.Time `json:"since,omitzero"`
 }
 
-type gentle struct {
-	client  *clientv3.Client
-	clock   clock.PassiveClock
-	log     klog.Logger
-	metrics *Metrics
-	// changed is called (without mu held) when the pause state changes.
-	changed func()
+// WriterOptions configure a Writer.
+type WriterOptions struct {
+	Client *clientv3.Client
+	Clock  clock.PassiveClock
+	Logger klog.Logger
+	// Pacing tunes the adaptive rate; its Ceiling is the most objects per second.
+	Pacing Options
+	Space  SpaceOptions
+	// MaxBatch is the most objects one transaction carries.
+	MaxBatch int
+	// RecordRate and RecordPause, when set, are told (with the writer's lock held,
+	// so in order) the rate allowed after every transaction and the pause reason
+	// whenever it changes: pkg/migrate's metrics.
+	RecordRate  func(objectsPerSecond float64)
+	RecordPause func(reason string)
+	// PauseChanged, when set, is called without the lock when the pause state
+	// changes: the caller's status may read State from it.
+	PauseChanged func()
+}
+
+// Writer paces a migration's etcd transactions: each waits for room in etcd's
+// database and for the rate the pacer allows, and its latency and outcome feed the
+// pacer. Safe for concurrent use by a migration's workers.
+type Writer struct {
+	client       *clientv3.Client
+	clock        clock.PassiveClock
+	log          klog.Logger
+	recordRate   func(float64)
+	recordPause  func(string)
+	pauseChanged func()
 
 	// serving is the apiserver's request latency (nil outside one); endServing ends
 	// this migration's writing there.
@@ -73,24 +96,31 @@ type gentle struct {
 	lag        watchLag
 }
 
-func newGentle(opts Options, burst int, log klog.Logger, changed func()) *gentle {
-	pacing := opts.Pacing
-	pacing.Ceiling = opts.Rate
-	g := &gentle{
-		client: opts.Client, clock: opts.Clock, log: log, metrics: opts.Metrics, changed: changed,
-		pacer: newPacer(pacing), gate: newSpaceGate(opts.Space), serving: pacing.Serving, watchCache: pacing.WatchCache,
+// NewWriter starts pacing a migration: from now until Close, the apiserver's
+// requests (Options.Serving) are judged against the baseline they made before.
+func NewWriter(opts WriterOptions) *Writer {
+	g := &Writer{
+		client: opts.Client, clock: opts.Clock, log: opts.Logger,
+		recordRate: opts.RecordRate, recordPause: opts.RecordPause, pauseChanged: opts.PauseChanged,
+		pacer: newPacer(opts.Pacing), gate: newSpaceGate(opts.Space), serving: opts.Pacing.Serving, watchCache: opts.Pacing.WatchCache,
+	}
+	if g.recordRate == nil {
+		g.recordRate = func(float64) {}
+	}
+	if g.recordPause == nil {
+		g.recordPause = func(string) {}
 	}
 	baseline, ok, end := g.serving.begin(servingQuantile)
 	g.endServing = end
 	if ok {
 		g.servingBaseline = baseline
 		g.pacer.SetServingBaseline(baseline)
-		log.V(2).Info("Storage migration paced by the apiserver's own request latency too", "baselineP99", baseline,
+		g.log.V(2).Info("Storage migration paced by the apiserver's own request latency too", "baselineP99", baseline,
 			"servingTarget", g.pacer.ServingTarget(), "startRate", g.pacer.Rate())
 	}
-	g.burst = burst
-	g.limiter = rate.NewLimiter(limitOf(g.pacer.Rate()), burstAt(g.pacer.Rate(), burst))
-	g.metrics.setAllowedRate(g.pacer.Rate())
+	g.burst = opts.MaxBatch
+	g.limiter = rate.NewLimiter(limitOf(g.pacer.Rate()), burstAt(g.pacer.Rate(), g.burst))
+	g.recordRate(g.pacer.Rate())
 	return g
 }
 
@@ -101,8 +131,8 @@ func limitOf(r float64) rate.Limit {
 	return rate.Limit(r)
 }
 
-// migrating says which resource the transactions from now on write.
-func (g *gentle) migrating(gr schema.GroupResource) {
+// Migrating says which resource the transactions from now on write.
+func (g *Writer) Migrating(gr schema.GroupResource) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.resource = gr
@@ -112,7 +142,7 @@ func (g *gentle) migrating(gr schema.GroupResource) {
 // observeWatchCache feeds the pacer how far the watch cache is behind a commit at
 // revision rev made at now: as far as its last reading showed, at the time of that
 // reading. Called with mu held: g.watchCache answers without waiting.
-func (g *gentle) observeWatchCache(rev int64, now time.Time) {
+func (g *Writer) observeWatchCache(rev int64, now time.Time) {
 	if g.watchCache == nil || rev == 0 {
 		return
 	}
@@ -124,14 +154,14 @@ func (g *gentle) observeWatchCache(rev int64, now time.Time) {
 	g.pacer.ObserveWatchLag(g.lag.lag(cache, at))
 }
 
-// close ends the migration's writing: requests answered from now on make the
+// Close ends the migration's writing: requests answered from now on make the
 // serving baseline again.
-func (g *gentle) close() { g.endServing() }
+func (g *Writer) Close() { g.endServing() }
 
-// batchLimit is how many objects one transaction should carry at the rate allowed
+// BatchLimit is how many objects one transaction should carry at the rate allowed
 // now: at most batchSpread's worth of it, so that a slow rate is spent evenly rather
 // than in bursts of a full batch that stall the clients' requests behind them.
-func (g *gentle) batchLimit() int {
+func (g *Writer) BatchLimit() int {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	return burstAt(g.pacer.Rate(), g.burst)
@@ -150,14 +180,14 @@ const readCost = 2
 // the budget takes.
 const verifyBudget = 4 * time.Minute
 
-// readPacer paces the pages of a migration's verifying re-scan inside an apiserver
+// ReadPacer paces the pages of a migration's verifying re-scan inside an apiserver
 // that has clients to protect: the re-scan of a million objects decrypts them all and
 // took the clients' p99 from tens to hundreds of milliseconds while it ran at full
 // speed. It is a pacer of its own (read latency is not transaction latency) that
 // resumes at readCost × the writes' last rate and judges the same clients' latency
 // against the same baseline. nil (no baseline: no clients) reads at full speed.
-type readPacer struct {
-	g       *gentle
+type ReadPacer struct {
+	g       *Writer
 	pacer   *pacer
 	limiter *rate.Limiter
 	// The resource being scanned: when it must be done by, and what is left of it.
@@ -165,9 +195,9 @@ type readPacer struct {
 	left     int64
 }
 
-// readPacer returns the pacing of a verifying re-scan, nil when there is no serving
+// ReadPacer returns the pacing of a verifying re-scan, nil when there is no serving
 // baseline.
-func (g *gentle) readPacer() *readPacer {
+func (g *Writer) ReadPacer() *ReadPacer {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.servingBaseline == 0 {
@@ -177,20 +207,20 @@ func (g *gentle) readPacer() *readPacer {
 	opts.Ceiling, opts.ResumeRate = 0, readCost*g.pacer.Rate()
 	p := newPacer(opts)
 	p.SetServingBaseline(g.servingBaseline)
-	return &readPacer{g: g, pacer: p, limiter: rate.NewLimiter(limitOf(p.Rate()), 1)}
+	return &ReadPacer{g: g, pacer: p, limiter: rate.NewLimiter(limitOf(p.Rate()), 1)}
 }
 
-// resource starts the scan of a resource of about total objects.
-func (r *readPacer) resource(total int64) {
+// Resource starts the scan of a resource of about total objects.
+func (r *ReadPacer) Resource(total int64) {
 	if r == nil {
 		return
 	}
 	r.deadline, r.left = r.g.clock.Now().Add(verifyBudget), total
 }
 
-// wait returns once the rate allows reading a page of objects objects (the page read
+// Wait returns once the rate allows reading a page of objects objects (the page read
 // before).
-func (r *readPacer) wait(ctx context.Context, objects int) error {
+func (r *ReadPacer) Wait(ctx context.Context, objects int) error {
 	if r == nil {
 		return nil
 	}
@@ -210,8 +240,8 @@ func (r *readPacer) wait(ctx context.Context, objects int) error {
 	return r.limiter.WaitN(ctx, objects)
 }
 
-// read feeds one page read of objects objects that took latency.
-func (r *readPacer) read(latency time.Duration, objects int) {
+// Read feeds one page read of objects objects that took latency.
+func (r *ReadPacer) Read(latency time.Duration, objects int) {
 	if r == nil {
 		return
 	}
@@ -238,15 +268,15 @@ func burstAt(r float64, most int) int {
 	return min(most, max(1, int(r*batchSpread.Seconds())))
 }
 
-// state is the pause state, the rate allowed now (+Inf: no limit) and why it is
+// State is the pause state, the rate allowed now (+Inf: no limit) and why it is
 // lower than it started ("": it is not).
-func (g *gentle) state() (PauseState, float64, string) {
+func (g *Writer) State() (PauseState, float64, string) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	return g.pause, g.pacer.Rate(), g.pacer.SlowedBy()
 }
 
-// txn commits the transaction build makes, writing objects objects of bytes bytes,
+// Txn commits the transaction build makes, writing objects objects of bytes bytes,
 // once etcd has room for it and the rate allows it. A write etcd refuses for lack of
 // space pauses the migration and is tried again when there is room.
 //
@@ -257,7 +287,7 @@ func (g *gentle) state() (PauseState, float64, string) {
 // etcdRetryFor, without counting as congestion. The compare-and-swap makes that safe:
 // an attempt etcd applied after all makes the next one a conflict, which the caller
 // handles as any conflict.
-func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func(context.Context) clientv3.Txn) (*clientv3.TxnResponse, error) {
+func (g *Writer) Txn(ctx context.Context, objects int, bytes int64, build func(context.Context) clientv3.Txn) (*clientv3.TxnResponse, error) {
 	var unavailableSince time.Time
 	backoff := etcdRetryBackoff
 	for {
@@ -311,7 +341,7 @@ func (g *gentle) txn(ctx context.Context, objects int, bytes int64, build func(c
 		}
 		g.limiter.SetLimit(limitOf(g.pacer.Rate()))
 		g.limiter.SetBurst(burstAt(g.pacer.Rate(), g.burst))
-		g.metrics.setAllowedRate(g.pacer.Rate())
+		g.recordRate(g.pacer.Rate())
 		g.mu.Unlock()
 		g.notify(changed)
 		if !noSpace {
@@ -375,7 +405,7 @@ func waitForTokens(ctx context.Context, l *rate.Limiter, n int) error {
 }
 
 // admit returns once the space gate lets bytes be written.
-func (g *gentle) admit(ctx context.Context, bytes int64) error {
+func (g *Writer) admit(ctx context.Context, bytes int64) error {
 	for {
 		g.mu.Lock()
 		d := g.gate.Admit(g.clock.Now(), bytes)
@@ -408,7 +438,7 @@ func (g *gentle) admit(ctx context.Context, bytes int64) error {
 
 // update reports a change of the gate's pause state in the log and the metric, and
 // whether the status must be told (notify, once mu is released).
-func (g *gentle) update(now time.Time) bool {
+func (g *Writer) update(now time.Time) bool {
 	reason := g.gate.Paused()
 	if reason == g.pause.Reason {
 		if reason != "" {
@@ -424,17 +454,17 @@ func (g *gentle) update(now time.Time) bool {
 			"dbSize", g.gate.last.DBSize, "dbSizeInUse", g.gate.last.DBSizeInUse, "quotaBytes", g.gate.opts.QuotaBytes)
 		g.pause = PauseState{Reason: reason, Condition: g.gate.Condition(), Since: now}
 	}
-	g.metrics.setPaused(reason)
+	g.recordPause(reason)
 	return true
 }
 
-func (g *gentle) notify(changed bool) {
-	if changed && g.changed != nil {
-		g.changed()
+func (g *Writer) notify(changed bool) {
+	if changed && g.pauseChanged != nil {
+		g.pauseChanged()
 	}
 }
 
-func (g *gentle) sleep(ctx context.Context, d time.Duration) error {
+func (g *Writer) sleep(ctx context.Context, d time.Duration) error {
 	var after <-chan time.Time
 	if c, ok := g.clock.(clock.Clock); ok {
 		after = c.After(d)

@@ -1,4 +1,4 @@
-package migrate
+package pace
 
 import (
 	"context"
@@ -7,7 +7,10 @@ import (
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"k8s.io/klog/v2/ktesting"
 	"k8s.io/utils/clock"
+
+	"github.com/rekey-io/rekey/internal/etcdtest"
 )
 
 // scriptedTxn fails Commit with the errors left in errs, one per attempt, then
@@ -37,12 +40,12 @@ func (s scriptedTxn) Commit() (*clientv3.TxnResponse, error) {
 // such error before, started over and crawled (a killed etcd leader made its migrate
 // stage ×3).
 func TestTxnTriesAgainWhileEtcdIsUnavailable(t *testing.T) {
-	cli := startEtcd(t)
-	g := newGentle(Options{Client: cli, Clock: clock.RealClock{}}, 8, testLogger(t), nil)
+	cli := etcdtest.Start(t).Client(t)
+	g := NewWriter(WriterOptions{Client: cli, Clock: clock.RealClock{}, MaxBatch: 8, Logger: ktesting.NewLogger(t, ktesting.NewConfig())})
 	rateBefore := g.pacer.Rate()
 	errs := []error{rpctypes.ErrTimeoutDueToLeaderFail, rpctypes.ErrLeaderChanged, context.DeadlineExceeded}
 	var attempts []context.Context
-	resp, err := g.txn(t.Context(), 1, 100, func(ctx context.Context) clientv3.Txn {
+	resp, err := g.Txn(t.Context(), 1, 100, func(ctx context.Context) clientv3.Txn {
 		return scriptedTxn{errs: &errs, attempts: &attempts, ctx: ctx}
 	})
 	if err != nil || resp == nil || !resp.Succeeded {
@@ -63,7 +66,7 @@ func TestTxnTriesAgainWhileEtcdIsUnavailable(t *testing.T) {
 	// A refusal is not unavailability: it is returned at once.
 	refused := errors.New("etcdserver: permission denied")
 	errs, attempts = []error{refused}, nil
-	if _, err := g.txn(t.Context(), 1, 100, func(ctx context.Context) clientv3.Txn {
+	if _, err := g.Txn(t.Context(), 1, 100, func(ctx context.Context) clientv3.Txn {
 		return scriptedTxn{errs: &errs, attempts: &attempts, ctx: ctx}
 	}); !errors.Is(err, refused) || len(attempts) != 1 {
 		t.Errorf("txn with a refusal = %v after %d attempts; want it returned after 1", err, len(attempts))

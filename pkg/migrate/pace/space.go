@@ -1,4 +1,4 @@
-package migrate
+package pace
 
 // Space awareness: every rewrite adds an etcd revision that stays in the database
 // until kube-apiserver's compaction (every 5 minutes) frees it. A fast migration can
@@ -27,8 +27,9 @@ const (
 	// the key index, the revision's metadata); room is counted at this many bytes per
 	// byte written, and measured again once it is used up.
 	writeOverhead = 2
-	// minRoomBytes: with less room than this, pause rather than write in slivers.
-	minRoomBytes = 2 * DefaultBatchBytes
+	// minRoomBytes: with less room than this, pause rather than write in slivers
+	// (two of pkg/migrate's largest transactions, its DefaultBatchBytes of 1 MiB).
+	minRoomBytes = 2 << 20
 	// readingLag: etcd reports the database size of its last backend commit (every
 	// 100 ms by default), so a reading may not show the writes of just before it.
 	// Room handed out this long before a reading is counted as used still.
