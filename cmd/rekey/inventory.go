@@ -9,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 func newInventoryCommand() *cobra.Command {
@@ -81,7 +82,7 @@ func writeTable(w io.Writer, inv *migrate.Inventory) {
 	for _, r := range inv.Resources {
 		for _, b := range r.Buckets {
 			key := b.Key
-			if key == "" && b.Provider != migrate.ProviderIdentity {
+			if key == "" && b.Provider != transformers.ProviderIdentity {
 				key = "?"
 			}
 			if !b.KnownKey {

@@ -29,8 +29,8 @@ type etcdCheckpoints struct {
 var _ migrate.CheckpointStore = (*etcdCheckpoints)(nil)
 
 // Load reads the checkpoint; none is (nil, nil).
-func (e *etcdCheckpoints) Load() (*migrate.Checkpoint, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), etcdTimeout)
+func (e *etcdCheckpoints) Load(ctx context.Context) (*migrate.Checkpoint, error) {
+	ctx, cancel := context.WithTimeout(ctx, etcdTimeout)
 	defer cancel()
 	resp, err := e.Client.Get(ctx, e.Key)
 	if err != nil {

@@ -200,14 +200,14 @@ func TestEtcdCheckpointsGuardedByLeadership(t *testing.T) {
 	ctx := context.Background()
 	lk, guard := holdLeaderKey(t, cli)
 	store := &etcdCheckpoints{Client: cli, Key: coordination.MigrationCheckpoint(DefaultPrefix), Guard: guard}
-	if c, err := store.Load(); c != nil || err != nil {
+	if c, err := store.Load(context.Background()); c != nil || err != nil {
 		t.Fatalf("empty store: %v %v", c, err)
 	}
 	want := &migrate.Checkpoint{Resource: "secrets", LastKey: "/registry/secrets/ns/s10", Done: []string{"configmaps"}}
 	if err := store.Save(want); err != nil {
 		t.Fatal(err)
 	}
-	got, err := store.Load()
+	got, err := store.Load(context.Background())
 	if err != nil || got.LastKey != want.LastKey || got.Resource != "secrets" || len(got.Done) != 1 {
 		t.Fatalf("loaded %+v, %v", got, err)
 	}
@@ -217,13 +217,13 @@ func TestEtcdCheckpointsGuardedByLeadership(t *testing.T) {
 	if err := store.Save(&migrate.Checkpoint{LastKey: "/registry/secrets/ns/s99"}); !errors.Is(err, ErrNotLeader) {
 		t.Fatalf("save after losing leadership = %v, want ErrNotLeader", err)
 	}
-	if got, _ := store.Load(); got.LastKey != want.LastKey {
+	if got, _ := store.Load(context.Background()); got.LastKey != want.LastKey {
 		t.Fatalf("a deposed leader overwrote the checkpoint: %+v", got)
 	}
 	if _, err := cli.Put(ctx, store.Key, "{not json"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := store.Load(); err == nil {
+	if _, err := store.Load(context.Background()); err == nil {
 		t.Fatal("a corrupt checkpoint loaded without error")
 	}
 }
@@ -263,7 +263,7 @@ func TestLeaderKilledMidMigrationAnotherResumes(t *testing.T) {
 	if done >= n {
 		t.Fatalf("the migration finished before the leader stopped (%d objects); slow it down", done)
 	}
-	ck, err := (&etcdCheckpoints{Client: cli, Key: coordination.MigrationCheckpoint(DefaultPrefix)}).Load()
+	ck, err := (&etcdCheckpoints{Client: cli, Key: coordination.MigrationCheckpoint(DefaultPrefix)}).Load(context.Background())
 	// (The checkpoint moves past a page only once all of it is handled; these objects
 	// fit one page, so progress shows in the counters.)
 	if err != nil || ck == nil || ck.Completed || ck.Resource != "secrets" || ck.Counters.Rewritten == 0 {

@@ -97,7 +97,7 @@ func TestCheckChange(t *testing.T) {
 			cur:  withKMS("plug2", "aesgcm:key1", "identity"), next: strings.Replace(withKMS("plug2", "aesgcm:key1", "identity"), kmsYAML("plug2"), kmsYAML("plug3"), 1),
 			inv: func() *migrate.Inventory {
 				inv := guardInventory("k8s:enc:kms:v2:plug2:", map[string]int64{})
-				inv.Resources[0].Buckets = []migrate.Count{{Bucket: migrate.Bucket{Provider: migrate.ProviderKMSv2, Key: "plug", Prefix: kms, KeyIDHash: "sha256:ab"}, Objects: 4}}
+				inv.Resources[0].Buckets = []migrate.Count{{Bucket: migrate.Bucket{Provider: transformers.ProviderKMSv2, Key: "plug", Prefix: kms, KeyIDHash: "sha256:ab"}, Objects: 4}}
 				return inv
 			}(),
 			want: []string{`kms provider "plug2"`},
@@ -260,7 +260,7 @@ func TestCheckChangeJudgesNewRules(t *testing.T) {
 	// With an inventory that counts plaintext configmaps the count is named.
 	inv := guardInventory(k1, map[string]int64{k1: 10})
 	inv.Resources = append(inv.Resources, migrate.ResourceInventory{Resource: "configmaps", KeyPrefix: "/registry/configmaps/", Objects: 7,
-		Buckets: []migrate.Count{{Bucket: migrate.Bucket{Provider: migrate.ProviderIdentity, KnownKey: true}, Objects: 7}}})
+		Buckets: []migrate.Count{{Bucket: migrate.Bucket{Provider: transformers.ProviderIdentity, KnownKey: true}, Objects: 7}}})
 	vs := CheckChange(inv, enctest.MustConfig(t, cases[2].cur), enctest.MustConfig(t, cases[2].next))
 	if len(vs) != 1 || !strings.Contains(vs[0].String(), "configmaps: 7 objects are stored under plaintext (identity)") {
 		t.Fatalf("violations = %q, want configmaps' 7 plaintext objects", vs)

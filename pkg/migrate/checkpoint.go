@@ -1,11 +1,9 @@
 package migrate
 
 import (
+	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"io/fs"
-	"os"
 	"time"
 
 	"github.com/rekey-io/rekey/internal/atomicfile"
@@ -36,25 +34,6 @@ type Checkpoint struct {
 	Completed bool      `json:"completed"`
 	Counters  Counters  `json:"counters"`
 	UpdatedAt time.Time `json:"updatedAt"`
-}
-
-// ReadCheckpoint reads the checkpoint at path; a missing file returns (nil, nil).
-func ReadCheckpoint(path string) (*Checkpoint, error) {
-	data, err := os.ReadFile(path)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("reading migration checkpoint: %w", err)
-	}
-	var c Checkpoint
-	if err := json.Unmarshal(data, &c); err != nil {
-		return nil, fmt.Errorf("migration checkpoint %q is not valid JSON (%v); delete it to start the migration over", path, err)
-	}
-	if c.Version != checkpointVersion {
-		return nil, fmt.Errorf("migration checkpoint %q has format version %d, this rekey reads %d; delete it to start the migration over", path, c.Version, checkpointVersion)
-	}
-	return &c, nil
 }
 
 // writeCheckpoint replaces the file at path atomically and durably
@@ -93,7 +72,7 @@ func sameTargets(a, b map[string]writeTarget) bool {
 	return true
 }
 
-func (m *migrator) loadCheckpoint() error {
+func (m *migrator) loadCheckpoint(ctx context.Context) error {
 	targets := m.targets()
 	m.ckpt = &Checkpoint{Targets: targets}
 	store := m.checkpoints()
@@ -101,7 +80,7 @@ func (m *migrator) loadCheckpoint() error {
 		return nil
 	}
 	path := store.String()
-	old, err := store.Load()
+	old, err := store.Load(ctx)
 	if err != nil {
 		return err
 	}

@@ -1,8 +1,13 @@
 package migrate
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io/fs"
+	"os"
+	"strconv"
 )
 
 // CheckpointStore keeps a migration's checkpoint somewhere other than CheckpointPath's
@@ -10,21 +15,30 @@ import (
 // dead one stopped. Load returns (nil, nil) when there is none. String names the
 // place for messages.
 type CheckpointStore interface {
-	Load() (*Checkpoint, error)
+	Load(ctx context.Context) (*Checkpoint, error)
 	Save(*Checkpoint) error
 	String() string
 }
 
-// FileCheckpoints is the CheckpointStore of a file, the same as Options.CheckpointPath.
-type FileCheckpoints string
+// fileCheckpoints is the CheckpointStore of the file at Options.CheckpointPath.
+type fileCheckpoints string
 
 // Load reads the file; a missing one is (nil, nil).
-func (f FileCheckpoints) Load() (*Checkpoint, error) { return ReadCheckpoint(string(f)) }
+func (f fileCheckpoints) Load(context.Context) (*Checkpoint, error) {
+	data, err := os.ReadFile(string(f))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("reading migration checkpoint: %w", err)
+	}
+	return DecodeCheckpoint(data, strconv.Quote(string(f)))
+}
 
 // Save replaces the file atomically.
-func (f FileCheckpoints) Save(c *Checkpoint) error { return writeCheckpoint(string(f), c) }
+func (f fileCheckpoints) Save(c *Checkpoint) error { return writeCheckpoint(string(f), c) }
 
-func (f FileCheckpoints) String() string { return string(f) }
+func (f fileCheckpoints) String() string { return string(f) }
 
 // EncodeCheckpoint returns c in the checkpoint file's JSON format (for stores that are
 // not files).
@@ -52,7 +66,7 @@ func (m *migrator) checkpoints() CheckpointStore {
 		return m.opts.Checkpoints
 	}
 	if m.opts.CheckpointPath != "" {
-		return FileCheckpoints(m.opts.CheckpointPath)
+		return fileCheckpoints(m.opts.CheckpointPath)
 	}
 	return nil
 }

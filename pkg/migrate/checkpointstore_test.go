@@ -14,7 +14,7 @@ type memCheckpoints struct {
 	loads, saves int
 }
 
-func (m *memCheckpoints) Load() (*Checkpoint, error) {
+func (m *memCheckpoints) Load(context.Context) (*Checkpoint, error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.loads++
@@ -57,7 +57,7 @@ func TestMigrateWithCheckpointStore(t *testing.T) {
 	if !errors.Is(err, context.Canceled) {
 		t.Fatalf("first run: %v, want context.Canceled", err)
 	}
-	c, _ := store.Load()
+	c, _ := store.Load(context.Background())
 	if c == nil || c.Resource != "secrets" || c.LastKey == "" || c.Completed || store.saves == 0 {
 		t.Fatalf("store after the stop: %+v (saves %d)", c, store.saves)
 	}
@@ -68,7 +68,7 @@ func TestMigrateWithCheckpointStore(t *testing.T) {
 	if res.Scanned >= 400+400 || res.Rewritten != 400 {
 		t.Fatalf("resumed run: scanned %d, rewritten %d; want it to continue after the checkpoint", res.Scanned, res.Rewritten)
 	}
-	if c, _ := store.Load(); c == nil || !c.Completed {
+	if c, _ := store.Load(context.Background()); c == nil || !c.Completed {
 		t.Fatalf("store after the resumed run: %+v, want completed", c)
 	}
 }

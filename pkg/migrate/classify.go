@@ -11,17 +11,6 @@ import (
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/wire"
 )
 
-// Provider names used in inventories and metrics; pkg/transformers owns them.
-const (
-	ProviderIdentity  = transformers.ProviderIdentity
-	ProviderAESGCM    = transformers.ProviderAESGCM
-	ProviderAESCBC    = transformers.ProviderAESCBC
-	ProviderSecretbox = transformers.ProviderSecretbox
-	ProviderKMSv2     = transformers.ProviderKMSv2
-	ProviderKMSv1     = transformers.ProviderKMSv1
-	ProviderUnknown   = transformers.ProviderUnknown
-)
-
 const (
 	encryptedMarker = transformers.EncryptedMarker
 	// maxGuessedKeyName bounds how far a key name is looked for in a value whose key the
@@ -150,7 +139,7 @@ func newClassifier(rule transformers.RuleInfo, known []string) *classifier {
 // bucket; callers aggregate buckets by value.
 func (c *classifier) classify(v []byte) Bucket {
 	if !bytes.HasPrefix(v, []byte(encryptedMarker)) {
-		b := Bucket{Provider: ProviderIdentity, KnownKey: c.readable[""]}
+		b := Bucket{Provider: transformers.ProviderIdentity, KnownKey: c.readable[""]}
 		b.Stale = c.target.Prefix != ""
 		return b
 	}
@@ -166,7 +155,7 @@ func (c *classifier) classify(v []byte) Bucket {
 		b.Prefix = guessPrefix(v)
 	}
 	b.Provider, b.Key = transformers.SplitPrefix(b.Prefix)
-	if b.Provider == ProviderKMSv2 {
+	if b.Provider == transformers.ProviderKMSv2 {
 		var o wire.Object
 		var annos [wire.MaxInlineAnnotations]wire.Annotation
 		if _, err := wire.Decode(v[len(b.Prefix):], &o, annos[:]); err == nil {
@@ -189,7 +178,7 @@ func (c *classifier) stale(b Bucket) bool {
 	if b.Prefix != c.target.Prefix {
 		return true
 	}
-	if b.Provider != ProviderKMSv2 {
+	if b.Provider != transformers.ProviderKMSv2 {
 		return false
 	}
 	if c.target.KeyIDHash != "" && b.KeyIDHash != c.target.KeyIDHash {

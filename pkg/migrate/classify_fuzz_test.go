@@ -27,7 +27,7 @@ func FuzzClassify(f *testing.F) {
 	f.Add(storedObject("plain"))
 	f.Add([]byte(`{"apiVersion":"v1","kind":"Secret"}`))
 	f.Add([]byte{0xd9, 0xd9, 0xf7, 0xa1, 0x61, 0x61, 0x01})
-	providers := map[string]bool{ProviderIdentity: true, ProviderAESGCM: true, ProviderAESCBC: true, ProviderSecretbox: true, ProviderKMSv2: true, ProviderKMSv1: true, ProviderUnknown: true}
+	providers := map[string]bool{transformers.ProviderIdentity: true, transformers.ProviderAESGCM: true, transformers.ProviderAESCBC: true, transformers.ProviderSecretbox: true, transformers.ProviderKMSv2: true, transformers.ProviderKMSv1: true, transformers.ProviderUnknown: true}
 	f.Fuzz(func(t *testing.T, v []byte) {
 		_ = checkStoredObject(v)
 		b := cl.classify(v)
@@ -38,7 +38,7 @@ func FuzzClassify(f *testing.F) {
 			t.Fatalf("prefix %q is not a prefix of the value", b.Prefix)
 		}
 		encrypted := bytes.HasPrefix(v, []byte(encryptedMarker))
-		if (b.Provider == ProviderIdentity) == encrypted || (b.Prefix == "") == encrypted {
+		if (b.Provider == transformers.ProviderIdentity) == encrypted || (b.Prefix == "") == encrypted {
 			t.Fatalf("value encrypted=%v classified as %+v", encrypted, b)
 		}
 		configured := false
@@ -51,7 +51,7 @@ func FuzzClassify(f *testing.F) {
 		}
 		if b.KeyIDHash != "" {
 			h, ok := strings.CutPrefix(b.KeyIDHash, "sha256:")
-			if _, err := hex.DecodeString(h); !ok || err != nil || len(h) != 64 || b.Provider != ProviderKMSv2 {
+			if _, err := hex.DecodeString(h); !ok || err != nil || len(h) != 64 || b.Provider != transformers.ProviderKMSv2 {
 				t.Fatalf("key id hash %q for provider %s", b.KeyIDHash, b.Provider)
 			}
 		}

@@ -5,6 +5,8 @@ package migrate
 import (
 	"fmt"
 	"strings"
+
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 func unreadableSample(inv *Inventory) string {
@@ -59,14 +61,14 @@ func (b Bucket) Describe() string {
 		return fmt.Sprintf("%s values under further keys or key ids (an inventory lists at most %d distinct buckets per resource)", b.Provider, MaxBucketsPerResource)
 	}
 	switch b.Provider {
-	case ProviderIdentity:
+	case transformers.ProviderIdentity:
 		return "plaintext (identity)"
-	case ProviderKMSv2:
+	case transformers.ProviderKMSv2:
 		if b.KeyIDHash != "" {
 			return fmt.Sprintf("kms provider %q key id %s", b.Key, b.KeyIDHash)
 		}
 		return fmt.Sprintf("kms provider %q (undecodable EncryptedObject)", b.Key)
-	case ProviderKMSv1:
+	case transformers.ProviderKMSv1:
 		// KMS v1 values carry no key id: the provider name is all they say.
 		return fmt.Sprintf("kms v1 provider %q", b.Key)
 	}

@@ -15,6 +15,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/rekey-io/rekey/pkg/migrate/pace"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // maxUnreadableSamples bounds how many keys of unreadable objects an inventory names.
@@ -281,7 +282,7 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 			}
 			c.Objects++
 			c.Bytes += int64(len(kv.Value))
-			if b.Provider == ProviderKMSv2 && b.KeyIDHash != "" && (c.SampleKey == "" || unreadableSample[b] && !unreadable) {
+			if b.Provider == transformers.ProviderKMSv2 && b.KeyIDHash != "" && (c.SampleKey == "" || unreadableSample[b] && !unreadable) {
 				// A readable sample is preferred: an unreadable one (acknowledged, say)
 				// would make the decrypt guard blame a plugin for what no plugin reads.
 				c.SampleKey = string(kv.Key)
@@ -291,7 +292,7 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 			if b.Stale && !unreadable {
 				ri.Stale++
 			}
-			if b.Provider == ProviderIdentity {
+			if b.Provider == transformers.ProviderIdentity {
 				ri.Plaintext++
 			}
 			if unreadable {

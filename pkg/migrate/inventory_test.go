@@ -10,6 +10,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"google.golang.org/protobuf/encoding/protowire"
 	"k8s.io/component-base/metrics"
+
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // kmsValue hand-encodes a stored KMS v2 value: prefix ‖ protobuf EncryptedObject.
@@ -86,10 +88,10 @@ func TestInventoryCountsPerProviderKeyAndState(t *testing.T) {
 			kmsB = b
 		}
 	}
-	if ghost == nil || ghost.KnownKey || ghost.Objects != 3 || ghost.Provider != ProviderAESGCM {
+	if ghost == nil || ghost.KnownKey || ghost.Objects != 3 || ghost.Provider != transformers.ProviderAESGCM {
 		t.Errorf("ghost bucket = %+v, want 3 aesgcm objects under unknown key ghost", ghost)
 	}
-	if kmsA == nil || kmsA.Objects != 4 || kmsA.Key != "plug" || kmsA.Provider != ProviderKMSv2 || kmsA.DEKSourceType != "HKDF_SHA256_XNONCE_AES_GCM_SEED" {
+	if kmsA == nil || kmsA.Objects != 4 || kmsA.Key != "plug" || kmsA.Provider != transformers.ProviderKMSv2 || kmsA.DEKSourceType != "HKDF_SHA256_XNONCE_AES_GCM_SEED" {
 		t.Errorf("kms key-a bucket = %+v, want 4 objects of provider plug", kmsA)
 	}
 	if kmsB == nil || kmsB.Objects != 1 {

@@ -251,7 +251,7 @@ func (m *migrator) targets() map[string]writeTarget {
 }
 
 func (m *migrator) run(ctx context.Context) (*Result, error) {
-	if err := m.loadCheckpoint(); err != nil {
+	if err := m.loadCheckpoint(ctx); err != nil {
 		return nil, err
 	}
 	res := &Result{}

@@ -230,7 +230,7 @@ func TestMigrateResumesFromCheckpoint(t *testing.T) {
 	if !errors.Is(err, context.Canceled) {
 		t.Fatalf("first run: err = %v, want context.Canceled", err)
 	}
-	c, err := ReadCheckpoint(ckpt)
+	c, err := fileCheckpoints(ckpt).Load(context.Background())
 	if err != nil || c == nil || c.Resource != "secrets" || c.LastKey == "" || c.Completed {
 		t.Fatalf("checkpoint after the stop = %+v, %v", c, err)
 	}
@@ -266,7 +266,7 @@ func TestMigrateResumesFromCheckpoint(t *testing.T) {
 	if res.Scanned >= 1000+1200 || res.Scanned < 1200 {
 		t.Fatalf("scanned over both runs = %d; a resume from %q should not rescan the first half", res.Scanned, stoppedAt)
 	}
-	c, _ = ReadCheckpoint(ckpt)
+	c, _ = fileCheckpoints(ckpt).Load(context.Background())
 	if c == nil || !c.Completed {
 		t.Fatalf("checkpoint after success = %+v, want completed", c)
 	}
@@ -360,7 +360,7 @@ func TestMigrateKMSv1ToTheWriteKey(t *testing.T) {
 		t.Fatalf("inventory: %d stale KMS v1 values (total stale %d), want 60: %+v", n, inv.TotalStale(), s.Buckets)
 	}
 	for _, b := range s.Buckets {
-		if b.Provider == ProviderKMSv1 && (!b.KnownKey || b.Describe() != `kms v1 provider "old"`) {
+		if b.Provider == transformers.ProviderKMSv1 && (!b.KnownKey || b.Describe() != `kms v1 provider "old"`) {
 			t.Fatalf("KMS v1 bucket %+v (%q)", b, b.Describe())
 		}
 	}

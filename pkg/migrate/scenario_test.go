@@ -321,7 +321,7 @@ func TestRotationScenario(t *testing.T) {
 			t.Fatalf("final %s: %d stale, %d unreadable", r.Resource, r.Stale, r.Unreadable)
 		}
 		for _, b := range r.Buckets {
-			if b.Prefix != r.WritePrefix || (b.Provider == ProviderKMSv2 && b.KeyIDHash != newHash) {
+			if b.Prefix != r.WritePrefix || (b.Provider == transformers.ProviderKMSv2 && b.KeyIDHash != newHash) {
 				t.Fatalf("final %s: %d objects under %s %s", r.Resource, b.Objects, b.Prefix, b.KeyIDHash)
 			}
 		}

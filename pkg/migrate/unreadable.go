@@ -3,6 +3,8 @@ package migrate
 import (
 	"errors"
 	"strings"
+
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // MaxUnreadableListed bounds how many unreadable objects one resource's inventory
@@ -68,7 +70,7 @@ func ObjectKey(res Resource, namespace, name string) string {
 // without one.
 func storedPrefixName(b Bucket) string {
 	if b.Prefix == "" {
-		return ProviderIdentity
+		return transformers.ProviderIdentity
 	}
 	return b.Prefix
 }
@@ -82,7 +84,7 @@ func unreadableClass(b Bucket, readable bool, decryptErr error) string {
 		return ClassNotAnObject
 	case !readable:
 		return ClassUnknownKey
-	case b.Provider == ProviderKMSv2 && b.KeyIDHash == "":
+	case b.Provider == transformers.ProviderKMSv2 && b.KeyIDHash == "":
 		return ClassCorrupt
 	default:
 		return ClassDecryptFailed
