@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
-	"sort"
 	"sync"
 	"time"
 
@@ -15,7 +14,6 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/rekey-io/rekey/pkg/migrate/pace"
-	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // maxUnreadableSamples bounds how many keys of unreadable objects an inventory names.
@@ -213,14 +211,13 @@ func loadAcknowledgements(ctx context.Context, cli *clientv3.Client, coordinatio
 	return LoadAcknowledgements(ctx, cli, coordinationPrefix)
 }
 
+// inventoryOf pages through res's key range at one revision and tallies every object;
+// the pages are paced when opts.readPacer is set.
 func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks Acknowledgements) (*ResourceInventory, error) {
 	rule := opts.Source.Rule(res.GroupResource)
 	cl := newClassifier(rule, opts.Source.KnownPrefixes())
 	tr := opts.Source.TransformerFor(res.GroupResource)
-	ri := &ResourceInventory{Resource: res.String(), KeyPrefix: res.KeyPrefix, Guessed: res.Guessed, WritePrefix: cl.target.Prefix, WriteKeyIDHash: cl.target.KeyIDHash}
-	counts := map[Bucket]*Count{}
-	unreadableSample := map[Bucket]bool{}
-	bound := newBucketBound(cl)
+	t := newTally(res, cl, acks, opts.DecryptCheck)
 	p := newPager(opts.Client, res, "", opts.PageSize, true).withPageBytes(opts.PageBytes)
 	var results []checkResult
 	if opts.readPacer != nil {
@@ -256,82 +253,14 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 		// Paid for before the next page: reading and decrypting this one.
 		opts.readPacer.Read(opts.Clock.Since(start), len(kvs))
 		for i, kv := range kvs {
-			b := cl.classify(kv.Value)
-			unreadable := !b.KnownKey
-			var decryptErr error
+			var check checkResult
 			if opts.DecryptCheck {
-				r := results[i]
-				unreadable, decryptErr = r.err != nil, r.err
-				if !unreadable {
-					// The transformers' verdict wins: it also sees providers that share
-					// a prefix, which the prefix alone cannot tell apart.
-					b.Stale = r.stale
-				}
+				check = results[i]
 			}
-			class := ""
-			if unreadable {
-				// Classified before admit: a collapsed bucket no longer has its prefix.
-				class = unreadableClass(b, cl.readable[b.Prefix], decryptErr)
-			}
-			listedPrefix := storedPrefixName(b)
-			b = bound.admit(b)
-			c := counts[b]
-			if c == nil {
-				c = &Count{Bucket: b}
-				counts[b] = c
-			}
-			c.Objects++
-			c.Bytes += int64(len(kv.Value))
-			if b.Provider == transformers.ProviderKMSv2 && b.KeyIDHash != "" && (c.SampleKey == "" || unreadableSample[b] && !unreadable) {
-				// A readable sample is preferred: an unreadable one (acknowledged, say)
-				// would make the decrypt guard blame a plugin for what no plugin reads.
-				c.SampleKey = string(kv.Key)
-				unreadableSample[b] = unreadable
-			}
-			ri.Objects++
-			if b.Stale && !unreadable {
-				ri.Stale++
-			}
-			if b.Provider == transformers.ProviderIdentity {
-				ri.Plaintext++
-			}
-			if unreadable {
-				if opts.DecryptCheck {
-					c.Unreadable++
-				}
-				ri.Unreadable++
-				acked := acks.Covers(string(kv.Key), kv.ModRevision)
-				if acked {
-					ri.Acknowledged++
-					c.Acknowledged++
-				}
-				if len(ri.UnreadableKeys) < maxUnreadableSamples {
-					ri.UnreadableKeys = append(ri.UnreadableKeys, string(kv.Key))
-				}
-				if len(ri.UnreadableObjects) < MaxUnreadableListed {
-					ns, name := ObjectName(res, string(kv.Key))
-					ri.UnreadableObjects = append(ri.UnreadableObjects, UnreadableObject{Key: string(kv.Key), Namespace: ns, Name: name,
-						Prefix: listedPrefix, Class: class, ModRevision: kv.ModRevision, Acknowledged: acked})
-				}
-			}
+			t.add(kv, check)
 		}
 	}
-	ri.Revision = p.rev
-	ri.OtherBuckets = bound.otherBuckets()
-	for _, c := range counts {
-		ri.Buckets = append(ri.Buckets, *c)
-	}
-	sort.Slice(ri.Buckets, func(i, j int) bool {
-		a, b := ri.Buckets[i], ri.Buckets[j]
-		if a.Prefix != b.Prefix {
-			return a.Prefix < b.Prefix
-		}
-		if a.KeyIDHash != b.KeyIDHash {
-			return a.KeyIDHash < b.KeyIDHash
-		}
-		return !a.Stale && b.Stale
-	})
-	return ri, nil
+	return t.inventory(p.rev), nil
 }
 
 type checkResult struct {
