@@ -44,7 +44,7 @@ func (e *etcdCheckpoints) Load(ctx context.Context) (*migrate.Checkpoint, error)
 
 // Save writes c.
 func (e *etcdCheckpoints) Save(c *migrate.Checkpoint) error {
-	data, err := migrate.EncodeCheckpoint(c)
+	data, err := c.Encode()
 	if err != nil {
 		return err
 	}

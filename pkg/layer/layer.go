@@ -551,7 +551,7 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 			Client: cli,
 			Source: migrate.FromRules(agent, agent.Rules),
 			Resolve: func(ctx context.Context) (migrate.Resolution, error) {
-				return resolver.Resolve(ctx, migrate.RuleNames(agent.Rules()))
+				return resolver.Resolve(ctx, ruleNames(agent.Rules()))
 			},
 			// With coordination the elected cluster migrator migrates; this controller
 			// only keeps the local inventory current.
@@ -678,4 +678,13 @@ func (r *runningRules) rules() []transformers.RuleInfo {
 		return a.Rules()
 	}
 	return nil
+}
+
+// ruleNames lists the resource names of rules, in order: what a Resolver resolves.
+func ruleNames(rules []transformers.RuleInfo) []string {
+	out := make([]string, 0, len(rules))
+	for _, r := range rules {
+		out = append(out, r.Resource)
+	}
+	return out
 }

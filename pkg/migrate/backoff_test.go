@@ -44,14 +44,14 @@ func TestControllerBacksOffWhileAMigrationKeepsFailing(t *testing.T) {
 		if c.check(ctx) {
 			attempts++
 		}
-		fc.Step(DefaultCheckInterval)
+		fc.Step(defaultCheckInterval)
 	}
 	st := c.Status()
 	t.Logf("121 checks over 10 minutes → %d migration attempts; retry at +%s", attempts, st.RetryAt.Sub(fc.Now()))
 	if attempts != 7 || st.ConsecutiveFailures != 7 {
 		t.Fatalf("%d attempts (%d failures in a row) in 10 minutes, want 7 with 5 s → 5 min backoff", attempts, st.ConsecutiveFailures)
 	}
-	if !strings.Contains(st.LastError, "cannot be decrypted") || st.RetryAt.Sub(fc.Now()) > DefaultMaxRetryBackoff {
+	if !strings.Contains(st.LastError, "cannot be decrypted") || st.RetryAt.Sub(fc.Now()) > defaultMaxRetryBackoff {
 		t.Fatalf("status = %q, retry at %s", st.LastError, st.RetryAt)
 	}
 
@@ -68,7 +68,7 @@ func TestControllerBacksOffWhileAMigrationKeepsFailing(t *testing.T) {
 	if _, err := cli.Delete(ctx, lost); err != nil {
 		t.Fatal(err)
 	}
-	fc.Step(DefaultRetryBackoff)
+	fc.Step(defaultRetryBackoff)
 	if !c.check(ctx) {
 		t.Fatal("no retry after the backoff")
 	}
@@ -167,15 +167,15 @@ func TestControllerPluginOutageIsTransient(t *testing.T) {
 	if u := st.LastMigration.Counters.Unreadable; u != 0 {
 		t.Fatalf("%d objects counted unreadable during a plugin outage", u)
 	}
-	if st.RetryAt.Sub(fc.Now()) != DefaultRetryBackoff {
-		t.Fatalf("retry at %s, want after %s", st.RetryAt, DefaultRetryBackoff)
+	if st.RetryAt.Sub(fc.Now()) != defaultRetryBackoff {
+		t.Fatalf("retry at %s, want after %s", st.RetryAt, defaultRetryBackoff)
 	}
 	if c.check(ctx) {
 		t.Fatal("retried before the backoff passed")
 	}
 
 	kms.Server.SetFaults(kmsplugin.Faults{})
-	fc.Step(DefaultRetryBackoff)
+	fc.Step(defaultRetryBackoff)
 	if !c.check(ctx) {
 		t.Fatal("no retry after the backoff")
 	}

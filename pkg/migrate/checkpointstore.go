@@ -40,14 +40,14 @@ func (f fileCheckpoints) Save(c *Checkpoint) error { return writeCheckpoint(stri
 
 func (f fileCheckpoints) String() string { return string(f) }
 
-// EncodeCheckpoint returns c in the checkpoint file's JSON format (for stores that are
-// not files).
-func EncodeCheckpoint(c *Checkpoint) ([]byte, error) {
+// Encode returns c in the checkpoint file's JSON format, for stores that are not files
+// (DecodeCheckpoint reads it back).
+func (c *Checkpoint) Encode() ([]byte, error) {
 	c.Version = checkpointVersion
 	return json.Marshal(c)
 }
 
-// DecodeCheckpoint parses EncodeCheckpoint's output; where names the store in errors.
+// DecodeCheckpoint parses Checkpoint.Encode's output; where names the store in errors.
 func DecodeCheckpoint(data []byte, where string) (*Checkpoint, error) {
 	var c Checkpoint
 	if err := json.Unmarshal(data, &c); err != nil {

@@ -40,27 +40,27 @@ type Bucket struct {
 	// Stale is true when the value was not written with the resource's current write
 	// provider and key (for KMS v2: key id), so a migration rewrites it.
 	Stale bool `json:"stale"`
-	// Other marks a bucket that collects the values of every bucket beyond
-	// MaxBucketsPerResource (see ResourceInventory.OtherBuckets). It keeps Provider,
+	// Other marks a bucket that collects the values of every bucket beyond a
+	// resource's first 64 (see ResourceInventory.OtherBuckets). It keeps Provider,
 	// Stale, KnownKey and, for a prefix the configuration can read, Prefix and Key; a
 	// prefix it cannot read becomes "k8s:enc:", and the key id hash is dropped.
 	Other bool `json:"other,omitempty"`
 }
 
-// MaxBucketsPerResource bounds the distinct buckets of one resource's inventory (and so
+// maxBucketsPerResource bounds the distinct buckets of one resource's inventory (and so
 // its rekey_storage_objects series) beyond those of the configuration's own keys. Every
 // key name or KMS key id found in etcd makes a bucket, so a corrupt or hostile etcd
 // could otherwise make one per object; values of further buckets are counted in
 // "other" buckets. Buckets of a prefix the configuration reads (and, for KMS v2, of the
 // current write key id) are always kept: their number is bounded by the configuration,
 // and a flood of unknown names must not push them out.
-const MaxBucketsPerResource = 64
+const maxBucketsPerResource = 64
 
 // maxTrackedOtherBuckets bounds the memory spent counting distinct collapsed buckets;
 // beyond it ResourceInventory.OtherBuckets is a lower bound.
 const maxTrackedOtherBuckets = 10_000
 
-// bucketBound admits the configuration's buckets and the first MaxBucketsPerResource
+// bucketBound admits the configuration's buckets and the first maxBucketsPerResource
 // distinct other buckets of one resource, and collapses the rest into "other" buckets,
 // counting how many distinct ones it collapsed.
 type bucketBound struct {
@@ -81,7 +81,7 @@ func (bb *bucketBound) admit(b Bucket) Bucket {
 	if _, ok := bb.admitted[b]; ok {
 		return b
 	}
-	if len(bb.admitted) < MaxBucketsPerResource {
+	if len(bb.admitted) < maxBucketsPerResource {
 		bb.admitted[b] = struct{}{}
 		return b
 	}

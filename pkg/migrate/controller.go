@@ -14,13 +14,13 @@ import (
 
 // Controller defaults.
 const (
-	DefaultCheckInterval     = 5 * time.Second
-	DefaultInventoryInterval = 10 * time.Minute
-	// DefaultRetryBackoff and DefaultMaxRetryBackoff bound the wait before a failed
+	defaultCheckInterval     = 5 * time.Second
+	defaultInventoryInterval = 10 * time.Minute
+	// defaultRetryBackoff and defaultMaxRetryBackoff bound the wait before a failed
 	// migration is tried again for the same write targets: it doubles from the first to
 	// the second with every failure in a row.
-	DefaultRetryBackoff    = 5 * time.Second
-	DefaultMaxRetryBackoff = 5 * time.Minute
+	defaultRetryBackoff    = 5 * time.Second
+	defaultMaxRetryBackoff = 5 * time.Minute
 )
 
 // ControllerOptions configure a Controller.
@@ -36,8 +36,9 @@ type ControllerOptions struct {
 	// AutoMigrate starts a migration when a resource's write key changes (and at start
 	// when stale objects exist). When false the controller only takes inventories.
 	AutoMigrate bool
-	// CheckInterval is how often the write keys are compared; InventoryInterval how
-	// often a fresh inventory is taken when nothing changes.
+	// CheckInterval is how often the write keys are compared (default 5 s);
+	// InventoryInterval how often a fresh inventory is taken when nothing changes
+	// (default 10 minutes).
 	CheckInterval     time.Duration
 	InventoryInterval time.Duration
 	// Rate is the ceiling of the adaptive rewrite rate (objects/s); 0 is no ceiling.
@@ -58,8 +59,8 @@ type ControllerOptions struct {
 	// Clock drives checks, retries and backoff; tests pass a fake clock.
 	Clock clock.Clock
 	// RetryBackoff and MaxRetryBackoff override the first and the longest wait before a
-	// failed migration is retried (defaults: the smaller of DefaultRetryBackoff and
-	// CheckInterval; DefaultMaxRetryBackoff).
+	// failed migration is retried (defaults: the smaller of 5 s and CheckInterval;
+	// 5 minutes).
 	RetryBackoff, MaxRetryBackoff time.Duration
 }
 
@@ -114,10 +115,10 @@ type Controller struct {
 // NewController returns a controller; call Run to start it.
 func NewController(opts ControllerOptions) *Controller {
 	if opts.CheckInterval <= 0 {
-		opts.CheckInterval = DefaultCheckInterval
+		opts.CheckInterval = defaultCheckInterval
 	}
 	if opts.InventoryInterval <= 0 {
-		opts.InventoryInterval = DefaultInventoryInterval
+		opts.InventoryInterval = defaultInventoryInterval
 	}
 	if opts.Clock == nil {
 		opts.Clock = clock.RealClock{}
@@ -133,10 +134,10 @@ func NewController(opts ControllerOptions) *Controller {
 	}
 	if opts.RetryBackoff <= 0 {
 		// The first retry comes one check later, as before backoff existed.
-		opts.RetryBackoff = min(DefaultRetryBackoff, opts.CheckInterval)
+		opts.RetryBackoff = min(defaultRetryBackoff, opts.CheckInterval)
 	}
 	if opts.MaxRetryBackoff < opts.RetryBackoff {
-		opts.MaxRetryBackoff = max(DefaultMaxRetryBackoff, opts.RetryBackoff)
+		opts.MaxRetryBackoff = max(defaultMaxRetryBackoff, opts.RetryBackoff)
 	}
 	m := newControllerMachine(machineConfig{resources: opts.Resources, autoMigrate: opts.AutoMigrate,
 		inventoryInterval: opts.InventoryInterval, retryBackoff: opts.RetryBackoff, maxRetryBackoff: opts.MaxRetryBackoff})
@@ -157,7 +158,7 @@ func (c *Controller) Status() ControllerStatus {
 }
 
 // Run checks CheckInterval after each check ends, until ctx ends. A failed migration
-// waits for its backoff (see DefaultRetryBackoff), not just for the next check.
+// waits for its backoff (see defaultRetryBackoff), not just for the next check.
 func (c *Controller) Run(ctx context.Context) {
 	for {
 		c.check(ctx)

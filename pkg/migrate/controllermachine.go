@@ -248,8 +248,8 @@ func (m *controllerMachine) migrated(ev migrationEvent, a *controllerAction) {
 	if isTransient(ev.err) {
 		// Never advise deleting data because a plugin is down.
 		msg = fmt.Sprintf("%v (next attempt at %s)", ev.err, at.UTC().Format(time.RFC3339))
-		if !strings.Contains(msg, ErrPluginUnavailable.Error()) {
-			msg = ErrPluginUnavailable.Error() + ": " + msg
+		if !strings.Contains(msg, errPluginUnavailable.Error()) {
+			msg = errPluginUnavailable.Error() + ": " + msg
 		}
 	}
 	m.view = controllerView{LastError: msg, ConsecutiveFailures: failures, RetryAt: at, MigrationError: msg}

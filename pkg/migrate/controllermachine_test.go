@@ -75,8 +75,8 @@ func newControllerHarness(auto bool, names []string) *controllerHarness {
 		h.resources = append(h.resources, ResourceFor(DefaultEtcdPrefix, schema.ParseGroupResource(n)))
 		h.targets[n] = writeTarget{}
 	}
-	h.m = newControllerMachine(machineConfig{resources: h.resources, autoMigrate: auto, inventoryInterval: DefaultInventoryInterval,
-		retryBackoff: DefaultRetryBackoff, maxRetryBackoff: DefaultMaxRetryBackoff})
+	h.m = newControllerMachine(machineConfig{resources: h.resources, autoMigrate: auto, inventoryInterval: defaultInventoryInterval,
+		retryBackoff: defaultRetryBackoff, maxRetryBackoff: defaultMaxRetryBackoff})
 	return h
 }
 

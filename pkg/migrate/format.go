@@ -58,7 +58,7 @@ func staleSample(inv *Inventory) string {
 // id hash, never key material. pkg/guard's refusals name buckets with it too.
 func (b Bucket) Describe() string {
 	if b.Other {
-		return fmt.Sprintf("%s values under further keys or key ids (an inventory lists at most %d distinct buckets per resource)", b.Provider, MaxBucketsPerResource)
+		return fmt.Sprintf("%s values under further keys or key ids (an inventory lists at most %d distinct buckets per resource)", b.Provider, maxBucketsPerResource)
 	}
 	switch b.Provider {
 	case transformers.ProviderIdentity:

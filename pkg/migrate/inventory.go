@@ -69,8 +69,9 @@ type ResourceInventory struct {
 	// value stored now): they no longer keep a migration unverified or a key in use.
 	Acknowledged int64   `json:"acknowledged,omitempty"`
 	Buckets      []Count `json:"buckets"`
-	// OtherBuckets is how many distinct buckets beyond MaxBucketsPerResource were
-	// counted in "other" buckets (Bucket.Other); exact up to 10,000.
+	// OtherBuckets is how many distinct buckets beyond the 64 listed besides the
+	// configuration's own were counted in "other" buckets (Bucket.Other); exact up to
+	// 10,000.
 	OtherBuckets int64 `json:"otherBuckets,omitempty"`
 }
 

@@ -191,8 +191,8 @@ func TestInventoryBucketsAreBounded(t *testing.T) {
 			t.Fatal(err)
 		}
 		ri := inv.Find("secrets")
-		if len(ri.Buckets) > MaxBucketsPerResource+2 { // + key1 + other
-			t.Fatalf("decrypt=%v: %d buckets for %d distinct key names; the bound is %d (+ other)", decrypt, len(ri.Buckets), n, MaxBucketsPerResource)
+		if len(ri.Buckets) > maxBucketsPerResource+2 { // + key1 + other
+			t.Fatalf("decrypt=%v: %d buckets for %d distinct key names; the bound is %d (+ other)", decrypt, len(ri.Buckets), n, maxBucketsPerResource)
 		}
 		var objects, unreadable, other int64
 		for _, b := range ri.Buckets {
@@ -212,15 +212,15 @@ func TestInventoryBucketsAreBounded(t *testing.T) {
 		if bucketCount(ri, "k8s:enc:aesgcm:v1:key1:", false) != 10 {
 			t.Fatalf("decrypt=%v: key1's bucket lost objects: %+v", decrypt, ri.Buckets)
 		}
-		if ri.OtherBuckets != n-MaxBucketsPerResource || other != ri.OtherBuckets {
-			t.Fatalf("decrypt=%v: OtherBuckets = %d, objects in other = %d; want %d", decrypt, ri.OtherBuckets, other, n-MaxBucketsPerResource)
+		if ri.OtherBuckets != n-maxBucketsPerResource || other != ri.OtherBuckets {
+			t.Fatalf("decrypt=%v: OtherBuckets = %d, objects in other = %d; want %d", decrypt, ri.OtherBuckets, other, n-maxBucketsPerResource)
 		}
 		mfs, err := reg.Gather()
 		if err != nil {
 			t.Fatal(err)
 		}
 		for _, mf := range mfs {
-			if mf.GetName() == "rekey_storage_objects" && len(mf.GetMetric()) > MaxBucketsPerResource+2 {
+			if mf.GetName() == "rekey_storage_objects" && len(mf.GetMetric()) > maxBucketsPerResource+2 {
 				t.Fatalf("rekey_storage_objects has %d series", len(mf.GetMetric()))
 			}
 		}

@@ -19,18 +19,6 @@ import (
 	"github.com/rekey-io/rekey/pkg/migrate/pace"
 )
 
-// Defaults of a migration.
-const (
-	// DefaultBatchSize is how many rewrites share one etcd transaction (etcd allows
-	// 128 operations per transaction by default).
-	DefaultBatchSize = 64
-	// DefaultBatchBytes bounds the size of one transaction (etcd's default request
-	// limit is 1.5 MiB).
-	DefaultBatchBytes = 1 << 20
-	// DefaultMaxPasses bounds migrate-and-verify rounds.
-	DefaultMaxPasses = 3
-)
-
 // Options configure Migrate.
 type Options struct {
 	Client    *clientv3.Client

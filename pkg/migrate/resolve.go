@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"sort"
-	"strings"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -108,15 +107,3 @@ func wildcardNames(ws []schema.GroupResource) []string {
 	sort.Strings(out)
 	return out
 }
-
-// RuleNames lists the resource names of rules, in order.
-func RuleNames(rules []transformers.RuleInfo) []string {
-	out := make([]string, 0, len(rules))
-	for _, r := range rules {
-		out = append(out, r.Resource)
-	}
-	return out
-}
-
-// IsWildcard reports whether a rule's resource name is a wildcard ("*.*", "*.apps").
-func IsWildcard(resource string) bool { return strings.HasPrefix(resource, "*.") }

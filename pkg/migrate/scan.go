@@ -15,8 +15,8 @@ import (
 	"google.golang.org/grpc/status"
 )
 
-// Page bounds of a scan. A page stops at DefaultPageSize objects or about
-// DefaultPageBytes, whichever comes first.
+// A page of a scan stops at DefaultPageSize objects or about DefaultPageBytes,
+// whichever comes first.
 //
 // etcd's range request has a count limit but no byte limit, and keys-only answers carry
 // no value sizes, so the byte bound is kept by choosing each page's count: a scan starts
@@ -27,11 +27,7 @@ import (
 // --max-request-bytes, 1.5 MiB by default). An answer larger than the etcd client's
 // receive limit (gRPC ResourceExhausted) is asked again with half the count, which
 // then caps the count for the rest of the scan.
-const (
-	DefaultPageSize  = 500
-	DefaultPageBytes = 8 << 20
-	firstPageLimit   = 16
-)
+const firstPageLimit = 16
 
 // windowKeys is how many keys, in pages of the count being asked for, a bounded window
 // is sized to hold. etcd answers every range request with the count of all the keys

@@ -11,9 +11,6 @@ import (
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
-// DefaultEtcdPrefix is kube-apiserver's --etcd-prefix default.
-const DefaultEtcdPrefix = storagelayout.DefaultEtcdPrefix
-
 // Resource is one stored resource and the etcd key range that holds it
 // (storagelayout owns where that is). KeyPrefix ends in '/', e.g. "/registry/secrets/";
 // the authenticated data of every value is its full key.

@@ -11,11 +11,11 @@ import (
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
-// ErrPluginUnavailable reports that a migration or decrypt-checked inventory stopped
+// errPluginUnavailable reports that a migration or decrypt-checked inventory stopped
 // because a KMS plugin could not serve (down, timing out, overloaded, not ready). It
 // says nothing about the stored data: nothing was counted unreadable, and the
 // controller retries with backoff.
-var ErrPluginUnavailable = errors.New("KMS plugin unavailable, will retry")
+var errPluginUnavailable = errors.New("KMS plugin unavailable, will retry")
 
 // isTransient tells a failure of the KMS plugin or of the call itself from a value that
 // cannot be decrypted: gRPC Unavailable, DeadlineExceeded, ResourceExhausted or
@@ -25,7 +25,7 @@ func isTransient(err error) bool {
 	if err == nil {
 		return false
 	}
-	if errors.Is(err, ErrPluginUnavailable) || errors.Is(err, transformers.ErrKMSUnavailable) ||
+	if errors.Is(err, errPluginUnavailable) || errors.Is(err, transformers.ErrKMSUnavailable) ||
 		errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
 		return true
 	}
@@ -40,5 +40,5 @@ func isTransient(err error) bool {
 
 // transient wraps a plugin failure met while handling key.
 func transient(key []byte, err error) error {
-	return fmt.Errorf("%w: nothing was counted unreadable; handling %s: %w", ErrPluginUnavailable, key, err)
+	return fmt.Errorf("%w: nothing was counted unreadable; handling %s: %w", errPluginUnavailable, key, err)
 }

@@ -7,11 +7,6 @@ import (
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
-// MaxUnreadableListed bounds how many unreadable objects one resource's inventory
-// names (ResourceInventory.UnreadableObjects); ResourceInventory.Unreadable still
-// counts them all, so an inventory of a million broken objects stays small.
-const MaxUnreadableListed = 1000
-
 // Unreadable error classes: the closed set of reasons an inventory can tell apart
 // without key material. They say what an operator can do, not how a provider failed.
 const (
