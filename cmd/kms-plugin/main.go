@@ -3,13 +3,12 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"github.com/rekey-io/rekey/internal/kmsplugin"
@@ -24,12 +23,12 @@ func main() {
 	faults := flag.String("faults", "", "faults document (JSON, as the control API's PUT /faults takes) active from the start: a fault about the first calls after a start (startupFlap) needs it")
 	flag.Parse()
 	if *faults != "" {
-		dec := json.NewDecoder(bytes.NewReader([]byte(*faults)))
-		dec.DisallowUnknownFields()
-		if err := dec.Decode(&o.Faults); err != nil {
+		f, err := kmsplugin.DecodeFaults(strings.NewReader(*faults))
+		if err != nil {
 			fmt.Fprintf(os.Stderr, "kms-plugin: --faults: %v (see docs/kms-plugin.md for the faults document)\n", err)
 			os.Exit(2)
 		}
+		o.Faults = f
 	}
 	if o.KeysFile == "" {
 		fmt.Fprintln(os.Stderr, "kms-plugin: --keys-file is required")

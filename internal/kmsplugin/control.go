@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"mime"
 	"net"
 	"net/http"
@@ -11,6 +12,19 @@ import (
 	"strings"
 	"time"
 )
+
+// DecodeFaults reads a faults document (JSON, every field optional), refusing unknown
+// fields: a misspelt fault must not pass as a healthy plugin. The control API's PUT and
+// the plugin binary's --faults both read it so.
+func DecodeFaults(r io.Reader) (Faults, error) {
+	var f Faults
+	dec := json.NewDecoder(r)
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&f); err != nil {
+		return Faults{}, err
+	}
+	return f, nil
+}
 
 // The control API (JSON over HTTP):
 //
@@ -67,10 +81,8 @@ func startControl(addr string, p *Plugin) (*controlServer, error) {
 		switch r.Method {
 		case http.MethodGet:
 		case http.MethodPut, http.MethodPost:
-			var f Faults
-			dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<20))
-			dec.DisallowUnknownFields()
-			if err := dec.Decode(&f); err != nil {
+			f, err := DecodeFaults(http.MaxBytesReader(w, r.Body, 1<<20))
+			if err != nil {
 				http.Error(w, "bad faults document: "+err.Error(), http.StatusBadRequest)
 				return
 			}
