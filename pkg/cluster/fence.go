@@ -149,10 +149,13 @@ func (f *fence) Writers(current, next []transformers.RuleInfo) map[string]transf
 		// others back to an older key.
 		if !writesAlready(current, n.Resource, want) {
 			h.WaitingFor = append(f.cannotRead(n.Resource, want), f.unknownWaiting()...)
-			if len(h.WaitingFor) == 0 && f.gate != nil {
+			if len(h.WaitingFor) == 0 && f.gate != nil && !f.othersWrite(n.Resource, want) {
 				// Everyone reads want, but the handshake with a member dropping it has not
 				// been done yet. Hold only when there is something else to write with: with
-				// nothing else, want writes either way.
+				// nothing else, want writes either way. A key another live member already
+				// writes with was promoted in the cluster: holding it back would write the
+				// older key meanwhile (a straggler whose file caught up wrote key1 after
+				// the migration to key2 had verified).
 				if ok, why := f.gate.MayPromote(n.Resource, want); !ok {
 					if i, _ := f.fallback(n, current); i != 0 {
 						h.WaitingFor = []string{why}
@@ -304,6 +307,18 @@ func (f *fence) cannotRead(resource string, k Key) []string {
 		}
 	}
 	return out
+}
+
+// othersWrite reports whether another live member writes resource with k.
+func (f *fence) othersWrite(resource string, k Key) bool {
+	for _, m := range f.others() {
+		for _, r := range m.Resources {
+			if r.Resource == resource && r.Write.SameKey(k) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // unknownWaiting names the unknown members a promotion waits for (they hold every
