@@ -386,7 +386,16 @@ func TestReadinessFailsClosedUntilAnInventoryIsKnown(t *testing.T) {
 	startMember(t, cli, "a", secretsConfig("k1", "k2"))
 	store := &migrate.InventoryStore{}
 	b := startMember(t, cli, "b", secretsConfig("k1"), func(o *Options) { o.Inventory = store })
-	eventually(t, "b sees a", func() bool { return memberIDs(b.node.view) == "a,b" })
+	// a starts by holding k1 for the promotion handshake and writing k2 meanwhile; b,
+	// which cannot read k2, would rightly count that against its readiness.
+	eventually(t, "b sees a writing k1", func() bool {
+		for _, m := range b.node.view.Members() {
+			if m.APIServerID == "a" && len(m.Resources) > 0 && m.Resources[0].Write.Key == "k1" {
+				return memberIDs(b.node.view) == "a,b"
+			}
+		}
+		return false
+	})
 	err := b.node.ReadyzCheck().Check(nil)
 	if err == nil || !strings.Contains(err.Error(), "no inventory of the stored objects yet") {
 		t.Fatalf("b before any inventory: %v; want not ready (no inventory yet)", err)
