@@ -66,9 +66,18 @@ type Process struct {
 	err     error
 }
 
-// Start runs bin with args; stdout and stderr go to <logDir>/<name>.log.
+// keepLogsEnv names a directory where every process's log is written instead of the
+// test's temporary directory (which is removed when the test ends), for a developer
+// who wants to read the logs of a passing run.
+const keepLogsEnv = "REKEY_TESTBED_KEEP_LOGS"
+
+// Start runs bin with args; stdout and stderr go to <logDir>/<name>.log, or to
+// $REKEY_TESTBED_KEEP_LOGS/<name>-<time>.log when that is set.
 func Start(name, logDir, bin string, args ...string) (*Process, error) {
 	logPath := filepath.Join(logDir, name+".log")
+	if keep := os.Getenv(keepLogsEnv); keep != "" {
+		logPath = filepath.Join(keep, fmt.Sprintf("%s-%s.log", name, time.Now().Format("150405.000000")))
+	}
 	logFile, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, err
