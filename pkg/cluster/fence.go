@@ -143,21 +143,30 @@ func (f *fence) Writers(current, next []transformers.RuleInfo) map[string]transf
 		}
 		want := n.ReadKeys[0]
 		idx, h := 0, Hold{Resource: n.Resource, Held: want, Since: f.now}
+		// promotedElsewhere: want waits for the handshake although another live
+		// member writes with it already (see below).
+		promotedElsewhere := ""
 		// Promotion needs every member's ack; keeping a promoted key does not. A
 		// member that cannot read it now is a straggler (it rejoined with an old
 		// file): it is not ready until its file catches up, and must not pull the
 		// others back to an older key.
 		if !writesAlready(current, n.Resource, want) {
 			h.WaitingFor = append(f.cannotRead(n.Resource, want), f.unknownWaiting()...)
-			if len(h.WaitingFor) == 0 && f.gate != nil && !f.othersWrite(n.Resource, want) {
+			if len(h.WaitingFor) == 0 && f.gate != nil {
 				// Everyone reads want, but the handshake with a member dropping it has not
 				// been done yet. Hold only when there is something else to write with: with
-				// nothing else, want writes either way. A key another live member already
-				// writes with was promoted in the cluster: holding it back would write the
-				// older key meanwhile (a straggler whose file caught up wrote key1 after
-				// the migration to key2 had verified).
+				// nothing else, want writes either way.
 				if ok, why := f.gate.MayPromote(n.Resource, want); !ok {
-					if i, _ := f.fallback(n, current); i != 0 {
+					if f.othersWrite(n.Resource, want) {
+						// Another live member writes with want already: writing the older
+						// key meanwhile would store new data under a key the cluster moved
+						// off (a straggler whose file caught up wrote key1 after the
+						// migration to key2 had verified, and kept key1 in use). Writing
+						// want before the handshake could race a member dropping it on a
+						// view newer than ours. Writes wait for the handshake instead (one
+						// publish and one read).
+						h.WaitingFor, promotedElsewhere = []string{why}, why
+					} else if i, _ := f.fallback(n, current); i != 0 {
 						h.WaitingFor = []string{why}
 					}
 				}
@@ -166,7 +175,12 @@ func (f *fence) Writers(current, next []transformers.RuleInfo) map[string]transf
 		if len(h.WaitingFor) > 0 {
 			idx, h.Unsafe = f.fallback(n, current)
 		}
-		if why := f.straggling(n, idx); why != "" {
+		if promotedElsewhere != "" {
+			why := fmt.Sprintf("writes of %s wait a moment: %s is written by other live apiservers already, and this apiserver is waiting for %s before it writes with it too",
+				n.Resource, want, promotedElsewhere)
+			out[n.Resource] = transformers.Writer{Refuse: why, RetryAfter: handshakeRetryAfter}
+			h.Writing, h.Refused = Key{}, why
+		} else if why := f.straggling(n, idx); why != "" {
 			// Writing would store data that no other live apiserver can read.
 			out[n.Resource] = transformers.Writer{Refuse: why}
 			h.Writing, h.Refused = Key{}, why
@@ -222,6 +236,10 @@ func (f *fence) straggling(n transformers.RuleInfo, idx int) string {
 	return fmt.Sprintf("writes of %s are refused: this apiserver's encryption configuration cannot read %s, and no other live apiserver can read its write key %s; add the missing key to its configuration",
 		n.Resource, strings.Join(parts, ", "), n.ReadKeys[idx])
 }
+
+// handshakeRetryAfter is the Retry-After of a write refused while a key other members
+// already write with waits for this apiserver's handshake (a publish and a read).
+const handshakeRetryAfter = time.Second
 
 // downgradeRetryAfter is the Retry-After of a write refused rather than written in
 // plaintext: the hold ends as soon as the cluster view shows the key readable.

@@ -138,6 +138,9 @@ func (w *world) check() string {
 	var bad []string
 	for _, id := range slices.Sorted(maps.Keys(w.members)) {
 		for _, r := range w.members[id].rules {
+			if r.WriteRefused != "" {
+				continue // writes nothing
+			}
 			k := r.ReadKeys[r.WriteIndex]
 			for _, oid := range slices.Sorted(maps.Keys(w.members)) {
 				if !w.members[oid].state().CanRead(r.Resource, k) {
@@ -168,7 +171,11 @@ func (m *simMember) apply(next []transformers.RuleInfo) string {
 	m.rules = applyWriters(next, m.fence.Writers(m.rules, next))
 	var b strings.Builder
 	for _, r := range m.rules {
-		fmt.Fprintf(&b, "%s: writes %s", r.Resource, r.ReadKeys[r.WriteIndex])
+		if r.WriteRefused != "" {
+			fmt.Fprintf(&b, "%s: refuses writes", r.Resource)
+		} else {
+			fmt.Fprintf(&b, "%s: writes %s", r.Resource, r.ReadKeys[r.WriteIndex])
+		}
 		for _, h := range m.fence.Holds() {
 			if h.Resource == r.Resource {
 				fmt.Fprintf(&b, "; holds %s, waiting for %s", h.Held, strings.Join(h.WaitingFor, ","))

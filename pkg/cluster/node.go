@@ -269,7 +269,7 @@ func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]tran
 			continue
 		}
 		if h.Refused != "" {
-			msg := "Write fence refuses writes: no other live apiserver could read them"
+			msg := "Write fence refuses writes" // the reason says why
 			if resyncing {
 				msg = resyncHoldMessage
 			}
