@@ -216,6 +216,10 @@ func New(store *migrate.InventoryStore, override func() bool, running func() []t
 		if len(vs) == 0 {
 			return nil
 		}
+		// The refusal rests on the latest inventory: ask for a fresh one, so that a
+		// change retried after the data moved is judged on what is stored then, not
+		// for the whole inventory interval on counts taken before.
+		store.AskFresh()
 		gerr := &RefusedError{Check: Change, Next: ConfigName(next), Violations: vs}
 		if override != nil && override() {
 			logger.Info("Allowing a configuration change that drops keys still in use, because the override is set", "config", next.Source, "hash", next.Hash, "violations", len(vs), "detail", gerr.Error())

@@ -16,6 +16,11 @@ import (
 const (
 	defaultCheckInterval     = 5 * time.Second
 	defaultInventoryInterval = 10 * time.Minute
+	// minAskedInventoryInterval: a fresh inventory the guard asks for
+	// (InventoryStore.AskFresh) is taken once this long has passed since the last
+	// inventory or migration, so that a change refused again every few seconds does
+	// not keep the controller scanning.
+	minAskedInventoryInterval = 30 * time.Second
 	// defaultRetryBackoff and defaultMaxRetryBackoff bound the wait before a failed
 	// migration is tried again for the same write targets: it doubles from the first to
 	// the second with every failure in a row.
@@ -176,7 +181,8 @@ func (c *Controller) Run(ctx context.Context) {
 // It returns true when it took an inventory or ran a migration.
 func (c *Controller) check(ctx context.Context) bool {
 	res := c.resolve(ctx)
-	c.m.Step(checkEvent{now: c.opts.Clock.Now(), targets: c.currentTargets(res.Resources), resources: res.Resources})
+	c.m.Step(checkEvent{now: c.opts.Clock.Now(), targets: c.currentTargets(res.Resources), resources: res.Resources,
+		freshAsked: c.opts.Inventory.takeAsk()})
 	worked := false
 	for acts := c.m.Ready(); len(acts) > 0; acts = c.m.Ready() {
 		for _, a := range acts {

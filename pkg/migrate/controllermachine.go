@@ -26,6 +26,8 @@ type controllerMachine struct {
 	// lastWork is when an inventory or a migration last finished; the zero time makes
 	// the first check take an inventory.
 	lastWork time.Time
+	// freshAsked: a fresh inventory was asked for and not taken yet.
+	freshAsked bool
 	// inflight is the inventory or migration handed out and not yet Stepped back.
 	inflight *controllerAction
 	ready    []controllerAction
@@ -69,6 +71,9 @@ type checkEvent struct {
 	// resources, when not nil, replaces the resources the controller covers: a wildcard
 	// rule's resources are found again at every check.
 	resources []Resource
+	// freshAsked: the guard refused a change on the latest inventory's word since the
+	// last check (InventoryStore.AskFresh).
+	freshAsked bool
 }
 
 // inventoryEvent: the inventory the machine asked for was taken (or failed) at now.
@@ -130,6 +135,7 @@ func (m *controllerMachine) View() controllerView { return m.view }
 func (m *controllerMachine) Step(ev controllerEvent) {
 	switch ev := ev.(type) {
 	case checkEvent:
+		m.freshAsked = m.freshAsked || ev.freshAsked
 		if m.inflight == nil {
 			m.check(ev)
 		}
@@ -172,7 +178,8 @@ func (m *controllerMachine) check(ev checkEvent) {
 	switch {
 	case m.cfg.autoMigrate && len(changed) > 0 && ready:
 		m.hand(controllerAction{kind: actMigrate, resources: changed, targets: ev.targets})
-	case len(changed) > 0 || ev.now.Sub(m.lastWork) >= m.cfg.inventoryInterval:
+	case len(changed) > 0 || ev.now.Sub(m.lastWork) >= m.cfg.inventoryInterval ||
+		m.freshAsked && ev.now.Sub(m.lastWork) >= min(minAskedInventoryInterval, m.cfg.inventoryInterval):
 		m.hand(controllerAction{kind: actTakeInventory, targets: ev.targets, ready: ready})
 	}
 }
@@ -198,7 +205,7 @@ func (m *controllerMachine) inventoryTaken(ev inventoryEvent, a *controllerActio
 		m.view.LastError = ev.err.Error()
 		return
 	}
-	m.lastWork = ev.now
+	m.lastWork, m.freshAsked = ev.now, false
 	m.ready = append(m.ready, controllerAction{kind: actRecordInventory, inventory: ev.inv})
 	first := m.applied == nil
 	m.applied = a.targets

@@ -43,6 +43,7 @@ import (
 //	                      printing every action the machine hands out and what it
 //	                      finds, then the status
 //	latest                prints the latest inventory the guard would judge with
+//	ask                   the guard asks for a fresh inventory before the next check
 func TestControllerTranscripts(t *testing.T) {
 	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
 		if !strings.HasPrefix(path[strings.LastIndex(path, "/")+1:], "controller_") {
@@ -57,6 +58,7 @@ func TestControllerTranscripts(t *testing.T) {
 
 type controllerHarness struct {
 	m         *controllerMachine
+	asked     bool
 	resources []Resource
 	now       time.Time
 	targets   map[string]writeTarget
@@ -154,6 +156,9 @@ func (h *controllerHarness) run(t *testing.T, d *datadriven.TestData) string {
 		return b.String()
 	case "latest":
 		return h.describe(h.latest)
+	case "ask":
+		h.asked = true
+		return "ok"
 	}
 	d.Fatalf(t, "unknown command %s", d.Cmd)
 	return ""
@@ -161,7 +166,8 @@ func (h *controllerHarness) run(t *testing.T, d *datadriven.TestData) string {
 
 // check is Controller.check with scripted inventories and migrations.
 func (h *controllerHarness) check(b *strings.Builder) {
-	h.m.Step(checkEvent{now: h.now, targets: h.copyTargets()})
+	h.m.Step(checkEvent{now: h.now, targets: h.copyTargets(), freshAsked: h.asked})
+	h.asked = false
 	for acts := h.m.Ready(); len(acts) > 0; acts = h.m.Ready() {
 		for _, a := range acts {
 			switch a.kind {

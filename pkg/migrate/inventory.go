@@ -296,6 +296,31 @@ func checkOne(ctx context.Context, tr value.Transformer, key, stored []byte) che
 type InventoryStore struct {
 	mu  sync.RWMutex
 	inv *Inventory
+	// asked: someone (the guard, refusing a change on this inventory's word) asked
+	// for a fresh one.
+	asked bool
+}
+
+// AskFresh asks the controller for a fresh inventory soon (within
+// minAskedInventoryInterval of the last one): the guard calls it when it refuses a
+// change on the latest inventory's word, so that a refusal is not repeated for the
+// whole inventory interval on counts that may have changed since.
+func (s *InventoryStore) AskFresh() {
+	if s == nil {
+		return
+	}
+	s.mu.Lock()
+	s.asked = true
+	s.mu.Unlock()
+}
+
+// takeAsk reports whether a fresh inventory was asked for since the last call.
+func (s *InventoryStore) takeAsk() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	asked := s.asked
+	s.asked = false
+	return asked
 }
 
 // Set records inv as the latest inventory.
