@@ -65,6 +65,18 @@ const (
 	// minSamples a window needs to be judged (one slow request is not a trend); a
 	// window lasts until it has them.
 	minSamples = 3
+	// externalRateFraction and externalWindows: when the clients are slower than the
+	// target in externalWindows judged windows in a row while the migration achieved at
+	// most externalRateFraction of a rate they were answered within target at, the
+	// migration is not what slows them (the cluster got slower by itself: an etcd
+	// member down, a node under other load). Halving again would only starve the
+	// migration; the clients' baseline is measured anew instead (see judge).
+	externalRateFraction = 0.5
+	externalWindows      = 2
+	// maxRebaselineFactor bounds how far the clients' target can move from the one
+	// the migration started with: past that the cluster is in trouble of its own, and
+	// the migration slows down for such clients as before.
+	maxRebaselineFactor = 4
 	// busyFraction: a calm window raises the rate only when the migration used at
 	// least this fraction of it; otherwise the rate was not what held it back, and
 	// raising it would only let it drift far above what etcd was ever shown.
@@ -163,6 +175,13 @@ type pacer struct {
 	// serving baseline. slowStart: doubling until the first congestion.
 	servingTarget time.Duration
 	slowStart     bool
+	// firstServingTarget is the target the migration started with (the bound of a
+	// re-baseline). calmRate is the highest rate achieved in a window whose clients
+	// were judged within target; externalP99s the clients' p99 of the windows in a
+	// row that were slow at most externalRateFraction of it.
+	firstServingTarget time.Duration
+	calmRate           float64
+	externalP99s       []time.Duration
 
 	windowStart time.Time
 	latencies   []time.Duration
@@ -195,7 +214,7 @@ type pacerVerdict struct {
 	// WatchLag is how far behind the watch cache was at most (when it was read).
 	WatchLag     time.Duration
 	WatchLagSeen bool
-	Change       string // "baseline", "decrease", "increase", "double", "hold"
+	Change       string // "baseline", "decrease", "increase", "double", "hold", "rebaseline"
 	// Cause of a decrease: "etcd errors", "etcd latency", "serving latency" or "watch
 	// cache lag".
 	Cause string
@@ -216,6 +235,16 @@ func (p *pacer) Rate() float64 { return p.rate }
 // Target is the latency target, 0 before the baseline is known.
 func (p *pacer) Target() time.Duration { return p.target }
 
+// LatencyScale is what a transaction's latency is judged against: the target, or
+// before the first window is judged, what the target would be from the transactions
+// seen so far (0 when none was).
+func (p *pacer) LatencyScale() time.Duration {
+	if p.target > 0 || len(p.latencies) == 0 {
+		return p.target
+	}
+	return max(time.Duration(DefaultBaselineFactor)*slices.Max(p.latencies), DefaultMinTargetLatency)
+}
+
 // SlowedBy is why the rate is below where it started: the last decrease's cause and
 // figures; "" when it is not.
 func (p *pacer) SlowedBy() string { return p.slowedBy }
@@ -223,13 +252,18 @@ func (p *pacer) SlowedBy() string { return p.slowedBy }
 // SetServingBaseline makes the clients' latency a signal: baseline is their p99
 // before the migration. Called before the first transaction.
 func (p *pacer) SetServingBaseline(baseline time.Duration) {
-	p.servingTarget = max(time.Duration(p.opts.ServingFactor*float64(baseline)), baseline+minServingSlack)
+	p.servingTarget = p.servingTargetOf(baseline)
+	p.firstServingTarget = p.servingTarget
 	if r := p.opts.ResumeRate; r > 0 && !math.IsInf(r, 1) {
 		p.rate = min(p.rate, max(r, p.opts.MinRate))
 		return
 	}
 	p.slowStart = true
 	p.rate = min(p.rate, p.opts.ServingStartRate)
+}
+
+func (p *pacer) servingTargetOf(baseline time.Duration) time.Duration {
+	return max(time.Duration(p.opts.ServingFactor*float64(baseline)), baseline+minServingSlack)
 }
 
 // ServingTarget is the clients' latency target; 0 without a serving baseline.
@@ -299,9 +333,18 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 	case !baseline && v.P90 > p.target:
 		cause = "etcd latency"
 	case v.ServingSamples > 0 && v.ServingP99 > p.servingTarget:
+		if p.slowerByItself(v) {
+			return p.rebaseline(v)
+		}
 		cause = "serving latency"
 	case v.WatchLag > p.opts.MaxWatchLag:
 		cause = "watch cache lag"
+	}
+	if v.ServingSamples > 0 && cause != "serving latency" {
+		p.externalP99s = p.externalP99s[:0]
+		if cause == "" {
+			p.calmRate = max(p.calmRate, v.Achieved)
+		}
 	}
 	if cause != "" {
 		p.rate = max(min(p.rate, v.Achieved)*p.opts.Decrease, p.opts.MinRate)
@@ -343,6 +386,42 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 		}
 	}
 	return change, ""
+}
+
+// slowerByItself reports whether a window whose clients were slower than the target
+// shows the cluster slower by itself rather than slowed by the migration: the
+// migration achieved at most externalRateFraction of a rate the clients were answered
+// within target at. Such windows hold the rate instead of halving it.
+func (p *pacer) slowerByItself(v pacerVerdict) bool {
+	if p.calmRate <= 0 || v.Achieved > externalRateFraction*p.calmRate ||
+		p.servingTargetOf(v.ServingP99) > maxRebaselineFactor*p.firstServingTarget {
+		p.externalP99s = p.externalP99s[:0]
+		return false
+	}
+	p.externalP99s = append(p.externalP99s, v.ServingP99)
+	return true
+}
+
+// rebaseline answers a window slower by itself: after externalWindows of them in a
+// row, the clients' baseline becomes the fastest p99 those windows saw (what the
+// cluster gives its clients now, with the migration at half a rate it bore before),
+// within maxRebaselineFactor of the first target, and the rate goes back to the calm
+// one; until then the rate holds. (slowerByItself keeps the new target within
+// maxRebaselineFactor of the first.)
+func (p *pacer) rebaseline(v pacerVerdict) (change, cause string) {
+	if len(p.externalP99s) < externalWindows {
+		return "hold", ""
+	}
+	baseline := slices.Min(p.externalP99s)
+	p.servingTarget = max(p.servingTarget, p.servingTargetOf(baseline))
+	p.rate = max(p.rate, p.calmRate)
+	if p.opts.Ceiling > 0 {
+		p.rate = min(p.rate, p.opts.Ceiling)
+	}
+	p.externalP99s = p.externalP99s[:0]
+	p.slowedBy = fmt.Sprintf("the apiserver's clients are slower whatever the migration does (p99 %s at %.0f objects/s, within target at %.0f/s): their target is now %s",
+		v.ServingP99, v.Achieved, p.calmRate, p.servingTarget)
+	return "rebaseline", ""
 }
 
 // quantile is the q-quantile of ds (nearest rank); ds is reordered.

@@ -34,6 +34,10 @@ const (
 	// 100 ms by default), so a reading may not show the writes of just before it.
 	// Room handed out this long before a reading is counted as used still.
 	readingLag = time.Second
+	// unknownRetry: a reading that failed (etcd electing a leader, a member lost) is
+	// tried again this soon, not after a whole CheckInterval: the migration is paused
+	// until a reading succeeds.
+	unknownRetry = 500 * time.Millisecond
 )
 
 // Pause reasons (the reason label of rekey_storage_migration_paused).
@@ -143,7 +147,7 @@ func (g *spaceGate) limit() int64 {
 func (g *spaceGate) Admit(now time.Time, n int64) spaceDecision {
 	need := n * writeOverhead
 	switch {
-	case g.measuredAt.IsZero() || now.Sub(g.measuredAt) >= g.opts.CheckInterval:
+	case g.measuredAt.IsZero() || now.Sub(g.measuredAt) >= g.measureEvery():
 		return spaceMeasure
 	case g.reason != "":
 		return spaceWait
@@ -167,12 +171,21 @@ func (g *spaceGate) Admit(now time.Time, n int64) spaceDecision {
 	return spaceWait
 }
 
+// measureEvery is how long a reading stands: CheckInterval, or unknownRetry after a
+// failed one.
+func (g *spaceGate) measureEvery() time.Duration {
+	if g.reason == PauseUnknown {
+		return min(unknownRetry, g.opts.CheckInterval)
+	}
+	return g.opts.CheckInterval
+}
+
 // RetryIn is how long to wait after spaceWait before asking again.
 func (g *spaceGate) RetryIn(now time.Time) time.Duration {
 	if g.reason == "" && now.Before(g.settleAt) {
 		return g.settleAt.Sub(now)
 	}
-	return g.opts.CheckInterval
+	return max(g.measuredAt.Add(g.measureEvery()).Sub(now), 0)
 }
 
 // Measured feeds a reading taken at now.

@@ -26,11 +26,11 @@ func TestReadSpaceWithAMemberDown(t *testing.T) {
 	}
 	defer cli.Close()
 	start := time.Now()
-	s := readSpace(context.Background(), cli)
+	s := readSpace(context.Background(), cli, maxEtcdAttemptTimeout)
 	if s.Err != nil || s.DBSize == 0 {
 		t.Fatalf("readSpace with one member down = %+v", s)
 	}
-	if took := time.Since(start); took > spaceReadTimeout/2 {
+	if took := time.Since(start); took > maxEtcdAttemptTimeout/2 {
 		t.Errorf("readSpace took %v with one member down: it waited for the dead one", took)
 	}
 }

@@ -125,7 +125,11 @@ func (h *pacingHarness) run(t *testing.T, d *datadriven.TestData) string {
 				if v.Cause != "" && (h.pacer.ServingTarget() > 0 || v.WatchLagSeen) {
 					fmt.Fprintf(&b, " (%s)", v.Cause)
 				}
-				fmt.Fprintf(&b, ": rate %s target %s\n", rateText(h.pacer.Rate()), h.pacer.Target())
+				fmt.Fprintf(&b, ": rate %s target %s", rateText(h.pacer.Rate()), h.pacer.Target())
+				if v.Change == "rebaseline" {
+					fmt.Fprintf(&b, " clients target %s", h.pacer.ServingTarget())
+				}
+				b.WriteString("\n")
 			}
 		}
 		if b.Len() == 0 {

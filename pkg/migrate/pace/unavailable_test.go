@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"testing"
+	"time"
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -70,5 +71,71 @@ func TestTxnTriesAgainWhileEtcdIsUnavailable(t *testing.T) {
 		return scriptedTxn{errs: &errs, attempts: &attempts, ctx: ctx}
 	}); !errors.Is(err, refused) || len(attempts) != 1 {
 		t.Errorf("txn with a refusal = %v after %d attempts; want it returned after 1", err, len(attempts))
+	}
+}
+
+// The clients' requests answered while etcd could not answer the migration waited for
+// etcd as the migration did (up to etcd's 7 s request timeout in an election): they
+// are not judged as the migration's doing. Before, one such window halved the rate
+// of a migration whose etcd leader was killed.
+func TestClientsWaitingOutAnEtcdOutageAreNotJudged(t *testing.T) {
+	cli := etcdtest.Start(t).Client(t)
+	serving := NewServingLatency(clock.RealClock{})
+	for range minServingBaselineSamples {
+		serving.Observe(5 * time.Millisecond)
+	}
+	g := NewWriter(WriterOptions{Client: cli, Clock: clock.RealClock{}, MaxBatch: 8,
+		Pacing: Options{Serving: serving, Window: time.Hour}, Logger: ktesting.NewLogger(t, ktesting.NewConfig())})
+	defer g.Close()
+	errs := []error{rpctypes.ErrTimeoutDueToLeaderFail, rpctypes.ErrNoLeader}
+	var attempts []context.Context
+	if _, err := g.Txn(t.Context(), 1, 100, func(ctx context.Context) clientv3.Txn {
+		// Clients answered after waiting for the election, before and as etcd returns.
+		for range 10 {
+			serving.Observe(7 * time.Second)
+		}
+		return scriptedTxn{errs: &errs, attempts: &attempts, ctx: ctx}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(g.pacer.serving); n != 0 {
+		t.Fatalf("%d client requests of the etcd outage were handed to the pacer, want none", n)
+	}
+	// Once a window has passed, the clients are judged again.
+	g.mu.Lock()
+	g.excuseServingUntil = time.Now()
+	g.mu.Unlock()
+	serving.Observe(8 * time.Millisecond)
+	if _, err := g.Txn(t.Context(), 1, 100, func(ctx context.Context) clientv3.Txn {
+		return scriptedTxn{errs: new([]error), attempts: &attempts, ctx: ctx}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(g.pacer.serving); n != 1 {
+		t.Fatalf("%d client requests handed to the pacer after the outage, want 1", n)
+	}
+}
+
+// An attempt is bounded by 20 × the latency target, within 1–3 s: given up soon after
+// a lost leader's election, while a slow etcd keeps its time.
+func TestAttemptTimeoutFollowsTheLatencyTarget(t *testing.T) {
+	for _, c := range []struct{ target, want time.Duration }{
+		{0, 3 * time.Second},
+		{20 * time.Millisecond, time.Second},
+		{100 * time.Millisecond, 2 * time.Second},
+		{time.Second, 3 * time.Second},
+	} {
+		if got := attemptTimeoutFor(c.target); got != c.want {
+			t.Errorf("attemptTimeoutFor(%v) = %v, want %v", c.target, got, c.want)
+		}
+	}
+	// Before the first window is judged, the transactions seen so far set the scale.
+	p := newPacer(Options{})
+	if got := p.LatencyScale(); got != 0 {
+		t.Errorf("scale before any transaction = %v, want 0", got)
+	}
+	p.Observe(t0, 40*time.Millisecond, 1, nil)
+	if got, want := p.LatencyScale(), 120*time.Millisecond; got != want {
+		t.Errorf("scale after a 40ms transaction = %v, want %v (3 × its latency)", got, want)
 	}
 }

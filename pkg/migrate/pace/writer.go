@@ -23,9 +23,6 @@ import (
 	"k8s.io/utils/clock"
 )
 
-// spaceReadTimeout bounds one member's answer of its size, and the alarm list.
-const spaceReadTimeout = 5 * time.Second
-
 // spaceReadGrace is how long the other members may take once one answered.
 const spaceReadGrace = 250 * time.Millisecond
 
@@ -87,6 +84,11 @@ type Writer struct {
 	burst int
 	// servingBuf is reused to drain serving samples into the pacer.
 	servingBuf []time.Duration
+	// excuseServingUntil: the clients' requests answered before it are not judged.
+	// While etcd cannot answer the migration (a member lost, a leader election) it
+	// cannot answer the clients either, and their requests that waited out an
+	// election (up to etcd's 7 s request timeout) say nothing of the migration's load.
+	excuseServingUntil time.Time
 	// servingBaseline is the clients' p99 before the migration; 0: none.
 	servingBaseline time.Duration
 	// watchCache (nil outside an apiserver) and lag: how far behind the apiserver's
@@ -240,6 +242,19 @@ func (r *ReadPacer) Wait(ctx context.Context, objects int) error {
 	return r.limiter.WaitN(ctx, objects)
 }
 
+// drainServing hands the clients' requests answered since the last call to p, but
+// those answered while etcd was unavailable to the migration (excuseServingUntil).
+// g.mu is held.
+func (g *Writer) drainServing(p *pacer) {
+	g.servingBuf = g.serving.drain(g.servingBuf[:0])
+	if g.clock.Now().Before(g.excuseServingUntil) {
+		return
+	}
+	for _, d := range g.servingBuf {
+		p.ObserveServing(d)
+	}
+}
+
 // Read feeds one page read of objects objects that took latency.
 func (r *ReadPacer) Read(latency time.Duration, objects int) {
 	if r == nil {
@@ -248,10 +263,7 @@ func (r *ReadPacer) Read(latency time.Duration, objects int) {
 	g := r.g
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	g.servingBuf = g.serving.drain(g.servingBuf[:0])
-	for _, d := range g.servingBuf {
-		r.pacer.ObserveServing(d)
-	}
+	g.drainServing(r.pacer)
 	before := r.pacer.last
 	r.pacer.Observe(g.clock.Now(), latency, objects, nil)
 	if v := r.pacer.last; v != before && v.Change == "decrease" {
@@ -283,7 +295,7 @@ func (g *Writer) State() (PauseState, float64, string) {
 // etcd being briefly unavailable is not the migration's failure: while a member is
 // lost (its connection reset, a new leader elected) a transaction fails with
 // Unavailable, "leader changed" or etcd's own 7 s request timeout. Each attempt gets
-// etcdAttemptTimeout, and an attempt that failed so is tried again, for up to
+// its own deadline (attemptTimeoutFor), and an attempt that failed so is tried again, for up to
 // etcdRetryFor, without counting as congestion. The compare-and-swap makes that safe:
 // an attempt etcd applied after all makes the next one a conflict, which the caller
 // handles as any conflict.
@@ -297,8 +309,11 @@ func (g *Writer) Txn(ctx context.Context, objects int, bytes int64, build func(c
 		if err := waitForTokens(ctx, g.limiter, objects); err != nil {
 			return nil, err
 		}
+		g.mu.Lock()
+		attemptTimeout := attemptTimeoutFor(g.pacer.LatencyScale())
+		g.mu.Unlock()
 		start := g.clock.Now()
-		attempt, cancel := context.WithTimeout(ctx, etcdAttemptTimeout)
+		attempt, cancel := context.WithTimeout(ctx, attemptTimeout)
 		resp, err := build(attempt).Commit()
 		cancel()
 		// The transaction's latency ends here: waiting for the lock below is the
@@ -308,6 +323,7 @@ func (g *Writer) Txn(ctx context.Context, objects int, bytes int64, build func(c
 			if unavailableSince.IsZero() {
 				unavailableSince = start
 			}
+			g.excuseServing(unavailableSince)
 			if g.clock.Since(unavailableSince) < etcdRetryFor {
 				g.log.V(2).Info("etcd did not answer a migration transaction; trying again", "err", err, "after", backoff)
 				if err := g.sleep(ctx, backoff); err != nil {
@@ -317,13 +333,16 @@ func (g *Writer) Txn(ctx context.Context, objects int, bytes int64, build func(c
 				continue
 			}
 		}
+		if !unavailableSince.IsZero() {
+			// etcd answers again; the clients' requests that waited for it end from now
+			// on, up to etcd's request timeout after it stopped answering.
+			g.excuseServing(unavailableSince)
+			unavailableSince = time.Time{}
+		}
 		noSpace := errors.Is(err, rpctypes.ErrNoSpace)
 		g.mu.Lock()
 		now := g.clock.Now()
-		g.servingBuf = g.serving.drain(g.servingBuf[:0])
-		for _, d := range g.servingBuf {
-			g.pacer.ObserveServing(d)
-		}
+		g.drainServing(g.pacer)
 		if err == nil && resp != nil && resp.Header != nil {
 			g.observeWatchCache(resp.Header.Revision, now)
 		}
@@ -350,10 +369,48 @@ func (g *Writer) Txn(ctx context.Context, objects int, bytes int64, build func(c
 	}
 }
 
-// etcdAttemptTimeout bounds one attempt of a migration transaction: a batch commits in
-// milliseconds, and an attempt sent to a member that went down or caught in a leader
-// election would otherwise wait for etcd's 7 s request timeout.
-const etcdAttemptTimeout = 3 * time.Second
+// etcdRequestTimeout is how long etcd lets a request wait for its proposal to be
+// applied by default (5 s plus two election timeouts): a client request sent to a
+// member whose leader was just lost can take that long, then fail.
+const etcdRequestTimeout = 7 * time.Second
+
+// excuseServing drops the clients' requests answered so far, and has those answered
+// until a pacing window from now, or until etcd's request timeout (and a window) after
+// etcd stopped answering at since, dropped too (see excuseServingUntil).
+func (g *Writer) excuseServing(since time.Time) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.serving.drain(g.servingBuf[:0])
+	until := g.clock.Now()
+	if end := since.Add(etcdRequestTimeout); end.After(until) {
+		until = end
+	}
+	if until = until.Add(g.pacer.opts.Window); until.After(g.excuseServingUntil) {
+		g.excuseServingUntil = until
+	}
+}
+
+// An attempt of a migration transaction is bounded: a batch commits in milliseconds,
+// and an attempt sent to a member that went down, or forwarded to a leader that was
+// just killed, would otherwise wait for etcd's 7 s request timeout (a proposal sent
+// while a member knows no leader waits for the election inside etcd and goes
+// through). The bound is attemptTimeoutPerTarget times the pacer's latency target
+// (LatencyScale: from the first transactions before the target is set), within [minEtcdAttemptTimeout, maxEtcdAttemptTimeout]: a lost attempt is given up
+// soon after the election, and a slow but healthy etcd keeps its time.
+const (
+	minEtcdAttemptTimeout   = time.Second
+	maxEtcdAttemptTimeout   = 3 * time.Second
+	attemptTimeoutPerTarget = 20
+)
+
+// attemptTimeoutFor is the bound of one attempt for the pacer's latency scale (0:
+// no transaction answered yet).
+func attemptTimeoutFor(target time.Duration) time.Duration {
+	if target <= 0 {
+		return maxEtcdAttemptTimeout
+	}
+	return min(max(attemptTimeoutPerTarget*target, minEtcdAttemptTimeout), maxEtcdAttemptTimeout)
+}
 
 // etcdRetryFor is how long a transaction is tried again while etcd is unavailable; past
 // it the migration fails and the controller retries it (from its checkpoint).
@@ -410,8 +467,10 @@ func (g *Writer) admit(ctx context.Context, bytes int64) error {
 		g.mu.Lock()
 		d := g.gate.Admit(g.clock.Now(), bytes)
 		if d == spaceMeasure {
-			// Read under the lock: one reading serves every worker.
-			s := readSpace(ctx, g.client)
+			// Read under the lock: one reading serves every worker. Each read is bounded
+			// as a transaction's attempt is: a read caught in a leader election is given
+			// up and tried again soon (unknownRetry).
+			s := readSpace(ctx, g.client, attemptTimeoutFor(g.pacer.LatencyScale()))
 			if ctx.Err() != nil {
 				g.mu.Unlock()
 				return ctx.Err()
@@ -485,8 +544,9 @@ func (g *Writer) sleep(ctx context.Context, d time.Duration) error {
 // raised. Compaction and defragmentation are never asked for: they are
 // kube-apiserver's and the operator's. The members are asked at once, each with its
 // own timeout: a member that is down (it cannot grow either) must not stall the
-// reading, so once one member answered the others get spaceReadGrace more.
-func readSpace(ctx context.Context, cli *clientv3.Client) etcdSpace {
+// reading, so once one member answered the others get spaceReadGrace more. timeout
+// bounds one member's answer, and the alarm list.
+func readSpace(ctx context.Context, cli *clientv3.Client, timeout time.Duration) etcdSpace {
 	type answer struct {
 		st  *clientv3.StatusResponse
 		err error
@@ -495,7 +555,7 @@ func readSpace(ctx context.Context, cli *clientv3.Client) etcdSpace {
 	answers := make(chan answer, len(eps))
 	for _, ep := range eps {
 		go func() {
-			c, cancel := context.WithTimeout(ctx, spaceReadTimeout)
+			c, cancel := context.WithTimeout(ctx, timeout)
 			defer cancel()
 			st, err := cli.Status(c, ep)
 			if err != nil {
@@ -531,7 +591,7 @@ collect:
 		return etcdSpace{Err: fmt.Errorf("reading the database size of etcd: %w", errors.Join(errs...))}
 	}
 	// A new variable: the members' goroutines still running past the grace read ctx.
-	alarmCtx, cancel := context.WithTimeout(ctx, spaceReadTimeout)
+	alarmCtx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	alarms, err := cli.AlarmList(alarmCtx)
 	if err != nil {
