@@ -12,7 +12,6 @@ import (
 	"github.com/spf13/pflag"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 
-	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/storagelayout"
@@ -21,7 +20,7 @@ import (
 // addCoordinationPrefixFlag adds --coordination-prefix; coordinationPrefix gives it its
 // default.
 func addCoordinationPrefixFlag(fs *pflag.FlagSet, prefix *string) {
-	fs.StringVar(prefix, "coordination-prefix", "", "The apiservers' --coordination-prefix. Default: the apiservers' default for --etcd-prefix ("+cluster.DefaultPrefix+" for /registry).")
+	fs.StringVar(prefix, "coordination-prefix", "", "The apiservers' --coordination-prefix. Default: the apiservers' default for --etcd-prefix ("+coordination.DefaultPrefix+" for /registry).")
 }
 
 // acknowledgeFlags are rekey migrate's flags that manage acknowledgements of unreadable

@@ -12,6 +12,7 @@ import (
 
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/keyledger"
 )
@@ -43,7 +44,7 @@ var errRetentionUnknown = errors.New("the backup retention of the apiservers is 
 func (b *backupRetention) effective(ctx context.Context, cli *clientv3.Client, prefix string) (time.Duration, string, error) {
 	snap, err := cluster.ReadSnapshot(ctx, cli, prefix)
 	if err != nil {
-		return 0, "", fmt.Errorf("cannot read the --%s the apiservers publish under %s: %w; retry once etcd answers", guard.BackupRetentionFlag, cluster.MembersPrefix(prefix), err)
+		return 0, "", fmt.Errorf("cannot read the --%s the apiservers publish under %s: %w; retry once etcd answers", guard.BackupRetentionFlag, coordination.MembersPrefix(prefix), err)
 	}
 	longest, by, unknown := cluster.LargestRetention(snap.Members)
 	if len(unknown) > 0 && (b.flags == nil || !b.flags.Changed(guard.BackupRetentionFlag)) {

@@ -12,6 +12,7 @@ import (
 	"github.com/rekey-io/rekey/internal/etcdtest"
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/keyledger"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
@@ -24,7 +25,7 @@ func recordWrites(t *testing.T, cli *clientv3.Client, cfgPath string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	store := keyledger.Store{Client: cli, Key: keyledger.Key(cluster.DefaultPrefix)}
+	store := keyledger.Store{Client: cli, Key: keyledger.Key(coordination.DefaultPrefix)}
 	if _, err := store.Update(t.Context(), func(l *keyledger.Ledger, rev int64) bool {
 		return l.Observe(keyledger.Observation{Rules: transformers.DescribeRules(cfg)}, time.Now(), rev, 0)
 	}); err != nil {
@@ -100,7 +101,7 @@ func TestRemovalHonoursThePublishedRetention(t *testing.T) {
 	// An apiserver that does not say (an older rekey): refused unless the operator
 	// vouches for the retention with the flag.
 	for _, id := range []string{"a", "b"} {
-		if _, err := cli.Delete(t.Context(), cluster.MemberKey(cluster.DefaultPrefix, id)); err != nil {
+		if _, err := cli.Delete(t.Context(), coordination.Member(coordination.DefaultPrefix, id)); err != nil {
 			t.Fatal(err)
 		}
 	}

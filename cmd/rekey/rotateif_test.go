@@ -14,6 +14,7 @@ import (
 	"github.com/rekey-io/rekey/internal/etcdtest"
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -30,7 +31,7 @@ func putTotal(t *testing.T, cli *clientv3.Client, path string, writes uint64, fi
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := cli.Put(context.Background(), cluster.KeyWritesKey(cluster.DefaultPrefix, w), string(data)); err != nil {
+	if _, err := cli.Put(context.Background(), cluster.KeyWritesKey(coordination.DefaultPrefix, w), string(data)); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -35,7 +35,7 @@ type waitOptions struct {
 func (w *waitOptions) addFlags(fs *pflag.FlagSet) {
 	w.progress = progress.NewFlag(progress.Auto, progress.Bar, progress.Plain)
 	fs.BoolVar(&w.wait, "wait", false, "Run the whole rotation: write the new key first, follow the cluster (every apiserver writes with it, migration verified), remove the old key once the guard allows it, and wait until every apiserver runs the final file. Re-running after an interruption continues the rotation in progress. Needs --etcd-servers.")
-	fs.StringVar(&w.prefix, "coordination-prefix", "", "The apiservers' --coordination-prefix (--wait). Default: the apiservers' default for --etcd-prefix ("+cluster.DefaultPrefix+" for /registry).")
+	fs.StringVar(&w.prefix, "coordination-prefix", "", "The apiservers' --coordination-prefix (--wait). Default: the apiservers' default for --etcd-prefix ("+coordination.DefaultPrefix+" for /registry).")
 	fs.DurationVar(&w.timeout, "wait-timeout", 30*time.Minute, "Give up --wait after this long, saying which stage is missing what.")
 	fs.Var(w.progress, "progress", "Output of --wait: bar (one updating line), plain (a timestamped line per stage, for CI logs), or auto (bar on a terminal).")
 	fs.BoolVar(&w.removeIdentity, "remove-identity-fallback", false, "With --wait: also remove identity from behind the new write key in the second edit, once no object is stored in plaintext. By default identity stays as the fallback for values written before encryption.")

@@ -22,6 +22,7 @@ import (
 	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/coordination"
 )
 
 // fakeApiservers publishes member states for two apiservers that run the configuration
@@ -80,7 +81,7 @@ func waitForMembers(t *testing.T, cli *clientv3.Client, n int) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		resp, err := cli.Get(context.Background(), cluster.MembersPrefix(cluster.DefaultPrefix), clientv3.WithPrefix())
+		resp, err := cli.Get(context.Background(), coordination.MembersPrefix(coordination.DefaultPrefix), clientv3.WithPrefix())
 		if err == nil && len(resp.Kvs) == n {
 			return
 		}
@@ -144,7 +145,7 @@ func (f *fakeApiservers) run(ctx context.Context) {
 					return
 				}
 				st, _ := json.Marshal(cluster.MigrationState{Leader: "a", Records: map[string]cluster.Record{"secrets": {Target: w, Verified: true}}})
-				if _, err := f.cli.Put(ctx, cluster.MigrationStateKey(cluster.DefaultPrefix), string(st)); err != nil && ctx.Err() == nil {
+				if _, err := f.cli.Put(ctx, coordination.MigrationState(coordination.DefaultPrefix), string(st)); err != nil && ctx.Err() == nil {
 					f.t.Errorf("fake leader: %v", err)
 				}
 				migrated = w

@@ -12,6 +12,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/etcdtest"
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/coordination"
 )
 
 // TestStatusVerdictAndExitCode publishes member states as apiservers would and checks
@@ -84,7 +85,7 @@ func putMember(ctx context.Context, cli *clientv3.Client, id, value string) erro
 	if err != nil {
 		return err
 	}
-	_, err = cli.Put(ctx, cluster.MemberKey(cluster.DefaultPrefix, id), value, clientv3.WithLease(lease.ID))
+	_, err = cli.Put(ctx, coordination.Member(coordination.DefaultPrefix, id), value, clientv3.WithLease(lease.ID))
 	return err
 }
 
@@ -95,7 +96,7 @@ func TestStatusListsUnknownMembers(t *testing.T) {
 	srv := etcdtest.Start(t)
 	cli := srv.Client(t)
 	ctx := context.Background()
-	id, err := cluster.EnsureIdentity(ctx, cli, cluster.DefaultPrefix, "/registry", "a", time.Now())
+	id, err := cluster.EnsureIdentity(ctx, cli, coordination.DefaultPrefix, "/registry", "a", time.Now())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -114,7 +115,7 @@ func TestStatusListsUnknownMembers(t *testing.T) {
 	if err := putMember(ctx, cli, "foreign", record("foreign", "ANOTHER")); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := cli.Put(ctx, cluster.MemberKey(cluster.DefaultPrefix, "leftover"), record("leftover", id.ClusterID)); err != nil {
+	if _, err := cli.Put(ctx, coordination.Member(coordination.DefaultPrefix, "leftover"), record("leftover", id.ClusterID)); err != nil {
 		t.Fatal(err)
 	}
 	out, err := run(t, "status", "--etcd-servers", srv.Endpoint)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/testbed"
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/coordination"
 )
 
 // The scale scenario rotates the local key of N Secrets (default 1,000,000) of 1–10 KiB
@@ -326,7 +327,7 @@ func scaleOnce(ctx context.Context, progress io.Writer, dir string, bins testbed
 func waitVerified(ctx context.Context, b *scaleBed, key string, since time.Time, limit time.Duration) (verified, rescan time.Time, err error) {
 	ctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
-	stateKey := cluster.MigrationStateKey(cluster.DefaultPrefix)
+	stateKey := coordination.MigrationState(coordination.DefaultPrefix)
 	last := "no migration state yet"
 	for {
 		resp, err := b.cli.Get(ctx, stateKey)

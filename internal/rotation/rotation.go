@@ -50,6 +50,7 @@ import (
 	"time"
 
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
@@ -488,7 +489,7 @@ func (m *Machine) advance() {
 // reports false while it cannot decide yet.
 func (m *Machine) decide() bool {
 	if len(m.cluster.Members) == 0 {
-		m.waiting = fmt.Sprintf("no live apiserver publishes its state under %s (do the apiservers run with --cluster-coordination and this --coordination-prefix?)", cluster.MembersPrefix(m.cluster.Prefix))
+		m.waiting = fmt.Sprintf("no live apiserver publishes its state under %s (do the apiservers run with --cluster-coordination and this --coordination-prefix?)", coordination.MembersPrefix(m.cluster.Prefix))
 		return false
 	}
 	if m.stored == nil {
@@ -820,7 +821,7 @@ func (m *Machine) migrateOK() bool {
 				continue
 			}
 			if mig == nil {
-				missing = append(missing, fmt.Sprintf("%s: no migration leader has written %s yet", res, cluster.MigrationStateKey(m.cluster.Prefix)))
+				missing = append(missing, fmt.Sprintf("%s: no migration leader has written %s yet", res, coordination.MigrationState(m.cluster.Prefix)))
 				continue
 			}
 			if mig.Running != nil && mig.Running.Resource == res {

@@ -25,6 +25,7 @@ import (
 	"github.com/rekey-io/rekey/internal/shim"
 	"github.com/rekey-io/rekey/internal/testbed"
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/layer"
 )
 
@@ -138,12 +139,12 @@ func TestClusterCoordination(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cli.Close()
-	resp, err := cli.Get(context.Background(), cluster.MemberKey(prefix, "shim-c1"))
+	resp, err := cli.Get(context.Background(), coordination.Member(prefix, "shim-c1"))
 	if err != nil || len(resp.Kvs) != 1 || resp.Kvs[0].Lease == 0 {
 		t.Fatalf("member key: %v %v", resp, err)
 	}
 	stop()
-	resp, err = cli.Get(context.Background(), cluster.MemberKey(prefix, "shim-c1"))
+	resp, err = cli.Get(context.Background(), coordination.Member(prefix, "shim-c1"))
 	if err != nil || len(resp.Kvs) != 0 {
 		t.Fatalf("member key after a clean shutdown: %v %v; want it deleted", resp.Kvs, err)
 	}

@@ -20,7 +20,7 @@ import (
 	"github.com/rekey-io/rekey/internal/etcdtest"
 	"github.com/rekey-io/rekey/internal/shim"
 	"github.com/rekey-io/rekey/internal/testbed"
-	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/layer"
 )
@@ -89,9 +89,9 @@ func TestClusterOverTLSEtcd(t *testing.T) {
 	if err != nil || len(raw.Kvs) != 1 || !strings.HasPrefix(string(raw.Kvs[0].Value), "k8s:enc:aesgcm:v1:key1:") {
 		t.Fatalf("stored Secret is not encrypted with key1: %v %v", err, raw)
 	}
-	member, err := cli.Get(t.Context(), cluster.MemberKey(cluster.DefaultPrefix, "shim-tls-1"))
+	member, err := cli.Get(t.Context(), coordination.Member(coordination.DefaultPrefix, "shim-tls-1"))
 	if err != nil || len(member.Kvs) != 1 || member.Kvs[0].Lease == 0 {
-		t.Fatalf("member key %s over TLS: %v %+v", cluster.MemberKey(cluster.DefaultPrefix, "shim-tls-1"), err, member)
+		t.Fatalf("member key %s over TLS: %v %+v", coordination.Member(coordination.DefaultPrefix, "shim-tls-1"), err, member)
 	}
 	applied, err := cli.Get(t.Context(), guard.AppliedStatePrefix, clientv3.WithPrefix(), clientv3.WithCountOnly())
 	if err != nil || applied.Count == 0 {

@@ -14,8 +14,8 @@ import (
 // etcdTimeout bounds one coordination request.
 const etcdTimeout = 5 * time.Second
 
-// ErrNotLeader is returned by a write guarded by leadership after it was lost.
-var ErrNotLeader = errors.New("not the migration leader any more")
+// errNotLeader is returned by a write guarded by leadership after it was lost.
+var errNotLeader = errors.New("not the migration leader any more")
 
 // etcdCheckpoints is a migrate.CheckpointStore at one etcd key. When Guard is set, a
 // Save only succeeds while Guard holds (e.g. this apiserver still owns the leader
@@ -62,7 +62,7 @@ func guardedPut(cli *clientv3.Client, key string, value []byte, guard []clientv3
 		return fmt.Errorf("writing %s: %w", key, err)
 	}
 	if !resp.Succeeded {
-		return fmt.Errorf("writing %s: %w", key, ErrNotLeader)
+		return fmt.Errorf("writing %s: %w", key, errNotLeader)
 	}
 	return nil
 }

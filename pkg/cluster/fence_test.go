@@ -51,7 +51,7 @@ func TestFenceTranscripts(t *testing.T) {
 				if d.HasArg("gone") {
 					delete(unknown, id)
 				} else {
-					unknown[id] = UnknownMember{Key: MemberKey(DefaultPrefix, id), APIServerID: id, Reason: strings.TrimSpace(d.Input)}
+					unknown[id] = UnknownMember{Key: memberKey(defaultPrefix, id), APIServerID: id, Reason: strings.TrimSpace(d.Input)}
 				}
 				sync()
 				return "ok"

@@ -185,9 +185,9 @@ func (n *Node) announced(st MemberState, active string, lastAttempt, lastError t
 // default). Keys that do not hold the member state of the apiserver they name are left
 // out, as the view leaves them out.
 func readMembers(ctx context.Context, cli *clientv3.Client, prefix, clusterID string) (membersRead, error) {
-	resp, err := cli.Get(ctx, MembersPrefix(prefix), clientv3.WithPrefix())
+	resp, err := cli.Get(ctx, membersPrefix(prefix), clientv3.WithPrefix())
 	if err != nil {
-		return membersRead{}, fmt.Errorf("reading the members under %s: %w", MembersPrefix(prefix), err)
+		return membersRead{}, fmt.Errorf("reading the members under %s: %w", membersPrefix(prefix), err)
 	}
 	var r membersRead
 	for _, kv := range resp.Kvs {

@@ -34,7 +34,7 @@ func TestGuardFailsClosedOnAnUnknownMigrationState(t *testing.T) {
 		return c
 	}
 	current, next := parse(secretsConfig("k2", "k1")), parse(secretsConfig("k2")) // drops k1
-	key := MigrationStateKey(DefaultPrefix)
+	key := migrationStateKey(defaultPrefix)
 	put := func(v string) {
 		t.Helper()
 		if _, err := cli.Put(context.Background(), key, v); err != nil {
@@ -75,14 +75,14 @@ func TestGuardFailsClosedOnAnUnknownMigrationState(t *testing.T) {
 	})
 	t.Run("follower has not loaded the state", func(t *testing.T) {
 		put(string(idle))
-		m := NewMigrator(MigratorOptions{Client: cli, Prefix: DefaultPrefix, ID: "a", Logger: ktesting.NewLogger(t, ktesting.NewConfig())})
+		m := NewMigrator(MigratorOptions{Client: cli, Prefix: defaultPrefix, ID: "a", Logger: ktesting.NewLogger(t, ktesting.NewConfig())})
 		a.node.SetMigrator(m)
 		defer a.node.SetMigrator(nil)
 		refused(t, a.node.Guard(current, next), "has not loaded it from etcd yet")
 	})
 	t.Run("follower's latest state does not decode", func(t *testing.T) {
 		put(`{"running": {"resource": "secrets"`)
-		m := NewMigrator(MigratorOptions{Client: cli, Prefix: DefaultPrefix, ID: "a", Logger: ktesting.NewLogger(t, ktesting.NewConfig())})
+		m := NewMigrator(MigratorOptions{Client: cli, Prefix: defaultPrefix, ID: "a", Logger: ktesting.NewLogger(t, ktesting.NewConfig())})
 		ctx, cancel := context.WithCancel(context.Background())
 		followed := make(chan struct{})
 		go func() { defer close(followed); m.follow(ctx) }()

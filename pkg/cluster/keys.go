@@ -3,17 +3,17 @@ package cluster
 import "github.com/rekey-io/rekey/pkg/coordination"
 
 // The keys of this package live in pkg/coordination's table with every other key under
-// the coordination prefix; the names below stay because other packages and the tests of
-// many use them.
+// the coordination prefix; other packages use that table. These short names serve this
+// package and its tests.
 
-// DefaultPrefix is the default coordination prefix (--coordination-prefix).
-const DefaultPrefix = coordination.DefaultPrefix
+// defaultPrefix is the default coordination prefix (--coordination-prefix).
+const defaultPrefix = coordination.DefaultPrefix
 
-// MembersPrefix is the directory of member keys: <prefix>/members/.
-func MembersPrefix(prefix string) string { return coordination.MembersPrefix(prefix) }
+// membersPrefix is the directory of member keys: <prefix>/members/.
+func membersPrefix(prefix string) string { return coordination.MembersPrefix(prefix) }
 
-// MemberKey is where apiserver id publishes its MemberState.
-func MemberKey(prefix, id string) string { return coordination.Member(prefix, id) }
+// memberKey is where apiserver id publishes its MemberState.
+func memberKey(prefix, id string) string { return coordination.Member(prefix, id) }
 
-// MigrationStateKey holds the leader's MigrationState: records and progress.
-func MigrationStateKey(prefix string) string { return coordination.MigrationState(prefix) }
+// migrationStateKey holds the leader's MigrationState: records and progress.
+func migrationStateKey(prefix string) string { return coordination.MigrationState(prefix) }

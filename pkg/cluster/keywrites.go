@@ -32,14 +32,14 @@ import (
 // key with no writes yet as soon as its configuration can use it, so a write key's age
 // starts when it was configured, not at its first write.
 
-// DefaultKeyWritesFlushInterval is how often a member adds its write counts to the
+// defaultKeyWritesFlushInterval is how often a member adds its write counts to the
 // cluster's totals (Options.KeyWritesFlushInterval).
-const DefaultKeyWritesFlushInterval = 10 * time.Second
+const defaultKeyWritesFlushInterval = 10 * time.Second
 
-// MaxPublishedKeyWrites bounds the keys a member record lists in KeyWrites (the ones
+// maxPublishedKeyWrites bounds the keys a member record lists in KeyWrites (the ones
 // with the most writes): a configuration may name hundreds of keys, and the record
-// must stay under MaxMemberRecordBytes. The totals in etcd count every key.
-const MaxPublishedKeyWrites = 32
+// must stay under maxMemberRecordBytes. The totals in etcd count every key.
+const maxPublishedKeyWrites = 32
 
 // KeyWritesKey is where k's total lives: a hash of its identity names the etcd key, so
 // key names with any characters fit; the value repeats the identity.

@@ -102,25 +102,25 @@ func TestKeyWriteTotalsAreExact(t *testing.T) {
 	for _, m := range []*member{a, b, c} {
 		m.stop()
 	}
-	if k, _ := aesgcmTotal(t, &member{node: &Node{opts: Options{Client: cli, Prefix: DefaultPrefix}}}, "k1"); k.Writes != 629 {
+	if k, _ := aesgcmTotal(t, &member{node: &Node{opts: Options{Client: cli, Prefix: defaultPrefix}}}, "k1"); k.Writes != 629 {
 		t.Fatalf("k1 after every member closed: %d writes, want 629", k.Writes)
 	}
 }
 
-// A record lists at most MaxPublishedKeyWrites counts, the keys with the most writes;
+// A record lists at most maxPublishedKeyWrites counts, the keys with the most writes;
 // a record of a version without counts decodes.
 func TestPublishedKeyWritesAreBounded(t *testing.T) {
 	var in []transformers.KeyWrites
-	for i := range MaxPublishedKeyWrites + 10 {
+	for i := range maxPublishedKeyWrites + 10 {
 		in = append(in, transformers.KeyWrites{KeyInfo: Key{Provider: "aesgcm", Key: fmt.Sprintf("k%03d", i), Check: "c"}, Writes: uint64(i)})
 	}
-	out := boundKeyWrites(in, MaxPublishedKeyWrites)
-	if len(out) != MaxPublishedKeyWrites || out[0].Key != "k010" || out[len(out)-1].Writes != uint64(MaxPublishedKeyWrites+9) {
+	out := boundKeyWrites(in, maxPublishedKeyWrites)
+	if len(out) != maxPublishedKeyWrites || out[0].Key != "k010" || out[len(out)-1].Writes != uint64(maxPublishedKeyWrites+9) {
 		t.Fatalf("bounded to %d, first %+v, last %+v", len(out), out[0], out[len(out)-1])
 	}
 	st := MemberState{APIServerID: "a", KeyWrites: out}
-	data, _, err := encodeRecord(st, MaxMemberRecordBytes)
-	if err != nil || len(data) > MaxMemberRecordBytes/4 {
+	data, _, err := encodeRecord(st, maxMemberRecordBytes)
+	if err != nil || len(data) > maxMemberRecordBytes/4 {
 		t.Fatalf("record of %d counts is %d bytes (%v)", len(out), len(data), err)
 	}
 	old := `{"apiserverID":"a","configHash":"sha256:1","resources":[],"publishedAt":"2026-01-01T00:00:00Z"}`

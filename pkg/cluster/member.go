@@ -47,7 +47,7 @@ type MemberState struct {
 	// records of versions that did not publish it: unknown (PublishedRetention).
 	BackupRetention string `json:"backupRetention,omitempty"`
 	// KeyWrites counts, per key, the values this member sealed since it started (at
-	// most MaxPublishedKeyWrites keys, those with the most writes). The cluster's
+	// most maxPublishedKeyWrites keys, those with the most writes). The cluster's
 	// lifetime totals are KeyTotal, under coordination.KeyWritesPrefix. Records of
 	// versions that did not count leave it out.
 	KeyWrites []transformers.KeyWrites `json:"keyWrites,omitempty"`
@@ -59,7 +59,7 @@ type MemberState struct {
 	// write key (zero while they agree); the status command raises the alarm from it.
 	DisagreeingSince time.Time `json:"disagreeingSince,omitzero"`
 	// Reduced names the texts cut from the published record to keep it under
-	// MaxMemberRecordBytes ("lastReloadError", "kms.lastError"); empty when nothing was.
+	// maxMemberRecordBytes ("lastReloadError", "kms.lastError"); empty when nothing was.
 	Reduced []string `json:"reduced,omitempty"`
 	// PublishedAt is when this state was written.
 	PublishedAt time.Time `json:"publishedAt"`

@@ -24,21 +24,21 @@ func TestIdentityBindsTheCoordinationPrefix(t *testing.T) {
 	srv := etcdtest.Start(t)
 	cli := srv.Client(t)
 	ctx := context.Background()
-	first, err := EnsureIdentity(ctx, cli, DefaultPrefix, "/registry/", "a", epoch)
+	first, err := EnsureIdentity(ctx, cli, defaultPrefix, "/registry/", "a", epoch)
 	if err != nil || first.ClusterID == "" || first.EtcdPrefix != "/registry" {
 		t.Fatalf("created identity %+v, %v", first, err)
 	}
-	again, err := EnsureIdentity(ctx, cli, DefaultPrefix, "/registry", "b", epoch.Add(time.Minute))
+	again, err := EnsureIdentity(ctx, cli, defaultPrefix, "/registry", "b", epoch.Add(time.Minute))
 	if err != nil || again != first {
 		t.Fatalf("second EnsureIdentity = %+v, %v; want the first %+v", again, err, first)
 	}
-	read, err := readIdentity(ctx, cli, DefaultPrefix, 0)
+	read, err := readIdentity(ctx, cli, defaultPrefix, 0)
 	if err != nil || read == nil || *read != first {
 		t.Fatalf("ReadIdentity = %+v, %v", read, err)
 	}
 
-	_, err = EnsureIdentity(ctx, cli, DefaultPrefix, "/other", "c", epoch)
-	for _, want := range []string{`"/registry"`, `"/other"`, "--coordination-prefix", first.ClusterID, coordination.Identity(DefaultPrefix)} {
+	_, err = EnsureIdentity(ctx, cli, defaultPrefix, "/other", "c", epoch)
+	for _, want := range []string{`"/registry"`, `"/other"`, "--coordination-prefix", first.ClusterID, coordination.Identity(defaultPrefix)} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("identity bound to another --etcd-prefix: error %v; want it to name %s", err, want)
 		}
@@ -76,7 +76,7 @@ func TestUnknownMembersHoldPromotionsButNotReadiness(t *testing.T) {
 		t.Fatal("no cluster id in a's status")
 	}
 	eventually(t, "a publishes its cluster id", func() bool {
-		resp, err := cli.Get(ctx, MemberKey(DefaultPrefix, "a"))
+		resp, err := cli.Get(ctx, memberKey(defaultPrefix, "a"))
 		if err != nil || len(resp.Kvs) != 1 {
 			return false
 		}
@@ -99,7 +99,7 @@ func TestUnknownMembersHoldPromotionsButNotReadiness(t *testing.T) {
 	}
 	put := func(id, value string, opts ...clientv3.OpOption) {
 		t.Helper()
-		if _, err := cli.Put(ctx, MemberKey(DefaultPrefix, id), value, opts...); err != nil {
+		if _, err := cli.Put(ctx, memberKey(defaultPrefix, id), value, opts...); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -121,7 +121,7 @@ func TestUnknownMembersHoldPromotionsButNotReadiness(t *testing.T) {
 			t.Fatalf("%s: unknown members %+v; want %d", what, got, len(wantReasons))
 		}
 		for _, u := range got {
-			if want := wantReasons[u.APIServerID]; want == "" || !strings.Contains(u.Reason, want) || u.Key != MemberKey(DefaultPrefix, u.APIServerID) {
+			if want := wantReasons[u.APIServerID]; want == "" || !strings.Contains(u.Reason, want) || u.Key != memberKey(defaultPrefix, u.APIServerID) {
 				t.Errorf("%s: %+v; want reason %q", what, u, want)
 			}
 		}
@@ -139,7 +139,7 @@ func TestUnknownMembersHoldPromotionsButNotReadiness(t *testing.T) {
 	}
 	st := a.node.Status()
 	checkUnknown("status", st.UnknownMembers)
-	snap, err := ReadSnapshot(ctx, cli, DefaultPrefix)
+	snap, err := ReadSnapshot(ctx, cli, defaultPrefix)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -164,10 +164,10 @@ func TestUnknownMembersHoldPromotionsButNotReadiness(t *testing.T) {
 		t.Fatal("the key-id fence is open with unknown members present")
 	}
 
-	if _, err := cli.Delete(ctx, MembersPrefix(DefaultPrefix)+"garbage"); err != nil {
+	if _, err := cli.Delete(ctx, membersPrefix(defaultPrefix)+"garbage"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := cli.Delete(ctx, MemberKey(DefaultPrefix, "leftover")); err != nil {
+	if _, err := cli.Delete(ctx, memberKey(defaultPrefix, "leftover")); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := cli.Revoke(ctx, lease.ID); err != nil {
@@ -247,7 +247,7 @@ func TestBrokenFileErrorReachesTheRecordBounded(t *testing.T) {
 	}
 	var st MemberState
 	eventually(t, "a publishes the refused reload", func() bool {
-		resp, err := cli.Get(ctx, MemberKey(DefaultPrefix, "a"))
+		resp, err := cli.Get(ctx, memberKey(defaultPrefix, "a"))
 		if err != nil || len(resp.Kvs) != 1 {
 			return false
 		}
@@ -321,7 +321,7 @@ func TestMemberRecordSaysWhatItMigrates(t *testing.T) {
 		t.Helper()
 		var st MemberState
 		eventually(t, id+" published", func() bool {
-			resp, err := cli.Get(context.Background(), MemberKey(DefaultPrefix, id))
+			resp, err := cli.Get(context.Background(), memberKey(defaultPrefix, id))
 			if err != nil || len(resp.Kvs) != 1 {
 				return false
 			}

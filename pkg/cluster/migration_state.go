@@ -62,7 +62,7 @@ type statePublisher struct {
 	lastPublish time.Time
 }
 
-// publish writes st when it is due; a lost leadership is ErrNotLeader.
+// publish writes st when it is due; a lost leadership is errNotLeader.
 func (p *statePublisher) publish(st MigrationState, running bool) error {
 	now := st.UpdatedAt
 	body := st
@@ -113,7 +113,7 @@ func (m *Migrator) follow(ctx context.Context) {
 func (m *Migrator) followFrom(ctx context.Context, st MigrationState, rev int64, undecodable error) {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
-	changes := m.opts.Client.Watch(wctx, MigrationStateKey(m.opts.Prefix), clientv3.WithRev(rev+1))
+	changes := m.opts.Client.Watch(wctx, migrationStateKey(m.opts.Prefix), clientv3.WithRev(rev+1))
 	for {
 		m.setFollowed(st, undecodable)
 		var retry <-chan time.Time
@@ -201,7 +201,7 @@ func (m *Migrator) getState(ctx context.Context) (MigrationState, int64, error) 
 // revision it was read at (0 when the read failed); no state is the zero one. A state
 // that does not decode is an error with the revision read.
 func readMigrationStateAt(ctx context.Context, cli *clientv3.Client, prefix string) (MigrationState, int64, error) {
-	key := MigrationStateKey(prefix)
+	key := migrationStateKey(prefix)
 	ctx, cancel := context.WithTimeout(ctx, etcdTimeout)
 	defer cancel()
 	resp, err := cli.Get(ctx, key)

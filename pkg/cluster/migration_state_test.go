@@ -23,7 +23,7 @@ func TestStatePublisherWritesWhatIsDue(t *testing.T) {
 	cli := srv.Client(t)
 	ctx := context.Background()
 	lk, guard := holdLeaderKey(t, cli)
-	p := &statePublisher{client: cli, key: MigrationStateKey(DefaultPrefix), guard: guard}
+	p := &statePublisher{client: cli, key: migrationStateKey(defaultPrefix), guard: guard}
 	version := func() int64 {
 		t.Helper()
 		resp, err := cli.Get(ctx, p.key)
@@ -62,8 +62,8 @@ func TestStatePublisherWritesWhatIsDue(t *testing.T) {
 	if _, err := cli.Delete(ctx, lk); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.publish(st(33*time.Second, "c"), true); !errors.Is(err, ErrNotLeader) {
-		t.Fatalf("publish after the leadership was lost = %v, want ErrNotLeader", err)
+	if err := p.publish(st(33*time.Second, "c"), true); !errors.Is(err, errNotLeader) {
+		t.Fatalf("publish after the leadership was lost = %v, want errNotLeader", err)
 	}
 	if got := version(); got != 4 {
 		t.Fatalf("a deposed leader wrote the state (version %d)", got)
@@ -78,9 +78,9 @@ func TestFollowerWatchesTheState(t *testing.T) {
 	cli := srv.Client(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	m := NewMigrator(MigratorOptions{Client: cli, Prefix: DefaultPrefix, ID: "b",
+	m := NewMigrator(MigratorOptions{Client: cli, Prefix: defaultPrefix, ID: "b",
 		Logger: ktesting.NewLogger(t, ktesting.NewConfig()), Clock: clocktesting.NewFakeClock(epoch)})
-	key := MigrationStateKey(DefaultPrefix)
+	key := migrationStateKey(defaultPrefix)
 	putState := func(leader string) int64 {
 		t.Helper()
 		data, err := json.Marshal(MigrationState{Leader: leader, Records: map[string]Record{"secrets": {Verified: true}}})
@@ -131,9 +131,9 @@ func TestFollowerStateIsUnknownUntilReadAndWhileItDoesNotDecode(t *testing.T) {
 	cli := srv.Client(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	m := NewMigrator(MigratorOptions{Client: cli, Prefix: DefaultPrefix, ID: "b",
+	m := NewMigrator(MigratorOptions{Client: cli, Prefix: defaultPrefix, ID: "b",
 		Logger: ktesting.NewLogger(t, ktesting.NewConfig()), Clock: clocktesting.NewFakeClock(epoch)})
-	key := MigrationStateKey(DefaultPrefix)
+	key := migrationStateKey(defaultPrefix)
 	put := func(v string) {
 		t.Helper()
 		if _, err := cli.Put(ctx, key, v); err != nil {

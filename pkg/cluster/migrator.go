@@ -189,7 +189,7 @@ func (m *Migrator) lead(ctx context.Context, guard []clientv3.Cmp) {
 	defer ticker.Stop()
 	for {
 		membersChanged := m.opts.MembersChanged()
-		if err := t.round(ctx); errors.Is(err, ErrNotLeader) {
+		if err := t.round(ctx); errors.Is(err, errNotLeader) {
 			m.log.Info("Lost the migration leadership")
 			return
 		}
@@ -236,7 +236,7 @@ const (
 // that does not decode is left as it is (it may be a newer rekey's, or repairable): the
 // error and an event say so and what an operator can do.
 func (m *Migrator) loadRecords(ctx context.Context) (records map[string]Record, ok bool) {
-	key := MigrationStateKey(m.opts.Prefix)
+	key := migrationStateKey(m.opts.Prefix)
 	delay, warned := stateReadRetry, false
 	for {
 		st, rev, err := m.getState(ctx)
@@ -275,7 +275,7 @@ func (m *Migrator) newTerm(ctx context.Context, guard []clientv3.Cmp, records ma
 	l.Step(recordsLoaded{Records: records})
 	l.Step(leadership{Leading: true})
 	return &term{m: m, guard: guard, leader: l, results: make(chan migrationResult, 1),
-		state: &statePublisher{client: m.opts.Client, key: MigrationStateKey(m.opts.Prefix), guard: guard}}
+		state: &statePublisher{client: m.opts.Client, key: migrationStateKey(m.opts.Prefix), guard: guard}}
 }
 
 // round feeds the leader what changed, starts the migration it asks for, and
@@ -454,7 +454,7 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.
 func (m *Migrator) currentRevision(ctx context.Context) int64 {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), etcdTimeout)
 	defer cancel()
-	resp, err := m.opts.Client.Get(ctx, MigrationStateKey(m.opts.Prefix), clientv3.WithCountOnly())
+	resp, err := m.opts.Client.Get(ctx, migrationStateKey(m.opts.Prefix), clientv3.WithCountOnly())
 	if err != nil {
 		return 0
 	}

@@ -52,7 +52,7 @@ func (f *stateGetFailer) failures() int {
 // storedStateRev is the mod revision of the stored migration state (0: none).
 func storedStateRev(t *testing.T, cli *clientv3.Client) int64 {
 	t.Helper()
-	resp, err := cli.Get(context.Background(), MigrationStateKey(DefaultPrefix))
+	resp, err := cli.Get(context.Background(), migrationStateKey(defaultPrefix))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -67,7 +67,7 @@ func watchStatePuts(t *testing.T, ctx context.Context, cli *clientv3.Client) fun
 	t.Helper()
 	var mu sync.Mutex
 	var puts []string
-	wch := cli.Watch(ctx, MigrationStateKey(DefaultPrefix))
+	wch := cli.Watch(ctx, migrationStateKey(defaultPrefix))
 	go func() {
 		for resp := range wch {
 			mu.Lock()
@@ -101,7 +101,7 @@ func TestMigratorLeaderKeepsRecordsItCouldNotReadYet(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := cli.Put(ctx, MigrationStateKey(DefaultPrefix), string(data)); err != nil {
+	if _, err := cli.Put(ctx, migrationStateKey(defaultPrefix), string(data)); err != nil {
 		t.Fatal(err)
 	}
 	storedRev := storedStateRev(t, cli)
@@ -109,7 +109,7 @@ func TestMigratorLeaderKeepsRecordsItCouldNotReadYet(t *testing.T) {
 
 	a := startMember(t, cli, "a", secretsConfig("k1"))
 	migCli := srv.Client(t)
-	failer := &stateGetFailer{KV: migCli.KV, key: MigrationStateKey(DefaultPrefix), blocked: true}
+	failer := &stateGetFailer{KV: migCli.KV, key: migrationStateKey(defaultPrefix), blocked: true}
 	migCli.KV = failer
 	mig, done := startMigrator(t, ctx, migCli, a, nil)
 	defer func() { cancel(); <-done }()
@@ -129,7 +129,7 @@ func TestMigratorLeaderKeepsRecordsItCouldNotReadYet(t *testing.T) {
 
 	failer.unblock()
 	eventually(t, "the leader publishes its state", func() bool {
-		st, _, err := readMigrationStateAt(ctx, cli, DefaultPrefix)
+		st, _, err := readMigrationStateAt(ctx, cli, defaultPrefix)
 		return err == nil && st.Leader == "a"
 	})
 	for _, p := range puts() {
@@ -152,7 +152,7 @@ func TestMigratorLeaderNeverOverwritesUndecodableState(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	const bad = `{"records": not json`
-	key := MigrationStateKey(DefaultPrefix)
+	key := migrationStateKey(defaultPrefix)
 	if _, err := cli.Put(ctx, key, bad); err != nil {
 		t.Fatal(err)
 	}
@@ -160,7 +160,7 @@ func TestMigratorLeaderNeverOverwritesUndecodableState(t *testing.T) {
 	storeSecrets(t, cli, a, 5, "/registry/secrets/ns/s%02d")
 	log := &eventLog{}
 	mig := NewMigrator(MigratorOptions{
-		Client: cli, Prefix: DefaultPrefix, ID: a.id, SessionTTL: 2 * time.Second,
+		Client: cli, Prefix: defaultPrefix, ID: a.id, SessionTTL: 2 * time.Second,
 		Resources:      []migrate.Resource{migrate.ResourceFor("/registry", secrets)},
 		Source:         migrate.FromRules(a.agent, a.agent.Rules),
 		Members:        a.node.view.Members,
@@ -201,7 +201,7 @@ func TestMigratorLeaderNeverOverwritesUndecodableState(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, "the leader migrates and publishes", func() bool {
-		st, _, err := readMigrationStateAt(ctx, cli, DefaultPrefix)
+		st, _, err := readMigrationStateAt(ctx, cli, defaultPrefix)
 		return err == nil && st.Leader == "a" && st.Records["secrets"].Verified
 	})
 }

@@ -31,7 +31,7 @@ func startProbedMigrator(t *testing.T, ctx context.Context, cli *clientv3.Client
 	mig := NewMigrator(MigratorOptions{
 		Rate:      append(rate, 0)[0],
 		Inventory: store,
-		Client:    cli, Prefix: DefaultPrefix, ID: m.id, SessionTTL: 2 * time.Second,
+		Client:    cli, Prefix: defaultPrefix, ID: m.id, SessionTTL: 2 * time.Second,
 		Resources:      []migrate.Resource{migrate.ResourceFor("/registry", secrets)},
 		Source:         migrate.FromRules(m.agent, m.agent.Rules),
 		Members:        probe.wrap(m.node.view.Members),
@@ -184,7 +184,7 @@ func countPrefix(t *testing.T, cli *clientv3.Client, prefix string) int {
 // guard that holds while it stays (deleting it stands for a lost leadership).
 func holdLeaderKey(t *testing.T, cli *clientv3.Client) (string, []clientv3.Cmp) {
 	t.Helper()
-	lk := coordination.MigrationLeader(DefaultPrefix) + "/x"
+	lk := coordination.MigrationLeader(defaultPrefix) + "/x"
 	put, err := cli.Put(context.Background(), lk, "a")
 	if err != nil {
 		t.Fatal(err)
@@ -199,7 +199,7 @@ func TestEtcdCheckpointsGuardedByLeadership(t *testing.T) {
 	cli := srv.Client(t)
 	ctx := context.Background()
 	lk, guard := holdLeaderKey(t, cli)
-	store := &etcdCheckpoints{Client: cli, Key: coordination.MigrationCheckpoint(DefaultPrefix), Guard: guard}
+	store := &etcdCheckpoints{Client: cli, Key: coordination.MigrationCheckpoint(defaultPrefix), Guard: guard}
 	if c, err := store.Load(context.Background()); c != nil || err != nil {
 		t.Fatalf("empty store: %v %v", c, err)
 	}
@@ -214,8 +214,8 @@ func TestEtcdCheckpointsGuardedByLeadership(t *testing.T) {
 	if _, err := cli.Delete(ctx, lk); err != nil { // leadership lost
 		t.Fatal(err)
 	}
-	if err := store.Save(&migrate.Checkpoint{LastKey: "/registry/secrets/ns/s99"}); !errors.Is(err, ErrNotLeader) {
-		t.Fatalf("save after losing leadership = %v, want ErrNotLeader", err)
+	if err := store.Save(&migrate.Checkpoint{LastKey: "/registry/secrets/ns/s99"}); !errors.Is(err, errNotLeader) {
+		t.Fatalf("save after losing leadership = %v, want errNotLeader", err)
 	}
 	if got, _ := store.Load(context.Background()); got.LastKey != want.LastKey {
 		t.Fatalf("a deposed leader overwrote the checkpoint: %+v", got)
@@ -263,7 +263,7 @@ func TestLeaderKilledMidMigrationAnotherResumes(t *testing.T) {
 	if done >= n {
 		t.Fatalf("the migration finished before the leader stopped (%d objects); slow it down", done)
 	}
-	ck, err := (&etcdCheckpoints{Client: cli, Key: coordination.MigrationCheckpoint(DefaultPrefix)}).Load(context.Background())
+	ck, err := (&etcdCheckpoints{Client: cli, Key: coordination.MigrationCheckpoint(defaultPrefix)}).Load(context.Background())
 	// (The checkpoint moves past a page only once all of it is handled; these objects
 	// fit one page, so progress shows in the counters.)
 	if err != nil || ck == nil || ck.Completed || ck.Resource != "secrets" || ck.Counters.Rewritten == 0 {

@@ -67,7 +67,7 @@ type Options struct {
 	// record (MemberState.BackupRetention).
 	BackupRetention time.Duration
 	// KeyWritesFlushInterval is how often this member adds its per-key write counts to
-	// the cluster's totals in etcd (default DefaultKeyWritesFlushInterval); it adds
+	// the cluster's totals in etcd (default defaultKeyWritesFlushInterval); it adds
 	// them once more on Close.
 	KeyWritesFlushInterval time.Duration
 	// Inventory is the latest local inventory (for readiness and the guard); may be nil.
@@ -138,7 +138,7 @@ func New(opts Options) (*Node, error) {
 		return nil, errors.New("cluster: no etcd client")
 	}
 	if opts.Prefix == "" {
-		opts.Prefix = DefaultPrefix
+		opts.Prefix = defaultPrefix
 	}
 	if err := coordination.ValidatePrefix(opts.Prefix, opts.ResourcePrefix); err != nil {
 		return nil, err
@@ -159,7 +159,7 @@ func New(opts Options) (*Node, error) {
 		opts.RefreshInterval = DefaultRefreshInterval
 	}
 	if opts.KeyWritesFlushInterval <= 0 {
-		opts.KeyWritesFlushInterval = DefaultKeyWritesFlushInterval
+		opts.KeyWritesFlushInterval = defaultKeyWritesFlushInterval
 	}
 	if opts.Version == "" {
 		opts.Version = moduleVersion()
@@ -178,7 +178,7 @@ func New(opts Options) (*Node, error) {
 		opts:      opts,
 		log:       log,
 		view:      newView(opts.Client, opts.Prefix, log, opts.Clock, opts.LeaseTTL),
-		pub:       newPublisher(opts.Client, MemberKey(opts.Prefix, opts.ID), opts.LeaseTTL, log),
+		pub:       newPublisher(opts.Client, memberKey(opts.Prefix, opts.ID), opts.LeaseTTL, log),
 		fence:     fence,
 		handshake: handshake,
 		alarm:     newDisagreementAlarm(opts.DisagreementAlarm, opts.Clock.Now()),
@@ -224,7 +224,7 @@ func (n *Node) Start(ctx context.Context) error {
 	n.mu.Unlock()
 	n.view.bindCluster(id.ClusterID)
 	if err := n.view.Load(lctx); err != nil {
-		return fmt.Errorf("cluster coordination: listing the members under %s: %w (check --etcd-servers, or pass --cluster-coordination=false for a single apiserver)", MembersPrefix(n.opts.Prefix), err)
+		return fmt.Errorf("cluster coordination: listing the members under %s: %w (check --etcd-servers, or pass --cluster-coordination=false for a single apiserver)", membersPrefix(n.opts.Prefix), err)
 	}
 	n.mu.Lock()
 	n.fence.Step(n.viewEvent())
@@ -432,7 +432,7 @@ func (n *Node) state(now time.Time) MemberState {
 	st.DisagreeingSince, st.ClusterID = since, clusterID
 	st.StorageMigration = &StorageMigrationState{Resources: slices.Clone(n.opts.MigratesResources)}
 	st.BackupRetention = n.opts.BackupRetention.String()
-	st.KeyWrites = boundKeyWrites(status.KeyWrites, MaxPublishedKeyWrites)
+	st.KeyWrites = boundKeyWrites(status.KeyWrites, maxPublishedKeyWrites)
 	return n.announced(st, status.ActiveConfigHash, status.LastAttemptAt, status.LastErrorAt)
 }
 
@@ -715,7 +715,7 @@ func (n *Node) clusterViewFailure() error {
 	now := n.opts.Clock.Now()
 	if fresh := n.view.FreshAt(); !fresh.IsZero() && now.Sub(fresh) > n.opts.LeaseTTL {
 		return fmt.Errorf("this apiserver's view of the live apiservers under %s was last known current %s ago, longer than its %s lease: the others may have changed keys since; "+
-			"waiting for the watch to catch up (check the connection to etcd)", MembersPrefix(n.opts.Prefix), now.Sub(fresh).Round(time.Millisecond), n.opts.LeaseTTL)
+			"waiting for the watch to catch up (check the connection to etcd)", membersPrefix(n.opts.Prefix), now.Sub(fresh).Round(time.Millisecond), n.opts.LeaseTTL)
 	}
 	n.mu.Lock()
 	held, since, why := n.fence.Resync()

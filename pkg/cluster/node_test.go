@@ -171,7 +171,7 @@ func TestMembershipLeaseAndClose(t *testing.T) {
 	b := startMember(t, cli, "b", secretsConfig("k1"))
 	eventually(t, "both members visible to a", func() bool { return memberIDs(a.node.view) == "a,b" })
 
-	resp, err := cli.Get(context.Background(), MemberKey(DefaultPrefix, "b"))
+	resp, err := cli.Get(context.Background(), memberKey(defaultPrefix, "b"))
 	if err != nil || len(resp.Kvs) != 1 {
 		t.Fatalf("member key of b: %v %v", resp, err)
 	}
@@ -458,7 +458,7 @@ func (l *eventLog) has(s string) bool {
 // memberRevision is the mod revision of id's record (0 when there is none).
 func memberRevision(t *testing.T, cli *clientv3.Client, id string) int64 {
 	t.Helper()
-	resp, err := cli.Get(context.Background(), MemberKey(DefaultPrefix, id))
+	resp, err := cli.Get(context.Background(), memberKey(defaultPrefix, id))
 	if err != nil {
 		t.Fatal(err)
 	}

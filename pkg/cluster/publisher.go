@@ -49,7 +49,7 @@ func (p *publisher) Lost() <-chan struct{} { return p.lost }
 // Publish writes st under the session's lease, opening a session first if needed, and
 // returns the revision of the Put.
 func (p *publisher) Publish(ctx context.Context, st MemberState) (int64, error) {
-	data, sent, err := encodeRecord(st, MaxMemberRecordBytes)
+	data, sent, err := encodeRecord(st, maxMemberRecordBytes)
 	if err != nil {
 		return 0, err
 	}
@@ -80,7 +80,7 @@ func (p *publisher) noteReduced(reduced []string, size int) {
 	p.reduced = reduced
 	if len(reduced) > 0 {
 		p.log.Info("Member record too large for etcd; publishing it without some error texts", "key", p.key,
-			"limit", MaxMemberRecordBytes, "bytes", size, "cut", reduced)
+			"limit", maxMemberRecordBytes, "bytes", size, "cut", reduced)
 	}
 }
 

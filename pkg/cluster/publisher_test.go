@@ -19,7 +19,7 @@ func TestPublisherOpensANewSessionWhenTheLeaseEnds(t *testing.T) {
 	srv := etcdtest.Start(t)
 	cli := srv.Client(t)
 	ctx := context.Background()
-	key := MemberKey(DefaultPrefix, "a")
+	key := memberKey(defaultPrefix, "a")
 	pub := newPublisher(cli, key, time.Second, ktesting.NewLogger(t, ktesting.NewConfig())) // raised to 2 s
 	st := MemberState{APIServerID: "a", ConfigHash: "h1"}
 	want, err := st.Marshal()
@@ -80,7 +80,7 @@ func TestPublisherOpensANewSessionWhenTheLeaseEnds(t *testing.T) {
 func TestPublisherGrantBoundedByTheCallersContext(t *testing.T) {
 	srv := etcdtest.Start(t)
 	cli := srv.Client(t)
-	pub := newPublisher(cli, MemberKey(DefaultPrefix, "a"), 2*time.Second, ktesting.NewLogger(t, ktesting.NewConfig()))
+	pub := newPublisher(cli, memberKey(defaultPrefix, "a"), 2*time.Second, ktesting.NewLogger(t, ktesting.NewConfig()))
 	ended, cancel := context.WithCancel(context.Background())
 	cancel()
 	if _, err := pub.Publish(ended, MemberState{APIServerID: "a"}); err == nil {

@@ -35,7 +35,7 @@ func (n *Node) ReadyzCheck() healthz.HealthChecker {
 		// nothing says which keys the stored objects need (a straggler restarted with
 		// an old file would look ready until its first inventory).
 		if !n.view.Loaded() {
-			return fmt.Errorf("the list of live apiservers under %s has not been loaded yet; check the connection to etcd", MembersPrefix(n.opts.Prefix))
+			return fmt.Errorf("the list of live apiservers under %s has not been loaded yet; check the connection to etcd", membersPrefix(n.opts.Prefix))
 		}
 		if err := n.publishFailure(); err != nil {
 			return err

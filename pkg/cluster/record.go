@@ -5,14 +5,14 @@ import (
 	"time"
 )
 
-// MaxMemberRecordBytes bounds an encoded member record. etcd refuses a request larger
+// maxMemberRecordBytes bounds an encoded member record. etcd refuses a request larger
 // than its --max-request-bytes (1.5 MiB by default), and a member whose Put is refused
 // loses its lease and vanishes from every other apiserver's view while it keeps
 // serving — the fences would promote without it. A record of a large configuration
 // (hundreds of rules, several keys each) is tens of KiB; what can grow without bound
 // is error text, and every apiserver reads every record on each change, so the bound
 // sits well below etcd's limit.
-const MaxMemberRecordBytes = 64 << 10
+const maxMemberRecordBytes = 64 << 10
 
 // Names in MemberState.Reduced of the texts a record can lose.
 const (
@@ -69,5 +69,5 @@ func (n *Node) publishFailure() error {
 	}
 	return fmt.Errorf("this apiserver has not been able to publish its encryption state under %s for %s, longer than its %s lease, "+
 		"so the other apiservers no longer count it and may start writing with keys it cannot read: %s; check the connection to etcd",
-		MembersPrefix(n.opts.Prefix), now.Sub(since).Round(time.Second), n.opts.LeaseTTL, why)
+		membersPrefix(n.opts.Prefix), now.Sub(since).Round(time.Second), n.opts.LeaseTTL, why)
 }

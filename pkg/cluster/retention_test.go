@@ -21,7 +21,7 @@ func TestMemberRecordPublishesBackupRetention(t *testing.T) {
 		t.Helper()
 		var st MemberState
 		eventually(t, id+" published", func() bool {
-			resp, err := cli.Get(context.Background(), MemberKey(DefaultPrefix, id))
+			resp, err := cli.Get(context.Background(), memberKey(defaultPrefix, id))
 			if err != nil || len(resp.Kvs) != 1 {
 				return false
 			}

@@ -25,9 +25,9 @@ type Snapshot struct {
 
 // ReadSnapshot reads the member keys and the migration state under prefix.
 func ReadSnapshot(ctx context.Context, cli *clientv3.Client, prefix string) (*Snapshot, error) {
-	resp, err := cli.Get(ctx, MembersPrefix(prefix), clientv3.WithPrefix())
+	resp, err := cli.Get(ctx, membersPrefix(prefix), clientv3.WithPrefix())
 	if err != nil {
-		return nil, fmt.Errorf("reading the members under %s: %w", MembersPrefix(prefix), err)
+		return nil, fmt.Errorf("reading the members under %s: %w", membersPrefix(prefix), err)
 	}
 	id, err := readIdentity(ctx, cli, prefix, resp.Header.Revision)
 	if err != nil {
@@ -47,14 +47,14 @@ func ReadSnapshot(ctx context.Context, cli *clientv3.Client, prefix string) (*Sn
 		s.Members = append(s.Members, m)
 	}
 	slices.SortFunc(s.Members, func(a, b MemberState) int { return strings.Compare(a.APIServerID, b.APIServerID) })
-	mresp, err := cli.Get(ctx, MigrationStateKey(prefix), clientv3.WithRev(resp.Header.Revision))
+	mresp, err := cli.Get(ctx, migrationStateKey(prefix), clientv3.WithRev(resp.Header.Revision))
 	if err != nil {
-		return nil, fmt.Errorf("reading %s: %w", MigrationStateKey(prefix), err)
+		return nil, fmt.Errorf("reading %s: %w", migrationStateKey(prefix), err)
 	}
 	if len(mresp.Kvs) == 1 {
 		var st MigrationState
 		if err := json.Unmarshal(mresp.Kvs[0].Value, &st); err != nil {
-			return nil, fmt.Errorf("%s is not a migration state: %w", MigrationStateKey(prefix), err)
+			return nil, fmt.Errorf("%s is not a migration state: %w", migrationStateKey(prefix), err)
 		}
 		s.Migration = &st
 	}

@@ -33,7 +33,7 @@ func (u UnknownMember) String() string { return "unknown member " + u.APIServerI
 // before any apiserver created one) accepts any cluster id.
 func classifyRecord(prefix, clusterID string, kv *mvccpb.KeyValue) (MemberState, *UnknownMember) {
 	key := string(kv.Key)
-	id := strings.TrimPrefix(key, MembersPrefix(prefix))
+	id := strings.TrimPrefix(key, membersPrefix(prefix))
 	unknown := func(format string, args ...any) (MemberState, *UnknownMember) {
 		return MemberState{}, &UnknownMember{Key: key, APIServerID: id, Reason: fmt.Sprintf(format, args...)}
 	}

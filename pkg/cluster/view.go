@@ -58,7 +58,7 @@ func (v *view) bindCluster(clusterID string) {
 
 // Load lists the members now.
 func (v *view) Load(ctx context.Context) error {
-	resp, err := v.cli.Get(ctx, MembersPrefix(v.prefix), clientv3.WithPrefix())
+	resp, err := v.cli.Get(ctx, membersPrefix(v.prefix), clientv3.WithPrefix())
 	if err != nil {
 		return err
 	}
@@ -75,7 +75,7 @@ func (v *view) Load(ctx context.Context) error {
 
 // putLocked files one record as a member or, logging why, as an unknown member.
 func (v *view) putLocked(kv *mvccpb.KeyValue) {
-	id := strings.TrimPrefix(string(kv.Key), MembersPrefix(v.prefix))
+	id := strings.TrimPrefix(string(kv.Key), membersPrefix(v.prefix))
 	m, u := classifyRecord(v.prefix, v.clusterID, kv)
 	if u != nil {
 		delete(v.members, id)
@@ -102,7 +102,7 @@ func (v *view) Run(ctx context.Context) {
 		rev := v.rev
 		v.mu.Unlock()
 		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-		ch := v.cli.Watch(wctx, MembersPrefix(v.prefix), clientv3.WithPrefix(), clientv3.WithRev(rev+1), clientv3.WithPrevKV())
+		ch := v.cli.Watch(wctx, membersPrefix(v.prefix), clientv3.WithPrefix(), clientv3.WithRev(rev+1), clientv3.WithPrevKV())
 		v.follow(wctx, ch)
 		cancel()
 		for ctx.Err() == nil {
@@ -152,7 +152,7 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 	defer v.mu.Unlock()
 	for _, ev := range resp.Events {
 		if ev.Type == clientv3.EventTypeDelete {
-			id := strings.TrimPrefix(string(ev.Kv.Key), MembersPrefix(v.prefix))
+			id := strings.TrimPrefix(string(ev.Kv.Key), membersPrefix(v.prefix))
 			delete(v.members, id)
 			delete(v.unknown, id)
 			continue

@@ -251,7 +251,7 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 			"the rekey-cluster check of /readyz while this configuration cannot read a key the cluster uses. False: act alone.")
 	fs.StringVar(&f.CoordinationPrefix, "coordination-prefix", f.CoordinationPrefix,
 		"etcd key prefix of the coordination keys (cluster identity, members, migration leader, checkpoint, applied states); must be outside --etcd-prefix. "+
-			"Default: "+cluster.DefaultPrefix+" for --etcd-prefix /registry, else "+cluster.DefaultPrefix+"-<etcd-prefix without its leading />, "+
+			"Default: "+coordination.DefaultPrefix+" for --etcd-prefix /registry, else "+coordination.DefaultPrefix+"-<etcd-prefix without its leading />, "+
 			"so clusters sharing an etcd under different --etcd-prefix values keep apart.")
 	fs.DurationVar(&f.ClusterLeaseTTL, "cluster-lease-ttl", f.ClusterLeaseTTL,
 		"Lease of this apiserver's member key and election session: a dead apiserver stops counting this long after it died (whole seconds, at least 2s).")
@@ -380,9 +380,9 @@ func (f *Flags) ApplyTo(o *Options) error {
 func DefaultCoordinationPrefix(etcdPrefix string) string {
 	p := strings.Trim(path.Clean("/"+etcdPrefix), "/")
 	if p == "" || p == "registry" {
-		return cluster.DefaultPrefix
+		return coordination.DefaultPrefix
 	}
-	return cluster.DefaultPrefix + "-" + p
+	return coordination.DefaultPrefix + "-" + p
 }
 
 // noBoundIfZero maps a flag's 0 (no bound) to the options' "no bound" (negative).

@@ -16,11 +16,12 @@ import (
 	"github.com/rekey-io/rekey/internal/etcdtest"
 	"github.com/rekey-io/rekey/internal/testbed"
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/coordination"
 )
 
 // memberStates reads every member record under the test's coordination prefix.
 func memberStates(ctx context.Context, cli *clientv3.Client, coord string) (map[string]cluster.MemberState, error) {
-	resp, err := cli.Get(ctx, cluster.MembersPrefix(coord), clientv3.WithPrefix())
+	resp, err := cli.Get(ctx, coordination.MembersPrefix(coord), clientv3.WithPrefix())
 	if err != nil {
 		return nil, err
 	}
@@ -33,7 +34,7 @@ func memberStates(ctx context.Context, cli *clientv3.Client, coord string) (map[
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", kv.Key, err)
 		}
-		out[strings.TrimPrefix(string(kv.Key), cluster.MembersPrefix(coord))] = st
+		out[strings.TrimPrefix(string(kv.Key), coordination.MembersPrefix(coord))] = st
 	}
 	return out, nil
 }
@@ -203,7 +204,7 @@ func TestKubeAPIServerOnTLSEtcd(t *testing.T) {
 
 	ms, err := memberStates(ctx, cli, coord)
 	if err != nil || len(ms) != 1 {
-		t.Fatalf("member records under %s: %v %v, want one", cluster.MembersPrefix(coord), ms, err)
+		t.Fatalf("member records under %s: %v %v, want one", coordination.MembersPrefix(coord), ms, err)
 	}
 	for id, st := range ms {
 		if r, err := secretsRule(st); err != nil || r.Write.Key != "key1" {
