@@ -36,6 +36,27 @@
 //     failed rotation (unhealthy, old seed kept) and is asked again after the next
 //     healthy Status. The new seed's expiry counts from the last healthy Status, so a
 //     refresh never lengthens the write window.
+//
+// Key id hygiene (docs/kms-plugin.md, "Key ids that move"):
+//   - A key id other than the write state's acts (a new DEK source, a fence hold) only
+//     once Config.KeyIDConfirmations consecutive healthy Status answers reported it and
+//     an Encrypt answered with it. Meanwhile the write state keeps writing and each of
+//     those Statuses extends it: a plugin that flaps for less than that causes no new
+//     DEK source, no hold and no migration. A write state that can no longer write (the
+//     first one, or one expired in an outage) has nothing to keep writing with: a new
+//     key id is taken at the first healthy Status then, as before.
+//   - An Encrypt whose key id differs from the Status key id it was asked for is a
+//     disagreement: counted (View.Disagreements) and described, never followed. A
+//     write state that can still write keeps writing and the plugin stays healthy; the
+//     first DEK source cannot be taken, which leaves the provider unhealthy as before.
+//   - A reuse is a key id that was superseded coming back as the plugin's current one:
+//     one this machine wrote with and then replaced by another key id, or one the
+//     driver names as superseded (Superseded, from the cluster's key ledger). KMS v2
+//     forbids it and the machine cannot tell whether the material behind it is the old
+//     one, so it refuses to write under it: the write state keeps writing while it
+//     can (its expiry extended by each healthy Status), no Encrypt is asked for, and
+//     View.Reused names it until the plugin reports a key id that is not a reuse.
+//     Reads are never affected.
 package state
 
 import (
@@ -77,7 +98,13 @@ type Config struct {
 	// is used while the key id is stable (see the package rules). Zero: no bound.
 	SeedMaxAge    time.Duration
 	SeedMaxWrites uint64
+	// KeyIDConfirmations is how many consecutive healthy Status answers must report a
+	// new key id before it acts (see the package rules). 0 and 1: the first one does.
+	KeyIDConfirmations int
 }
+
+// maxRetired bounds the key ids a machine remembers as superseded by its own rotations.
+const maxRetired = 64
 
 // Why a new DEK seed was made under an unchanged key id (WriteState.Refresh).
 const (
@@ -123,6 +150,7 @@ func (EncryptResult) isEvent()        {}
 func (HealthCheckRequested) isEvent() {}
 func (WriteAllowed) isEvent()         {}
 func (SeedWrites) isEvent()           {}
+func (Superseded) isEvent()           {}
 
 // StatusResult is the outcome of a Status RPC. At is when it was asked: the answer describes
 // the plugin as of then, and a later stamp would let a slow answer look fresher than it is.
@@ -167,6 +195,14 @@ type SeedWrites struct {
 	At         time.Time
 	Generation uint64
 	Writes     uint64
+}
+
+// Superseded names the key ids, by KeyIDHash, that were written with and then replaced
+// by another key id of this provider (the cluster's key ledger knows them): one of them
+// reported again by the plugin is a reuse. It replaces the previous set.
+type Superseded struct {
+	At          time.Time
+	KeyIDHashes []string
 }
 
 // WriteState is what new values are written with. It is immutable once published (the
@@ -230,6 +266,22 @@ type View struct {
 	// RefreshDue is why Write's DEK seed is due for a refresh (RefreshAge,
 	// RefreshWrites), empty when it is not.
 	RefreshDue string
+	// Candidate is a new key id healthy Statuses report that has not acted yet
+	// (Config.KeyIDConfirmations): CandidateSeen consecutive Statuses reported it, the
+	// first at CandidateSince. Empty when none.
+	Candidate      string
+	CandidateSeen  int
+	CandidateSince time.Time
+	// Reused is a superseded key id the plugin reports as its current one, refused as
+	// a write key since ReusedSince (see the package rules); empty when none. Reuses
+	// counts the times a reuse started.
+	Reused      string
+	ReusedSince time.Time
+	Reuses      uint64
+	// Disagreements counts Encrypt answers whose key id differed from the Status key id
+	// they were asked for; Disagreement describes the last one (key ids as hashes).
+	Disagreements uint64
+	Disagreement  string
 }
 
 // Machine is the lifecycle state. Not safe for concurrent use; one driver owns it.
@@ -273,6 +325,22 @@ type Machine struct {
 	// is why the queued or running Encrypt was asked for when it is a refresh.
 	seedWrites uint64
 	rotReason  string
+
+	// candidate is a new key id not yet confirmed by KeyIDConfirmations Statuses.
+	candidate      string
+	candidateSeen  int
+	candidateSince time.Time
+	// retired lists the key ids this machine wrote with and replaced by another (most
+	// recent last, at most maxRetired); superseded holds the driver's (Superseded).
+	retired    []string
+	superseded map[string]bool
+	// reused is the refused key id (a reuse) the plugin reports, since reusedSince.
+	reused      string
+	reusedSince time.Time
+	reuses      uint64
+
+	disagreements uint64
+	disagreement  string
 }
 
 // New returns a machine that asks for a Status at once.
@@ -286,6 +354,8 @@ func New(cfg Config, now time.Time) *Machine {
 	if cfg.WriteTTL <= 0 {
 		cfg.WriteTTL = DefaultWriteTTL
 	}
+	// An unreachable plugin is never asked less often than a healthy one.
+	cfg.RetryInterval = min(cfg.RetryInterval, cfg.StatusInterval)
 	return &Machine{cfg: cfg, now: now, nextStatus: now, err: errors.New("no Status response from the KMS plugin yet")}
 }
 
@@ -325,7 +395,7 @@ func (m *Machine) refreshDue() string {
 // longer reports is replaced by the key id change itself.
 func (m *Machine) refreshBlocked() bool {
 	w := m.write
-	return !m.healthy || m.encryptInFlight || m.rotQueued || m.held != "" ||
+	return !m.healthy || m.encryptInFlight || m.rotQueued || m.held != "" || m.candidate != "" || m.reused != "" ||
 		w == nil || m.reported != w.KeyID || !m.now.Before(w.Expiry)
 }
 
@@ -382,6 +452,12 @@ func (m *Machine) Step(ev Event) error {
 			m.rotKeyID, m.rotStatus, m.rotQueued = m.held, m.heldStatus, true
 			m.held, m.heldSince, m.heldStatus = "", time.Time{}, time.Time{}
 		}
+	case Superseded:
+		m.Tick(e.At)
+		m.superseded = make(map[string]bool, len(e.KeyIDHashes))
+		for _, h := range e.KeyIDHashes {
+			m.superseded[h] = true
+		}
 	default:
 		return fmt.Errorf("kms v2 state: unknown event %T", ev)
 	}
@@ -427,6 +503,9 @@ func (m *Machine) stepStatus(e StatusResult) {
 		return
 	}
 	m.lastHealthy = e.At
+	if m.deferKeyID(e) {
+		return
+	}
 	m.reported = e.KeyID
 	if w := m.write; w != nil && (w.KeyID == e.KeyID || m.cfg.Fenced) {
 		if w.KeyID == e.KeyID {
@@ -456,6 +535,77 @@ func (m *Machine) stepStatus(e StatusResult) {
 	m.nextStatus = e.At.Add(m.cfg.StatusInterval)
 }
 
+// deferKeyID applies the key id rules to a healthy Status (see the package rules): it
+// reports whether the Status's key id must not act yet (a reuse, or a candidate not
+// yet confirmed), in which case it has extended the write state and decided health.
+func (m *Machine) deferKeyID(e StatusResult) bool {
+	w := m.write
+	if w != nil && w.KeyID == e.KeyID {
+		m.candidate, m.candidateSeen, m.candidateSince = "", 0, time.Time{}
+		m.reused, m.reusedSince = "", time.Time{}
+		return false
+	}
+	canWrite := w != nil && e.At.Before(w.Expiry)
+	switch {
+	case m.isSuperseded(e.KeyID):
+		if m.reused != e.KeyID {
+			m.reused, m.reusedSince = e.KeyID, e.At
+			m.reuses++
+		}
+		m.candidate, m.candidateSeen, m.candidateSince = "", 0, time.Time{}
+	case !canWrite || e.KeyID == m.held || m.cfg.KeyIDConfirmations <= 1:
+		// Nothing to keep writing with, already confirmed (held by the fence), or no
+		// confirmation asked for: the key id acts now.
+		m.candidate, m.candidateSeen, m.candidateSince = "", 0, time.Time{}
+		m.reused, m.reusedSince = "", time.Time{}
+		return false
+	default:
+		m.reused, m.reusedSince = "", time.Time{}
+		if m.candidate != e.KeyID {
+			m.candidate, m.candidateSeen, m.candidateSince = e.KeyID, 0, e.At
+		}
+		m.candidateSeen++
+		if m.candidateSeen >= m.cfg.KeyIDConfirmations {
+			// Confirmed: the Encrypt it now asks for must answer with it too.
+			m.candidate, m.candidateSeen, m.candidateSince = "", 0, time.Time{}
+			return false
+		}
+	}
+	// The current write state keeps writing while it can: the plugin answered healthy.
+	if canWrite {
+		nw := *w
+		nw.Expiry = e.At.Add(m.cfg.WriteTTL)
+		m.write = &nw
+	}
+	m.setHealth(e.At, nil)
+	return true
+}
+
+// isSuperseded reports whether keyID was written with and then replaced by another key
+// id: by this machine, or per the driver's Superseded.
+func (m *Machine) isSuperseded(keyID string) bool {
+	for _, k := range m.retired {
+		if k == keyID {
+			return true
+		}
+	}
+	return m.superseded[KeyIDHash(keyID)]
+}
+
+// retire remembers keyID as superseded by this machine's rotation to next.
+func (m *Machine) retire(keyID, next string) {
+	kept := m.retired[:0]
+	for _, k := range m.retired {
+		if k != keyID && k != next {
+			kept = append(kept, k)
+		}
+	}
+	m.retired = append(kept, keyID)
+	if len(m.retired) > maxRetired {
+		m.retired = append([]string(nil), m.retired[len(m.retired)-maxRetired:]...)
+	}
+}
+
 func (m *Machine) stepEncrypt(e EncryptResult) {
 	if !m.encryptInFlight || e.Seq != m.seq {
 		return // a result for an abandoned request
@@ -463,7 +613,26 @@ func (m *Machine) stepEncrypt(e EncryptResult) {
 	m.encryptInFlight = false
 	reason := m.rotReason
 	m.rotReason = ""
+	if w := m.write; e.Err == nil && e.KeyID != m.rotKeyID && w != nil && m.rotStatus.Before(w.Expiry) {
+		// A disagreement is reported, not followed: the write state that can still
+		// write keeps writing, extended by the healthy Status that asked for the
+		// rotation. A key id change asks for confirmation again.
+		m.disagreements++
+		m.disagreement = fmt.Sprintf("the Status answered key id hash %q but the Encrypt answered %q; writing under %q still",
+			KeyIDHash(m.rotKeyID), KeyIDHash(e.KeyID), KeyIDHash(w.KeyID))
+		nw := *w
+		nw.Expiry = m.rotStatus.Add(m.cfg.WriteTTL)
+		m.write = &nw
+		m.setHealth(m.rotStatus, nil)
+		m.healthAt = e.At
+		return
+	}
 	if err := m.checkEncrypt(e); err != nil {
+		if e.Err == nil && e.KeyID != m.rotKeyID {
+			m.disagreements++
+			m.disagreement = fmt.Sprintf("the Status answered key id hash %q but the Encrypt answered %q; no DEK source to write with",
+				KeyIDHash(m.rotKeyID), KeyIDHash(e.KeyID))
+		}
 		w := "<none>"
 		exp := "<none>"
 		if m.write != nil {
@@ -476,6 +645,9 @@ func (m *Machine) stepEncrypt(e EncryptResult) {
 	}
 	if m.write == nil && m.cfg.Fenced && m.cfg.FirstSeedHold > 0 {
 		m.firstHeldUntil = e.At.Add(m.cfg.FirstSeedHold)
+	}
+	if m.write != nil && m.write.KeyID != e.KeyID {
+		m.retire(m.write.KeyID, e.KeyID)
 	}
 	m.generation++
 	m.write = &WriteState{
@@ -543,6 +715,9 @@ func (m *Machine) View() View {
 	v.FirstSeedHoldExpired = m.firstExpired
 	v.SeedWrites = m.seedWrites
 	v.RefreshDue = m.refreshDue()
+	v.Candidate, v.CandidateSeen, v.CandidateSince = m.candidate, m.candidateSeen, m.candidateSince
+	v.Reused, v.ReusedSince, v.Reuses = m.reused, m.reusedSince, m.reuses
+	v.Disagreements, v.Disagreement = m.disagreements, m.disagreement
 	// Wake for the age bound when it can be acted on then; a blocked refresh is looked
 	// at again after the Status that unblocks it.
 	if w := m.write; w != nil && m.cfg.SeedMaxAge > 0 {

@@ -20,10 +20,12 @@ var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 //
 // Commands:
 //
-//	reset [fenced [first-seed-hold=<d>]] [seed-max-age=<d>] [seed-max-writes=N]
+//	reset [fenced [first-seed-hold=<d>]] [seed-max-age=<d>] [seed-max-writes=N] [confirm=N]
 //	                                       a new machine at +0s; the plugin is healthy with key id 1;
 //	                                       fenced: Config.Fenced, and the view gains a fence line;
-//	                                       a seed bound: the view gains a seed line
+//	                                       a seed bound: the view gains a seed line;
+//	                                       confirm: Config.KeyIDConfirmations
+//	superseded key=K...                    Steps Superseded naming these key ids (the ledger's)
 //	writes n=N [gen=G]                     Steps SeedWrites: the current write state (or generation
 //	                                       G) encrypted N values
 //	allow key=K                            Steps WriteAllowed for K (the cluster's write fence opened)
@@ -83,6 +85,7 @@ func (h *harness) run(t *testing.T, d *datadriven.TestData) string {
 		if d.MaybeScanArgs(t, "seed-max-writes", &cfg.SeedMaxWrites) {
 			h.seed = true
 		}
+		d.MaybeScanArgs(t, "confirm", &cfg.KeyIDConfirmations)
 		h.m = New(cfg, t0)
 		return h.view()
 	case "writes":
@@ -100,6 +103,17 @@ func (h *harness) run(t *testing.T, d *datadriven.TestData) string {
 		return b.String() + h.view()
 	case "allow":
 		if err := h.m.Step(WriteAllowed{At: h.now, KeyID: keyArg(t, d)}); err != nil {
+			d.Fatalf(t, "%v", err)
+		}
+		return h.view()
+	case "superseded":
+		ev := Superseded{At: h.now}
+		for _, a := range d.CmdArgs {
+			for _, k := range a.Vals {
+				ev.KeyIDHashes = append(ev.KeyIDHashes, KeyIDHash(k))
+			}
+		}
+		if err := h.m.Step(ev); err != nil {
 			d.Fatalf(t, "%v", err)
 		}
 		return h.view()
@@ -268,6 +282,13 @@ func (h *harness) view() string {
 	if h.seed && v.Write != nil {
 		fmt.Fprintf(&b, "\nseed: created=%s writes=%d refresh=%s due=%s", rel(v.Write.Created), v.SeedWrites, orNone(v.Write.Refresh), orNone(v.RefreshDue))
 	}
+	if v.Candidate != "" || v.Reused != "" || v.Reuses > 0 || v.Disagreements > 0 {
+		fmt.Fprintf(&b, "\nkey-id: candidate=%s seen=%d since=%s reused=%s since=%s reuses=%d disagreements=%d",
+			orNone(v.Candidate), v.CandidateSeen, rel(v.CandidateSince), orNone(v.Reused), rel(v.ReusedSince), v.Reuses, v.Disagreements)
+		if v.Disagreement != "" {
+			fmt.Fprintf(&b, "\ndisagreement: %s", v.Disagreement)
+		}
+	}
 	if v.Err != nil {
 		fmt.Fprintf(&b, "\nerr: %v", v.Err)
 	}
@@ -306,15 +327,35 @@ func TestNilEventIsRejected(t *testing.T) {
 	}
 }
 
-// Errors carry key ids only as hashes.
+// Errors and the disagreement carry key ids only as hashes.
 func TestErrorsCarryKeyIDHashesOnly(t *testing.T) {
 	h := newHarness()
 	var b strings.Builder
-	h.advance(&b, 0)
 	h.status.KeyID, h.encrypt.KeyID = "secret-key-5", "secret-key-6"
-	h.advance(&b, time.Minute)
+	h.advance(&b, 0)
 	err := h.m.View().Err
 	if err == nil || !strings.Contains(err.Error(), KeyIDHash("secret-key-5")) || strings.Contains(err.Error(), "secret-key") {
 		t.Fatalf("error must name key ids by hash only: %v", err)
+	}
+	h.status.KeyID, h.encrypt.KeyID = "secret-key-5", "secret-key-5"
+	h.advance(&b, time.Minute)
+	h.status.KeyID, h.encrypt.KeyID = "secret-key-7", "secret-key-8"
+	h.advance(&b, time.Minute)
+	v := h.m.View()
+	if d := v.Disagreement; v.Disagreements != 2 || !strings.Contains(d, KeyIDHash("secret-key-8")) || strings.Contains(d, "secret-key") {
+		t.Fatalf("disagreement must name key ids by hash only: %d %q", v.Disagreements, d)
+	}
+}
+
+// An unreachable plugin is asked again no later than a healthy one would be: a Status
+// interval below the retry interval's default bounds the retries too.
+func TestRetryIntervalNeverExceedsStatusInterval(t *testing.T) {
+	m := New(Config{Provider: "kms1", WriteType: wire.SourceHKDFSeed, StatusInterval: 2 * time.Second}, t0)
+	m.Ready()
+	if err := m.Step(StatusResult{At: t0, Err: fmt.Errorf("connection refused")}); err != nil {
+		t.Fatal(err)
+	}
+	if got := m.View().NextWake.Sub(t0); got != 2*time.Second {
+		t.Fatalf("next Status after a failure in %s, want 2s", got)
 	}
 }
