@@ -55,6 +55,11 @@ const (
 	ReasonMigrationStarted  = "StorageMigrationStarted"
 	ReasonMigrationVerified = "StorageMigrationVerified"
 	ReasonMigrationFailed   = "StorageMigrationFailed"
+
+	// ReasonKMSKeyIDReused: a KMS plugin reports a superseded key id again; refused.
+	ReasonKMSKeyIDReused = "KMSKeyIDReused"
+	// ReasonKMSKeyIDDisagreement: a KMS plugin's Encrypt and Status key ids differ.
+	ReasonKMSKeyIDDisagreement = "KMSKeyIDDisagreement"
 )
 
 // DefaultBuffer is how many events a Deferred keeps before it is attached.

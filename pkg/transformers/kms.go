@@ -51,4 +51,17 @@ type KMSStatus struct {
 	// seed (KeyIDHash) until every other apiserver's plugin reports that key id, at the
 	// latest until then.
 	FirstSeedHeldUntil time.Time `json:"firstSeedHeldUntil,omitzero"`
+	// CandidateKeyIDHash is a new key id the plugin reports that does not act yet: it
+	// needs more consecutive Status answers (--kms-key-id-confirmations), since
+	// CandidateSince.
+	CandidateKeyIDHash string    `json:"candidateKeyIDHash,omitempty"`
+	CandidateSince     time.Time `json:"candidateSince,omitzero"`
+	// ReusedKeyIDHash is a key id the plugin reports again after another one
+	// superseded it (a reuse), refused as a write key since ReusedSince.
+	ReusedKeyIDHash string    `json:"reusedKeyIDHash,omitempty"`
+	ReusedSince     time.Time `json:"reusedSince,omitzero"`
+	// KeyIDDisagreements counts the Encrypt answers whose key id differed from the
+	// Status key id (not followed); LastKeyIDDisagreement describes the last one.
+	KeyIDDisagreements    uint64 `json:"keyIDDisagreements,omitempty"`
+	LastKeyIDDisagreement string `json:"lastKeyIDDisagreement,omitempty"`
 }

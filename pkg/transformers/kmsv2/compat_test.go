@@ -118,12 +118,15 @@ func TestUpstreamCompatibilityKeyIDChange(t *testing.T) {
 	ourOld, _ := ours.TransformToStorage(ctx, []byte("ours-old"), aad)
 
 	tp.writeKeys(t, "key-2", "key-1")
-	// A fresh upstream load sees key-2 at once; ours rotates on its next Status.
+	// A fresh upstream load sees key-2 at once; ours rotates once its Statuses have
+	// confirmed it (DefaultKeyIDConfirmations).
 	up2 := loadUpstream(t, tp, "compat-rot")
 	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	if err := oursProvider.Check(cctx); err != nil {
-		t.Fatal(err)
+	for range DefaultKeyIDConfirmations {
+		if err := oursProvider.Check(cctx); err != nil {
+			t.Fatal(err)
+		}
 	}
 	for _, c := range []struct {
 		what  string

@@ -28,6 +28,7 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 			for _, a := range acts {
 				switch a.Kind {
 				case state.CallStatus:
+					p.superseded(m)
 					// A Status answers for the moment it was asked: stamping it when the
 					// reply arrives would make an answer that straddled a change look newer
 					// than it is, and Check would serve it from cache as fresh.

@@ -36,6 +36,12 @@ type Metrics struct {
 	seedWrites     *metrics.GaugeVec
 	seedRefreshes  *metrics.CounterVec
 	dekIdleExpired *metrics.CounterVec
+	// keyIDReuses, keyIDReused, keyIDDisagreements and keyIDFlaps are the key id rules'
+	// findings (FactoryOptions.KeyIDConfirmations, SupersededKeyIDs).
+	keyIDReuses        *metrics.CounterVec
+	keyIDReused        *metrics.GaugeVec
+	keyIDDisagreements *metrics.CounterVec
+	keyIDFlaps         *metrics.CounterVec
 
 	// live counts the open Providers per name. When the last one of a name closes (a
 	// reload removed the provider), its health and write-expiry series are deleted: left
@@ -99,6 +105,22 @@ func NewMetrics(reg metrics.KubeRegistry) *Metrics {
 			Name: "rekey_kmsv2_dek_cache_idle_expirations_total", Help: "Decrypted DEK sources dropped from the cache after --kms-dek-cache-idle without a read.",
 			StabilityLevel: metrics.ALPHA,
 		}, []string{"provider_name"}),
+		keyIDReuses: metrics.NewCounterVec(&metrics.CounterOpts{
+			Name: "rekey_kmsv2_key_id_reuses_total", Help: "Times a KMS plugin reported a superseded key id again (a reuse), refused as a write key.",
+			StabilityLevel: metrics.ALPHA,
+		}, []string{"provider_name"}),
+		keyIDReused: metrics.NewGaugeVec(&metrics.GaugeOpts{
+			Name: "rekey_kmsv2_key_id_reused", Help: "1 while the KMS plugin reports a refused reused key id, else 0.",
+			StabilityLevel: metrics.ALPHA,
+		}, []string{"provider_name"}),
+		keyIDDisagreements: metrics.NewCounterVec(&metrics.CounterOpts{
+			Name: "rekey_kmsv2_key_id_disagreements_total", Help: "Encrypt answers whose key id differed from the Status key id they were asked for (not followed).",
+			StabilityLevel: metrics.ALPHA,
+		}, []string{"provider_name"}),
+		keyIDFlaps: metrics.NewCounterVec(&metrics.CounterOpts{
+			Name: "rekey_kmsv2_key_id_flaps_total", Help: "New key ids a KMS plugin reported that went away before --kms-key-id-confirmations Status answers confirmed them (nothing was written under them).",
+			StabilityLevel: metrics.ALPHA,
+		}, []string{"provider_name"}),
 		invalidKeyID: metrics.NewCounterVec(&metrics.CounterOpts{
 			Namespace: "apiserver", Subsystem: "envelope_encryption", Name: "invalid_key_id_from_status_total",
 			Help:           "Number of times an invalid keyID is returned by the Status RPC call split by error.",
@@ -141,7 +163,8 @@ func NewMetrics(reg metrics.KubeRegistry) *Metrics {
 	if reg != nil {
 		reg.MustRegister(m.rpcLatency, m.cacheMisses, m.cacheSize, m.invalidKeyID, m.statusKeyIDTS,
 			m.hits, m.misses, m.cacheEvictions, m.rotations, m.healthy, m.writeExpiry, m.firstSeedHoldExpired,
-			m.seedCreated, m.seedWrites, m.seedRefreshes, m.dekIdleExpired)
+			m.seedCreated, m.seedWrites, m.seedRefreshes, m.dekIdleExpired,
+			m.keyIDReuses, m.keyIDReused, m.keyIDDisagreements, m.keyIDFlaps)
 	}
 	return m
 }
@@ -168,6 +191,7 @@ func (m *Metrics) closed(provider string) {
 	m.cacheSize.DeleteLabelValues(provider)
 	m.seedCreated.DeleteLabelValues(provider)
 	m.seedWrites.DeleteLabelValues(provider)
+	m.keyIDReused.DeleteLabelValues(provider)
 }
 
 // newSeed records a new write DEK seed of provider.

@@ -36,6 +36,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/errtext"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/events"
 	"github.com/rekey-io/rekey/pkg/transformers"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
@@ -115,6 +116,20 @@ type FactoryOptions struct {
 	// FirstSeedHeldUntil. At the bound writes go ahead under that key id, with an error
 	// log and rekey_kms_first_seed_hold_expired_total. Zero: no hold.
 	FirstSeedHold time.Duration
+	// KeyIDConfirmations is how many consecutive healthy Status answers must report a
+	// new key id before it acts: a new DEK seed, a fence hold, what migration follows
+	// (DefaultKeyIDConfirmations; 1: the first one). The first DEK seed, and one after
+	// the write window expired, are taken at once: nothing else can write.
+	KeyIDConfirmations int
+	// SupersededKeyIDs, when set, names the "sha256:<hex>" hashes of provider's key ids
+	// that were written with and then replaced by another one (the cluster's key
+	// ledger): the plugin reporting one again is a reuse, refused as a write key. The
+	// provider also remembers the key ids it rotated away from itself. It is asked on
+	// the provider's loop before every Status and must not block.
+	SupersededKeyIDs func(provider string) []string
+	// Events receives a Warning for a refused key id reuse and for a Status/Encrypt key
+	// id disagreement; nil sends none.
+	Events events.Sink
 }
 
 // DefaultFenceRecheckInterval is FactoryOptions.FenceRecheckInterval's default.
@@ -212,6 +227,9 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 	if o.DEKCacheIdle == 0 {
 		o.DEKCacheIdle = DefaultDEKCacheIdle
 	}
+	if o.KeyIDConfirmations <= 0 {
+		o.KeyIDConfirmations = DefaultKeyIDConfirmations
+	}
 	clk := topts.Clock
 	if clk == nil {
 		clk = clock.RealClock{}
@@ -245,6 +263,7 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 		StatusInterval: o.StatusInterval, RetryInterval: o.RetryInterval, WriteTTL: o.WriteTTL,
 		Fenced: o.MayWriteKeyID != nil, FirstSeedHold: o.FirstSeedHold,
 		SeedMaxAge: max(o.SeedMaxAge, 0), SeedMaxWrites: uint64(max(o.SeedMaxWrites, 0)),
+		KeyIDConfirmations: o.KeyIDConfirmations,
 	}, clk.Now())
 	p.coarseNow.Store(clk.Now().UnixNano())
 	o.Metrics.opened(cfg.Name)
@@ -278,6 +297,9 @@ func (p *Provider) WriteKeyIDHash() string {
 func (p *Provider) Seal(_ context.Context, plaintext []byte, dataCtx value.Context) ([]byte, error) {
 	ws := p.write.Load()
 	if ws == nil {
+		if v := p.view.Load(); v.Reused != "" {
+			return nil, p.refusedReuse(v)
+		}
 		return nil, p.errNotReady()
 	}
 	if v := p.view.Load(); v.FirstSeedHeld {
@@ -446,6 +468,7 @@ func (p *Provider) Status() transformers.KMSStatus {
 	if v.FirstSeedHeld {
 		st.FirstSeedHeldUntil = v.FirstSeedHeldUntil
 	}
+	keyIDStatus(&st, v)
 	return st
 }
 
@@ -575,6 +598,7 @@ func (p *Provider) publish(v state.View) {
 			"keyIDHash", state.KeyIDHash(v.Write.KeyID), "hold", p.opts.FirstSeedHold)
 		p.opts.Metrics.firstSeedHoldExpired.WithLabelValues(p.name).Inc()
 	}
+	p.reportKeyID(p.view.Load(), &v)
 	h := 0.0
 	if v.Healthy {
 		h = 1
