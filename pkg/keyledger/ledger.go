@@ -508,3 +508,29 @@ func (l *Ledger) Named(provider, name string) []Entry {
 	}
 	return out
 }
+
+// SupersededKMSKeyIDs lists, per KMS v2 provider name, the key id hashes the ledger
+// shows superseded: another key id of the same provider was first written with after
+// it was. Every listed key id of a provider but its newest is one. A plugin that
+// reports one of them as its current key id again reuses it (KMS v2 forbids that, and
+// the material behind the id cannot be compared), and pkg/transformers/kmsv2 refuses it
+// as a write key. Key ids folded into a history entry are no longer known one by one
+// and are not listed.
+func (l *Ledger) SupersededKMSKeyIDs() map[string][]string {
+	if l == nil {
+		return nil
+	}
+	newest := map[string]int64{} // provider name → the newest first use among its key ids
+	for _, e := range l.Entries {
+		if e.Provider == transformers.ProviderKMSv2 && !e.IsHistory() && e.KeyIDHash != "" {
+			newest[e.Name] = max(newest[e.Name], e.FirstUse.Revision)
+		}
+	}
+	out := map[string][]string{}
+	for _, e := range l.Entries {
+		if e.Provider == transformers.ProviderKMSv2 && !e.IsHistory() && e.KeyIDHash != "" && e.FirstUse.Revision < newest[e.Name] {
+			out[e.Name] = append(out[e.Name], e.KeyIDHash)
+		}
+	}
+	return out
+}

@@ -290,3 +290,23 @@ func TestLedgerFormatVersion(t *testing.T) {
 		t.Fatalf("a newer format: %v, want refused", err)
 	}
 }
+
+// Every key id of a KMS v2 provider but the newest is superseded; history entries name
+// none, and another provider's key ids are its own.
+func TestSupersededKMSKeyIDs(t *testing.T) {
+	var l Ledger
+	l.Observe(Observation{Rules: rule(kmsID("sha256:aaaa"))}, t0, 6, 0)
+	if got := l.SupersededKMSKeyIDs(); len(got["vault"]) != 0 {
+		t.Fatalf("one key id: superseded %v, want none", got)
+	}
+	l.Observe(Observation{Rules: rule(kmsID("sha256:bbbb"))}, t0.Add(time.Minute), 7, 0)
+	l.Observe(Observation{Rules: rule(kmsID("sha256:cccc"))}, t0.Add(2*time.Minute), 8, 0)
+	got := l.SupersededKMSKeyIDs()["vault"]
+	if strings.Join(got, ",") != "sha256:aaaa,sha256:bbbb" {
+		t.Fatalf("superseded key ids of vault = %v, want aaaa and bbbb", got)
+	}
+	var nilLedger *Ledger
+	if nilLedger.SupersededKMSKeyIDs() != nil {
+		t.Fatal("a nil ledger must name nothing")
+	}
+}

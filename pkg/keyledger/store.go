@@ -103,6 +103,10 @@ type Recorder struct {
 	TouchInterval time.Duration
 	Clock         clock.PassiveClock
 	Logger        klog.Logger
+	// Seen, when set, is handed the ledger as each Record last read and observed it
+	// (whether or not it wrote it), for callers that keep a view of it (the KMS v2
+	// providers' superseded key ids). It must not keep l's slices beyond the call.
+	Seen func(l *Ledger)
 }
 
 // Record observes once; it writes only when the ledger changes.
@@ -121,7 +125,16 @@ func (r *Recorder) Record(ctx context.Context) (written bool, err error) {
 	if c == nil {
 		c = clock.RealClock{}
 	}
-	return r.Store.Update(ctx, func(l *Ledger, rev int64) bool { return l.Observe(o, c.Now(), rev, r.TouchInterval) })
+	var seen *Ledger
+	written, err = r.Store.Update(ctx, func(l *Ledger, rev int64) bool {
+		changed := l.Observe(o, c.Now(), rev, r.TouchInterval)
+		seen = l
+		return changed
+	})
+	if err == nil && seen != nil && r.Seen != nil {
+		r.Seen(seen)
+	}
+	return written, err
 }
 
 // Run records every interval until ctx ends; failures are logged (the next record

@@ -120,6 +120,8 @@ type Flags struct {
 	KMSSeedMaxAge    time.Duration
 	KMSSeedMaxWrites int64
 	KMSDEKCacheIdle  time.Duration
+	// KMSKeyIDConfirmations is --kms-key-id-confirmations; 0 keeps the default.
+	KMSKeyIDConfirmations int
 
 	StorageMigration     bool
 	StorageMigrationRate float64
@@ -158,6 +160,7 @@ func NewFlags(d Defaults) Flags {
 		KMSSeedMaxAge:                       kmsv2.DefaultSeedMaxAge,
 		KMSSeedMaxWrites:                    kmsv2.DefaultSeedMaxWrites,
 		KMSDEKCacheIdle:                     kmsv2.DefaultDEKCacheIdle,
+		KMSKeyIDConfirmations:               kmsv2.DefaultKeyIDConfirmations,
 		StorageMigration:                    d.StorageMigration,
 		StorageMigrationEtcdQuotaBytes:      pace.DefaultEtcdQuotaBytes,
 		StorageMigrationMaxDBFraction:       pace.DefaultMaxDBFraction,
@@ -195,6 +198,10 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 	fs.DurationVar(&f.KMSDEKCacheIdle, "kms-dek-cache-idle", f.KMSDEKCacheIdle,
 		"Drop a decrypted KMS v2 DEK source from memory once no read has used it for this long; the next read of a value under it "+
 			"asks the plugin's Decrypt again (upstream keeps every entry 24h from when it was cached, used or not). 0: never.")
+	fs.IntVar(&f.KMSKeyIDConfirmations, "kms-key-id-confirmations", f.KMSKeyIDConfirmations,
+		"How many consecutive healthy KMS v2 Status answers must report a new key id before it acts (a new DEK seed, the write fence, migration); "+
+			"the Encrypt that follows must answer with it too. A key id flap shorter than that rewrites nothing; a real rotation acts "+
+			"this many Status intervals minus one later. 1: at the first Status (upstream kube-apiserver).")
 	fs.DurationVar(&f.KMSRetryInterval, "kms-retry-interval", f.KMSRetryInterval, "KMS v2 Status period while unhealthy (default 10s). For tests.")
 	fs.DurationVar(&f.KMSWriteTTL, "kms-write-ttl", f.KMSWriteTTL, "How long KMS v2 writes continue after the last healthy Status (default 3m). For tests.")
 
@@ -292,6 +299,9 @@ func (f *Flags) Validate() []error {
 	if f.KMSFirstSeedHold < 0 {
 		errs = append(errs, fmt.Errorf("--kms-first-seed-hold=%s: must be 0 (no hold) or positive", f.KMSFirstSeedHold))
 	}
+	if f.KMSKeyIDConfirmations < 0 {
+		errs = append(errs, fmt.Errorf("--kms-key-id-confirmations=%d: must be at least 1 (0 keeps the default, %d)", f.KMSKeyIDConfirmations, kmsv2.DefaultKeyIDConfirmations))
+	}
 	if f.KMSSeedMaxAge < 0 {
 		errs = append(errs, fmt.Errorf("--kms-seed-max-age=%s: must be 0 (no bound) or positive", f.KMSSeedMaxAge))
 	}
@@ -342,6 +352,7 @@ func (f *Flags) ApplyTo(o *Options) error {
 	o.KMSRetryInterval = f.KMSRetryInterval
 	o.KMSWriteTTL = f.KMSWriteTTL
 	o.KMSFirstSeedHold = f.KMSFirstSeedHold
+	o.KMSKeyIDConfirmations = f.KMSKeyIDConfirmations
 	// A flag's 0 is "no bound"; the options' 0 is "the default".
 	o.KMSSeedMaxAge = noBoundIfZero(f.KMSSeedMaxAge)
 	o.KMSSeedMaxWrites = noBoundIfZero(f.KMSSeedMaxWrites)

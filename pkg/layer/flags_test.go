@@ -40,6 +40,8 @@ func TestFlagsValidate(t *testing.T) {
 		{"negative seed age", kube, func(f *Flags) { f.KMSSeedMaxAge = -time.Hour }, "--kms-seed-max-age"},
 		{"negative seed writes", kube, func(f *Flags) { f.KMSSeedMaxWrites = -1 }, "--kms-seed-max-writes"},
 		{"negative DEK idle", kube, func(f *Flags) { f.KMSDEKCacheIdle = -time.Hour }, "--kms-dek-cache-idle"},
+		{"negative key id confirmations", kube, func(f *Flags) { f.KMSKeyIDConfirmations = -1 }, "--kms-key-id-confirmations"},
+		{"key id acts at once", kube, func(f *Flags) { f.KMSKeyIDConfirmations = 1 }, ""},
 		{"no seed bounds", kube, func(f *Flags) { f.KMSSeedMaxAge, f.KMSSeedMaxWrites, f.KMSDEKCacheIdle = 0, 0, 0 }, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -89,6 +89,9 @@ type Options struct {
 	KMSSeedMaxAge    time.Duration
 	KMSSeedMaxWrites int64
 	KMSDEKCacheIdle  time.Duration
+	// KMSKeyIDConfirmations: see kmsv2.FactoryOptions.KeyIDConfirmations; zero keeps
+	// the default.
+	KMSKeyIDConfirmations int
 
 	// Etcd is how the layer's etcd client reaches etcd: the storage backend's flags.
 	// Required by New when Path is set.
@@ -214,6 +217,9 @@ type Layer struct {
 	// events holds the layer's events until AddEventsHook's recorder takes them.
 	events *events.Deferred
 	keyIDs *kmsKeyIDs
+	// superseded is the key ledger's superseded KMS v2 key ids per provider name, as
+	// the ledger recorder last read it (nil before); the providers refuse them.
+	superseded atomic.Pointer[map[string][]string]
 	// serving is how fast the apiserver answers its clients (AddServingLatency feeds
 	// it); migrations slow down when they slow it.
 	serving *pace.ServingLatency
@@ -437,6 +443,11 @@ func (l *Layer) kmsFactory() transformers.KMSFactory {
 		SeedMaxAge:     l.opts.KMSSeedMaxAge,
 		SeedMaxWrites:  l.opts.KMSSeedMaxWrites,
 		DEKCacheIdle:   l.opts.KMSDEKCacheIdle,
+		// A flap shorter than the confirmations rewrites nothing; a key id the ledger
+		// shows superseded is refused as a write key (docs/kms-plugin.md).
+		KeyIDConfirmations: l.opts.KMSKeyIDConfirmations,
+		SupersededKeyIDs:   l.supersededKeyIDs,
+		Events:             l.events,
 	}
 	fo.OnKeyIDChange = l.keyIDs.seen
 	if node := l.node; node != nil {

@@ -23,7 +23,20 @@ func (l *Layer) ledgerStore() keyledger.Store {
 // fence may hold the configuration's first key back) and retirements its inventories
 // show.
 func (l *Layer) ledgerRecorder() *keyledger.Recorder {
-	return &keyledger.Recorder{Store: l.ledgerStore(), Rules: l.agent.Rules, Inventory: l.store.Latest, Retention: l.largestRetention, Logger: l.log}
+	return &keyledger.Recorder{Store: l.ledgerStore(), Rules: l.agent.Rules, Inventory: l.store.Latest, Retention: l.largestRetention, Logger: l.log,
+		Seen: func(led *keyledger.Ledger) {
+			m := led.SupersededKMSKeyIDs()
+			l.superseded.Store(&m)
+		}}
+}
+
+// supersededKeyIDs is kmsv2.FactoryOptions.SupersededKeyIDs: the key ledger's, as last
+// read. It never blocks (the providers ask it before every Status).
+func (l *Layer) supersededKeyIDs(provider string) []string {
+	if m := l.superseded.Load(); m != nil {
+		return (*m)[provider]
+	}
+	return nil
 }
 
 // largestRetention is the largest --backup-retention the live members publish (this
