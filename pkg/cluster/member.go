@@ -149,6 +149,11 @@ type KMSState struct {
 	HeldKeyIDHash string    `json:"heldKeyIDHash,omitempty"`
 	HeldSince     time.Time `json:"heldSince,omitzero"`
 	LastError     string    `json:"lastError,omitempty"`
+	// ReusedKeyIDHash is a superseded key id the member's plugin reports again (a
+	// reuse), refused as a write key since ReusedSince; the cluster raises
+	// ConditionKMSKeyIDReuse while one member has one.
+	ReusedKeyIDHash string    `json:"reusedKeyIDHash,omitempty"`
+	ReusedSince     time.Time `json:"reusedSince,omitzero"`
 }
 
 // CanDecryptKeyID reports whether the member's plugin of KMS provider name is known to
@@ -206,7 +211,8 @@ func stateFromStatus(id, version string, st reload.Status, held map[string]time.
 	}
 	for _, k := range st.KMSProviders {
 		m.KMS = append(m.KMS, KMSState{Name: k.Name, Healthy: k.Healthy, KeyIDHash: k.KeyIDHash, LastError: k.LastError,
-			ReportedKeyIDHash: k.ReportedKeyIDHash, HeldKeyIDHash: k.HeldKeyIDHash, HeldSince: k.HeldSince})
+			ReportedKeyIDHash: k.ReportedKeyIDHash, HeldKeyIDHash: k.HeldKeyIDHash, HeldSince: k.HeldSince,
+			ReusedKeyIDHash: k.ReusedKeyIDHash, ReusedSince: k.ReusedSince})
 	}
 	if st.LastError != "" && st.LastErrorAt.After(st.LoadedAt) {
 		m.LastReloadError, m.LastReloadErrorAt = st.LastError, st.LastErrorAt

@@ -35,7 +35,11 @@ type Status struct {
 	// KeyWrites are the cluster's lifetime totals per key and when each was first seen
 	// (KeyTotal), as this member last read them.
 	KeyWrites []KeyTotal `json:"keyWrites,omitempty"`
-	// Conditions is "DisagreementAlarm" while the alarm is raised.
+	// KMSKeyIDReuses names the refused KMS key id reuses the members publish
+	// (KMSKeyIDReuses).
+	KMSKeyIDReuses []string `json:"kmsKeyIDReuses,omitempty"`
+	// Conditions is "DisagreementAlarm" while the alarm is raised, and
+	// ConditionKMSKeyIDReuse while a member's KMS plugin reports a refused reused key id.
 	Conditions   []string `json:"conditions,omitempty"`
 	PublishError string   `json:"publishError,omitempty"`
 }
@@ -61,6 +65,9 @@ func (n *Node) Status() Status {
 	st.Verdict = Evaluate(st.Members, st.Migration, now, n.opts.DisagreementAlarm)
 	if alarmed {
 		st.Conditions = append(st.Conditions, "DisagreementAlarm")
+	}
+	if st.KMSKeyIDReuses = KMSKeyIDReuses(st.Members); len(st.KMSKeyIDReuses) > 0 {
+		st.Conditions = append(st.Conditions, ConditionKMSKeyIDReuse)
 	}
 	return st
 }
