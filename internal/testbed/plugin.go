@@ -51,6 +51,12 @@ func StartPlugin(ctx context.Context, bin, dir, sockDir string, keys ...PluginKe
 	return startPlugin(ctx, bin, dir, sockDir, nil, keys)
 }
 
+// StartPluginArgs is StartPlugin with more kms-plugin flags (e.g. --faults, for a fault
+// about the first calls after a start).
+func StartPluginArgs(ctx context.Context, bin, dir, sockDir string, args []string, keys ...PluginKey) (*Plugin, error) {
+	return startPlugin(ctx, bin, dir, sockDir, args, keys)
+}
+
 // StartPluginV1 is StartPlugin for a plugin serving the KMS v1 API (--api-version v1):
 // the plugin of a cluster that still holds KMS v1 values.
 func StartPluginV1(ctx context.Context, bin, dir, sockDir string, keys ...PluginKey) (*Plugin, error) {
