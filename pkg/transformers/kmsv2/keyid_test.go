@@ -2,6 +2,7 @@ package kmsv2
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"sync"
 	"testing"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/kmsplugin"
 	"github.com/rekey-io/rekey/pkg/events"
+	"github.com/rekey-io/rekey/pkg/transformers"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
 )
 
@@ -161,4 +163,56 @@ func TestStatusEncryptDisagreementIsReportedNotFollowed(t *testing.T) {
 		t.Fatalf("disagreement events: %q", msgs)
 	}
 	sealOpen(t, p, []byte("still writes"))
+}
+
+// A provider that starts while its plugin reports a key id the ledger shows superseded
+// (SupersededKeyIDs) takes no DEK seed: writes are refused with a 503 that names the
+// reuse, the provider stays healthy, and values stored under every key id still read.
+func TestStartAtASupersededKeyIDRefusesWritesOnly(t *testing.T) {
+	tp := startPlugin(t, "key-a", "key-b")
+	writer := newProvider(t, "kms1", tp.endpoint, FactoryOptions{})
+	underA := sealOpen(t, writer, []byte("under-a"))
+	tp.SetFaults(kmsplugin.Faults{ActiveKey: "key-b"})
+	writerB := newProvider(t, "kms1", tp.endpoint, FactoryOptions{})
+	underB := sealOpen(t, writerB, []byte("under-b"))
+	tp.SetFaults(kmsplugin.Faults{ActiveKey: "key-a"})
+
+	reg := metrics.NewKubeRegistry()
+	p, err := New(kmsConfig("kms1", tp.endpoint), transformers.Options{APIServerID: "test"}, FactoryOptions{Registry: reg, HealthyTTL: time.Nanosecond,
+		SupersededKeyIDs: func(provider string) []string {
+			if provider != "kms1" {
+				return nil
+			}
+			return []string{state.KeyIDHash("key-a")}
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for p.Status().ReusedKeyIDHash == "" {
+		if err := p.Check(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if ctx.Err() != nil {
+			t.Fatal("the reuse was never reported")
+		}
+	}
+	if st := p.Status(); !st.Healthy || st.KeyIDHash != "" || st.ReusedKeyIDHash != state.KeyIDHash("key-a") {
+		t.Fatalf("status %+v; want healthy, no write key id, key-a reused", st)
+	}
+	_, err = p.Seal(ctx, []byte("x"), aad)
+	var refused *transformers.WriteRefusedError
+	if !errors.As(err, &refused) || !errors.Is(err, transformers.ErrKMSUnavailable) || !strings.Contains(err.Error(), state.KeyIDHash("key-a")) {
+		t.Fatalf("Seal during the reuse: %v; want a WriteRefusedError naming the reused key id hash", err)
+	}
+	for _, v := range [][]byte{underA, underB} {
+		if _, _, err := p.Open(ctx, v[len(p.Prefix()):], aad); err != nil {
+			t.Fatalf("a stored value does not read during the reuse: %v", err)
+		}
+	}
+	if got := counter(t, reg, "rekey_kmsv2_key_id_reuses_total"); got != 1 {
+		t.Fatalf("rekey_kmsv2_key_id_reuses_total = %v, want 1", got)
+	}
 }
