@@ -52,3 +52,30 @@ func TestRecordIsIdempotentAcrossMembers(t *testing.T) {
 		t.Fatalf("first use changed: %+v → %+v", l.Entries[0].FirstUse, l2.Entries[0].FirstUse)
 	}
 }
+
+// Seen hands every Record's ledger to the caller, whether or not Record wrote it: a
+// member that writes nothing new still learns the KMS key ids another superseded.
+func TestRecorderSeenHandsOverTheLedger(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	ctx := context.Background()
+	clk := clocktesting.NewFakePassiveClock(t0)
+	store := Store{Client: cli, Key: Key("/rekey")}
+	keyID := "sha256:aaaa"
+	writer := &Recorder{Store: store, Rules: func() []transformers.RuleInfo { return rule(kmsID(keyID)) }, Clock: clk}
+	if _, err := writer.Record(ctx); err != nil {
+		t.Fatal(err)
+	}
+	keyID = "sha256:bbbb"
+	if _, err := writer.Record(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var seen map[string][]string
+	reader := &Recorder{Store: store, Clock: clk, Seen: func(l *Ledger) { seen = l.SupersededKMSKeyIDs() }}
+	if written, err := reader.Record(ctx); err != nil || written {
+		t.Fatalf("a member with no rules: written %v, %v; want nothing written", written, err)
+	}
+	if got := seen["vault"]; len(got) != 1 || got[0] != "sha256:aaaa" {
+		t.Fatalf("superseded key ids seen = %v, want vault's sha256:aaaa", seen)
+	}
+}
