@@ -103,6 +103,10 @@ type Recorder struct {
 	TouchInterval time.Duration
 	Clock         clock.PassiveClock
 	Logger        klog.Logger
+	// Wake, when set, makes Run record at once instead of at the next interval (a
+	// member that starts writing with a new key: the ledger learns it, and the KMS key
+	// id it supersedes, without waiting).
+	Wake <-chan struct{}
 	// Seen, when set, is handed the ledger as each Record last read and observed it
 	// (whether or not it wrote it), for callers that keep a view of it (the KMS v2
 	// providers' superseded key ids). It must not keep l's slices beyond the call.
@@ -154,6 +158,7 @@ func (r *Recorder) Run(ctx context.Context, interval time.Duration) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		case <-r.Wake:
 		}
 	}
 }

@@ -220,6 +220,9 @@ type Layer struct {
 	// superseded is the key ledger's superseded KMS v2 key ids per provider name, as
 	// the ledger recorder last read it (nil before); the providers refuse them.
 	superseded atomic.Pointer[map[string][]string]
+	// ledgerWake asks the ledger recorder to record now (a KMS provider writes under a
+	// new key id).
+	ledgerWake chan struct{}
 	// serving is how fast the apiserver answers its clients (AddServingLatency feeds
 	// it); migrations slow down when they slow it.
 	serving *pace.ServingLatency
@@ -295,6 +298,7 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 		l.watchCache = newWatchCacheRevisions(o.WatchCacheMetrics, nil)
 	}
 	l.keyIDs = &kmsKeyIDs{sink: l.events}
+	l.ledgerWake = make(chan struct{}, 1)
 	defer func() {
 		if err != nil {
 			if l.node != nil {
@@ -308,6 +312,9 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 			return nil, err
 		}
 	}
+	// The KMS v2 providers the agent builds refuse a key id the key ledger shows
+	// superseded from their first Status on: read it before they exist.
+	l.loadSuperseded(ctx)
 	var running runningRules
 	agent, err := reload.NewAgent(ctx, l.agentOptions(&running))
 	if err != nil {
@@ -449,12 +456,16 @@ func (l *Layer) kmsFactory() transformers.KMSFactory {
 		SupersededKeyIDs:   l.supersededKeyIDs,
 		Events:             l.events,
 	}
-	fo.OnKeyIDChange = l.keyIDs.seen
+	fo.OnKeyIDChange = func(provider, keyIDHash string) {
+		l.keyIDs.seen(provider, keyIDHash)
+		l.wakeLedger()
+	}
 	if node := l.node; node != nil {
 		// A new key id reaches the other apiservers at once, not at the next refresh, and
 		// is written under only once every apiserver's plugin reports it.
 		fo.OnKeyIDChange = func(provider, keyIDHash string) {
 			l.keyIDs.seen(provider, keyIDHash)
+			l.wakeLedger()
 			node.NotifyKeyID(provider, keyIDHash)
 		}
 		fo.MayWriteKeyID = l.node.MayWriteKeyID

@@ -24,10 +24,38 @@ func (l *Layer) ledgerStore() keyledger.Store {
 // show.
 func (l *Layer) ledgerRecorder() *keyledger.Recorder {
 	return &keyledger.Recorder{Store: l.ledgerStore(), Rules: l.agent.Rules, Inventory: l.store.Latest, Retention: l.largestRetention, Logger: l.log,
+		Wake: l.ledgerWake,
 		Seen: func(led *keyledger.Ledger) {
 			m := led.SupersededKMSKeyIDs()
 			l.superseded.Store(&m)
 		}}
+}
+
+// ledgerReadTimeout bounds the key ledger read at start (loadSuperseded).
+const ledgerReadTimeout = 3 * time.Second
+
+// loadSuperseded reads the key ledger's superseded KMS v2 key ids once, before the KMS
+// providers start. Without it they still refuse the key ids they rotated away from
+// themselves, and the recorder hands the ledger over at its first record.
+func (l *Layer) loadSuperseded(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, ledgerReadTimeout)
+	defer cancel()
+	led, _, _, err := l.ledgerStore().Load(ctx)
+	if err != nil {
+		l.log.Error(err, "Could not read the key ledger at start; KMS v2 key id reuses known to it are recognised from its first record on")
+		return
+	}
+	m := led.SupersededKMSKeyIDs()
+	l.superseded.Store(&m)
+}
+
+// wakeLedger asks the ledger recorder to record now; it never blocks (a KMS provider's
+// loop calls it).
+func (l *Layer) wakeLedger() {
+	select {
+	case l.ledgerWake <- struct{}{}:
+	default:
+	}
 }
 
 // supersededKeyIDs is kmsv2.FactoryOptions.SupersededKeyIDs: the key ledger's, as last

@@ -20,12 +20,14 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/rekey-io/rekey/internal/kmsplugin"
 	"github.com/rekey-io/rekey/internal/testbed"
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/keyledger"
 	"github.com/rekey-io/rekey/pkg/transformers"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
 )
@@ -316,6 +318,8 @@ func TestKMSKeyIDFlapsRewriteNothing(t *testing.T) {
 // kek-2 (the migration moves them), then reports kek-1 again. The reuse is refused: new
 // writes stay under kek-2, nothing migrates back, the metric counts it, the status
 // names it and the cluster raises the KMSKeyIDReuse condition; every Secret reads.
+// Then the shim restarts into the reuse: the key ledger tells it kek-1 was superseded,
+// so creates are refused with a 503 and reads go on.
 func TestKMSKeyIDReuseRefused(t *testing.T) {
 	ctx := t.Context()
 	start := time.Now()
@@ -361,6 +365,19 @@ func TestKMSKeyIDReuseRefused(t *testing.T) {
 	}
 	rotatedAt := time.Now()
 	before := modRevisions(t, cli, secretsKey)
+	// The key ledger learns kek-2 at once (the rotation wakes its recorder), and with it
+	// that kek-1 was superseded.
+	ledger := keyledger.Store{Client: cli, Key: keyledger.Key(coordinationPrefix(t))}
+	eventually(t, 30*time.Second, 100*time.Millisecond, "kek-1 superseded in the key ledger", func() error {
+		l, _, _, err := ledger.Load(ctx)
+		if err != nil {
+			return err
+		}
+		if got := l.SupersededKMSKeyIDs()[provider]; len(got) != 1 || got[0] != state.KeyIDHash("kek-1") {
+			return fmt.Errorf("superseded key ids of %s: %v", provider, got)
+		}
+		return nil
+	})
 
 	// B → A: the reuse.
 	if err := plugin.SetFaults(ctx, map[string]any{"activeKey": "kek-1"}); err != nil {
@@ -442,6 +459,43 @@ func TestKMSKeyIDReuseRefused(t *testing.T) {
 		}
 		return nil
 	})
+
+	// A restart while the plugin reports kek-1: the new process never wrote with
+	// kek-2, but the key ledger says kek-1 was superseded. No seed is taken: creates
+	// are refused with a 503 naming the reuse, every Secret reads, /readyz is up.
+	if err := plugin.SetFaults(ctx, map[string]any{"activeKey": "kek-1"}); err != nil {
+		t.Fatal(err)
+	}
+	s.Stop(15 * time.Second)
+	s = startShim(t, testbed.ShimConfig{Dir: dir, EncryptionConfig: config, EtcdPrefix: prefix,
+		Args: []string{"--kms-status-interval", "500ms", "--kms-retry-interval", "250ms", "--storage-migration-check-interval", "250ms"}})
+	c = clientFor(t, s)
+	eventually(t, 30*time.Second, 50*time.Millisecond, "the reuse refused at start", func() error {
+		k, _, err := kmsStatusOf(ctx, s, provider)
+		if err != nil {
+			return err
+		}
+		if k.ReusedKeyIDHash != state.KeyIDHash("kek-1") || k.KeyIDHash != "" {
+			return fmt.Errorf("status %+v", k)
+		}
+		return nil
+	})
+	_, createErr := c.CoreV1().Secrets("reuse").Create(ctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: "after-restart"},
+		Data: map[string][]byte{"v": []byte("x")}}, metav1.CreateOptions{})
+	if !apierrors.IsServiceUnavailable(createErr) || !strings.Contains(createErr.Error(), "reuse") {
+		t.Fatalf("a create after the restart into the reuse: %v; want 503 naming the reuse", createErr)
+	}
+	list, err = c.CoreV1().Secrets("reuse").List(ctx, metav1.ListOptions{})
+	if err != nil || len(list.Items) != objects+1 {
+		t.Fatalf("listing the Secrets after the restart: %d items, %v", len(list.Items), err)
+	}
+	if err := s.Readyz(ctx); err != nil {
+		t.Errorf("/readyz after the restart into the reuse: %v", err)
+	}
+	if n := rewritten(before, modRevisions(t, cli, secretsKey)); n != 0 {
+		t.Errorf("%d Secrets rewritten, want 0", n)
+	}
+	t.Logf("restart into the reuse: create refused: %v", createErr)
 }
 
 // pluginStatusCalls is how many Status calls the plugin process has answered.
