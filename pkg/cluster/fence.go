@@ -157,17 +157,18 @@ func (f *fence) Writers(current, next []transformers.RuleInfo) map[string]transf
 				// been done yet. Hold only when there is something else to write with: with
 				// nothing else, want writes either way.
 				if ok, why := f.gate.MayPromote(n.Resource, want); !ok {
-					if f.othersWrite(n.Resource, want) {
-						// Another live member writes with want already: writing the older
-						// key meanwhile would store new data under a key the cluster moved
-						// off (a straggler whose file caught up wrote key1 after the
-						// migration to key2 had verified, and kept key1 in use). Writing
+					if i, _ := f.fallback(n, current); i != 0 {
+						h.WaitingFor = []string{why}
+						// When another live member writes with want already, writing the
+						// older key meanwhile would store new data under a key the cluster
+						// moved off (a straggler whose file caught up wrote key1 after the
+						// migration to key2 had verified, and kept key1 in use); writing
 						// want before the handshake could race a member dropping it on a
 						// view newer than ours. Writes wait for the handshake instead (one
 						// publish and one read).
-						h.WaitingFor, promotedElsewhere = []string{why}, why
-					} else if i, _ := f.fallback(n, current); i != 0 {
-						h.WaitingFor = []string{why}
+						if f.othersWrite(n.Resource, want) {
+							promotedElsewhere = why
+						}
 					}
 				}
 			}
