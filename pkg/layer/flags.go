@@ -202,7 +202,7 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 		"How many consecutive healthy KMS v2 Status answers must report a new key id before it acts (a new DEK seed, the write fence, migration); "+
 			"the Encrypt that follows must answer with it too. A key id flap shorter than that rewrites nothing; a real rotation acts "+
 			"this many Status intervals minus one later. 1: at the first Status (upstream kube-apiserver).")
-	fs.DurationVar(&f.KMSRetryInterval, "kms-retry-interval", f.KMSRetryInterval, "KMS v2 Status period while unhealthy (default 10s). For tests.")
+	fs.DurationVar(&f.KMSRetryInterval, "kms-retry-interval", f.KMSRetryInterval, "KMS v2 Status period while unhealthy (default 10s; never longer than --kms-status-interval). For tests.")
 	fs.DurationVar(&f.KMSWriteTTL, "kms-write-ttl", f.KMSWriteTTL, "How long KMS v2 writes continue after the last healthy Status (default 3m). For tests.")
 
 	fs.BoolVar(&f.StorageMigration, FlagStorageMigration, f.StorageMigration,

@@ -11,6 +11,7 @@ import (
 	"k8s.io/apiserver/pkg/storage"
 	"k8s.io/apiserver/pkg/storage/storagebackend"
 	"k8s.io/apiserver/pkg/storage/storagebackend/factory"
+	"k8s.io/apiserver/pkg/storage/value"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/rekey-io/rekey/pkg/transformers"
@@ -19,8 +20,9 @@ import (
 // WithRefusedWrites returns a RESTOptionsGetter whose storage answers a write that a
 // write fence refuses with the refusal's own 503 ServiceUnavailable status
 // (transformers.WriteRefusedError), not the 500 the etcd3 store's wrapping of every
-// transformer error would give. Every other result, reads included, is the inner
-// storage's. AddStorageHook applies it to the config's getter; a binary that builds
+// transformer error would give, and a read that a KMS plugin's absence fails with a 503
+// naming the provider and the cause (see refusedWritesStorage). Every other result is
+// the inner storage's. AddStorageHook applies it to the config's getter; a binary that builds
 // other getters on the same transformers (kube-apiserver's apiextensions and
 // aggregator servers) applies it to those.
 func WithRefusedWrites(g generic.RESTOptionsGetter) generic.RESTOptionsGetter {
@@ -51,7 +53,19 @@ func (g refusedWritesGetter) GetRESTOptions(gr schema.GroupResource, example run
 		if err != nil {
 			return s, destroy, err
 		}
-		return refusedWritesStorage{s}, destroy, nil
+		rs := refusedWritesStorage{Interface: s, gr: gr}
+		if config != nil {
+			rs.tr = config.Transformer
+			rs.direct = &directStore{open: func() (storage.Interface, factory.DestroyFunc, error) {
+				return generic.NewRawStorage(config, newFunc, newListFunc, resourcePrefix)
+			}}
+			inner := destroy
+			destroy = func() {
+				inner()
+				rs.direct.close()
+			}
+		}
+		return rs, destroy, nil
 	}
 	return o, nil
 }
@@ -60,7 +74,18 @@ func (g refusedWritesGetter) GetRESTOptions(gr schema.GroupResource, example run
 // a refused write with its status. Those are the only calls that encrypt: Delete
 // reads and removes without TransformToStorage (a graceful or finalizer deletion that
 // updates goes through GuaranteedUpdate).
-type refusedWritesStorage struct{ storage.Interface }
+//
+// It also answers reads that a KMS plugin's absence fails (kmsreads.go).
+type refusedWritesStorage struct {
+	storage.Interface
+	gr schema.GroupResource
+	// tr is the resource's transformer (the reload agent's), asked whether a KMS
+	// plugin it needs is unavailable; nil when unknown.
+	tr value.Transformer
+	// direct reads etcd past the watch cache while a KMS plugin is unavailable; nil
+	// when unknown.
+	direct *directStore
+}
 
 func (s refusedWritesStorage) Create(ctx context.Context, key string, obj, out runtime.Object, ttl uint64) error {
 	return refusalStatus(s.Interface.Create(ctx, key, obj, out, ttl))

@@ -56,3 +56,11 @@ func (t *resourceTransformer) TransformToStorage(ctx context.Context, data []byt
 	defer g.release()
 	return t.chain(g).TransformToStorage(ctx, data, dataCtx)
 }
+
+// Unavailable is the current configuration's answer for gr
+// (transformers.UnavailableReporter): why a KMS plugin gr needs cannot be reached now.
+func (t *resourceTransformer) Unavailable() error {
+	g := t.agent.acquire()
+	defer g.release()
+	return t.chain(g).Unavailable()
+}

@@ -183,6 +183,19 @@ func (c *Chain) TransformFromStorage(ctx context.Context, data []byte, dataCtx v
 	return nil, false, errNoMatchingPrefix
 }
 
+// Unavailable is the first error of the chain's providers that report an unreachable
+// KMS plugin (UnavailableReporter), nil when none does.
+func (c *Chain) Unavailable() error {
+	for _, s := range c.sealers {
+		if r, ok := s.(UnavailableReporter); ok {
+			if err := r.Unavailable(); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
 // Info describes the chain without key material.
 func (c *Chain) Info() RuleInfo {
 	w := c.sealers[c.writer]

@@ -3,6 +3,8 @@ package transformers
 import (
 	"errors"
 	"time"
+
+	"k8s.io/apiserver/pkg/storage/value"
 )
 
 // ErrKMSUnavailable is matched (errors.Is) by the errors of a KMS provider that cannot
@@ -20,6 +22,24 @@ type unavailableError struct{ error }
 
 func (e unavailableError) Unwrap() error        { return e.error }
 func (e unavailableError) Is(target error) bool { return target == ErrKMSUnavailable }
+
+// UnavailableReporter is a provider, or a transformer made of providers, that can say
+// that a KMS plugin it needs cannot be reached now (kmsv2.Provider, Chain, and the
+// reload agent's transformers).
+type UnavailableReporter interface {
+	// Unavailable is nil while every KMS plugin is reachable as far as is known, and
+	// otherwise an error matching ErrKMSUnavailable that names the provider, its
+	// endpoint and the cause, never key material.
+	Unavailable() error
+}
+
+// UnavailableOf is tr's Unavailable(), or nil when tr cannot tell.
+func UnavailableOf(tr value.Transformer) error {
+	if r, ok := tr.(UnavailableReporter); ok {
+		return r.Unavailable()
+	}
+	return nil
+}
 
 // KMSStatus describes a KMS v2 provider for health and status output. It carries the
 // key id only as its "sha256:<hex>" hash, never key material.

@@ -34,6 +34,7 @@ func (p *Provider) run(ctx context.Context, m *state.Machine) {
 					// than it is, and Check would serve it from cache as fresh.
 					askedAt := p.clock.Now()
 					r, err := p.client.Status(ctx)
+					p.noteStatus(askedAt, err)
 					ev := state.StatusResult{At: askedAt, Err: err, Version: r.Version, Healthz: r.Healthz, KeyID: r.KeyID}
 					p.recordStatus(ev)
 					_ = m.Step(ev)

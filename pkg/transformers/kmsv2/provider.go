@@ -159,6 +159,9 @@ type Provider struct {
 
 	write atomic.Pointer[writeState]
 	view  atomic.Pointer[state.View]
+	// down is the current outage of the plugin (nil while it answers, or before
+	// anything tried): reads and Unavailable name it.
+	down atomic.Pointer[outage]
 	// coarseNow is the loop's clock as of its last wake (unix nanoseconds): reads stamp
 	// the DEK entries they use with it instead of reading the clock per read.
 	coarseNow atomic.Int64
@@ -281,7 +284,20 @@ func (p *Provider) Prefix() []byte { return p.prefix }
 // errNotReady is returned by writes before the first DEK source exists.
 func (p *Provider) errNotReady() error {
 	v := p.view.Load()
-	return transformers.Unavailable(fmt.Errorf("kms v2 provider %q cannot write yet: no DEK seed has been accepted from the plugin at %s (last problem: %v); check that the plugin is running and healthy", p.name, p.endpoint, v.Err))
+	return p.refuseWrite(v, fmt.Sprintf("kms v2 provider %q cannot write yet: no DEK seed has been accepted from the plugin at %s (last problem: %v); check that the plugin is running and healthy", p.name, p.endpoint, v.Err))
+}
+
+// refuseWrite is the error of a write the plugin's state refuses (no DEK seed yet, the
+// write window expired): a 503 the client is told to retry (transformers.
+// WriteRefusedError, Retry-After when the provider next asks the plugin, at least a
+// second) that storage migration still treats as "the plugin cannot serve now"
+// (transformers.ErrKMSUnavailable).
+func (p *Provider) refuseWrite(v *state.View, reason string) error {
+	retry := time.Second
+	if d := v.NextWake.Sub(p.clock.Now()); d > retry {
+		retry = d
+	}
+	return transformers.Unavailable(&transformers.WriteRefusedError{Reason: reason, RetryAfter: retry})
 }
 
 // WriteKeyIDHash is "sha256:<hex>" of the key id new values are written under, ""
@@ -311,8 +327,8 @@ func (p *Provider) Seal(_ context.Context, plaintext []byte, dataCtx value.Conte
 	}
 	now := p.clock.Now()
 	if exp := ws.expiry.Load(); now.UnixNano() >= exp {
-		return nil, transformers.Unavailable(fmt.Errorf("encryptedDEKSource with keyID hash %q expired at %s (current time is %s): the KMS plugin of provider %q has not reported healthy since; fix the plugin",
-			state.KeyIDHash(ws.keyID), time.Unix(0, exp).UTC().Format(time.RFC3339), now.UTC().Format(time.RFC3339), p.name))
+		return nil, p.refuseWrite(p.view.Load(), fmt.Sprintf("encryptedDEKSource with keyID hash %q expired at %s (current time is %s): the KMS plugin of provider %q at %s has not reported healthy since; fix the plugin",
+			state.KeyIDHash(ws.keyID), time.Unix(0, exp).UTC().Format(time.RFC3339), now.UTC().Format(time.RFC3339), p.name, p.endpoint))
 	}
 	return ws.seal(p.prefix, plaintext, dataCtx.AuthenticatedData())
 }
@@ -437,10 +453,14 @@ func (p *Provider) fetch(ctx context.Context, o *wire.Object, annotations []wire
 			annos[string(a.Key)] = a.Value
 		}
 	}
+	if err := p.readUnavailable(); err != nil {
+		return nil, err
+	}
 	uid := uuid.NewString()
-	pt, err := p.client.Decrypt(ctx, uid, string(o.KeyID), o.DEKSource, annos)
+	pt, err := p.client.Decrypt(ctx, uid, string(o.KeyID), o.DEKSource, annos, p.readCallOptions()...)
+	p.noteRead(err)
 	if err != nil {
-		return nil, fmt.Errorf("failed to decrypt DEK, error: %w (kms v2 provider %q, keyID hash %q, uid %s)", err, p.name, state.KeyIDHash(string(o.KeyID)), uid)
+		return nil, p.decryptFailed(err, state.KeyIDHash(string(o.KeyID)), uid)
 	}
 	e, err := newDEKEntry(o.SourceType, pt)
 	if err != nil {

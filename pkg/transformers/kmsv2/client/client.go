@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	kmsapi "k8s.io/kms/apis/v2"
@@ -92,7 +93,8 @@ func Dial(endpoint string, timeout time.Duration, rec LatencyRecorder) (conn *gr
 		grpc.WithAuthority("localhost"),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		// Wait for a connection up to the call deadline: a plugin that restarts is
-		// reached as soon as it listens again.
+		// reached as soon as it listens again. A caller that knows the plugin is gone
+		// passes FailFast instead.
 		grpc.WithDefaultCallOptions(grpc.WaitForReady(true)),
 		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) {
 			var d net.Dialer
@@ -122,14 +124,25 @@ func Dial(endpoint string, timeout time.Duration, rec LatencyRecorder) (conn *gr
 // Close closes the connection; calls in flight fail with codes.Canceled.
 func (c *Client) Close() error { return c.conn.Close() }
 
+// FailFast is the call option of a call that must not wait for a connection: it fails
+// at once with codes.Unavailable when the plugin cannot be reached (no socket, nobody
+// listening), where a call without it waits for the plugin until its deadline. A
+// connection that is being made is still waited for (a few milliseconds on a unix
+// socket).
+func FailFast() grpc.CallOption { return grpc.WaitForReady(false) }
+
+// State is the connection's state: connectivity.TransientFailure while the last
+// attempt to reach the plugin failed and the next one has not succeeded yet.
+func (c *Client) State() connectivity.State { return c.conn.GetState() }
+
 // StatusResponse is the plugin's Status answer.
 type StatusResponse struct{ Version, Healthz, KeyID string }
 
-// Status calls Status.
-func (c *Client) Status(ctx context.Context) (StatusResponse, error) {
+// Status calls Status. opts are gRPC call options (FailFast).
+func (c *Client) Status(ctx context.Context, opts ...grpc.CallOption) (StatusResponse, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
-	r, err := c.api.Status(ctx, &kmsapi.StatusRequest{})
+	r, err := c.api.Status(ctx, &kmsapi.StatusRequest{}, opts...)
 	if err != nil {
 		return StatusResponse{}, err
 	}
@@ -143,22 +156,22 @@ type EncryptResponse struct {
 	Annotations map[string][]byte
 }
 
-// Encrypt calls Encrypt.
-func (c *Client) Encrypt(ctx context.Context, uid string, plaintext []byte) (EncryptResponse, error) {
+// Encrypt calls Encrypt. opts are gRPC call options (FailFast).
+func (c *Client) Encrypt(ctx context.Context, uid string, plaintext []byte, opts ...grpc.CallOption) (EncryptResponse, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
-	r, err := c.api.Encrypt(ctx, &kmsapi.EncryptRequest{Plaintext: plaintext, Uid: uid})
+	r, err := c.api.Encrypt(ctx, &kmsapi.EncryptRequest{Plaintext: plaintext, Uid: uid}, opts...)
 	if err != nil {
 		return EncryptResponse{}, err
 	}
 	return EncryptResponse{Ciphertext: r.Ciphertext, KeyID: r.KeyId, Annotations: r.Annotations}, nil
 }
 
-// Decrypt calls Decrypt.
-func (c *Client) Decrypt(ctx context.Context, uid, keyID string, ciphertext []byte, annotations map[string][]byte) ([]byte, error) {
+// Decrypt calls Decrypt. opts are gRPC call options (FailFast).
+func (c *Client) Decrypt(ctx context.Context, uid, keyID string, ciphertext []byte, annotations map[string][]byte, opts ...grpc.CallOption) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
-	r, err := c.api.Decrypt(ctx, &kmsapi.DecryptRequest{Ciphertext: ciphertext, Uid: uid, KeyId: keyID, Annotations: annotations})
+	r, err := c.api.Decrypt(ctx, &kmsapi.DecryptRequest{Ciphertext: ciphertext, Uid: uid, KeyId: keyID, Annotations: annotations}, opts...)
 	if err != nil {
 		return nil, err
 	}
