@@ -359,3 +359,23 @@ func TestRetryIntervalNeverExceedsStatusInterval(t *testing.T) {
 		t.Fatalf("next Status after a failure in %s, want 2s", got)
 	}
 }
+
+// An unreachable plugin is asked again every RetryInterval, which by default is never
+// longer than the Status interval: a plugin that returns is served again within one
+// Status interval, whatever that is set to.
+func TestRetryIntervalDefaultsToTheStatusIntervalWhenShorter(t *testing.T) {
+	for _, tc := range []struct{ status, want time.Duration }{
+		{2 * time.Second, 2 * time.Second},
+		{time.Minute, DefaultRetryInterval},
+		{DefaultRetryInterval, DefaultRetryInterval},
+	} {
+		m := New(Config{Provider: "kms", WriteType: wire.SourceHKDFSeed, StatusInterval: tc.status}, t0)
+		if acts := m.Ready(); len(acts) != 1 || acts[0].Kind != CallStatus {
+			t.Fatalf("status interval %v: first actions %v, want one Status", tc.status, acts)
+		}
+		_ = m.Step(StatusResult{At: t0, Err: fmt.Errorf("connection refused")})
+		if got := m.View().NextWake.Sub(t0); got != tc.want {
+			t.Errorf("status interval %v: next Status %v after a failed one, want %v", tc.status, got, tc.want)
+		}
+	}
+}
