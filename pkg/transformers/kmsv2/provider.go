@@ -7,6 +7,10 @@
 //     use a counter nonce, instead of one HKDF per write (docs/kmsv2-crypto.md);
 //   - a write is one allocation and retains nothing;
 //   - the DEK cache is bounded and reads never depend on plugin health;
+//   - a read whose DEK is not cached never waits for a connection to the plugin: with
+//     the plugin absent or gone it fails at once with transformers.ErrKMSUnavailable
+//     naming provider, endpoint and since when (Unavailable; docs/kms-outage.md), and
+//     writes without a seed or past the window are refused with a 503 and Retry-After;
 //   - an unhealthy Status never extends the write window (kubernetes/kubernetes#138950).
 //   - a seed is replaced after SeedMaxAge or SeedMaxWrites under a stable key id, and a
 //     decrypted DEK source no read used for DEKCacheIdle leaves the cache
