@@ -171,7 +171,7 @@ func CheckDecrypt(ctx context.Context, inv *migrate.Inventory, cli *clientv3.Cli
 
 // pluginUnavailable tells a plugin that did not answer from one that answered "no".
 func pluginUnavailable(err error) bool {
-	if errors.Is(err, context.DeadlineExceeded) {
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, transformers.ErrKMSUnavailable) {
 		return true
 	}
 	var se interface{ GRPCStatus() *status.Status }

@@ -114,7 +114,7 @@ func (p *Provider) readCallOptions() []grpc.CallOption {
 // for requests that cannot be answered meanwhile (a watch cache that cannot fill).
 func (p *Provider) Unavailable() error {
 	if o := p.down.Load(); o != nil {
-		return transformers.Unavailable(fmt.Errorf("kms v2 provider %q: the plugin at %s is unavailable since %s: %v",
+		return transformers.Unavailable(fmt.Errorf("kms v2 provider %q: the plugin at %s is unavailable since %s: %w",
 			p.name, p.endpoint, o.since.UTC().Format(time.RFC3339), o.err))
 	}
 	if p.client.State() == connectivity.TransientFailure {
