@@ -18,8 +18,8 @@ import (
 
 // The read side of refusedWritesStorage: reads that a KMS plugin's absence fails.
 //
-// A read that needs an unavailable plugin (transformers.ErrKMSUnavailable) is answered
-// with 503 and the provider's own account of it (provider, endpoint, since when, why),
+// A read that needs an unavailable plugin (transformers.ErrKMSUnavailable), including
+// the read of the stored object an update or a delete makes first, is answered with 503 and the provider's own account of it (provider, endpoint, since when, why),
 // not the 500 "corrupt object … not transformable" of the etcd3 store. Two answers of
 // the watch cache are replaced while a KMS plugin of the resource is unavailable
 // (transformers.UnavailableOf its transformer):
@@ -47,6 +47,13 @@ func (s refusedWritesStorage) GetList(ctx context.Context, key string, opts stor
 		// No store of its own: the watch cache answers, as it would anyway.
 	}
 	return s.readStatus(s.Interface.GetList(ctx, key, opts, listObj))
+}
+
+// Delete reads the stored object before it removes it (preconditions, validation).
+func (s refusedWritesStorage) Delete(ctx context.Context, key string, out runtime.Object, preconditions *storage.Preconditions,
+	validateDeletion storage.ValidateObjectFunc, cachedExistingObject runtime.Object, opts storage.DeleteOptions,
+) error {
+	return s.readStatus(s.Interface.Delete(ctx, key, out, preconditions, validateDeletion, cachedExistingObject, opts))
 }
 
 func (s refusedWritesStorage) Watch(ctx context.Context, key string, opts storage.ListOptions) (watch.Interface, error) {

@@ -37,6 +37,14 @@ func (f readFailing) GetList(context.Context, string, storage.ListOptions, runti
 	return f.err
 }
 
+func (f readFailing) Delete(context.Context, string, runtime.Object, *storage.Preconditions, storage.ValidateObjectFunc, runtime.Object, storage.DeleteOptions) error {
+	return f.err
+}
+
+func (f readFailing) GuaranteedUpdate(context.Context, string, runtime.Object, bool, *storage.Preconditions, storage.UpdateFunc, runtime.Object) error {
+	return f.err
+}
+
 func (f readFailing) Watch(context.Context, string, storage.ListOptions) (watch.Interface, error) {
 	return nil, f.err
 }
@@ -104,6 +112,8 @@ func TestReadsUnderAnUnavailablePluginAnswer503(t *testing.T) {
 	s := decoratedReads(t, storage.NewInternalError(down), nil)
 	want503("Get", s.Get(ctx, "/secrets/ns/a", storage.GetOptions{}, nil))
 	want503("GetList", s.GetList(ctx, "/secrets/ns", cached, nil))
+	want503("Delete (reads the object first)", s.Delete(ctx, "/secrets/ns/a", nil, nil, nil, nil, storage.DeleteOptions{}))
+	want503("GuaranteedUpdate (reads the object first)", s.GuaranteedUpdate(ctx, "/secrets/ns/a", nil, false, nil, nil, nil))
 
 	s = decoratedReads(t, notReady, down)
 	want503("GetList from a watch cache that cannot fill", s.GetList(ctx, "/secrets/ns", cached, nil))

@@ -94,7 +94,9 @@ func (s refusedWritesStorage) Create(ctx context.Context, key string, obj, out r
 func (s refusedWritesStorage) GuaranteedUpdate(ctx context.Context, key string, destination runtime.Object, ignoreNotFound bool,
 	preconditions *storage.Preconditions, tryUpdate storage.UpdateFunc, cachedExistingObject runtime.Object,
 ) error {
-	return refusalStatus(s.Interface.GuaranteedUpdate(ctx, key, destination, ignoreNotFound, preconditions, tryUpdate, cachedExistingObject))
+	// An update reads the stored object first: a read the plugin's absence fails is
+	// answered as a read is.
+	return s.readStatus(refusalStatus(s.Interface.GuaranteedUpdate(ctx, key, destination, ignoreNotFound, preconditions, tryUpdate, cachedExistingObject)))
 }
 
 // refusalStatus is err, or the status of the write refusal err wraps. The REST layer
