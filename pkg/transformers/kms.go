@@ -60,6 +60,10 @@ type KMSStatus struct {
 	WriteExpiry time.Time `json:"writeExpiry,omitzero"`
 	// LastStatus is when the plugin last answered Status.
 	LastStatus time.Time `json:"lastStatus,omitzero"`
+	// UnavailableSince is set while the plugin cannot be reached (a Status or a read
+	// found nobody answering): since then, reads of values whose DEK is not cached fail
+	// at once.
+	UnavailableSince time.Time `json:"unavailableSince,omitzero"`
 	// ReportedKeyIDHash is "sha256:<hex>" of the key id the plugin's last healthy Status
 	// reported: a key id this apiserver can decrypt. It differs from KeyIDHash while
 	// the cluster's write fence holds it back (HeldKeyIDHash).

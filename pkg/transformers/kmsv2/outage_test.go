@@ -82,6 +82,9 @@ func TestPluginAbsentAtStart(t *testing.T) {
 		}
 	}
 	checkUnavailableText(t, "Unavailable", p.Unavailable(), "kms1", tp.endpoint, rawKeyID)
+	if st := p.Status(); !st.UnavailableSince.Equal(outageClockStart) {
+		t.Errorf("status unavailableSince %v, want the injected clock's %v", st.UnavailableSince, outageClockStart)
+	}
 	var _ transformers.UnavailableReporter = p // what a Chain asks
 
 	_, err = p.Seal(ctx, []byte("x"), value.DefaultContext(key))
@@ -116,6 +119,9 @@ func TestPluginAbsentAtStart(t *testing.T) {
 	}
 	if err := p.Unavailable(); err != nil {
 		t.Errorf("Unavailable after a read reached the plugin: %v", err)
+	}
+	if st := p.Status(); !st.UnavailableSince.IsZero() {
+		t.Errorf("status unavailableSince %v after a read reached the plugin", st.UnavailableSince)
 	}
 	// Writes wait for the loop's next Status: step the injected clock to it.
 	stepUntil(t, clk, "a write seed after the plugin came", func() bool { return p.view.Load().CanWrite })

@@ -485,6 +485,9 @@ func (p *Provider) Status() transformers.KMSStatus {
 		st.DEKSourceType = v.Write.Type.String()
 		st.WriteExpiry = v.Write.Expiry
 	}
+	if o := p.down.Load(); o != nil {
+		st.UnavailableSince = o.since
+	}
 	st.ReportedKeyIDHash = state.KeyIDHash(v.Reported)
 	if v.Held != "" {
 		st.HeldKeyIDHash, st.HeldSince = state.KeyIDHash(v.Held), v.HeldSince
