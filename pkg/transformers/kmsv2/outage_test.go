@@ -130,13 +130,6 @@ func TestPluginAbsentAtStart(t *testing.T) {
 	}
 }
 
-// withTimeout is a child of ctx that ends after d; its cancel runs when ctx ends.
-func withTimeout(ctx context.Context, d time.Duration) context.Context {
-	c, cancel := context.WithTimeout(ctx, d)
-	context.AfterFunc(c, cancel)
-	return c
-}
-
 // stepUntil moves the injected clock a Status interval on whenever the provider's loop
 // waits on it, until cond holds (within ten seconds of real time: the RPCs the loop
 // makes meanwhile take real time).
