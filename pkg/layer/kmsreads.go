@@ -30,7 +30,10 @@ import (
 //   - a watch cache stuck behind an event it cannot decrypt keeps its last state, and
 //     a consistent LIST waits 3 s for it to catch up before it reads etcd: a
 //     consistent LIST reads etcd at once instead (directStore), and succeeds when
-//     every object's DEK is cached.
+//     every object's DEK is cached;
+//   - once the plugin is back, the watch cache fills again within a second or so;
+//     until then a consistent LIST of a resource that went through an outage reads
+//     etcd instead of answering 429.
 //
 // None of these carries Retry-After: a read that cannot be served fails at once, and
 // the client decides when to ask again.
@@ -46,7 +49,16 @@ func (s refusedWritesStorage) GetList(ctx context.Context, key string, opts stor
 		}
 		// No store of its own: the watch cache answers, as it would anyway.
 	}
-	return s.readStatus(s.Interface.GetList(ctx, key, opts, listObj))
+	err := s.Interface.GetList(ctx, key, opts, listObj)
+	if apierrors.IsTooManyRequests(err) && s.direct != nil && consistentList(opts) {
+		// The plugin is back but the watch cache has not filled again yet (it retries
+		// its list every second): a resource that went through an outage reads etcd
+		// rather than send the client into Retry-After waits.
+		if d := s.direct.opened(); d != nil {
+			return s.readStatus(d.GetList(ctx, key, opts, listObj))
+		}
+	}
+	return s.readStatus(err)
 }
 
 // Delete reads the stored object before it removes it (preconditions, validation).
@@ -131,6 +143,16 @@ func (d *directStore) get() (storage.Interface, error) {
 		d.s, d.destroy = s, destroy
 	}
 	return d.s, nil
+}
+
+// opened is the store if an outage made it, nil otherwise.
+func (d *directStore) opened() storage.Interface {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return nil
+	}
+	return d.s
 }
 
 func (d *directStore) close() {

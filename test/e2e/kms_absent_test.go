@@ -49,8 +49,11 @@ func TestKMSPluginAbsentAndGone(t *testing.T) {
 		"- resources: [secrets]\n  providers:\n"+
 		fmt.Sprintf("  - kms:\n      apiVersion: v2\n      name: %s\n      endpoint: %s\n      timeout: 3s\n", provider, plugin.Endpoint)+
 		"- resources: [configmaps]\n  providers:\n"+identity)
-	shimCfg := testbed.ShimConfig{Dir: filepath.Join(dir, "shim"), EncryptionConfig: cfgPath, EtcdServers: []string{etcd.Endpoint},
-		Args: []string{"--kms-status-interval", absentStatusEvery.String(), "--coordination-prefix", coordinationPrefix(t)}}
+	// Its own etcd prefix: a repeated run (-count) must not meet the Secrets of the last
+	// one, sealed under another plugin key.
+	prefix := uniquePrefix(t)
+	shimCfg := testbed.ShimConfig{Dir: filepath.Join(dir, "shim"), EncryptionConfig: cfgPath, EtcdServers: []string{etcd.Endpoint}, EtcdPrefix: prefix,
+		Args: []string{"--kms-status-interval", absentStatusEvery.String(), "--coordination-prefix", coordinationPrefix(t) + prefix}}
 
 	// Data written with the plugin up, by a shim that then stops.
 	const stored = 5
@@ -165,7 +168,7 @@ func TestKMSPluginAbsentAndGone(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cli.Close()
-	coldKey := "/registry/secrets/" + ns + "/cold"
+	coldKey := prefix + "/secrets/" + ns + "/cold"
 	plain, err := testbed.NewStorageCodec().Encode(&corev1.Secret{TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Secret"},
 		ObjectMeta: metav1.ObjectMeta{Name: "cold", Namespace: ns, UID: "0b7a6c3e-cold", CreationTimestamp: metav1.Now()},
 		Data:       map[string][]byte{"v": []byte("cold")}})
