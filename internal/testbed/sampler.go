@@ -110,6 +110,10 @@ func (w *Workload) StartSampler(ctx context.Context, cfg SamplerConfig) *Sampler
 
 func (s *Sampler) read(ctx context.Context, ep Endpoint, name string) {
 	before := s.w.acked(name)
+	// Whether a load balancer would have sent the read, asked before it is sent: a
+	// straggler whose file catches up fails a read sent while it was out of rotation
+	// and may be ready again by the time the failure is judged.
+	sentOut := !ep.InRotation()
 	c, err := ep.Client()
 	var v string
 	if err == nil {
@@ -125,7 +129,7 @@ func (s *Sampler) read(ctx context.Context, ep Endpoint, name string) {
 		return // stopping: the read was cut short by the test, not by the server
 	}
 	// Asked before the lock: a readiness request must not stall the other readers.
-	excused := err != nil && (!ep.InRotation() || s.cfg.ExcuseNotReady && notReadyNow(ctx, ep))
+	excused := err != nil && (sentOut || !ep.InRotation() || s.cfg.ExcuseNotReady && notReadyNow(ctx, ep))
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	cnt := s.perEP[ep.Name()]
