@@ -8,8 +8,8 @@ import (
 	logsapi "k8s.io/component-base/logs/api/v1"
 	"k8s.io/component-base/version/verflag"
 
+	"github.com/rekey-io/rekey/internal/layertest"
 	"github.com/rekey-io/rekey/pkg/layer"
-	"github.com/rekey-io/rekey/pkg/layer/layertest"
 )
 
 // shimOwnFlags are the shim's flags that are not the encryption layer's: kube-apiserver

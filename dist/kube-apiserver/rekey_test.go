@@ -12,8 +12,8 @@ import (
 	"k8s.io/component-base/version/verflag"
 	"k8s.io/kubernetes/cmd/kube-apiserver/app/options"
 
+	"github.com/rekey-io/rekey/internal/layertest"
 	rekeylayer "github.com/rekey-io/rekey/pkg/layer"
-	"github.com/rekey-io/rekey/pkg/layer/layertest"
 )
 
 // Upstream's encryption families come from the legacy registry only when rekey does
