@@ -113,6 +113,7 @@ func (l *layer) install(c *genericapiserver.Config, factory *serverstorage.Defau
 	tr := etcd.StorageConfig.Transport
 	l.layout = storagelayout.Kube(etcd.StorageConfig.Prefix)
 	o := rekeylayer.Options{
+		Flags:           *l.flags,
 		Path:            l.path,
 		AutomaticReload: l.autoReload,
 		Etcd:            rekeylayer.Etcd{Servers: tr.ServerList, CAFile: tr.TrustedCAFile, CertFile: tr.CertFile, KeyFile: tr.KeyFile},
@@ -120,14 +121,11 @@ func (l *layer) install(c *genericapiserver.Config, factory *serverstorage.Defau
 		Layout:          l.layout,
 		// kube-apiserver's identity: the agent's metrics, and the default of
 		// --apiserver-id and --encryption-state-id.
-		APIServerID: c.APIServerID,
-		Registry:    l.reg,
-		Logger:      l.log,
+		Identity: c.APIServerID,
+		Registry: l.reg,
+		Logger:   l.log,
 		// k8s.io/apiserver reports its watch caches' revisions in its global registry.
 		WatchCacheMetrics: legacyregistry.DefaultGatherer,
-	}
-	if err := l.flags.ApplyTo(&o); err != nil {
-		return err
 	}
 	// The elected migrator's migrations, mirrored as StorageVersionMigrations through
 	// the loopback client (served by the time the migrator, a post-start hook, runs).

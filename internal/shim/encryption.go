@@ -56,11 +56,12 @@ func newEncryptionLayer(ctx context.Context, o *Options, lo layer.Options) (encr
 	return rekeyLayer{l}, nil
 }
 
-// rekeyLayerOptions are pkg/layer's options for this shim: the shim's part, then its
-// flags through pkg/layer's one mapping (dist/kube-apiserver uses the same). They are
+// rekeyLayerOptions are pkg/layer's options for this shim: its flags of the layer
+// (declared by pkg/layer, as in dist/kube-apiserver) and the shim's part. They are
 // checked — with the configuration file — before etcd starts; Etcd is set once it runs.
 func rekeyLayerOptions(o *Options, reg metrics.KubeRegistry, apiServerID string) (layer.Options, error) {
 	lo := layer.Options{
+		Flags:           o.Rekey,
 		Path:            o.EncryptionConfig,
 		AutomaticReload: o.AutomaticReload,
 		KMS:             o.KMS,
@@ -68,17 +69,14 @@ func rekeyLayerOptions(o *Options, reg metrics.KubeRegistry, apiServerID string)
 		EtcdPrefix:      o.EtcdPrefix,
 		// k8s.io/apiserver's identity: the agent's metrics and the default state id. The
 		// member key is the shim's --apiserver-id, which complete defaulted.
-		APIServerID: apiServerID,
-		Registry:    reg,
-		Logger:      o.Logger,
+		Identity: apiServerID,
+		Registry: reg,
+		Logger:   o.Logger,
 		// k8s.io/apiserver reports its watch caches' revisions in its global registry.
 		WatchCacheMetrics: legacyregistry.DefaultGatherer,
 	}
 	if !o.Rekey.Rekey() || o.EncryptionConfig == "" {
 		return lo, nil
-	}
-	if err := o.Rekey.ApplyTo(&lo); err != nil {
-		return lo, err
 	}
 	if err := lo.Validate(); err != nil {
 		return lo, err

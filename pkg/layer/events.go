@@ -61,7 +61,7 @@ func (l *Layer) AddEventsHook(c *genericapiserver.Config, involved *corev1.Objec
 			}
 			b := record.NewBroadcaster(record.WithContext(hc.Context), record.WithCorrelatorOptions(eventCorrelation()))
 			b.StartRecordingToSink(&corev1client.EventSinkImpl{Interface: client.Events("")})
-			rec := b.NewRecorder(runtime.NewScheme(), corev1.EventSource{Component: EventComponent, Host: l.opts.APIServerID})
+			rec := b.NewRecorder(runtime.NewScheme(), corev1.EventSource{Component: EventComponent, Host: l.opts.Identity})
 			if dropped := l.events.Attach(recorderSink{rec: rec, involved: involved}); dropped > 0 {
 				l.log.Info("Events from before the apiserver served were dropped: the buffer was full; the log has them", "dropped", dropped)
 			}

@@ -57,14 +57,12 @@ func Example() {
 
 	c := genericapiserver.NewConfig(serializer.NewCodecFactory(runtime.NewScheme()))
 	opts := layer.Options{
+		Flags:           flags,
 		Path:            *path,
 		AutomaticReload: true,
 		Etcd:            layer.Etcd{Servers: *etcdServers},
 		EtcdPrefix:      "/registry",
-		APIServerID:     c.APIServerID,
-	}
-	if err := flags.ApplyTo(&opts); err != nil {
-		panic(err)
+		Identity:        c.APIServerID,
 	}
 
 	ctx := context.Background()
@@ -90,7 +88,7 @@ func Example() {
 	// Then: build the server from c, and serve l.StatusHandler() at l.StatusPath().
 
 	fmt.Println("transformers:", c.ResourceTransformers == l.Agent())
-	fmt.Println("member:", opts.MemberID, "coordinating:", opts.Cluster)
+	fmt.Println("member:", opts.APIServerID, "coordinating:", opts.ClusterCoordination)
 	fmt.Println("status:", l.StatusPath())
 	// Output:
 	// transformers: true

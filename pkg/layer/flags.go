@@ -1,7 +1,6 @@
 package layer
 
 import (
-	"cmp"
 	"fmt"
 	"path"
 	"strings"
@@ -97,15 +96,17 @@ func KubeAPIServerDefaults() Defaults {
 }
 
 // Flags are the layer's command-line flags. Every binary that embeds the layer declares
-// them with AddFlags, checks them with Validate and turns them into Options with
-// ApplyTo, so the binaries cannot drift. Flags that are not the layer's
+// them with AddFlags, checks them with Validate and hands them to the layer as
+// Options.Flags, which the layer reads as they are (each field means what its flag's
+// help says), so the binaries cannot drift. Flags that are not the layer's
 // (--encryption-provider-config and its reload flag, --etcd-*, serving, authentication)
 // stay with the binary: kube-apiserver has its own, and the layer takes their values
 // as Options.
 //
 // The zero value is usable for in-process callers: zero durations keep the defaults of
-// pkg/reload, pkg/migrate, pkg/cluster and pkg/transformers/kmsv2, an empty
-// EncryptionLayer means rekey, and coordination is off.
+// pkg/reload, pkg/migrate, pkg/cluster and pkg/transformers/kmsv2 (but see the KMS seed
+// bounds and the watch lag), an empty EncryptionLayer means rekey, and coordination is
+// off.
 type Flags struct {
 	// EncryptionLayer is EncryptionLayerRekey or EncryptionLayerUpstream.
 	EncryptionLayer    string
@@ -125,8 +126,12 @@ type Flags struct {
 
 	StorageMigration     bool
 	StorageMigrationRate float64
-	// StorageMigrationClientLatencyFactor, StorageMigrationMaxWatchLag: see Options
-	// (a flag's negative max lag leaves the watch cache out).
+	// StorageMigrationClientLatencyFactor: migrations slow down while the apiserver
+	// answers its clients more than this many times slower than before (p99; see
+	// pace.Options.ServingFactor); 0 leaves the clients' latency out.
+	// StorageMigrationMaxWatchLag: migrations slow down while the apiserver's watch
+	// cache of the resource is further behind their writes than this (needs
+	// Options.WatchCacheMetrics); 0 or negative leaves the watch cache out.
 	StorageMigrationClientLatencyFactor float64
 	StorageMigrationMaxWatchLag         time.Duration
 	// StorageMigrationEtcdQuotaBytes and StorageMigrationMaxDBFraction: see
@@ -280,8 +285,8 @@ func (f *Flags) Rekey() bool {
 	return f.EncryptionLayer == "" || f.EncryptionLayer == EncryptionLayerRekey
 }
 
-// Validate checks the flags on their own; ApplyTo's Options.Validate checks them
-// against the binary's (--etcd-prefix, the default --apiserver-id).
+// Validate checks the flags on their own; Options.Validate checks them against the
+// binary's (--etcd-prefix, the default --apiserver-id).
 func (f *Flags) Validate() []error {
 	var errs []error
 	if f.EncryptionLayer != EncryptionLayerRekey && f.EncryptionLayer != EncryptionLayerUpstream {
@@ -331,55 +336,6 @@ func (f *Flags) Validate() []error {
 	return errs
 }
 
-// ApplyTo sets the Options the flags decide. The binary sets its own part first —
-// Path, AutomaticReload, Etcd, EtcdPrefix, APIServerID, Registry, Logger, and Resources
-// when it offers no --storage-migration-resources — since the flags' defaults are
-// derived from it.
-func (f *Flags) ApplyTo(o *Options) error {
-	if f.defaults.StorageResources != nil {
-		o.Resources = nil
-		layout := o.layout()
-		for _, s := range f.StorageResources {
-			r, err := migrate.ParseResource(layout, s)
-			if err != nil {
-				return fmt.Errorf("--%s: %w", FlagStorageMigrationResources, err)
-			}
-			o.Resources = append(o.Resources, r)
-		}
-	}
-	o.ReloadPollInterval = f.ReloadPollInterval
-	o.KMSStatusInterval = f.KMSStatusInterval
-	o.KMSRetryInterval = f.KMSRetryInterval
-	o.KMSWriteTTL = f.KMSWriteTTL
-	o.KMSFirstSeedHold = f.KMSFirstSeedHold
-	o.KMSKeyIDConfirmations = f.KMSKeyIDConfirmations
-	// A flag's 0 is "no bound"; the options' 0 is "the default".
-	o.KMSSeedMaxAge = noBoundIfZero(f.KMSSeedMaxAge)
-	o.KMSSeedMaxWrites = noBoundIfZero(f.KMSSeedMaxWrites)
-	o.KMSDEKCacheIdle = noBoundIfZero(f.KMSDEKCacheIdle)
-	o.StorageMigration = f.StorageMigration
-	o.StorageMigrationRate = f.StorageMigrationRate
-	o.StorageMigrationClientLatencyFactor = f.StorageMigrationClientLatencyFactor
-	// The flag's 0 is off; the options' is the default.
-	o.StorageMigrationMaxWatchLag = f.StorageMigrationMaxWatchLag
-	if o.StorageMigrationMaxWatchLag == 0 {
-		o.StorageMigrationMaxWatchLag = -1
-	}
-	o.StorageMigrationSpace = pace.SpaceOptions{QuotaBytes: f.StorageMigrationEtcdQuotaBytes, MaxFraction: f.StorageMigrationMaxDBFraction}
-	o.StorageCheckInterval = f.StorageCheckInterval
-	o.StorageInventoryInterval = f.StorageInventoryInterval
-	o.AllowDroppingKeysInUse = f.AllowDroppingKeysInUse
-	o.BackupRetention = f.BackupRetention
-	o.EncryptionStateFile = f.EncryptionStateFile
-	o.StateID = cmp.Or(f.EncryptionStateID, o.APIServerID)
-	o.MemberID = cmp.Or(f.APIServerID, o.APIServerID)
-	o.Cluster = f.ClusterCoordination
-	o.CoordinationPrefix = cmp.Or(f.CoordinationPrefix, DefaultCoordinationPrefix(o.EtcdPrefix))
-	o.ClusterLeaseTTL = f.ClusterLeaseTTL
-	o.ClusterDisagreementAlarm = f.ClusterDisagreementAlarm
-	return nil
-}
-
 // DefaultCoordinationPrefix is --coordination-prefix's default for --etcd-prefix
 // etcdPrefix. kube-apiserver's default /registry keeps /rekey, where existing
 // deployments have their keys; any other resource prefix gets its own coordination
@@ -394,12 +350,4 @@ func DefaultCoordinationPrefix(etcdPrefix string) string {
 		return coordination.DefaultPrefix
 	}
 	return coordination.DefaultPrefix + "-" + p
-}
-
-// noBoundIfZero maps a flag's 0 (no bound) to the options' "no bound" (negative).
-func noBoundIfZero[T time.Duration | int64](v T) T {
-	if v == 0 {
-		return -1
-	}
-	return v
 }

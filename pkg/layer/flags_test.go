@@ -58,12 +58,12 @@ func TestFlagsValidate(t *testing.T) {
 	}
 }
 
-// ApplyTo fills what the flags decide and derives the defaults of --apiserver-id and
-// --encryption-state-id from the binary's identity; resources come from the flag where
-// the binary offers it, from the binary otherwise.
-func TestFlagsApplyTo(t *testing.T) {
-	base := func() Options {
-		return Options{Path: "enc.yaml", EtcdPrefix: "/kube", APIServerID: "apiserver-abc",
+// Options read the flags as they are; the defaults of --apiserver-id and
+// --encryption-state-id are the binary's identity; resources are the binary's and
+// those the flag names, under --etcd-prefix.
+func TestOptionsFromFlags(t *testing.T) {
+	base := func(f Flags) Options {
+		return Options{Flags: f, Path: "enc.yaml", EtcdPrefix: "/kube", Identity: "apiserver-abc",
 			Resources: []migrate.Resource{{KeyPrefix: "/kube/fixed/"}}}
 	}
 
@@ -73,62 +73,60 @@ func TestFlagsApplyTo(t *testing.T) {
 	if err := fs.Parse([]string{"--storage-migration-resources=secrets,widgets.example.com", "--kms-write-ttl=1m", "--storage-migration"}); err != nil {
 		t.Fatal(err)
 	}
-	o := base()
-	if err := f.ApplyTo(&o); err != nil {
+	o := base(f)
+	o.Resources = nil // kube-apiserver names none of its own
+	if err := o.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	if o.StateID != "apiserver-abc" || o.MemberID != "apiserver-abc" {
-		t.Errorf("state id %q, member id %q: want the binary's identity by default", o.StateID, o.MemberID)
+	if o.stateID() != "apiserver-abc" || o.memberID() != "apiserver-abc" {
+		t.Errorf("state id %q, member id %q: want the binary's identity by default", o.stateID(), o.memberID())
 	}
-	if len(o.Resources) != 2 || o.Resources[0].KeyPrefix != "/kube/secrets/" || o.Resources[1].KeyPrefix != "/kube/example.com/widgets/" {
-		t.Errorf("resources %+v: want the flag's, under --etcd-prefix", o.Resources)
+	rs, err := o.resources()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rs) != 2 || rs[0].KeyPrefix != "/kube/secrets/" || rs[1].KeyPrefix != "/kube/example.com/widgets/" {
+		t.Errorf("resources %+v: want the flag's, under --etcd-prefix", rs)
 	}
 	if !o.StorageMigration || o.KMSWriteTTL != time.Minute || o.KMSStatusInterval != DefaultKMSStatusInterval ||
-		!o.Cluster || o.CoordinationPrefix != "/rekey-kube" || o.ClusterLeaseTTL != cluster.DefaultLeaseTTL {
+		!o.ClusterCoordination || o.coordinationPrefix() != "/rekey-kube" || o.ClusterLeaseTTL != cluster.DefaultLeaseTTL {
 		t.Errorf("options %+v do not carry the flags", o)
 	}
 
 	s := NewFlags(ShimDefaults())
 	s.APIServerID, s.EncryptionStateID = "host:6443", "state-1"
-	o = base()
-	if err := s.ApplyTo(&o); err != nil {
+	o = base(s)
+	if o.stateID() != "state-1" || o.memberID() != "host:6443" || o.Identity != "apiserver-abc" {
+		t.Errorf("state id %q, member id %q, identity %q", o.stateID(), o.memberID(), o.Identity)
+	}
+	if rs, err := o.resources(); err != nil || len(rs) != 1 || rs[0].KeyPrefix != "/kube/fixed/" {
+		t.Errorf("resources %+v, %v: want the binary's own where it offers no flag", rs, err)
+	}
+}
+
+// The seed-lifetime flags default to kmsv2's figures; a flag's 0 ("no bound") reaches
+// kmsv2 as a negative value, since kmsv2's zero keeps its default.
+func TestKMSSeedLifetimeFlags(t *testing.T) {
+	f := NewFlags(KubeAPIServerDefaults())
+	fs := pflag.NewFlagSet("t", pflag.ContinueOnError)
+	f.AddFlags(fs)
+	if f.KMSSeedMaxAge != kmsv2.DefaultSeedMaxAge || f.KMSSeedMaxWrites != kmsv2.DefaultSeedMaxWrites || f.KMSDEKCacheIdle != kmsv2.DefaultDEKCacheIdle {
+		t.Errorf("defaults: age %s, writes %d, idle %s", f.KMSSeedMaxAge, f.KMSSeedMaxWrites, f.KMSDEKCacheIdle)
+	}
+	if noBoundIfZero(f.KMSSeedMaxAge) != kmsv2.DefaultSeedMaxAge || noBoundIfZero(f.KMSSeedMaxWrites) != kmsv2.DefaultSeedMaxWrites {
+		t.Error("a bound other than 0 must reach kmsv2 as it is")
+	}
+	if err := fs.Parse([]string{"--kms-seed-max-age=0", "--kms-seed-max-writes=1000", "--kms-dek-cache-idle=0"}); err != nil {
 		t.Fatal(err)
 	}
-	if o.StateID != "state-1" || o.MemberID != "host:6443" || o.APIServerID != "apiserver-abc" {
-		t.Errorf("state id %q, member id %q, apiserver id %q", o.StateID, o.MemberID, o.APIServerID)
-	}
-	if len(o.Resources) != 1 || o.Resources[0].KeyPrefix != "/kube/fixed/" {
-		t.Errorf("resources %+v: want the binary's own where it offers no flag", o.Resources)
+	if noBoundIfZero(f.KMSSeedMaxAge) >= 0 || noBoundIfZero(f.KMSSeedMaxWrites) != 1000 || noBoundIfZero(f.KMSDEKCacheIdle) >= 0 {
+		t.Errorf("0 must mean no bound: age %s, writes %d, idle %s", f.KMSSeedMaxAge, f.KMSSeedMaxWrites, f.KMSDEKCacheIdle)
 	}
 }
 
 // The default coordination prefix follows --etcd-prefix: /rekey for kube's /registry
 // (where existing deployments keep their keys), a prefix of its own for any other, never
 // nested under /rekey/ and always outside the resource prefix.
-// The seed-lifetime flags default to kmsv2's figures; a flag's 0 ("no bound") reaches
-// the options as a negative value, since the options' zero keeps the default.
-func TestKMSSeedLifetimeFlags(t *testing.T) {
-	f := NewFlags(KubeAPIServerDefaults())
-	fs := pflag.NewFlagSet("t", pflag.ContinueOnError)
-	f.AddFlags(fs)
-	o := Options{}
-	if err := f.ApplyTo(&o); err != nil {
-		t.Fatal(err)
-	}
-	if o.KMSSeedMaxAge != kmsv2.DefaultSeedMaxAge || o.KMSSeedMaxWrites != kmsv2.DefaultSeedMaxWrites || o.KMSDEKCacheIdle != kmsv2.DefaultDEKCacheIdle {
-		t.Errorf("defaults: age %s, writes %d, idle %s", o.KMSSeedMaxAge, o.KMSSeedMaxWrites, o.KMSDEKCacheIdle)
-	}
-	if err := fs.Parse([]string{"--kms-seed-max-age=0", "--kms-seed-max-writes=1000", "--kms-dek-cache-idle=0"}); err != nil {
-		t.Fatal(err)
-	}
-	if err := f.ApplyTo(&o); err != nil {
-		t.Fatal(err)
-	}
-	if o.KMSSeedMaxAge >= 0 || o.KMSSeedMaxWrites != 1000 || o.KMSDEKCacheIdle >= 0 {
-		t.Errorf("0 must mean no bound: age %s, writes %d, idle %s", o.KMSSeedMaxAge, o.KMSSeedMaxWrites, o.KMSDEKCacheIdle)
-	}
-}
-
 func TestDefaultCoordinationPrefix(t *testing.T) {
 	for etcdPrefix, want := range map[string]string{
 		"":              "/rekey",
@@ -151,7 +149,7 @@ func TestDefaultCoordinationPrefix(t *testing.T) {
 		}
 	}
 	// Options without a coordination prefix take the default, applied state included.
-	o := Options{Path: "enc.yaml", EtcdPrefix: "/kube", Cluster: true, MemberID: "a"}
+	o := Options{Flags: Flags{ClusterCoordination: true, APIServerID: "a"}, Path: "enc.yaml", EtcdPrefix: "/kube"}
 	if err := o.Validate(); err != nil || o.coordinationPrefix() != "/rekey-kube" {
 		t.Errorf("Options with --etcd-prefix /kube: prefix %q, %v", o.coordinationPrefix(), err)
 	}

@@ -8,9 +8,8 @@
 // The order of calls is the apiserver's start-up order:
 //
 //	f := layer.NewFlags(defaults); f.AddFlags(fs)  // and after parsing, f.Validate()
-//	opts := layer.Options{Path: ..., Etcd: ..., EtcdPrefix: ..., APIServerID: ...}
-//	err = f.ApplyTo(&opts)
-//	l, err := layer.New(ctx, opts)         // etcd must answer when opts.Cluster is set
+//	opts := layer.Options{Flags: f, Path: ..., Etcd: ..., EtcdPrefix: ..., Identity: ...}
+//	l, err := layer.New(ctx, opts)         // etcd must answer with --cluster-coordination
 //	err = l.CheckStart(ctx)                // before anything is served
 //	err = l.Install(genericConfig)         // c.ResourceTransformers, health checks, reload hook
 //	                                       // (then the etcd options set c.RESTOptionsGetter)
@@ -29,6 +28,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -68,37 +68,26 @@ const (
 // inventory of the scanned resources by prefix (no decryption, no KMS call).
 const StartCheckTimeout = 2 * time.Minute
 
-// Options configure the layer. Path empty makes a layer that does nothing.
+// Options configure the layer: the binary's flags of the layer (Flags, read as they
+// are, 0 meaning what each flag's help says), and what only the binary knows. Path
+// empty makes a layer that does nothing.
 type Options struct {
+	Flags
+
 	// Path is --encryption-provider-config; AutomaticReload its automatic reload.
-	Path               string
-	AutomaticReload    bool
-	ReloadPollInterval time.Duration
-	// KMS builds KMS v2 providers; default kmsv2.NewFactory with the KMS timings below.
+	Path            string
+	AutomaticReload bool
+	// KMS builds KMS v2 providers; default kmsv2.NewFactory with the KMS flags' timings.
 	KMS transformers.KMSFactory
-	// KMSStatusInterval, KMSRetryInterval and KMSWriteTTL override the KMS v2 lifecycle
-	// defaults (zero keeps one).
-	KMSStatusInterval time.Duration
-	KMSRetryInterval  time.Duration
-	KMSWriteTTL       time.Duration
-	// KMSFirstSeedHold, with Cluster: see kmsv2.FactoryOptions.FirstSeedHold.
-	KMSFirstSeedHold time.Duration
-	// KMSSeedMaxAge, KMSSeedMaxWrites and KMSDEKCacheIdle: see kmsv2.FactoryOptions
-	// (SeedMaxAge, SeedMaxWrites, DEKCacheIdle); zero keeps the default, negative means
-	// no bound.
-	KMSSeedMaxAge    time.Duration
-	KMSSeedMaxWrites int64
-	KMSDEKCacheIdle  time.Duration
-	// KMSKeyIDConfirmations: see kmsv2.FactoryOptions.KeyIDConfirmations; zero keeps
-	// the default.
-	KMSKeyIDConfirmations int
 
 	// Etcd is how the layer's etcd client reaches etcd: the storage backend's flags.
 	// Required by New when Path is set.
 	Etcd Etcd
 	// Resources are scanned by the inventory, the migration and the start-up check
 	// besides every resource the configuration's rules cover (found through Layout;
-	// a wildcard rule's resources by a scan of what is stored under EtcdPrefix).
+	// a wildcard rule's resources by a scan of what is stored under EtcdPrefix) and
+	// those of Flags.StorageResources: a binary that stores a fixed set of resources
+	// gives them here.
 	Resources []migrate.Resource
 	// EtcdPrefix is the storage backend's --etcd-prefix.
 	EtcdPrefix string
@@ -108,58 +97,19 @@ type Options struct {
 	// custom resources are added from the stored CustomResourceDefinitions.
 	Layout *storagelayout.Layout
 
-	// StorageMigration re-encrypts stored objects when a write key changes.
-	StorageMigration     bool
-	StorageMigrationRate float64
-	// StorageMigrationSpace bounds how full migrations let etcd's database get.
-	StorageMigrationSpace pace.SpaceOptions
-	// StorageMigrationClientLatencyFactor: migrations slow down while the apiserver
-	// answers its clients more than this many times slower than before (p99; see
-	// pace.Options.ServingFactor). 0 leaves the clients' latency out.
-	StorageMigrationClientLatencyFactor float64
-	// StorageMigrationMaxWatchLag: migrations slow down while the apiserver's watch
-	// cache of the resource is further behind their writes than this
-	// (pace.Options.MaxWatchLag; 0: the default; negative: the watch cache
-	// is left out). Needs WatchCacheMetrics.
-	StorageMigrationMaxWatchLag time.Duration
 	// WatchCacheMetrics is where k8s.io/apiserver reports its watch caches'
 	// revisions (apiserver_watch_cache_resource_version): its global registry,
 	// legacyregistry.DefaultGatherer, which the embedding server passes. nil leaves
-	// the watch cache out of the pacing.
+	// the watch cache out of the pacing (Flags.StorageMigrationMaxWatchLag).
 	WatchCacheMetrics prometheus.Gatherer
-	// StorageCheckInterval and StorageInventoryInterval: see migrate.ControllerOptions.
-	StorageCheckInterval     time.Duration
-	StorageInventoryInterval time.Duration
-	// AllowDroppingKeysInUse overrides the key-in-use guards (disaster recovery only).
-	AllowDroppingKeysInUse bool
-	// BackupRetention is how long etcd snapshots are kept: a configuration that drops a
-	// key retired (per the key ledger) less than this ago is refused, on reload and at
-	// start. 0 checks nothing. The ledger is recorded either way.
-	BackupRetention time.Duration
-	// EncryptionStateFile keeps the applied state in a file instead of etcd.
-	EncryptionStateFile string
-	// StateID names the applied state in etcd (key coordination.AppliedState under the
-	// coordination prefix, read from guard.AppliedStatePrefix + StateID when absent);
-	// it must be stable across restarts of the same apiserver.
-	StateID string
 
-	// APIServerID is k8s.io/apiserver's identity of this apiserver (Config.APIServerID),
-	// the apiserver_id label of the agent's metrics.
-	APIServerID string
-	// MemberID names this apiserver among those sharing etcd: its member key, with
-	// Cluster (--apiserver-id).
-	MemberID string
-	// Cluster coordinates with the other apiservers sharing etcd (pkg/cluster).
-	Cluster bool
-	// CoordinationPrefix, ClusterLeaseTTL, ClusterDisagreementAlarm: see cluster.Options.
-	// CoordinationPrefix also holds the applied state (with or without Cluster); empty
-	// means DefaultCoordinationPrefix(EtcdPrefix).
-	CoordinationPrefix       string
-	ClusterLeaseTTL          time.Duration
-	ClusterDisagreementAlarm time.Duration
+	// Identity is k8s.io/apiserver's identity of this apiserver (Config.APIServerID):
+	// the apiserver_id label of the agent's metrics, and the default of
+	// Flags.APIServerID (the member key) and Flags.EncryptionStateID.
+	Identity string
 
-	// MigrationMirror, with Cluster and StorageMigration, is told of each migration
-	// the elected migrator runs (dist/kube-apiserver mirrors them as
+	// MigrationMirror, with coordination and storage migration, is told of each
+	// migration the elected migrator runs (dist/kube-apiserver mirrors them as
 	// StorageVersionMigrations); nil for none.
 	MigrationMirror cluster.MigrationMirror
 
@@ -169,22 +119,29 @@ type Options struct {
 }
 
 // Validate checks what can be checked before etcd is reached (and before an embedded
-// etcd's address is known).
+// etcd's address is known): the flags against the binary's part (--etcd-prefix, the
+// default --apiserver-id, where the named resources are stored).
 func (o *Options) Validate() error {
-	if o.Path == "" || (!o.Cluster && o.EtcdPrefix == "") {
+	if o.Path == "" {
 		return nil
 	}
-	// The applied state lives under the coordination prefix with or without Cluster.
+	if _, err := o.resources(); err != nil {
+		return err
+	}
+	if !o.ClusterCoordination && o.EtcdPrefix == "" {
+		return nil
+	}
+	// The applied state lives under the coordination prefix with or without coordination.
 	if err := coordination.ValidatePrefix(o.coordinationPrefix(), o.EtcdPrefix); err != nil {
 		return err
 	}
-	if !o.Cluster {
+	if !o.ClusterCoordination {
 		return nil
 	}
-	return coordination.ValidateID(o.MemberID)
+	return coordination.ValidateID(o.memberID())
 }
 
-// coordinationPrefix is CoordinationPrefix or its default.
+// layout is Layout or kube-apiserver's table under EtcdPrefix.
 func (o *Options) layout() *storagelayout.Layout {
 	if o.Layout == nil {
 		o.Layout = storagelayout.Kube(o.EtcdPrefix)
@@ -192,8 +149,42 @@ func (o *Options) layout() *storagelayout.Layout {
 	return o.Layout
 }
 
+// coordinationPrefix is CoordinationPrefix or its default.
 func (o *Options) coordinationPrefix() string {
 	return cmp.Or(o.CoordinationPrefix, DefaultCoordinationPrefix(o.EtcdPrefix))
+}
+
+// memberID is this apiserver's name among those sharing etcd (its member key):
+// --apiserver-id, or the binary's identity.
+func (o *Options) memberID() string { return cmp.Or(o.APIServerID, o.Identity) }
+
+// stateID names the applied state in etcd (key coordination.AppliedState under the
+// coordination prefix, read from guard.AppliedStatePrefix + it when absent):
+// --encryption-state-id, or the binary's identity; stable across restarts of the same
+// apiserver.
+func (o *Options) stateID() string { return cmp.Or(o.EncryptionStateID, o.Identity) }
+
+// resources are Resources and those Flags.StorageResources names, where Layout stores
+// them.
+func (o *Options) resources() ([]migrate.Resource, error) {
+	out := slices.Clone(o.Resources)
+	layout := o.Layout
+	if layout == nil {
+		layout = storagelayout.Kube(o.EtcdPrefix)
+	}
+	for _, s := range o.StorageResources {
+		r, err := migrate.ParseResource(layout, s)
+		if err != nil {
+			return nil, fmt.Errorf("--%s: %w", FlagStorageMigrationResources, err)
+		}
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+// space bounds how full migrations let etcd's database get.
+func (o *Options) space() pace.SpaceOptions {
+	return pace.SpaceOptions{QuotaBytes: o.StorageMigrationEtcdQuotaBytes, MaxFraction: o.StorageMigrationMaxDBFraction}
 }
 
 // CheckFile reads and validates the configuration file as New will, without building
@@ -248,7 +239,8 @@ type Layer struct {
 // pacing is how migrations adapt their rate: to etcd, and with the clients' latency
 // timed (AddServingLatency) to them too.
 func (l *Layer) pacing() pace.Options {
-	p := pace.Options{Serving: l.serving, ServingFactor: l.opts.StorageMigrationClientLatencyFactor, MaxWatchLag: l.opts.StorageMigrationMaxWatchLag}
+	// The flag's 0 leaves the watch cache out; pace's 0 is its default.
+	p := pace.Options{Serving: l.serving, ServingFactor: l.opts.StorageMigrationClientLatencyFactor, MaxWatchLag: noBoundIfZero(l.opts.StorageMigrationMaxWatchLag)}
 	if l.watchCache != nil {
 		p.WatchCache = l.watchCache.Revision
 	}
@@ -278,6 +270,10 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 		return nil, err
 	}
 	o.CoordinationPrefix = o.coordinationPrefix()
+	if o.Resources, err = o.resources(); err != nil {
+		return nil, err
+	}
+	o.StorageResources = nil // in Resources now
 	if len(o.Etcd.Servers) == 0 {
 		return nil, errors.New("the encryption layer needs the storage backend's etcd servers (--etcd-servers) to keep its state and inventories")
 	}
@@ -294,7 +290,7 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 	if o.StorageMigrationClientLatencyFactor > 0 {
 		l.serving = pace.NewServingLatency(nil)
 	}
-	if o.WatchCacheMetrics != nil && o.StorageMigrationMaxWatchLag >= 0 {
+	if o.WatchCacheMetrics != nil && o.StorageMigrationMaxWatchLag > 0 {
 		l.watchCache = newWatchCacheRevisions(o.WatchCacheMetrics, nil)
 	}
 	l.keyIDs = &kmsKeyIDs{sink: l.events}
@@ -307,7 +303,7 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 			_ = cli.Close()
 		}
 	}()
-	if o.Cluster {
+	if o.ClusterCoordination {
 		if err := l.startClusterNode(ctx); err != nil {
 			return nil, err
 		}
@@ -343,7 +339,7 @@ func (l *Layer) agentOptions(running *runningRules) reload.Options {
 			KMS:     l.kmsFactory(),
 		},
 		Registry:    o.Registry,
-		APIServerID: o.APIServerID,
+		APIServerID: o.Identity,
 		Logger:      o.Logger,
 		// The guard judges against what the agent writes with now (a write fence may
 		// hold the configuration's first key back), once the agent exists.
@@ -405,7 +401,7 @@ func (l *Layer) startClusterNode(ctx context.Context) error {
 		return fmt.Errorf("registering cluster metrics: %w", err)
 	}
 	node, err := cluster.New(cluster.Options{
-		Client: l.client, ID: o.MemberID, Prefix: o.CoordinationPrefix, ResourcePrefix: o.EtcdPrefix,
+		Client: l.client, ID: o.memberID(), Prefix: o.CoordinationPrefix, ResourcePrefix: o.EtcdPrefix,
 		LeaseTTL: o.ClusterLeaseTTL, DisagreementAlarm: o.ClusterDisagreementAlarm,
 		MigratesResources: migratedResources(o), BackupRetention: o.BackupRetention,
 		Inventory: l.store, Metrics: cm, Logger: o.Logger, Events: l.events,
@@ -416,7 +412,7 @@ func (l *Layer) startClusterNode(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	o.Logger.Info("Coordinating with the other apiservers through etcd", "apiserverID", o.MemberID,
+	o.Logger.Info("Coordinating with the other apiservers through etcd", "apiserverID", o.memberID(),
 		"prefix", o.CoordinationPrefix, "members", len(node.Members()))
 	l.node = node
 	return nil
@@ -447,9 +443,10 @@ func (l *Layer) kmsFactory() transformers.KMSFactory {
 		StatusInterval: l.opts.KMSStatusInterval,
 		RetryInterval:  l.opts.KMSRetryInterval,
 		WriteTTL:       l.opts.KMSWriteTTL,
-		SeedMaxAge:     l.opts.KMSSeedMaxAge,
-		SeedMaxWrites:  l.opts.KMSSeedMaxWrites,
-		DEKCacheIdle:   l.opts.KMSDEKCacheIdle,
+		// A flag's 0 is "no bound"; kmsv2's 0 is its default.
+		SeedMaxAge:    noBoundIfZero(l.opts.KMSSeedMaxAge),
+		SeedMaxWrites: noBoundIfZero(l.opts.KMSSeedMaxWrites),
+		DEKCacheIdle:  noBoundIfZero(l.opts.KMSDEKCacheIdle),
 		// A flap shorter than the confirmations rewrites nothing; a key id the ledger
 		// shows superseded is refused as a write key (docs/kms-plugin.md).
 		KeyIDConfirmations: l.opts.KMSKeyIDConfirmations,
@@ -476,18 +473,19 @@ func (l *Layer) kmsFactory() transformers.KMSFactory {
 
 // CheckStart compares the configuration on disk with the state the last applied one
 // left in etcd (key coordination.AppliedState under the coordination prefix, or where an
-// older version kept it, guard.AppliedStatePrefix + Options.StateID) or in
-// EncryptionStateFile, before the server serves: a configuration refused on reload, or
+// older version kept it, guard.AppliedStatePrefix + the state id) or in
+// --encryption-state-file, before the server serves: a configuration refused on reload, or
 // edited while the apiserver was down, must not be applied silently by a restart.
 func (l *Layer) CheckStart(ctx context.Context) error {
 	if l.agent == nil {
 		return nil
 	}
-	if l.opts.StateID == "" && l.opts.EncryptionStateFile == "" {
+	stateID := l.opts.stateID()
+	if stateID == "" && l.opts.EncryptionStateFile == "" {
 		return errors.New("encryption start-up check: no state id for the applied state in etcd (--encryption-state-id, or the apiserver's identity)")
 	}
 	var state guard.AppliedStateStore = guard.EtcdAppliedState{Client: l.client,
-		Key: coordination.AppliedState(l.opts.CoordinationPrefix, l.opts.StateID), Fallback: guard.AppliedStatePrefix + l.opts.StateID}
+		Key: coordination.AppliedState(l.opts.CoordinationPrefix, stateID), Fallback: guard.AppliedStatePrefix + stateID}
 	if l.opts.EncryptionStateFile != "" {
 		state = guard.FileAppliedState{Path: l.opts.EncryptionStateFile}
 	}
@@ -581,7 +579,7 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 			CheckInterval:     o.StorageCheckInterval,
 			InventoryInterval: o.StorageInventoryInterval,
 			Rate:              o.StorageMigrationRate,
-			Space:             o.StorageMigrationSpace,
+			Space:             o.space(),
 			Pacing:            l.pacing(),
 			ConfigHash:        func() string { return agent.ActiveConfig().Hash },
 			// Operators acknowledge unreadable objects there (rekey migrate
@@ -598,7 +596,7 @@ func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
 			mig = cluster.NewMigrator(cluster.MigratorOptions{
 				Client: cli, Prefix: l.node.Prefix(), ID: l.node.ID(), SessionTTL: o.ClusterLeaseTTL,
 				CurrentResources: ctrl.Resources, Source: migrate.FromRules(agent, agent.Rules),
-				Inventory: l.store, Metrics: l.metrics, Rate: o.StorageMigrationRate, Space: o.StorageMigrationSpace,
+				Inventory: l.store, Metrics: l.metrics, Rate: o.StorageMigrationRate, Space: o.space(),
 				Pacing: l.pacing(), ConfigHash: func() string { return agent.ActiveConfig().Hash },
 				Members: l.node.Members, MembersChanged: l.node.MembersChanged, Logger: l.log,
 				Events: l.events, Mirror: o.MigrationMirror,
@@ -709,4 +707,13 @@ func ruleNames(rules []transformers.RuleInfo) []string {
 		out = append(out, r.Resource)
 	}
 	return out
+}
+
+// noBoundIfZero maps a flag's 0 (no bound, or off) to what the options of pkg/migrate/pace
+// and pkg/transformers/kmsv2 call no bound (negative; their 0 is their default).
+func noBoundIfZero[T time.Duration | int64](v T) T {
+	if v == 0 {
+		return -1
+	}
+	return v
 }
