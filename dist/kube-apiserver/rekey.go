@@ -149,22 +149,23 @@ func (l *layer) install(c *genericapiserver.Config, factory *serverstorage.Defau
 	if err := rl.CheckStart(ctx); err != nil {
 		return err
 	}
-	if err := rl.Install(c); err != nil {
-		return err
-	}
-	c.RESTOptionsGetter = rekeylayer.WithLayoutRecording(etcd.CreateRESTOptionsGetter(factory, rl.Agent()), l.layout)
-	// Events about this apiserver's identity Lease, where `kubectl get events -n
-	// kube-system` shows them next to the apiserver's own.
-	if err := rl.AddEventsHook(c, rekeylayer.APIServerLease(c.APIServerID)); err != nil {
-		return err
-	}
-	return rl.AddStorageHook(c)
+	return rl.InstallInto(c, rekeylayer.Installation{
+		Storage: func(c *genericapiserver.Config) error {
+			c.RESTOptionsGetter = rekeylayer.WithLayoutRecording(etcd.CreateRESTOptionsGetter(factory, c.ResourceTransformers), l.layout)
+			return nil
+		},
+		// Events about this apiserver's identity Lease, where `kubectl get events -n
+		// kube-system` shows them next to the apiserver's own.
+		EventsAbout: rekeylayer.APIServerLease(c.APIServerID),
+		// The aggregator's chain answers the clients: wrapOutermost times them there.
+		ClientsServedElsewhere: true,
+	})
 }
 
 // answerRefusedWrites makes the storage the getters build answer a write the write
 // fence refuses with its 503 (rekeylayer.WithRefusedWrites). The apiextensions and
 // aggregator servers build their getters from their own copies of the etcd options on
-// the layer's transformers, after install, so AddStorageHook's wrapping of the kube
+// the layer's transformers, after install, so InstallInto's wrapping of the kube
 // getter does not reach them. The same getters report where they store each resource
 // (custom resources as their definitions are served) to the layer's layout.
 func (l *layer) answerRefusedWrites(getters ...*generic.RESTOptionsGetter) {

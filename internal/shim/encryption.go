@@ -2,6 +2,7 @@ package shim
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -28,15 +29,14 @@ const ClusterStatusKey = layer.ClusterStatusKey
 
 // encryptionLayer puts a way of transforming stored values into a server config.
 type encryptionLayer interface {
-	// install runs before etcd.ApplyTo: it sets c.ResourceTransformers and health
-	// checks, or configures etcd to do so.
+	// install sets c.ResourceTransformers and health checks (or configures etcd to do
+	// so), then the storage through etcd.ApplyTo, and adds what keeps stored data on the
+	// current keys (inventory and migration) as a post-start hook that stops with the
+	// server.
 	install(c *genericapiserver.Config, etcd *genericoptions.EtcdOptions) error
 	// checkStart runs once etcd answers and before anything is served: it refuses a
 	// configuration that cannot read what the last applied one could.
 	checkStart(ctx context.Context) error
-	// startStorage adds what keeps stored data on the current keys (inventory and
-	// migration) as a post-start hook; it stops with the server.
-	startStorage(c *genericapiserver.Config) error
 	// statusPath and statusHandler describe the layer's status document ("" when none).
 	statusPath() string
 	statusHandler() http.Handler
@@ -93,31 +93,41 @@ type upstreamLayer struct {
 	reload bool
 }
 
-func (u *upstreamLayer) install(_ *genericapiserver.Config, etcd *genericoptions.EtcdOptions) error {
+func (u *upstreamLayer) install(c *genericapiserver.Config, etcd *genericoptions.EtcdOptions) error {
 	etcd.EncryptionProviderConfigFilepath = u.path
 	etcd.EncryptionProviderConfigAutomaticReload = u.reload && u.path != ""
-	return nil
+	return applyEtcd(etcd)(c)
 }
 
-func (u *upstreamLayer) checkStart(context.Context) error            { return nil }
-func (u *upstreamLayer) startStorage(*genericapiserver.Config) error { return nil }
-func (u *upstreamLayer) statusPath() string                          { return "" }
-func (u *upstreamLayer) statusHandler() http.Handler                 { return nil }
-func (u *upstreamLayer) close()                                      {}
+func (u *upstreamLayer) checkStart(context.Context) error { return nil }
+func (u *upstreamLayer) statusPath() string               { return "" }
+func (u *upstreamLayer) statusHandler() http.Handler      { return nil }
+func (u *upstreamLayer) close()                           {}
 
 // rekeyLayer is pkg/layer: the agent, the start-up check, the storage migration
 // controller and, with --cluster-coordination, the cluster node.
 type rekeyLayer struct{ l *layer.Layer }
 
-func (r rekeyLayer) install(c *genericapiserver.Config, _ *genericoptions.EtcdOptions) error {
-	r.l.AddServingLatency(c)
-	return r.l.Install(c)
+// install is pkg/layer's one installation, as in dist/kube-apiserver, without Events:
+// the shim serves no Events API to post them to (the layer logs every event's fact).
+func (r rekeyLayer) install(c *genericapiserver.Config, etcd *genericoptions.EtcdOptions) error {
+	return r.l.InstallInto(c, layer.Installation{Storage: applyEtcd(etcd)})
 }
-func (r rekeyLayer) checkStart(ctx context.Context) error          { return r.l.CheckStart(ctx) }
-func (r rekeyLayer) startStorage(c *genericapiserver.Config) error { return r.l.AddStorageHook(c) }
-func (r rekeyLayer) statusPath() string                            { return r.l.StatusPath() }
-func (r rekeyLayer) statusHandler() http.Handler                   { return r.l.StatusHandler() }
-func (r rekeyLayer) close()                                        { r.l.Close() }
+func (r rekeyLayer) checkStart(ctx context.Context) error { return r.l.CheckStart(ctx) }
+func (r rekeyLayer) statusPath() string                   { return r.l.StatusPath() }
+func (r rekeyLayer) statusHandler() http.Handler          { return r.l.StatusHandler() }
+func (r rekeyLayer) close()                               { r.l.Close() }
+
+// applyEtcd builds the storage of c from etcd: c.ResourceTransformers, when set, wraps
+// every resource's storage config (EtcdOptions keeps a non-nil value).
+func applyEtcd(etcd *genericoptions.EtcdOptions) func(*genericapiserver.Config) error {
+	return func(c *genericapiserver.Config) error {
+		if err := etcd.ApplyTo(c); err != nil {
+			return fmt.Errorf("etcd storage: %w", err)
+		}
+		return nil
+	}
+}
 
 // storageResources are the resources the shim stores.
 func storageResources(etcdPrefix string) []migrate.Resource {

@@ -300,12 +300,6 @@ func Run(ctx context.Context, o Options) error {
 	if err := enc.install(c, etcdOpts); err != nil {
 		return err
 	}
-	if err := etcdOpts.ApplyTo(c); err != nil {
-		return fmt.Errorf("etcd storage: %w", err)
-	}
-	if err := enc.startStorage(c); err != nil {
-		return err
-	}
 
 	info := Info{
 		URL:         "https://" + c.ExternalAddress,

@@ -35,14 +35,14 @@ func APIServerLease(apiserverID string) *corev1.ObjectReference {
 	return &corev1.ObjectReference{APIVersion: "coordination.k8s.io/v1", Kind: "Lease", Namespace: "kube-system", Name: apiserverID}
 }
 
-// AddEventsHook posts the layer's events as core/v1 Events about involved, through a
+// addEventsHook posts the layer's events as core/v1 Events about involved, through a
 // client-go event recorder on c's loopback client (rate-limited and aggregated by
 // client-go's correlator). The recorder starts in a post-start hook, once the
 // loopback client is served; events from before (the first configuration, the
 // cluster node's first decisions) are kept, up to events.DefaultBuffer, and posted
 // then. Without this hook (the apiserver shim, which serves no Events) nothing is
 // posted: every event's fact is in the layer's log too.
-func (l *Layer) AddEventsHook(c *genericapiserver.Config, involved *corev1.ObjectReference) error {
+func (l *Layer) addEventsHook(c *genericapiserver.Config, involved *corev1.ObjectReference) error {
 	if l.agent == nil {
 		return nil
 	}

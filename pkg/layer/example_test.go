@@ -74,15 +74,15 @@ func Example() {
 	if err := l.CheckStart(ctx); err != nil { // before anything is served
 		panic(err)
 	}
-	if err := l.Install(c); err != nil {
-		panic(err)
-	}
 	// The apiserver's etcd options build its storage on the layer's transformers
-	// (genericoptions.EtcdOptions.ApplyTo does this and more).
+	// (genericoptions.EtcdOptions.ApplyTo does this and more); the layer installs around it.
 	etcd := genericoptions.NewEtcdOptions(storagebackend.NewDefaultConfig("/registry", nil))
 	etcd.StorageConfig.Transport.ServerList = *etcdServers
-	c.RESTOptionsGetter = etcd.CreateRESTOptionsGetter(&genericoptions.SimpleStorageFactory{StorageConfig: etcd.StorageConfig}, c.ResourceTransformers)
-	if err := l.AddStorageHook(c); err != nil {
+	err = l.InstallInto(c, layer.Installation{Storage: func(c *genericapiserver.Config) error {
+		c.RESTOptionsGetter = etcd.CreateRESTOptionsGetter(&genericoptions.SimpleStorageFactory{StorageConfig: etcd.StorageConfig}, c.ResourceTransformers)
+		return nil
+	}})
+	if err != nil {
 		panic(err)
 	}
 	// Then: build the server from c, and serve l.StatusHandler() at l.StatusPath().

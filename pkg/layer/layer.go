@@ -11,9 +11,8 @@
 //	opts := layer.Options{Flags: f, Path: ..., Etcd: ..., EtcdPrefix: ..., Identity: ...}
 //	l, err := layer.New(ctx, opts)         // etcd must answer with --cluster-coordination
 //	err = l.CheckStart(ctx)                // before anything is served
-//	err = l.Install(genericConfig)         // c.ResourceTransformers, health checks, reload hook
-//	                                       // (then the etcd options set c.RESTOptionsGetter)
-//	err = l.AddStorageHook(genericConfig)  // 503 for refused writes; inventory and migration after start
+//	err = l.InstallInto(genericConfig, layer.Installation{Storage: etcdOptions.ApplyTo})
+//	                                       // transformers, checks, storage, hooks, timing
 //	mux.Handle(l.StatusPath(), l.StatusHandler())
 //	defer l.Close()
 //
@@ -35,6 +34,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	corev1 "k8s.io/api/core/v1"
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	"k8s.io/component-base/metrics"
 	"k8s.io/klog/v2"
@@ -205,7 +205,7 @@ type Layer struct {
 	store   *migrate.InventoryStore
 	metrics *migrate.Metrics
 	log     klog.Logger
-	// events holds the layer's events until AddEventsHook's recorder takes them.
+	// events holds the layer's events until the events hook's recorder takes them.
 	events *events.Deferred
 	keyIDs *kmsKeyIDs
 	// superseded is the key ledger's superseded KMS v2 key ids per provider name, as
@@ -534,9 +534,54 @@ func (l *Layer) saveApplied(cfg *config.Config) {
 	}
 }
 
-// Install makes the agent c.ResourceTransformers with its kms-providers checks and the
+// Installation is what InstallInto needs from the binary besides the server config.
+type Installation struct {
+	// Storage sets c.RESTOptionsGetter on c.ResourceTransformers, which InstallInto has
+	// made the layer's: the binary's etcd options (genericoptions.EtcdOptions.ApplyTo),
+	// or kube-apiserver's rebuild on its storage factory. Required.
+	Storage func(c *genericapiserver.Config) error
+	// EventsAbout is what the layer's core/v1 Events are about (APIServerLease in the
+	// distribution). nil posts none: the apiserver shim serves no Events, and every
+	// event's fact is in the layer's log too.
+	EventsAbout *corev1.ObjectReference
+	// ClientsServedElsewhere says that c's handler chain never answers the clients
+	// (kube-apiserver: the aggregator's does, whose config is made from c later): the
+	// binary then calls AddServingLatency on that config instead.
+	ClientsServedElsewhere bool
+}
+
+// InstallInto puts the layer into the server config c, for every binary in the same
+// order: the agent becomes c.ResourceTransformers with its checks and reload hook
+// (install), in.Storage builds the storage on it, the events hook posts the layer's
+// Events (with in.EventsAbout), the storage hook answers refused writes with 503 and
+// starts the inventory and migration after start (addStorageHook), and the handler
+// chain times the clients' requests for the migration's pacing (AddServingLatency,
+// unless in.ClientsServedElsewhere). A layer that is not active leaves c's transformers
+// alone and only calls in.Storage.
+func (l *Layer) InstallInto(c *genericapiserver.Config, in Installation) error {
+	if in.Storage == nil {
+		return errors.New("encryption layer: Installation.Storage is required: it builds the storage on the layer's transformers")
+	}
+	if err := l.install(c); err != nil {
+		return err
+	}
+	if !in.ClientsServedElsewhere {
+		l.AddServingLatency(c)
+	}
+	if err := in.Storage(c); err != nil {
+		return err
+	}
+	if in.EventsAbout != nil {
+		if err := l.addEventsHook(c, in.EventsAbout); err != nil {
+			return err
+		}
+	}
+	return l.addStorageHook(c)
+}
+
+// install makes the agent c.ResourceTransformers with its kms-providers checks and the
 // reload post-start hook, and adds the rekey-cluster check to /readyz with coordination.
-func (l *Layer) Install(c *genericapiserver.Config) error {
+func (l *Layer) install(c *genericapiserver.Config) error {
 	if l.agent == nil {
 		return nil
 	}
@@ -550,13 +595,13 @@ func (l *Layer) Install(c *genericapiserver.Config) error {
 	return nil
 }
 
-// AddStorageHook starts, after the server has started, the migration controller (the
+// addStorageHook starts, after the server has started, the migration controller (the
 // inventory, and the migration itself unless coordination elects a migrator instead)
 // and with coordination the elected cluster migrator; both stop with the server. It
 // also makes the storage of c.RESTOptionsGetter (WithRefusedWrites) answer a write the
 // write fence refuses with 503 and the refusal's message, so it is called once the
 // etcd options have set that getter.
-func (l *Layer) AddStorageHook(c *genericapiserver.Config) error {
+func (l *Layer) addStorageHook(c *genericapiserver.Config) error {
 	if l.agent == nil {
 		return nil
 	}

@@ -22,8 +22,8 @@ import (
 // (transformers.WriteRefusedError), not the 500 the etcd3 store's wrapping of every
 // transformer error would give, and a read that a KMS plugin's absence fails with a 503
 // naming the provider and the cause (see refusedWritesStorage). Every other result is
-// the inner storage's. AddStorageHook applies it to the config's getter; a binary that builds
-// other getters on the same transformers (kube-apiserver's apiextensions and
+// the inner storage's. InstallInto applies it to the config's getter; a binary that
+// builds other getters on the same transformers (kube-apiserver's apiextensions and
 // aggregator servers) applies it to those.
 func WithRefusedWrites(g generic.RESTOptionsGetter) generic.RESTOptionsGetter {
 	if g == nil {
