@@ -76,7 +76,7 @@ func (a *acknowledgeFlags) run(ctx context.Context, w io.Writer, c *common) erro
 	case a.list:
 		// Listing collects the void ones too: the apiservers' inventories do it as well,
 		// but a cluster without them would otherwise keep them forever.
-		c, err := migrate.CollectAcknowledgements(ctx, s.etcd, prefix)
+		c, err := migrate.Acknowledger{Client: s.etcd, CoordinationPrefix: prefix}.Collect(ctx)
 		if err != nil {
 			return err
 		}
@@ -89,7 +89,7 @@ func (a *acknowledgeFlags) run(ctx context.Context, w io.Writer, c *common) erro
 			if err != nil {
 				return err
 			}
-			removed, err := migrate.RemoveAcknowledgement(ctx, s.etcd, prefix, res, ns, name)
+			removed, err := migrate.Acknowledger{Client: s.etcd, CoordinationPrefix: prefix}.Remove(ctx, res, ns, name)
 			if err != nil {
 				return err
 			}
@@ -106,8 +106,8 @@ func (a *acknowledgeFlags) run(ctx context.Context, w io.Writer, c *common) erro
 		if err != nil {
 			return err
 		}
-		ack, err := migrate.Acknowledge(ctx, migrate.AcknowledgeOptions{Client: s.etcd, Source: migrate.FromSet(s.cur.set), CoordinationPrefix: prefix,
-			Resource: res, Namespace: ns, Name: name, Reason: a.reason, By: a.by})
+		acker := migrate.Acknowledger{Client: s.etcd, CoordinationPrefix: prefix, Source: migrate.FromSet(s.cur.set), By: a.by}
+		ack, err := acker.Acknowledge(ctx, res, ns, name, a.reason)
 		if err != nil {
 			// Go on with the others: each is checked and recorded on its own.
 			printLine(w, "not acknowledged: %v", err)

@@ -91,7 +91,7 @@ func TestAcknowledgeUnreadableFlags(t *testing.T) {
 		!strings.Contains(out, "deleted the void acknowledgement of secrets/lost-ns/o0000: the object was rewritten or deleted") {
 		t.Fatalf("list after the acknowledged object was rewritten: %v\n%s", err, out)
 	}
-	if resp, err := cli.Get(context.Background(), migrate.AcknowledgedPrefix(coordination.DefaultPrefix), clientv3.WithPrefix()); err != nil || len(resp.Kvs) != 0 {
+	if resp, err := cli.Get(context.Background(), coordination.AcknowledgedPrefix(coordination.DefaultPrefix), clientv3.WithPrefix()); err != nil || len(resp.Kvs) != 0 {
 		t.Fatalf("acknowledgements left in etcd: %v, %v", resp, err)
 	}
 }

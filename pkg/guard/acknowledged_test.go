@@ -29,7 +29,7 @@ func TestGuardLetsAKeyGoUnderAcknowledgedObjectsOnly(t *testing.T) {
 	res := migrate.ResourceFor(migrate.DefaultEtcdPrefix, secrets)
 	writeObjects(t, cli, cur, secrets, 3)
 	plantWith := func(set *transformers.Set, ns, name string) {
-		key := migrate.ObjectKey(res, ns, name)
+		key := res.KeyPrefix + ns + "/" + name
 		stored, err := set.TransformerFor(secrets).TransformToStorage(ctx, enctest.PlaintextFor(key, 0), value.DefaultContext(key))
 		if err != nil {
 			t.Fatal(err)
@@ -54,8 +54,8 @@ func TestGuardLetsAKeyGoUnderAcknowledgedObjectsOnly(t *testing.T) {
 		t.Fatalf("violations before the acknowledgement: %v", vs)
 	}
 
-	if _, err := migrate.Acknowledge(ctx, migrate.AcknowledgeOptions{Client: cli, Source: migrate.FromSet(cur), CoordinationPrefix: coordination,
-		Resource: res, Namespace: "team-a", Name: "lost", Reason: "its data was recreated"}); err != nil {
+	acker := migrate.Acknowledger{Client: cli, Source: migrate.FromSet(cur), CoordinationPrefix: coordination}
+	if _, err := acker.Acknowledge(ctx, res, "team-a", "lost", "its data was recreated"); err != nil {
 		t.Fatal(err)
 	}
 	if vs := CheckChange(inventory(), current, next); len(vs) != 0 {
@@ -70,7 +70,7 @@ func TestGuardLetsAKeyGoUnderAcknowledgedObjectsOnly(t *testing.T) {
 
 	// A readable object under key0 needs a migration, whatever is acknowledged.
 	plantWith(old, "team-c", "readable")
-	if _, err := cli.Delete(ctx, migrate.ObjectKey(res, "team-b", "also-lost")); err != nil {
+	if _, err := cli.Delete(ctx, res.KeyPrefix+"team-b/also-lost"); err != nil {
 		t.Fatal(err)
 	}
 	vs = CheckChange(inventory(), current, next)

@@ -14,19 +14,11 @@ import (
 	"github.com/rekey-io/rekey/pkg/coordination"
 )
 
-// DefaultAcknowledgedBy is who an acknowledgement is from when no apiserver id is given.
-const DefaultAcknowledgedBy = "rekey-cli"
-
-// AcknowledgedPrefix is the directory of acknowledgements: <coordination-prefix>/acknowledged/.
-func AcknowledgedPrefix(coordinationPrefix string) string {
-	return coordination.AcknowledgedPrefix(coordinationPrefix)
-}
-
-// AcknowledgementKey is where the acknowledgement of the object at etcd key key of res
+// acknowledgementKey is where the acknowledgement of the object at etcd key key of res
 // lives: <coordination-prefix>/acknowledged/<resource>/<ns>/<name>, or
 // .../<resource>/<name> for a cluster-scoped resource.
-func AcknowledgementKey(coordinationPrefix string, res Resource, key string) string {
-	ns, name := ObjectName(res, key)
+func acknowledgementKey(coordinationPrefix string, res Resource, key string) string {
+	ns, name := objectName(res, key)
 	return coordination.Acknowledgement(coordinationPrefix, res.String(), ns, name)
 }
 
@@ -71,16 +63,20 @@ func (a Acknowledgements) Sorted() []Acknowledgement {
 // etcd's default --max-txn-ops of 128).
 const acknowledgementPage = 100
 
-// LoadAcknowledgements reads the acknowledgements under coordinationPrefix that are in
+// loadAcknowledgements reads the acknowledgements under coordinationPrefix that are in
 // force: the value acknowledged is still its object's. It reads them page by page, and
-// deletes the void ones on the way (CollectAcknowledgements); a void one it cannot delete
-// now is left for the next load: it covers nothing either way.
-func LoadAcknowledgements(ctx context.Context, cli *clientv3.Client, coordinationPrefix string) (Acknowledgements, error) {
-	c, err := CollectAcknowledgements(ctx, cli, coordinationPrefix)
+// deletes the void ones on the way (Acknowledger.Collect); a void one it cannot delete
+// now is left for the next load: it covers nothing either way. Without a coordination
+// prefix there are none.
+func loadAcknowledgements(ctx context.Context, cli *clientv3.Client, coordinationPrefix string) (Acknowledgements, error) {
+	if coordinationPrefix == "" {
+		return nil, nil
+	}
+	c, err := collectAcknowledgements(ctx, cli, coordinationPrefix, acknowledgementPage)
 	return c.InForce, err
 }
 
-// CollectedAcknowledgements is what CollectAcknowledgements found.
+// CollectedAcknowledgements is what Acknowledger.Collect found.
 type CollectedAcknowledgements struct {
 	// InForce are the acknowledgements whose object still holds the value acknowledged.
 	InForce Acknowledgements
@@ -91,20 +87,20 @@ type CollectedAcknowledgements struct {
 	DeleteErr error
 }
 
-// CollectAcknowledgements reads the acknowledgements under coordinationPrefix in pages
-// of acknowledgementPage, compares each with the mod revision its object has now, and
+// Collect reads the acknowledgements under the coordination prefix in pages of
+// acknowledgementPage, compares each with the mod revision its object has now, and
 // deletes the void ones: an object rewritten (a new mod revision) or deleted since was
 // acknowledged for a value that is gone, and nothing else ever removes its record. A
 // deletion is a transaction that succeeds only while the object's mod revision still
 // differs from the acknowledged one and the acknowledgement is still the one read, so it
 // never removes an acknowledgement recorded again meanwhile. A record that does not
 // decode is left alone (ignoring it makes its object block, the safe side).
-func CollectAcknowledgements(ctx context.Context, cli *clientv3.Client, coordinationPrefix string) (CollectedAcknowledgements, error) {
-	return collectAcknowledgements(ctx, cli, coordinationPrefix, acknowledgementPage)
+func (a Acknowledger) Collect(ctx context.Context) (CollectedAcknowledgements, error) {
+	return collectAcknowledgements(ctx, a.Client, a.CoordinationPrefix, acknowledgementPage)
 }
 
 func collectAcknowledgements(ctx context.Context, cli clientv3.KV, coordinationPrefix string, pageSize int64) (CollectedAcknowledgements, error) {
-	dir := AcknowledgedPrefix(coordinationPrefix)
+	dir := coordination.AcknowledgedPrefix(coordinationPrefix)
 	out := CollectedAcknowledgements{InForce: Acknowledgements{}}
 	// The scans' pager: pages bounded in keys and bytes.
 	p := newPager(cli, Resource{KeyPrefix: dir}, "", pageSize, false)
@@ -177,31 +173,32 @@ func (c *CollectedAcknowledgements) sortPage(ctx context.Context, cli clientv3.K
 	return nil
 }
 
-// AcknowledgeOptions name the object to acknowledge and why.
-type AcknowledgeOptions struct {
-	Client *clientv3.Client
-	// Source is the configuration in use: only an object it cannot read is acknowledged.
-	Source             Source
+// Acknowledger records, lists and removes the acknowledgements of unreadable objects
+// under one coordination prefix (rekey migrate --acknowledge-unreadable and its
+// siblings); the inventories read them themselves.
+type Acknowledger struct {
+	Client             *clientv3.Client
 	CoordinationPrefix string
-	Resource           Resource
-	// Namespace is "" for a cluster-scoped resource.
-	Namespace, Name string
-	Reason          string
-	By              string
-	Clock           clock.PassiveClock
+	// Source is the configuration in use: only an object it cannot read is acknowledged
+	// (Acknowledge needs it; Collect and Remove do not).
+	Source Source
+	// By is who acknowledges (default DefaultAcknowledgedBy); Clock dates it.
+	By    string
+	Clock clock.PassiveClock
 }
 
 // ErrReadable refuses to acknowledge an object the configuration can read.
 var ErrReadable = errors.New("the object is readable with the current configuration")
 
-// Acknowledge checks that the object is unreadable now and records an acknowledgement
-// of its current value. The record is written only while the value is still the one
-// checked (a compare on its mod revision).
-func Acknowledge(ctx context.Context, o AcknowledgeOptions) (Acknowledgement, error) {
+// Acknowledge checks that the object namespace/name of res (namespace "" for a
+// cluster-scoped resource) is unreadable now and records an acknowledgement of its
+// current value, for reason. The record is written only while the value is still the
+// one checked (a compare on its mod revision).
+func (o Acknowledger) Acknowledge(ctx context.Context, res Resource, namespace, name, reason string) (Acknowledgement, error) {
 	if o.Client == nil || o.Source == nil {
 		return Acknowledgement{}, errors.New("migrate: acknowledging needs an etcd client and the transformers' source")
 	}
-	if o.Reason == "" {
+	if reason == "" {
 		return Acknowledgement{}, errors.New("an acknowledgement needs a reason (--reason): say why the object may stay unreadable")
 	}
 	if o.Clock == nil {
@@ -210,8 +207,8 @@ func Acknowledge(ctx context.Context, o AcknowledgeOptions) (Acknowledgement, er
 	if o.By == "" {
 		o.By = DefaultAcknowledgedBy
 	}
-	key := ObjectKey(o.Resource, o.Namespace, o.Name)
-	what := fmt.Sprintf("%s %s", o.Resource, key)
+	key := objectKey(res, namespace, name)
+	what := fmt.Sprintf("%s %s", res, key)
 	resp, err := o.Client.Get(ctx, key)
 	if err != nil {
 		return Acknowledgement{}, fmt.Errorf("reading %s: %w", what, err)
@@ -220,22 +217,22 @@ func Acknowledge(ctx context.Context, o AcknowledgeOptions) (Acknowledgement, er
 		return Acknowledgement{}, fmt.Errorf("%s: no object is stored there; check the namespace and name (rekey inventory lists the unreadable ones)", what)
 	}
 	kv := resp.Kvs[0]
-	rule := o.Source.Rule(o.Resource.GroupResource)
+	rule := o.Source.Rule(res.GroupResource)
 	cl := newClassifier(rule, o.Source.KnownPrefixes())
 	b := cl.classify(kv.Value)
-	r := checkOne(ctx, o.Source.TransformerFor(o.Resource.GroupResource), kv.Key, kv.Value)
+	r := checkOne(ctx, o.Source.TransformerFor(res.GroupResource), kv.Key, kv.Value)
 	if isTransient(r.err) {
 		return Acknowledgement{}, fmt.Errorf("%s: cannot tell whether it is readable: %w; retry when the KMS plugin answers", what, r.err)
 	}
 	if r.err == nil {
 		return Acknowledgement{}, fmt.Errorf("%s: %w, so there is nothing to acknowledge; a migration rewrites it", what, ErrReadable)
 	}
-	ns, name := ObjectName(o.Resource, key)
+	ns, n := objectName(res, key)
 	ack := Acknowledgement{
-		Resource: o.Resource.String(),
-		UnreadableObject: UnreadableObject{Key: key, Namespace: ns, Name: name, Prefix: storedPrefixName(b),
+		Resource: res.String(),
+		UnreadableObject: UnreadableObject{Key: key, Namespace: ns, Name: n, Prefix: storedPrefixName(b),
 			Class: unreadableClass(b, cl.readable[b.Prefix], r.err), ModRevision: kv.ModRevision, Acknowledged: true},
-		At: o.Clock.Now().UTC(), Reason: o.Reason, By: o.By,
+		At: o.Clock.Now().UTC(), Reason: reason, By: o.By,
 	}
 	data, err := json.Marshal(ack)
 	if err != nil {
@@ -243,7 +240,7 @@ func Acknowledge(ctx context.Context, o AcknowledgeOptions) (Acknowledgement, er
 	}
 	txn, err := o.Client.Txn(ctx).
 		If(clientv3.Compare(clientv3.ModRevision(key), "=", kv.ModRevision)).
-		Then(clientv3.OpPut(AcknowledgementKey(o.CoordinationPrefix, o.Resource, key), string(data))).
+		Then(clientv3.OpPut(acknowledgementKey(o.CoordinationPrefix, res, key), string(data))).
 		Commit()
 	if err != nil {
 		return Acknowledgement{}, fmt.Errorf("recording the acknowledgement of %s: %w", what, err)
@@ -254,11 +251,11 @@ func Acknowledge(ctx context.Context, o AcknowledgeOptions) (Acknowledgement, er
 	return ack, nil
 }
 
-// RemoveAcknowledgement deletes the acknowledgement of the object at ns/name of res; it
-// reports whether there was one.
-func RemoveAcknowledgement(ctx context.Context, cli *clientv3.Client, coordinationPrefix string, res Resource, namespace, name string) (bool, error) {
-	key := ObjectKey(res, namespace, name)
-	resp, err := cli.Delete(ctx, AcknowledgementKey(coordinationPrefix, res, key))
+// Remove deletes the acknowledgement of the object at namespace/name of res; it reports
+// whether there was one.
+func (o Acknowledger) Remove(ctx context.Context, res Resource, namespace, name string) (bool, error) {
+	key := objectKey(res, namespace, name)
+	resp, err := o.Client.Delete(ctx, acknowledgementKey(o.CoordinationPrefix, res, key))
 	if err != nil {
 		return false, fmt.Errorf("removing the acknowledgement of %s %s: %w", res, key, err)
 	}

@@ -13,6 +13,7 @@ import (
 	"k8s.io/component-base/metrics"
 	"k8s.io/component-base/metrics/testutil"
 
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -70,34 +71,28 @@ func TestAcknowledgedUnreadableObject(t *testing.T) {
 	}
 
 	// Readable and missing objects are refused.
-	ackOpts := AcknowledgeOptions{Client: cli, Source: FromSet(cur), CoordinationPrefix: testCoordination, Resource: res, Reason: "restored from backup elsewhere"}
-	readable := ackOpts
-	readable.Namespace, readable.Name = "ns0", "obj-000000"
-	if _, err := Acknowledge(ctx, readable); !errors.Is(err, ErrReadable) {
+	acker := Acknowledger{Client: cli, Source: FromSet(cur), CoordinationPrefix: testCoordination}
+	const reason = "restored from backup elsewhere"
+	if _, err := acker.Acknowledge(ctx, res, "ns0", "obj-000000", reason); !errors.Is(err, ErrReadable) {
 		t.Fatalf("acknowledging a readable object: %v, want ErrReadable", err)
 	}
-	missing := ackOpts
-	missing.Namespace, missing.Name = "team-a", "nope"
-	if _, err := Acknowledge(ctx, missing); err == nil || !strings.Contains(err.Error(), "no object is stored there") {
+	if _, err := acker.Acknowledge(ctx, res, "team-a", "nope", reason); err == nil || !strings.Contains(err.Error(), "no object is stored there") {
 		t.Fatalf("acknowledging a missing object: %v", err)
 	}
-	noReason := ackOpts
-	noReason.Namespace, noReason.Name, noReason.Reason = "team-a", "lost", ""
-	if _, err := Acknowledge(ctx, noReason); err == nil || !strings.Contains(err.Error(), "--reason") {
+	if _, err := acker.Acknowledge(ctx, res, "team-a", "lost", ""); err == nil || !strings.Contains(err.Error(), "--reason") {
 		t.Fatalf("acknowledging without a reason: %v", err)
 	}
 
-	ackOpts.Namespace, ackOpts.Name = "team-a", "lost"
-	ack, err := Acknowledge(ctx, ackOpts)
+	ack, err := acker.Acknowledge(ctx, res, "team-a", "lost", reason)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if ack.By != DefaultAcknowledgedBy || ack.Class != ClassUnknownKey || ack.ModRevision != got.ModRevision || ack.Prefix != want.Prefix {
 		t.Fatalf("acknowledgement = %+v", ack)
 	}
-	stored, err := cli.Get(ctx, AcknowledgementKey(testCoordination, res, lost))
+	stored, err := cli.Get(ctx, acknowledgementKey(testCoordination, res, lost))
 	if err != nil || len(stored.Kvs) != 1 {
-		t.Fatalf("acknowledgement at %s: %v %v", AcknowledgementKey(testCoordination, res, lost), stored, err)
+		t.Fatalf("acknowledgement at %s: %v %v", acknowledgementKey(testCoordination, res, lost), stored, err)
 	}
 	if k := string(stored.Kvs[0].Key); k != "/rekey/acknowledged/secrets/team-a/lost" {
 		t.Fatalf("acknowledgement key = %q", k)
@@ -131,25 +126,25 @@ func TestAcknowledgedUnreadableObject(t *testing.T) {
 	}
 
 	// The void acknowledgement is gone: the migration's inventory collected it.
-	acks, err := LoadAcknowledgements(ctx, cli, testCoordination)
+	acks, err := loadAcknowledgements(ctx, cli, testCoordination)
 	if err != nil || len(acks.Sorted()) != 0 {
 		t.Fatalf("acknowledgements after the object was rewritten = %v, %v; want none", acks, err)
 	}
-	if stored, err := cli.Get(ctx, AcknowledgementKey(testCoordination, res, lost)); err != nil || len(stored.Kvs) != 0 {
+	if stored, err := cli.Get(ctx, acknowledgementKey(testCoordination, res, lost)); err != nil || len(stored.Kvs) != 0 {
 		t.Fatalf("the void acknowledgement is still stored: %v %v", stored, err)
 	}
 
 	// Acknowledged again (its new value), then removed.
-	if _, err := Acknowledge(ctx, ackOpts); err != nil {
+	if _, err := acker.Acknowledge(ctx, res, "team-a", "lost", reason); err != nil {
 		t.Fatal(err)
 	}
-	if acks, err := LoadAcknowledgements(ctx, cli, testCoordination); err != nil || len(acks.Sorted()) != 1 {
+	if acks, err := loadAcknowledgements(ctx, cli, testCoordination); err != nil || len(acks.Sorted()) != 1 {
 		t.Fatalf("acknowledgements = %v, %v", acks, err)
 	}
-	if removed, err := RemoveAcknowledgement(ctx, cli, testCoordination, res, "team-a", "lost"); err != nil || !removed {
+	if removed, err := acker.Remove(ctx, res, "team-a", "lost"); err != nil || !removed {
 		t.Fatalf("remove = %v, %v", removed, err)
 	}
-	if removed, err := RemoveAcknowledgement(ctx, cli, testCoordination, res, "team-a", "lost"); err != nil || removed {
+	if removed, err := acker.Remove(ctx, res, "team-a", "lost"); err != nil || removed {
 		t.Fatalf("second remove = %v, %v", removed, err)
 	}
 }
@@ -256,12 +251,12 @@ func TestVoidAcknowledgementsAreCollected(t *testing.T) {
 	names := []string{"a", "b", "c", "d", "e"}
 	for _, name := range names {
 		plant(t, cli, gone, keyOf(secrets, "ns", name))
-		if _, err := Acknowledge(ctx, AcknowledgeOptions{Client: cli, Source: FromSet(cur), CoordinationPrefix: testCoordination,
-			Resource: res, Namespace: "ns", Name: name, Reason: "lost with the old key"}); err != nil {
+		acker := Acknowledger{Client: cli, Source: FromSet(cur), CoordinationPrefix: testCoordination}
+		if _, err := acker.Acknowledge(ctx, res, "ns", name, "lost with the old key"); err != nil {
 			t.Fatal(err)
 		}
 	}
-	garbage := AcknowledgedPrefix(testCoordination) + "secrets/ns/zz"
+	garbage := coordination.AcknowledgedPrefix(testCoordination) + "secrets/ns/zz"
 	if _, err := cli.Put(ctx, garbage, "{not json"); err != nil {
 		t.Fatal(err)
 	}
@@ -288,13 +283,13 @@ func TestVoidAcknowledgementsAreCollected(t *testing.T) {
 	if strings.Join(inForce, ",") != "a,c,e" || strings.Join(deleted, ",") != "b,d" {
 		t.Fatalf("in force %v, deleted %v; want a,c,e and b,d", inForce, deleted)
 	}
-	resp, err := cli.Get(ctx, AcknowledgedPrefix(testCoordination), clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	resp, err := cli.Get(ctx, coordination.AcknowledgedPrefix(testCoordination), clientv3.WithPrefix(), clientv3.WithKeysOnly())
 	if err != nil {
 		t.Fatal(err)
 	}
 	var stored []string
 	for _, kv := range resp.Kvs {
-		stored = append(stored, strings.TrimPrefix(string(kv.Key), AcknowledgedPrefix(testCoordination)))
+		stored = append(stored, strings.TrimPrefix(string(kv.Key), coordination.AcknowledgedPrefix(testCoordination)))
 	}
 	if want := "secrets/ns/a,secrets/ns/c,secrets/ns/e,secrets/ns/zz"; strings.Join(stored, ",") != want {
 		t.Fatalf("stored acknowledgements %v, want %s", stored, want)
@@ -302,7 +297,7 @@ func TestVoidAcknowledgementsAreCollected(t *testing.T) {
 
 	// A void acknowledgement read before it was recorded again stays.
 	plant(t, cli, gone, keyOf(secrets, "ns", "c")) // c is now void...
-	key := AcknowledgementKey(testCoordination, res, keyOf(secrets, "ns", "c"))
+	key := acknowledgementKey(testCoordination, res, keyOf(secrets, "ns", "c"))
 	before, err := cli.Get(ctx, key)
 	if err != nil {
 		t.Fatal(err)
@@ -311,15 +306,15 @@ func TestVoidAcknowledgementsAreCollected(t *testing.T) {
 	if err := json.Unmarshal(before.Kvs[0].Value, &stale); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := Acknowledge(ctx, AcknowledgeOptions{Client: cli, Source: FromSet(cur), CoordinationPrefix: testCoordination,
-		Resource: res, Namespace: "ns", Name: "c", Reason: "still lost"}); err != nil { // ...and acknowledged again
+	acker := Acknowledger{Client: cli, Source: FromSet(cur), CoordinationPrefix: testCoordination}
+	if _, err := acker.Acknowledge(ctx, res, "ns", "c", "still lost"); err != nil { // ...and acknowledged again
 		t.Fatal(err)
 	}
 	c := CollectedAcknowledgements{InForce: Acknowledgements{}}
 	if err := c.sortPage(ctx, cli, []ackRecord{{ack: stale, key: key, rev: before.Kvs[0].ModRevision}}); err != nil || len(c.Deleted) != 0 {
 		t.Fatalf("collecting an acknowledgement recorded again since it was read: deleted %v, %v", c.Deleted, err)
 	}
-	if acks, err := LoadAcknowledgements(ctx, cli, testCoordination); err != nil || !acks.Covers(keyOf(secrets, "ns", "c"), acks[keyOf(secrets, "ns", "c")].ModRevision) || len(acks) != 3 {
+	if acks, err := loadAcknowledgements(ctx, cli, testCoordination); err != nil || !acks.Covers(keyOf(secrets, "ns", "c"), acks[keyOf(secrets, "ns", "c")].ModRevision) || len(acks) != 3 {
 		t.Fatalf("acknowledgements after c was acknowledged again = %v, %v; want a, c, e", acks, err)
 	}
 }

@@ -24,4 +24,7 @@ const (
 	// names (ResourceInventory.UnreadableObjects); ResourceInventory.Unreadable still
 	// counts them all, so an inventory of a million broken objects stays small.
 	MaxUnreadableListed = 1000
+	// DefaultAcknowledgedBy is who an acknowledgement is from when no apiserver id is
+	// given (Acknowledger.By).
+	DefaultAcknowledgedBy = "rekey-cli"
 )

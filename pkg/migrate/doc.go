@@ -41,9 +41,11 @@
 // # Unreadable objects
 //
 // An object no configured key can read is left unchanged and listed by the
-// inventory. Acknowledge records, under the coordination prefix in etcd, that an
-// operator knows of one; an acknowledged object no longer keeps a migration
-// unverified or a key in use, until its stored value changes.
+// inventory. An Acknowledger (rekey migrate --acknowledge-unreadable) records, under
+// the coordination prefix in etcd, that an operator knows of one, lists the records
+// and removes them; an acknowledged object no longer keeps a migration unverified or
+// a key in use, until its stored value changes. Inventories read the records in force
+// and delete the void ones.
 //
 // # Inside an apiserver
 //

@@ -156,7 +156,7 @@ type InventoryOptions struct {
 	// of (Resolution.Wildcards). Leave empty for a partial scan.
 	Wildcards []string
 	// CoordinationPrefix, when set, is where acknowledgements of unreadable objects are
-	// read from (AcknowledgedPrefix); without it none is counted.
+	// read from (coordination.AcknowledgedPrefix); without it none is counted.
 	CoordinationPrefix string
 	// Workers decrypt in parallel (decrypt check only); default GOMAXPROCS.
 	Workers int
@@ -202,14 +202,6 @@ func TakeInventory(ctx context.Context, opts InventoryOptions) (*Inventory, erro
 	inv.Duration = opts.Clock.Since(start)
 	opts.Metrics.recordInventory(inv)
 	return inv, nil
-}
-
-// loadAcknowledgements is LoadAcknowledgements, or none without a coordination prefix.
-func loadAcknowledgements(ctx context.Context, cli *clientv3.Client, coordinationPrefix string) (Acknowledgements, error) {
-	if coordinationPrefix == "" {
-		return nil, nil
-	}
-	return LoadAcknowledgements(ctx, cli, coordinationPrefix)
 }
 
 // inventoryOf pages through res's key range at one revision and tallies every object;

@@ -94,7 +94,7 @@ func (t *tally) add(kv *mvccpb.KeyValue, check checkResult) {
 		ri.UnreadableKeys = append(ri.UnreadableKeys, string(kv.Key))
 	}
 	if len(ri.UnreadableObjects) < MaxUnreadableListed {
-		ns, name := ObjectName(t.res, string(kv.Key))
+		ns, name := objectName(t.res, string(kv.Key))
 		ri.UnreadableObjects = append(ri.UnreadableObjects, UnreadableObject{Key: string(kv.Key), Namespace: ns, Name: name,
 			Prefix: listedPrefix, Class: class, ModRevision: kv.ModRevision, Acknowledged: acked})
 	}

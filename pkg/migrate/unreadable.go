@@ -43,9 +43,9 @@ type UnreadableObject struct {
 	Acknowledged bool `json:"acknowledged,omitempty"`
 }
 
-// ObjectName splits an etcd key under res's key prefix into namespace and name:
+// objectName splits an etcd key under res's key prefix into namespace and name:
 // "<prefix><ns>/<name>", or "<prefix><name>" for a cluster-scoped resource.
-func ObjectName(res Resource, key string) (namespace, name string) {
+func objectName(res Resource, key string) (namespace, name string) {
 	rest := strings.TrimPrefix(key, res.KeyPrefix)
 	if ns, n, ok := strings.Cut(rest, "/"); ok {
 		return ns, n
@@ -53,8 +53,8 @@ func ObjectName(res Resource, key string) (namespace, name string) {
 	return "", rest
 }
 
-// ObjectKey is ObjectName's inverse: the etcd key of namespace/name of res.
-func ObjectKey(res Resource, namespace, name string) string {
+// objectKey is objectName's inverse: the etcd key of namespace/name of res.
+func objectKey(res Resource, namespace, name string) string {
 	if namespace == "" {
 		return res.KeyPrefix + name
 	}
