@@ -188,7 +188,7 @@ func Check(rep *Report, cfg *config.Config) (unreadable, unverified []Finding) {
 	for _, r := range rep.Resources {
 		chain, ok := transformers.Lookup(rules, schema.ParseGroupResource(r.Resource))
 		if !ok {
-			chain = []transformers.KeyInfo{{Provider: transformers.ProviderIdentity}}
+			chain = transformers.NoRule(r.Resource).ReadKeys
 		}
 		for _, b := range r.Buckets {
 			reason, verified := readable(chain, b)

@@ -308,6 +308,6 @@ func (s MemberState) Rule(resource string) (rule ResourceState, ok bool) {
 	if _, r, ok := transformers.LookupFunc(find, schema.ParseGroupResource(resource)); ok {
 		return r, true
 	}
-	plaintext := Key{Provider: transformers.ProviderIdentity}
-	return ResourceState{Resource: resource, Write: plaintext, Read: []Key{plaintext}}, false
+	none := transformers.NoRule(resource)
+	return ResourceState{Resource: resource, Write: none.ReadKeys[0], Read: none.ReadKeys}, false
 }

@@ -105,11 +105,6 @@ func (s *rulesSource) KnownPrefixes() []string {
 	return out
 }
 
-// identityRule describes a resource no rule names: written and read as plaintext.
-func identityRule(gr schema.GroupResource) transformers.RuleInfo {
-	return transformers.RuleInfo{Resource: gr.String(), WriteProvider: "identity", ReadPrefixes: []string{""}}
-}
-
 // lookupRule finds the rule for gr the way a Set does: exact, <group>/*, *.*, identity.
 func lookupRule(rules []transformers.RuleInfo, gr schema.GroupResource) transformers.RuleInfo {
 	byGR := make(map[schema.GroupResource]transformers.RuleInfo, len(rules))
@@ -119,7 +114,7 @@ func lookupRule(rules []transformers.RuleInfo, gr schema.GroupResource) transfor
 	if r, ok := transformers.Lookup(byGR, gr); ok {
 		return r
 	}
-	return identityRule(gr)
+	return transformers.NoRule(gr.String())
 }
 
 // writeTarget is what a resource's new values are written with: the stored prefix and,

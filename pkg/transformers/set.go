@@ -81,7 +81,8 @@ type Set struct {
 	hash  string
 	rules map[schema.GroupResource]*Chain
 	order []schema.GroupResource // rules in file order, for status output
-	// fallback serves resources no rule names: identity that refuses encrypted data.
+	// fallback serves resources no rule names (NoRule): identity that refuses encrypted
+	// data.
 	fallback *Chain
 	kms      []KMSProvider
 	// kmsv1 are the KMS v1 readers, closed with the KMS v2 providers.
@@ -298,6 +299,14 @@ type RuleInfo struct {
 	WriteIndex int `json:"writeIndex,omitempty"`
 	// WriteRefused is why writes are refused (WriteIndex is NoWriter), "" otherwise.
 	WriteRefused string `json:"writeRefused,omitempty"`
+}
+
+// NoRule describes how a resource that no rule names is stored, as kube-apiserver
+// stores it: written and read as plaintext, by identity alone (a Set's fallback chain).
+// Whatever describes a configuration's rules (a Set, a member record, a migration's
+// source, an etcd snapshot's check) answers with it when Lookup finds no rule.
+func NoRule(resource string) RuleInfo {
+	return RuleInfo{Resource: resource, WriteProvider: ProviderIdentity, ReadPrefixes: []string{""}, ReadKeys: []KeyInfo{{Provider: ProviderIdentity}}}
 }
 
 // NoWriter is RuleInfo.WriteIndex of a rule whose writes a write fence refuses.
