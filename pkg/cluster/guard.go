@@ -86,7 +86,6 @@ func (n *Node) refuse(next *config.Config, reasons []string) error {
 	if len(reasons) == 0 {
 		return nil
 	}
-	n.opts.Metrics.guardRefused()
 	return &guard.RefusedError{Check: guard.Cluster, Next: guard.ConfigName(next), Reasons: reasons}
 }
 

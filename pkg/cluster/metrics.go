@@ -13,7 +13,6 @@ type Metrics struct {
 	fenceHeld    *metrics.GaugeVec
 	migrationObj *metrics.GaugeVec
 	leader       *metrics.Gauge
-	refusals     *metrics.Counter
 	keyWrites    *metrics.GaugeVec
 	keyWriting   *metrics.GaugeVec
 	keyFirstSeen *metrics.GaugeVec
@@ -38,14 +37,11 @@ func NewMetrics(reg metrics.KubeRegistry) (*Metrics, error) {
 			Help: "Progress of the cluster's running storage migration: objects done and total of the current pass, per resource.", StabilityLevel: metrics.ALPHA},
 			[]string{"resource", "state"}),
 		leader: gauge("migration_leader", "1 on the apiserver elected to run storage migration."),
-		// pkg/migrate's rekey_storage_guard_refusals_total counts the refusals of the stored-objects
-		// guard; this one counts the cluster guard's, which that counter does not see.
-		refusals: metrics.NewCounter(&metrics.CounterOpts{Namespace: "rekey", Subsystem: "cluster", Name: "guard_refusals_total",
-			Help:           "Configuration changes refused because they would drop a key another live apiserver still writes with or the cluster's storage migration still needs.",
-			StabilityLevel: metrics.ALPHA}),
+		// The cluster guard's refusals are counted by pkg/guard's Metrics
+		// (rekey_cluster_guard_refusals_total), with every other guard's.
 	}
 	m.keyWrites, m.keyWriting, m.keyFirstSeen = newKeyTotalMetrics()
-	for _, c := range []metrics.Registerable{m.members, m.converged, m.alarm, m.fenceHeld, m.migrationObj, m.leader, m.refusals, m.keyWrites, m.keyWriting, m.keyFirstSeen} {
+	for _, c := range []metrics.Registerable{m.members, m.converged, m.alarm, m.fenceHeld, m.migrationObj, m.leader, m.keyWrites, m.keyWriting, m.keyFirstSeen} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -58,11 +54,4 @@ func b2f(b bool) float64 {
 		return 1
 	}
 	return 0
-}
-
-func (m *Metrics) guardRefused() {
-	if m == nil {
-		return
-	}
-	m.refusals.Inc()
 }

@@ -396,8 +396,10 @@ type StartupOptions struct {
 	// Inventory, when set, receives the start-up inventory.
 	Inventory *migrate.InventoryStore
 	Clock     clock.PassiveClock
-	Metrics   *migrate.Metrics
-	Logger    klog.Logger
+	// Metrics receive the start-up inventory's figures; Refusals count a refusal.
+	Metrics  *migrate.Metrics
+	Refusals *Metrics
+	Logger   klog.Logger
 }
 
 // CheckStartup checks, before an apiserver serves, that the configuration on disk can
@@ -455,8 +457,7 @@ func CheckStartup(ctx context.Context, o StartupOptions) error {
 				Applied:    fmt.Sprintf("%s (%s), applied at %s, as recorded in %s", prev.Source, prev.ConfigHash, prev.AppliedAt.Format(time.RFC3339), o.State),
 			}
 			if !o.Override {
-				o.Metrics.RecordGuardRefusal()
-				return gerr
+				return o.Refusals.Count(gerr)
 			}
 			o.Logger.Info("Starting with an encryption configuration that drops keys still in use, because the override is set", "config", o.Config.Source, "hash", o.Config.Hash, "violations", len(vs), "detail", gerr.Error())
 		}
@@ -466,10 +467,7 @@ func CheckStartup(ctx context.Context, o StartupOptions) error {
 			ro.Clock = o.Clock
 		}
 		if err := ro.check(ctx, appliedKeys(prev), o.Config); err != nil {
-			if errors.Is(err, ErrRefused) {
-				o.Metrics.RecordGuardRefusal()
-			}
-			return err
+			return o.Refusals.Count(err)
 		}
 	}
 	if o.Transformers != nil && inv != nil {
@@ -488,8 +486,7 @@ func CheckStartup(ctx context.Context, o StartupOptions) error {
 		if len(refused) > 0 {
 			derr := &RefusedError{Check: Decrypt, Next: ConfigName(o.Config), Failures: refused}
 			if !o.Override {
-				o.Metrics.RecordGuardRefusal()
-				return derr
+				return o.Refusals.Count(derr)
 			}
 			o.Logger.Info("Starting with a kms plugin that cannot decrypt stored data, because the override is set", "config", o.Config.Source, "hash", o.Config.Hash, "detail", derr.Error())
 		}

@@ -202,8 +202,9 @@ func bucketOf(prefix string) migrate.Bucket {
 
 // New returns a reload guard (reload.Options.Guard) backed by the latest inventory in
 // store. A change that CheckChange objects to is refused with a *RefusedError (Check
-// Change), unless override returns true (then it is logged and allowed). m may be nil.
-func New(store *migrate.InventoryStore, override func() bool, running func() []transformers.RuleInfo, m *migrate.Metrics, logger klog.Logger) func(current, next *config.Config) error {
+// Change), unless override returns true (then it is logged and allowed), and counted in
+// m (which may be nil).
+func New(store *migrate.InventoryStore, override func() bool, running func() []transformers.RuleInfo, m *Metrics, logger klog.Logger) func(current, next *config.Config) error {
 	if logger.GetSink() == nil {
 		logger = klog.Background()
 	}
@@ -225,8 +226,7 @@ func New(store *migrate.InventoryStore, override func() bool, running func() []t
 			logger.Info("Allowing a configuration change that drops keys still in use, because the override is set", "config", next.Source, "hash", next.Hash, "violations", len(vs), "detail", gerr.Error())
 			return nil
 		}
-		m.RecordGuardRefusal()
-		return gerr
+		return m.Count(gerr)
 	}
 }
 

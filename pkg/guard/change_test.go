@@ -165,7 +165,7 @@ func TestNewGuardRefusesAndOverrides(t *testing.T) {
 	store := &migrate.InventoryStore{}
 	store.Set(guardInventory("k8s:enc:aesgcm:v1:key2:", map[string]int64{"k8s:enc:aesgcm:v1:key1:": 42}))
 	reg := metrics.NewKubeRegistry()
-	m, err := migrate.NewMetrics(reg)
+	m, err := NewMetrics(reg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -183,7 +183,7 @@ func TestNewGuardRefusesAndOverrides(t *testing.T) {
 	if strings.Contains(err.Error(), enctest.TestKey("aesgcmkey1", 32)) {
 		t.Fatal("the refusal contains key material")
 	}
-	if err := testutil.GatherAndCompare(reg, strings.NewReader("# HELP rekey_storage_guard_refusals_total [ALPHA] Configuration changes refused because they would drop a key that still encrypts stored data.\n# TYPE rekey_storage_guard_refusals_total counter\nrekey_storage_guard_refusals_total 1\n"), "rekey_storage_guard_refusals_total"); err != nil {
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(storageRefusals(1, 0)), "rekey_storage_guard_refusals_total"); err != nil {
 		t.Error(err)
 	}
 	override = true
@@ -388,4 +388,43 @@ func TestCheckReloadJudgesTheRunningWriter(t *testing.T) {
 	if vs := CheckReload(inv, cur, next, other); len(vs) == 0 {
 		t.Fatal("the rules of another configuration changed the judgement")
 	}
+}
+
+// storageRefusals is the exposition of rekey_storage_guard_refusals_total with change
+// and decrypt refusals counted (the other checks at 0).
+func storageRefusals(change, decrypt int) string {
+	return fmt.Sprintf(`# HELP rekey_storage_guard_refusals_total [ALPHA] Configuration changes refused because they would drop a key that still encrypts stored data.
+# TYPE rekey_storage_guard_refusals_total counter
+rekey_storage_guard_refusals_total{check="backup-retention"} 0
+rekey_storage_guard_refusals_total{check="change"} %d
+rekey_storage_guard_refusals_total{check="decrypt"} %d
+rekey_storage_guard_refusals_total{check="start-up"} 0
+`, change, decrypt)
+}
+
+// Every guard's refusal is counted here, the cluster guard's included (pkg/layer passes
+// its refusals through Count), each under its series name, by check; what is not a
+// refusal is not counted.
+func TestMetricsCountRefusalsByCheck(t *testing.T) {
+	reg := metrics.NewKubeRegistry()
+	m, err := NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cluster := &RefusedError{Check: Cluster, Reasons: []string{"k2 is the write key of apiserver a"}}
+	if err := m.Count(fmt.Errorf("reload: %w", cluster)); !errors.Is(err, cluster) {
+		t.Fatalf("Count changed the error: %v", err)
+	}
+	_ = m.Count(&RefusedError{Check: Decrypt})
+	_ = m.Count(errors.New("etcd unavailable"))
+	_ = m.Count(nil)
+	want := storageRefusals(0, 1) + `# HELP rekey_cluster_guard_refusals_total [ALPHA] Configuration changes refused because they would drop a key another live apiserver still writes with or the cluster's storage migration still needs.
+# TYPE rekey_cluster_guard_refusals_total counter
+rekey_cluster_guard_refusals_total{check="cluster"} 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "rekey_storage_guard_refusals_total", "rekey_cluster_guard_refusals_total"); err != nil {
+		t.Error(err)
+	}
+	var none *Metrics
+	_ = none.Count(cluster) // a nil *Metrics counts nothing
 }

@@ -61,7 +61,7 @@ type DecryptOptions struct {
 	Client func() *clientv3.Client
 	// Override lets a failing change through (logged).
 	Override func() bool
-	Metrics  *migrate.Metrics
+	Metrics  *Metrics
 	Logger   klog.Logger
 }
 
@@ -96,8 +96,7 @@ func NewDecrypt(o DecryptOptions) func(ctx context.Context, current, next *confi
 			o.Logger.Info("Allowing a configuration whose kms plugin cannot decrypt stored data, because the override is set", "config", next.Source, "hash", next.Hash, "failures", len(fs), "detail", derr.Error())
 			return nil
 		}
-		o.Metrics.RecordGuardRefusal()
-		return derr
+		return o.Metrics.Count(derr)
 	}
 }
 

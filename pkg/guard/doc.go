@@ -2,7 +2,8 @@
 // use, wherever one can be dropped: on a node's reload, at an apiserver's start and in
 // the cluster. Every refusal is a *RefusedError (its Check says which check refused),
 // and errors.Is(err, ErrRefused) matches all of them; OverrideFlag lets one through for
-// disaster recovery, logged.
+// disaster recovery, logged. Metrics count the refusals of every check, the cluster
+// guard's included (Metrics.Count), by check.
 //
 // # On reload
 //
@@ -17,6 +18,7 @@
 // KMS v2 provider that kept its name still decrypts one stored DEK per key id.
 //
 //	store := &migrate.InventoryStore{}
+//	m, err := guard.NewMetrics(registry) // the refusals, by check
 //	agentOpts.Guard = guard.New(store, func() bool { return overrideFlag }, runningRules, m, logger) // runningRules: the agent's Rules once it exists
 //	agentOpts.SetGuard = guard.NewDecrypt(guard.DecryptOptions{Inventory: store, Client: client, Metrics: m})
 //

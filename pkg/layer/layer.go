@@ -204,7 +204,9 @@ type Layer struct {
 	agent   *reload.Agent
 	store   *migrate.InventoryStore
 	metrics *migrate.Metrics
-	log     klog.Logger
+	// refusals counts every guard's refusals, the cluster guard's included.
+	refusals *guard.Metrics
+	log      klog.Logger
 	// events holds the layer's events until the events hook's recorder takes them.
 	events *events.Deferred
 	keyIDs *kmsKeyIDs
@@ -281,12 +283,16 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("registering storage migration metrics: %w", err)
 	}
+	refusals, err := guard.NewMetrics(o.Registry)
+	if err != nil {
+		return nil, fmt.Errorf("registering guard metrics: %w", err)
+	}
 	cli, err := o.Etcd.NewClient()
 	if err != nil {
 		return nil, fmt.Errorf("encryption layer: %w", err)
 	}
 	o.layout() // set once, before any goroutine reads the options
-	l := &Layer{opts: o, client: cli, store: &migrate.InventoryStore{}, metrics: m, log: o.Logger, events: &events.Deferred{}}
+	l := &Layer{opts: o, client: cli, store: &migrate.InventoryStore{}, metrics: m, refusals: refusals, log: o.Logger, events: &events.Deferred{}}
 	if o.StorageMigrationClientLatencyFactor > 0 {
 		l.serving = pace.NewServingLatency(nil)
 	}
@@ -327,7 +333,7 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 // agentOptions wires the reload agent: the local guards, and with a cluster node its
 // guard, write fence and status. running receives the agent once it exists.
 func (l *Layer) agentOptions(running *runningRules) reload.Options {
-	o, m := l.opts, l.metrics
+	o := l.opts
 	allow := o.AllowDroppingKeysInUse
 	ropts := reload.Options{
 		Path:            o.Path,
@@ -343,12 +349,12 @@ func (l *Layer) agentOptions(running *runningRules) reload.Options {
 		Logger:      o.Logger,
 		// The guard judges against what the agent writes with now (a write fence may
 		// hold the configuration's first key back), once the agent exists.
-		Guard: guard.New(l.store, func() bool { return allow }, running.rules, m, o.Logger),
+		Guard: guard.New(l.store, func() bool { return allow }, running.rules, l.refusals, o.Logger),
 		SetGuard: guard.NewDecrypt(guard.DecryptOptions{
 			Inventory: l.store,
 			Client:    l.etcdClient,
 			Override:  func() bool { return allow },
-			Metrics:   m,
+			Metrics:   l.refusals,
 			Logger:    o.Logger,
 		}),
 		Applied:      l.saveApplied,
@@ -372,7 +378,7 @@ func (l *Layer) agentOptions(running *runningRules) reload.Options {
 			if allow {
 				return nil // disaster recovery overrides the cluster guard too
 			}
-			return node.Guard(current, next)
+			return l.refusals.Count(node.Guard(current, next))
 		}
 		ropts.WriteFence, ropts.OnChange, ropts.WriteGate = node.WriteFence, node.Notify, node.WriteGate
 		ropts.StatusExtras = func() map[string]any {
@@ -506,6 +512,7 @@ func (l *Layer) CheckStart(ctx context.Context) error {
 		Inventory:    l.store,
 		Retention:    l.retentionOptions(),
 		Metrics:      l.metrics,
+		Refusals:     l.refusals,
 		Logger:       l.log,
 	})
 	if err != nil {

@@ -31,7 +31,6 @@ type Metrics struct {
 	running            *metrics.Gauge
 	lastSuccess        *metrics.Gauge
 	failures           *metrics.Counter
-	guardRefusals      *metrics.Counter
 	paused             *metrics.GaugeVec
 	allowedRate        *metrics.Gauge
 
@@ -72,10 +71,9 @@ func NewMetrics(reg metrics.KubeRegistry) (*Metrics, error) {
 			Help:           "Objects of a resource the running migration has not visited yet (estimate).",
 			StabilityLevel: metrics.ALPHA,
 		}, []string{"resource"}),
-		running:       gauge("migration_running", "1 while a storage migration runs."),
-		lastSuccess:   gauge("migration_last_success_timestamp_seconds", "When a storage migration last finished with a verified re-scan showing no stale object."),
-		failures:      metrics.NewCounter(&metrics.CounterOpts{Namespace: "rekey", Subsystem: "storage", Name: "migration_failures_total", Help: "Storage migrations that ended with an error.", StabilityLevel: metrics.ALPHA}),
-		guardRefusals: metrics.NewCounter(&metrics.CounterOpts{Namespace: "rekey", Subsystem: "storage", Name: "guard_refusals_total", Help: "Configuration changes refused because they would drop a key that still encrypts stored data.", StabilityLevel: metrics.ALPHA}),
+		running:     gauge("migration_running", "1 while a storage migration runs."),
+		lastSuccess: gauge("migration_last_success_timestamp_seconds", "When a storage migration last finished with a verified re-scan showing no stale object."),
+		failures:    metrics.NewCounter(&metrics.CounterOpts{Namespace: "rekey", Subsystem: "storage", Name: "migration_failures_total", Help: "Storage migrations that ended with an error.", StabilityLevel: metrics.ALPHA}),
 		paused: metrics.NewGaugeVec(&metrics.GaugeOpts{
 			Namespace: "rekey", Subsystem: "storage", Name: "migration_paused",
 			Help: "1 while the storage migration is paused, by reason: " + pace.PauseDBSize + " (etcd's database at --storage-migration-max-db-fraction of " +
@@ -85,7 +83,7 @@ func NewMetrics(reg metrics.KubeRegistry) (*Metrics, error) {
 		allowedRate: gauge("migration_allowed_rate", "Objects per second the storage migration's adaptive pacing allows now; 0 is no limit."),
 		buckets:     map[string][][]string{},
 	}
-	cs := []metrics.Registerable{m.objects, m.unreadable, m.acknowledged, m.inventoryTimestamp, m.inventoryDuration, m.migrated, m.remaining, m.running, m.lastSuccess, m.failures, m.guardRefusals, m.paused, m.allowedRate}
+	cs := []metrics.Registerable{m.objects, m.unreadable, m.acknowledged, m.inventoryTimestamp, m.inventoryDuration, m.migrated, m.remaining, m.running, m.lastSuccess, m.failures, m.paused, m.allowedRate}
 	for i, c := range cs {
 		if err := reg.Register(c); err != nil {
 			for _, done := range cs[:i] {
@@ -191,14 +189,4 @@ func (m *Metrics) migrationDone(err error, now float64) {
 		return
 	}
 	m.lastSuccess.Set(now)
-}
-
-// RecordGuardRefusal counts a configuration refused by pkg/guard's key-in-use guard
-// (rekey_storage_guard_refusals_total): its guards take these metrics, so the counter
-// stays registered with the storage metrics it always belonged to.
-func (m *Metrics) RecordGuardRefusal() {
-	if m == nil {
-		return
-	}
-	m.guardRefusals.Inc()
 }

@@ -499,7 +499,7 @@ func TestShimRefusesDroppingKeyInUse(t *testing.T) {
 	}
 	m, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if !strings.Contains(string(m), "rekey_storage_guard_refusals_total 1") ||
+	if !strings.Contains(string(m), `rekey_storage_guard_refusals_total{check="change"} 1`) ||
 		!strings.Contains(string(m), `rekey_storage_objects{key="key1",key_id_hash="",provider="aesgcm",resource="secrets",state="stale"} 30`) {
 		t.Errorf("/metrics lacks the refusal or the stale count:\n%s", grepLines(string(m), "rekey_storage_"))
 	}
