@@ -6,6 +6,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
@@ -26,7 +27,7 @@ func writeKeyWritesTable(w io.Writer, totals []cluster.KeyTotal, members []clust
 		if check == "" {
 			check = t.KeyIDHash
 		}
-		row(tw, t.Provider+"/"+t.Key.Key, shortHash(check), thousands(t.Writes), formatAge(t.Age(now)), yesNo(writtenNow(t.Key, members)))
+		row(tw, t.Provider+"/"+t.Key.Key, shortHash(check), rotation.Thousands(t.Writes), rotation.FormatAge(t.Age(now)), yesNo(writtenNow(t.Key, members)))
 	}
 	_ = tw.Flush()
 }
