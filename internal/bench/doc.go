@@ -8,7 +8,8 @@
 //   - helpers: the timing loop and op cases (measure.go), statistics (stats.go), the
 //     result rows and targets (results.go, targets.go), number formatting (format.go),
 //     and what several scenarios share to set up (configs.go, pairs.go, rawgcm.go,
-//     kmsplugin.go, load.go, plots.go, confighash.go, rewrite.go);
+//     kmsplugin.go, load.go, plots.go, confighash.go, rewrite.go; processrun.go: the
+//     build, etcd process, client and plugin process of a scenario's bed, startBed);
 //   - scenarios: one file per scenario (rotation and scale: one per side or part, plus
 //     their testbeds), each returning rows and depending only on helpers; scenarios.go
 //     lists them;

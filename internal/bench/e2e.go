@@ -1,9 +1,7 @@
 package bench
 
 import (
-	"context"
 	"fmt"
-	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -18,28 +16,12 @@ import (
 // encrypting Secrets with KMS v2 through one local plugin process, and drives
 // create+get pairs through client-go, alternating rounds.
 func runE2E(s Settings) ([]Row, error) {
-	ctx := context.Background()
-	dir, err := os.MkdirTemp("", "rke")
+	b, err := startBed(s, "rke", "e2e: building the shim, etcd and plugin binaries", bedOptions{plugin: true})
 	if err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(dir)
-	if s.Progress != nil {
-		fmt.Fprintln(s.Progress, "e2e: building the shim, etcd and plugin binaries")
-	}
-	bins, err := testbed.Build(ctx, filepath.Join(dir, "bin"))
-	if err != nil {
-		return nil, err
-	}
-	plugin, err := testbed.StartPlugin(ctx, bins.Plugin, dir, dir, testbed.PluginKey{Name: "bench-key", Secret: testbed.RandomKey()})
-	if err != nil {
-		return nil, err
-	}
-	defer plugin.Stop(5 * time.Second)
-	configPath := filepath.Join(dir, "encryption.yaml")
-	if err := os.WriteFile(configPath, []byte(kmsThenIdentityConfig(plugin.Endpoint)), 0o600); err != nil {
-		return nil, err
-	}
+	defer b.close()
+	ctx, dir, bins, configPath := b.ctx, b.dir, b.bins, b.configPath
 	layers := []string{"rekey", "upstream"}
 	shims := map[string]*testbed.Shim{}
 	clients := map[string]*kubernetes.Clientset{}

@@ -3,7 +3,6 @@ package bench
 import (
 	"context"
 	"fmt"
-	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -30,35 +29,14 @@ func runKubeAPIServer(s Settings) ([]Row, error) {
 		}
 		return nil, nil
 	}
-	ctx := context.Background()
-	dir, err := os.MkdirTemp("", "rkk")
+	b, err := startBed(s, "rkk", "kube-apiserver: building etcd, the plugin and dist/kube-apiserver (the first build compiles k8s.io/kubernetes)", bedOptions{etcd: true, plugin: true})
 	if err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(dir)
-	if s.Progress != nil {
-		fmt.Fprintln(s.Progress, "kube-apiserver: building etcd, the plugin and dist/kube-apiserver (the first build compiles k8s.io/kubernetes)")
-	}
-	bins, err := testbed.Build(ctx, filepath.Join(dir, "bin"))
-	if err != nil {
-		return nil, err
-	}
+	defer b.close()
+	ctx, dir, etcd, configPath := b.ctx, b.dir, b.etcd, b.configPath
 	kapi, err := testbed.BuildKubeAPIServer(ctx, filepath.Join(dir, "bin"), false)
 	if err != nil {
-		return nil, err
-	}
-	etcd, err := testbed.StartEtcd(ctx, bins.Etcd, dir)
-	if err != nil {
-		return nil, err
-	}
-	defer etcd.Stop(10 * time.Second)
-	plugin, err := testbed.StartPlugin(ctx, bins.Plugin, dir, dir, testbed.PluginKey{Name: "bench-key", Secret: testbed.RandomKey()})
-	if err != nil {
-		return nil, err
-	}
-	defer plugin.Stop(5 * time.Second)
-	configPath := filepath.Join(dir, "encryption.yaml")
-	if err := os.WriteFile(configPath, []byte(kmsThenIdentityConfig(plugin.Endpoint)), 0o600); err != nil {
 		return nil, err
 	}
 	start := func(layer, name string) (*testbed.Shim, error) {
@@ -146,11 +124,9 @@ func measureKubeAPIServers(ctx context.Context, s Settings, servers map[string]*
 		}
 		loadShim(ctx, clients[l], ns, workers, round/5)
 	}
-	pairs, together := map[string][]float64{}, map[string][]float64{}
-	create, get := map[string][]float64{}, map[string][]float64{}
-	createAtOnce, getAtOnce := map[string][]float64{}, map[string][]float64{}
-	var failed int64
-	rounds := kubeAPIServerRounds(s)
+	m := &kubeAPIServerLoad{rounds: kubeAPIServerRounds(s), workers: workers, round: round}
+	pairs, together, create, get, createAtOnce, getAtOnce := m.series()
+	rounds := m.rounds
 	for r := 0; r < rounds; r++ {
 		// Both layers under load at the same moment, each with its own workers: whatever
 		// else the machine does then hits both alike, so this pair's ratio is the
@@ -170,7 +146,7 @@ func measureKubeAPIServers(ctx context.Context, s Settings, servers map[string]*
 				defer mu.Unlock()
 				together[l] = append(together[l], float64(st.pairs)/round.Seconds())
 				createAtOnce[l], getAtOnce[l] = append(createAtOnce[l], st.create...), append(getAtOnce[l], st.get...)
-				failed += st.failed
+				m.failed += st.failed
 			}()
 		}
 		wg.Wait()
@@ -187,7 +163,7 @@ func measureKubeAPIServers(ctx context.Context, s Settings, servers map[string]*
 			st := loadShim(ctx, clients[l], ns, workers, round)
 			pairs[l] = append(pairs[l], float64(st.pairs)/round.Seconds())
 			create[l], get[l] = append(create[l], st.create...), append(get[l], st.get...)
-			failed += st.failed
+			m.failed += st.failed
 			if s.Progress != nil {
 				fmt.Fprintf(s.Progress, "kube-apiserver round %d %-8s %6.0f create+get pairs/s, %d failed\n", r, l, float64(st.pairs)/round.Seconds(), st.failed)
 			}
@@ -196,6 +172,35 @@ func measureKubeAPIServers(ctx context.Context, s Settings, servers map[string]*
 			fmt.Fprintf(s.Progress, "kube-apiserver round %d ratio rekey/upstream ×%.2f\n", r, pairs["rekey"][r]/pairs["upstream"][r])
 		}
 	}
+	return kubeAPIServerRows(m, layers, servers, ready)
+}
+
+// kubeAPIServerLoad is what the kube-apiserver scenario's rounds measured, per layer:
+// create+get pairs/s in alternating rounds and loaded at once, and the requests'
+// latencies in ms.
+type kubeAPIServerLoad struct {
+	rounds, workers int
+	round           time.Duration
+	pairs, together map[string][]float64
+	create, get     map[string][]float64
+	// createAtOnce and getAtOnce are the latencies with both layers loaded at once.
+	createAtOnce, getAtOnce map[string][]float64
+	failed                  int64
+}
+
+// series makes the load's maps and returns them to be filled.
+func (m *kubeAPIServerLoad) series() (pairs, together, create, get, createAtOnce, getAtOnce map[string][]float64) {
+	m.pairs, m.together = map[string][]float64{}, map[string][]float64{}
+	m.create, m.get = map[string][]float64{}, map[string][]float64{}
+	m.createAtOnce, m.getAtOnce = map[string][]float64{}, map[string][]float64{}
+	return m.pairs, m.together, m.create, m.get, m.createAtOnce, m.getAtOnce
+}
+
+// kubeAPIServerRows are the kube-apiserver scenario's rows: m's throughput and
+// latencies, the times to ready and the servers' RSS.
+func kubeAPIServerRows(m *kubeAPIServerLoad, layers []string, servers map[string]*testbed.Shim, ready map[string][]float64) ([]Row, error) {
+	pairs, together, create, get, createAtOnce, getAtOnce := m.pairs, m.together, m.create, m.get, m.createAtOnce, m.getAtOnce
+	rounds, workers, round, failed := m.rounds, m.workers, m.round, m.failed
 	ratios := roundRatios(pairs["rekey"], pairs["upstream"])
 	scenario := "kube-apiserver (bin/kube-apiserver on an etcd process, Secrets with KMS v2)"
 	tp := Row{Scenario: scenario, Case: fmt.Sprintf("create+get pairs/s, %d client-go workers, %d alternating rounds of %v", workers, rounds, round),

@@ -3,8 +3,6 @@ package bench
 import (
 	"context"
 	"fmt"
-	"os"
-	"path/filepath"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -16,7 +14,6 @@ import (
 	"k8s.io/apiserver/pkg/storage/value"
 	"k8s.io/component-base/metrics"
 
-	"github.com/rekey-io/rekey/internal/testbed"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
@@ -29,26 +26,12 @@ import (
 // procedure is a no-op `kubectl replace` of every object), so these are absolute
 // figures against the issue's targets.
 func runMigrate(s Settings) ([]Row, error) {
-	ctx := context.Background()
-	dir, err := os.MkdirTemp("", "rkm")
+	b, err := startBed(s, "rkm", "", bedOptions{etcd: true, client: true})
 	if err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(dir)
-	bins, err := testbed.Build(ctx, filepath.Join(dir, "bin"))
-	if err != nil {
-		return nil, err
-	}
-	etcd, err := testbed.StartEtcd(ctx, bins.Etcd, dir)
-	if err != nil {
-		return nil, err
-	}
-	defer etcd.Stop(10 * time.Second)
-	cli, err := testbed.EtcdClient([]string{etcd.Endpoint})
-	if err != nil {
-		return nil, err
-	}
-	defer cli.Close()
+	defer b.close()
+	ctx, cli := b.ctx, b.cli
 	env, err := startKMS()
 	if err != nil {
 		return nil, err
@@ -60,40 +43,9 @@ func runMigrate(s Settings) ([]Row, error) {
 		n, invN = 5_000, 20_000
 	}
 	k0, k1 := randomKey(32), randomKey(32)
-	local := func(first, second string) string {
-		keys := map[string]string{"k0": k0, "k1": k1}
-		return fmt.Sprintf("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys:\n            - {name: %s, secret: %s}\n            - {name: %s, secret: %s}\n", first, keys[first], second, keys[second])
-	}
-	kmsFirst := func(kmsName string, kmsFirst bool) string {
-		kms := fmt.Sprintf("      - kms:\n          apiVersion: v2\n          name: %s\n          endpoint: %s\n          timeout: 3s\n", kmsName, env.endpoint)
-		gcm := fmt.Sprintf("      - aesgcm:\n          keys:\n            - {name: k0, secret: %s}\n", k0)
-		head := "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n"
-		if kmsFirst {
-			return head + kms + gcm
-		}
-		return head + gcm + kms
-	}
+	local := func(first, second string) string { return twoAESGCMKeysConfig(first, second, k0, k1) }
 	factory := kmsv2.NewFactory(kmsv2.FactoryOptions{Registry: metrics.NewKubeRegistry()})
-	build := func(yaml string) (*transformers.Set, error) {
-		cfg, err := config.Parse([]byte(yaml), "bench", config.Options{})
-		if err != nil {
-			return nil, err
-		}
-		set, err := transformers.Build(ctx, cfg, transformers.Options{KMS: factory})
-		if err != nil {
-			return nil, err
-		}
-		for _, k := range set.KMSProviders() {
-			wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-			err := k.WaitReady(wctx)
-			cancel()
-			if err != nil {
-				set.Close()
-				return nil, err
-			}
-		}
-		return set, nil
-	}
+	build := func(yaml string) (*transformers.Set, error) { return buildReadySet(ctx, factory, yaml) }
 	res := migrate.ResourceFor(migrate.DefaultEtcdPrefix, schema.GroupResource{Resource: "secrets"})
 
 	// Seed n objects under k0.
@@ -147,7 +99,7 @@ func runMigrate(s Settings) ([]Row, error) {
 	}
 	for r := 0; r < s.Rounds; r++ {
 		// aesgcm → KMS v2, then KMS v2 → aesgcm: every round involves the plugin.
-		rate, heap, err := migrateOnce(kmsFirst("bench-mig", r%2 == 0))
+		rate, heap, err := migrateOnce(aesgcmAndKMSConfig(k0, env.endpoint, "bench-mig", r%2 == 0))
 		if err != nil {
 			return nil, err
 		}
@@ -166,21 +118,36 @@ func runMigrate(s Settings) ([]Row, error) {
 	if err := putObjects(ctx, cli, inv.TransformerFor(secretsGR), res.KeyPrefix, "inventory", invN-n); err != nil {
 		return nil, err
 	}
-	var invTimes, invHeap []float64
-	for r := 0; r < s.Rounds; r++ {
+	invTimes, invHeap, err := inventoryRounds(ctx, cli, inv, res, invN, s.Rounds)
+	if err != nil {
+		return nil, err
+	}
+	return migrateRows(n, invN, localRates, kmsRates, invTimes, localHeap, kmsHeap, invHeap), nil
+}
+
+// inventoryRounds takes rounds inventories of res (invN objects) with set: their
+// times in seconds and peak heap growths in MiB.
+func inventoryRounds(ctx context.Context, cli *clientv3.Client, set *transformers.Set, res migrate.Resource, invN, rounds int) (times, heaps []float64, err error) {
+	for r := 0; r < rounds; r++ {
 		peak := sampleHeap()
 		start := time.Now()
-		got, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{Client: cli, Source: migrate.FromSet(inv), Resources: []migrate.Resource{res}})
+		got, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{Client: cli, Source: migrate.FromSet(set), Resources: []migrate.Resource{res}})
 		d := time.Since(start)
-		invHeap = append(invHeap, peak())
+		heaps = append(heaps, peak())
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		if c := got.Find("secrets").Objects; c != int64(invN) {
-			return nil, fmt.Errorf("inventory counted %d objects, want %d", c, invN)
+			return nil, nil, fmt.Errorf("inventory counted %d objects, want %d", c, invN)
 		}
-		invTimes = append(invTimes, d.Seconds())
+		times = append(times, d.Seconds())
 	}
+	return times, heaps, nil
+}
+
+// migrateRows are the migrate scenario's rows from its rounds' figures, with the
+// issue's targets checked.
+func migrateRows(n, invN int, localRates, kmsRates, invTimes, localHeap, kmsHeap, invHeap []float64) []Row {
 	fig := func(unit string, xs []float64, higher bool) Figure {
 		return wholeRunFigure("rekey", unit, summarize(xs), higher)
 	}
@@ -197,7 +164,49 @@ func runMigrate(s Settings) ([]Row, error) {
 	rows[1].Checks = []Check{{Desc: "≥ 1,000 objects/s", Met: rows[1].Figures[0].Stats.Median >= 1000, Got: fmt.Sprintf("%.0f/s", rows[1].Figures[0].Stats.Median)}}
 	perObj := rows[2].Figures[0].Stats.Median / float64(invN) * 100_000
 	rows[2].Checks = []Check{{Desc: "100,000 objects in < 10 s", Met: perObj < 10, Got: fmt.Sprintf("%.2f s per 100,000", perObj)}}
-	return rows, nil
+	return rows
+}
+
+// twoAESGCMKeysConfig encrypts Secrets with aesgcm key first and reads second too (k0
+// and k1 are the secrets of the keys so named).
+func twoAESGCMKeysConfig(first, second, k0, k1 string) string {
+	keys := map[string]string{"k0": k0, "k1": k1}
+	return fmt.Sprintf("apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n      - aesgcm:\n          keys:\n            - {name: %s, secret: %s}\n            - {name: %s, secret: %s}\n", first, keys[first], second, keys[second])
+}
+
+// aesgcmAndKMSConfig encrypts Secrets with the KMS v2 provider kmsName at endpoint
+// when kmsFirst, else with aesgcm key k0, and reads the other too.
+func aesgcmAndKMSConfig(k0, endpoint, kmsName string, kmsFirst bool) string {
+	kms := fmt.Sprintf("      - kms:\n          apiVersion: v2\n          name: %s\n          endpoint: %s\n          timeout: 3s\n", kmsName, endpoint)
+	gcm := fmt.Sprintf("      - aesgcm:\n          keys:\n            - {name: k0, secret: %s}\n", k0)
+	head := "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n"
+	if kmsFirst {
+		return head + kms + gcm
+	}
+	return head + gcm + kms
+}
+
+// buildReadySet builds the configuration yaml with factory and waits (10 s each) for
+// its KMS providers to be ready.
+func buildReadySet(ctx context.Context, factory transformers.KMSFactory, yaml string) (*transformers.Set, error) {
+	cfg, err := config.Parse([]byte(yaml), "bench", config.Options{})
+	if err != nil {
+		return nil, err
+	}
+	set, err := transformers.Build(ctx, cfg, transformers.Options{KMS: factory})
+	if err != nil {
+		return nil, err
+	}
+	for _, k := range set.KMSProviders() {
+		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		err := k.WaitReady(wctx)
+		cancel()
+		if err != nil {
+			set.Close()
+			return nil, err
+		}
+	}
+	return set, nil
 }
 
 // putObjects stores count objects of about 300 bytes under prefix/ns/, encrypted with t

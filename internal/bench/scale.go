@@ -247,44 +247,19 @@ func scaleOnce(ctx context.Context, progress io.Writer, dir string, bins testbed
 			load.Stop()
 		}
 	}()
-	// The first requests after the start-up (a watch cache of a million objects just
-	// filled, its garbage being collected) are slower than the cluster's usual; they
-	// would flatter every ratio to the baseline.
-	select {
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	case <-time.After(min(scaleWarmup, baseline/3)):
-	}
-	baseStart := time.Now()
-	select {
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	case <-time.After(baseline):
+	baseStart, err := warmUpThenBaseline(ctx, baseline)
+	if err != nil {
+		return nil, err
 	}
 	if res.peakRSSBefore, err = b.shimPeakRSS(); err != nil {
 		return nil, err
 	}
 	var migStart, migEnd, firstEdit time.Time
-	cfgPath := b.fleet.Shims[0].ConfigPath
 	switch side {
 	case "rekey":
-		cpu := startCPUMeter(map[string]int{"etcd": b.etcd.PID(), "apiserver": b.fleet.Shims[0].Current().PID()})
-		firstEdit = time.Now()
-		migStart = firstEdit
-		if err := testbed.WriteFileAtomic(cfgPath, testbed.SecretsConfig(testbed.AESGCM(key2, b.key1)).Render()); err != nil {
-			return nil, err
-		}
-		// The limit is upstream's replace's; rekey's migration is not cut short.
-		var rewriteEnd time.Time
-		migEnd, rewriteEnd, err = waitVerified(ctx, b, key2.Name, firstEdit, max(limit, scaleRekeyLimit))
+		firstEdit, migStart, migEnd, err = rotateRekeyAtScale(ctx, logf, b, key2, limit, res)
 		if err != nil {
 			return nil, err
-		}
-		res.rewritten = int64(n)
-		res.migrationCPU = cpu.String()
-		logf("edit → verified: %s", res.migrationCPU)
-		if !rewriteEnd.IsZero() {
-			res.rewrite = rewriteEnd.Sub(firstEdit)
 		}
 	case "upstream":
 		firstEdit, migStart, migEnd, err = rotateUpstreamAtScale(ctx, logf, b, key2, limit, res)
@@ -319,6 +294,50 @@ func scaleOnce(ctx context.Context, progress io.Writer, dir string, bins testbed
 	logf("end: %d of %d stored Secrets under key2; client baseline %d requests (%d failed), during %d (%d failed)",
 		res.underKey2, res.stored, res.baseline.requests, res.baseline.failed, res.during.requests, res.during.failed)
 	return res, nil
+}
+
+// warmUpThenBaseline waits out the client load's warm-up, then its baseline window,
+// which it returns the start of. The first requests after the start-up (a watch cache
+// of a million objects just filled, its garbage being collected) are slower than the
+// cluster's usual; they would flatter every ratio to the baseline.
+func warmUpThenBaseline(ctx context.Context, baseline time.Duration) (time.Time, error) {
+	select {
+	case <-ctx.Done():
+		return time.Time{}, ctx.Err()
+	case <-time.After(min(scaleWarmup, baseline/3)):
+	}
+	baseStart := time.Now()
+	select {
+	case <-ctx.Done():
+		return time.Time{}, ctx.Err()
+	case <-time.After(baseline):
+	}
+	return baseStart, nil
+}
+
+// rotateRekeyAtScale is the rekey side's rotation: one edit of the shim's file (key2
+// first), then the storage migration until it is verified (its limit is upstream's
+// replace's or more: rekey's migration is not cut short); res gets what was rewritten,
+// how long the rewrite took and the CPU it used.
+func rotateRekeyAtScale(ctx context.Context, logf func(string, ...any), b *scaleBed, key2 testbed.NamedKey, limit time.Duration, res *scaleResult) (firstEdit, migStart, migEnd time.Time, err error) {
+	cpu := startCPUMeter(map[string]int{"etcd": b.etcd.PID(), "apiserver": b.fleet.Shims[0].Current().PID()})
+	firstEdit = time.Now()
+	migStart = firstEdit
+	if err := testbed.WriteFileAtomic(b.fleet.Shims[0].ConfigPath, testbed.SecretsConfig(testbed.AESGCM(key2, b.key1)).Render()); err != nil {
+		return firstEdit, migStart, migEnd, err
+	}
+	var rewriteEnd time.Time
+	migEnd, rewriteEnd, err = waitVerified(ctx, b, key2.Name, firstEdit, max(limit, scaleRekeyLimit))
+	if err != nil {
+		return firstEdit, migStart, migEnd, err
+	}
+	res.rewritten = int64(res.objects)
+	res.migrationCPU = cpu.String()
+	logf("edit → verified: %s", res.migrationCPU)
+	if !rewriteEnd.IsZero() {
+		res.rewrite = rewriteEnd.Sub(firstEdit)
+	}
+	return firstEdit, migStart, migEnd, nil
 }
 
 // waitVerified polls the migration leader's state in etcd until the record of secrets
@@ -447,6 +466,18 @@ func scaleRows(res map[string]*scaleResult, n int, quota int64, idle bool, migra
 		}
 		return 100 * float64(r.underKey2) / float64(r.stored)
 	})
+	scaleSideChecks(res, quota, idle, &dbPeak, &alarms, &p99d, &failed, &under)
+	if idle {
+		return []Row{inventory, throughput, rewriteRate, ceilingWatched, ceilingAlone, offline, total, dbSeeded, dbPeak, inUse, alarms, rssBefore, rss, under}
+	}
+	return []Row{inventory, throughput, rewriteRate, ceilingWatched, ceilingAlone, offline, total, dbSeeded, dbPeak, inUse, alarms, p50b, p50d, p99b, p99d, failed, rssBefore, rss, under}
+}
+
+// scaleSideChecks adds each side's checks to the rows of the etcd DB peak, the
+// alarms, the clients' p99 and failures (with a client workload) and the Secrets
+// under key2 at the end.
+func scaleSideChecks(res map[string]*scaleResult, quota int64, idle bool, dbPeak, alarms, p99d, failed, under *Row) {
+	mib := func(v int64) float64 { return float64(v) / (1 << 20) }
 	for _, side := range scaleSides {
 		r := res[side]
 		if r == nil {
@@ -470,10 +501,6 @@ func scaleRows(res map[string]*scaleResult, n int, quota int64, idle bool, migra
 		under.Checks = append(under.Checks, Check{Desc: "upstream's replace", Met: !u.extrapolated,
 			Got: fmt.Sprintf("%d replaced, %d conflicts retried", u.rewritten, u.conflicts)})
 	}
-	if idle {
-		return []Row{inventory, throughput, rewriteRate, ceilingWatched, ceilingAlone, offline, total, dbSeeded, dbPeak, inUse, alarms, rssBefore, rss, under}
-	}
-	return []Row{inventory, throughput, rewriteRate, ceilingWatched, ceilingAlone, offline, total, dbSeeded, dbPeak, inUse, alarms, p50b, p50d, p99b, p99d, failed, rssBefore, rss, under}
 }
 
 // quotaText is a quota in GiB ("2 GiB") or MiB.
