@@ -18,7 +18,7 @@ import (
 
 	"github.com/rekey-io/rekey/internal/kmscheck"
 	"github.com/rekey-io/rekey/pkg/config"
-	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsdial"
 )
 
 // Exit codes of rekey kms-check: a failed check is the usual error (1); a command line
@@ -115,7 +115,7 @@ func (f *kmsCheckFlags) validate() error {
 		}
 		return errors.New("--endpoint is required: the plugin's socket, unix:///path.sock (or --plugin-command to start the plugin)")
 	}
-	if _, err := client.ParseEndpoint(f.endpoint); err != nil {
+	if _, err := kmsdial.ParseEndpoint(f.endpoint); err != nil {
 		return fmt.Errorf("--endpoint: %w", err)
 	}
 	if f.calls < 1 {

@@ -28,6 +28,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsdial"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/wire"
@@ -211,7 +212,7 @@ type checker struct {
 // (a malformed endpoint); whatever the plugin does is in the report.
 func Run(ctx context.Context, o Options) (*Report, error) {
 	o.defaults()
-	addr, err := client.ParseEndpoint(o.Endpoint)
+	addr, err := kmsdial.ParseEndpoint(o.Endpoint)
 	if err != nil {
 		return nil, err
 	}

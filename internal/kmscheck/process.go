@@ -11,7 +11,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsdial"
 )
 
 // stopGrace is how long a plugin has to exit after SIGTERM before it gets SIGKILL.
@@ -36,7 +36,7 @@ type PluginProcess struct {
 // StartPlugin runs command with sh -c and returns once endpoint accepts connections
 // (within ready). The caller must Stop it, also when StartPlugin's caller fails later.
 func StartPlugin(ctx context.Context, command, endpoint string, ready time.Duration, stderr io.Writer) (*PluginProcess, error) {
-	if _, err := client.ParseEndpoint(endpoint); err != nil {
+	if _, err := kmsdial.ParseEndpoint(endpoint); err != nil {
 		return nil, err
 	}
 	p := &PluginProcess{command: command, endpoint: endpoint, ready: ready, stderr: stderr}
@@ -67,7 +67,7 @@ func (p *PluginProcess) start(ctx context.Context) error {
 
 // waitReady polls the socket: the plugin is ready once it accepts a connection.
 func (p *PluginProcess) waitReady(ctx context.Context) error {
-	addr, _ := client.ParseEndpoint(p.endpoint)
+	addr, _ := kmsdial.ParseEndpoint(p.endpoint)
 	deadline := time.Now().Add(p.ready)
 	for {
 		var d net.Dialer

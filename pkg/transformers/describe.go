@@ -12,7 +12,7 @@ import (
 	"k8s.io/apiserver/pkg/apis/apiserver"
 
 	"github.com/rekey-io/rekey/pkg/config"
-	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsdial"
 )
 
 // This file owns the rules every other package needs to read a configuration or a
@@ -245,7 +245,7 @@ func KMSv1Fingerprint(name, endpoint string) [32]byte {
 }
 
 // kmsEndpointIdentity is the spelling of a KMS plugin endpoint that KMSv1Fingerprint
-// hashes: the socket the client dials (client.ParseEndpoint, which reads an endpoint
+// hashes: the socket the client dials (kmsdial.ParseEndpoint, which reads an endpoint
 // as upstream's k8s.io/kms/pkg/util.ParseEndpoint does: the URL's path; its host,
 // query and fragment are ignored; "/@name" is the abstract socket "@name"), with runs
 // of "/" and "." segments inside a filesystem path removed (the kernel resolves them
@@ -260,7 +260,7 @@ func KMSv1Fingerprint(name, endpoint string) [32]byte {
 // that begins with "/@" once cleaned would read as an abstract socket) is kept as
 // written: distinct spellings then stay distinct keys, the safe side for the guard.
 func kmsEndpointIdentity(endpoint string) string {
-	addr, err := client.ParseEndpoint(endpoint)
+	addr, err := kmsdial.ParseEndpoint(endpoint)
 	if err != nil {
 		return endpoint
 	}
@@ -271,7 +271,7 @@ func kmsEndpointIdentity(endpoint string) string {
 		path = want
 	}
 	canonical := (&url.URL{Scheme: "unix", Path: path}).String()
-	if back, err := client.ParseEndpoint(canonical); err != nil || back != want {
+	if back, err := kmsdial.ParseEndpoint(canonical); err != nil || back != want {
 		return endpoint
 	}
 	return canonical

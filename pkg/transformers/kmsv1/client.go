@@ -14,7 +14,7 @@ import (
 	kmsapi "k8s.io/kms/apis/v1beta1"
 
 	"github.com/rekey-io/rekey/pkg/config"
-	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsdial"
 )
 
 // APIVersion is the version a KMS v1 plugin must report, and the one its requests carry.
@@ -36,7 +36,7 @@ func Dial(endpoint string, timeout time.Duration) (*Client, error) {
 	if timeout <= 0 {
 		timeout = config.DefaultKMSTimeout
 	}
-	conn, _, err := client.Dial(endpoint, timeout, nil)
+	conn, _, err := kmsdial.Dial(endpoint, timeout, nil)
 	if err != nil {
 		return nil, err
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/transformers"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsdial"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/client"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
 )
@@ -83,7 +84,7 @@ func Preflight(ctx context.Context, name, endpoint string, timeout time.Duration
 	fail := func(stage PreflightStage, detail string, err error) error {
 		return &PreflightError{Provider: name, Endpoint: endpoint, Stage: stage, Detail: detail, Err: err}
 	}
-	addr, err := client.ParseEndpoint(endpoint)
+	addr, err := kmsdial.ParseEndpoint(endpoint)
 	if err != nil {
 		return fail(PreflightDial, err.Error(), err)
 	}

@@ -1,28 +1,21 @@
 // Package client is a KMS v2 gRPC client (k8s.io/kms/apis/v2) over a unix socket,
-// including Linux abstract sockets (unix:///@name). Construction never blocks: the
-// connection is made on the first call and remade after the plugin restarts. Every
-// call is bounded by the configured timeout, and its latency is recorded under
-// kube-apiserver's metric name and labels.
+// including Linux abstract sockets (unix:///@name; pkg/transformers/kmsdial dials it).
+// Construction never blocks: the connection is made on the first call and remade
+// after the plugin restarts. Every call is bounded by the configured timeout, and its
+// latency is recorded under kube-apiserver's metric name and labels.
 package client
 
 import (
 	"context"
-	"errors"
-	"fmt"
-	"net"
-	"net/url"
-	"strings"
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/connectivity"
-	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/status"
 	kmsapi "k8s.io/kms/apis/v2"
 
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsdial"
 )
 
 // Full gRPC method names, the method_name label values.
@@ -45,80 +38,21 @@ type Client struct {
 	addr    string
 }
 
-// ParseEndpoint returns the socket address of a `unix://` endpoint; an abstract socket
-// keeps its leading '@' (Go's net package maps it to the abstract namespace).
-func ParseEndpoint(endpoint string) (string, error) {
-	if endpoint == "" {
-		return "", errors.New("kms endpoint is empty; set it to unix:///path/to/plugin.sock")
-	}
-	u, err := url.Parse(endpoint)
-	if err != nil {
-		return "", fmt.Errorf("kms endpoint %q is not a URL (%v); use unix:///path/to/plugin.sock", endpoint, err)
-	}
-	if u.Scheme != "unix" {
-		return "", fmt.Errorf("kms endpoint %q has scheme %q; only unix:// sockets are supported", endpoint, u.Scheme)
-	}
-	if strings.HasPrefix(u.Path, "/@") {
-		return strings.TrimPrefix(u.Path, "/"), nil
-	}
-	if u.Path == "" {
-		return "", fmt.Errorf("kms endpoint %q has no socket path", endpoint)
-	}
-	return u.Path, nil
-}
-
 // New creates a client for endpoint. It does not connect; the first call does.
 // timeout bounds each call (the config's `timeout`); rec may be nil.
 func New(endpoint string, timeout time.Duration, rec LatencyRecorder) (*Client, error) {
 	if timeout <= 0 {
 		timeout = config.DefaultKMSTimeout
 	}
-	conn, addr, err := Dial(endpoint, timeout, rec)
+	var observe func(string, codes.Code, time.Duration)
+	if rec != nil {
+		observe = rec.ObserveRPC
+	}
+	conn, addr, err := kmsdial.Dial(endpoint, timeout, observe)
 	if err != nil {
 		return nil, err
 	}
 	return &Client{conn: conn, api: kmsapi.NewKeyManagementServiceClient(conn), timeout: timeout, addr: addr}, nil
-}
-
-// Dial is the gRPC connection of a KMS plugin at endpoint, of either API version: it
-// does not connect (the first call does), waits for the plugin up to each call's
-// deadline, and reconnects within a second of a plugin restart. timeout is the call
-// timeout; rec, when set, observes every call. addr is the socket address.
-func Dial(endpoint string, timeout time.Duration, rec LatencyRecorder) (conn *grpc.ClientConn, addr string, err error) {
-	addr, err = ParseEndpoint(endpoint)
-	if err != nil {
-		return nil, "", err
-	}
-	opts := []grpc.DialOption{
-		grpc.WithAuthority("localhost"),
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		// Wait for a connection up to the call deadline: a plugin that restarts is
-		// reached as soon as it listens again. A caller that knows the plugin is gone
-		// passes FailFast instead.
-		grpc.WithDefaultCallOptions(grpc.WaitForReady(true)),
-		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", addr)
-		}),
-		// Reconnect quickly after a plugin restart (gRPC's default backs off to 120 s).
-		grpc.WithConnectParams(grpc.ConnectParams{
-			Backoff:           backoff.Config{BaseDelay: 50 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second},
-			MinConnectTimeout: timeout,
-		}),
-	}
-	if rec != nil {
-		opts = append(opts, grpc.WithUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, o ...grpc.CallOption) error {
-			start := time.Now()
-			err := invoker(ctx, method, req, reply, cc, o...)
-			rec.ObserveRPC(method, status.Code(err), time.Since(start))
-			return err
-		}))
-	}
-	conn, err = grpc.NewClient("passthrough:///localhost", opts...)
-	if err != nil {
-		return nil, "", fmt.Errorf("kms: cannot create a gRPC client for %s: %w", endpoint, err)
-	}
-	return conn, addr, nil
 }
 
 // Close closes the connection; calls in flight fail with codes.Canceled.
