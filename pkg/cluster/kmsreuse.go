@@ -7,9 +7,9 @@ import "fmt"
 // by pkg/transformers/kmsv2): an alarm that lasts until the plugin moves on.
 const ConditionKMSKeyIDReuse = "KMSKeyIDReuse"
 
-// KMSKeyIDReuses lists the refused key id reuses the members publish, one
+// kmsKeyIDReuses lists the refused key id reuses the members publish, one
 // "<member>: kms <provider> key id <hash> since <time>" each, in member order.
-func KMSKeyIDReuses(members []MemberState) []string {
+func kmsKeyIDReuses(members []MemberState) []string {
 	var out []string
 	for _, m := range members {
 		for _, k := range m.KMS {

@@ -20,11 +20,11 @@ func TestKMSKeyIDReuseIsPublishedAndListed(t *testing.T) {
 		t.Fatalf("member state KMS = %+v, want the reuse published", m.KMS)
 	}
 	other := stateFromStatus("b", "v", reload.Status{KMSProviders: []transformers.KMSStatus{{Name: "vault", Healthy: true, KeyIDHash: "sha256:bbbb"}}}, nil, at)
-	got := KMSKeyIDReuses([]MemberState{m, other})
+	got := kmsKeyIDReuses([]MemberState{m, other})
 	if len(got) != 1 || !strings.Contains(got[0], "a: kms vault key id sha256:aaaa") {
 		t.Fatalf("reuses = %q", got)
 	}
-	if KMSKeyIDReuses([]MemberState{other}) != nil {
+	if kmsKeyIDReuses([]MemberState{other}) != nil {
 		t.Fatal("no reuse must list nothing")
 	}
 }

@@ -66,7 +66,7 @@ func (n *Node) Status() Status {
 	if alarmed {
 		st.Conditions = append(st.Conditions, "DisagreementAlarm")
 	}
-	if st.KMSKeyIDReuses = KMSKeyIDReuses(st.Members); len(st.KMSKeyIDReuses) > 0 {
+	if st.KMSKeyIDReuses = kmsKeyIDReuses(st.Members); len(st.KMSKeyIDReuses) > 0 {
 		st.Conditions = append(st.Conditions, ConditionKMSKeyIDReuse)
 	}
 	return st
