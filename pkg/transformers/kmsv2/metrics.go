@@ -53,8 +53,10 @@ type Metrics struct {
 
 	// statusKeyIDs remembers the label sets of statusKeyIDTS, most recently used first;
 	// evicting one deletes its series, so a plugin that changes key ids cannot grow the
-	// metric without bound.
-	statusKeyIDs *lru.Cache
+	// metric without bound. statusKeyIDMu makes the Add and the Set of one series one
+	// step for the other providers' Status loops (see statusKeyID).
+	statusKeyIDMu sync.Mutex
+	statusKeyIDs  *lru.Cache
 }
 
 // maxKeyIDHashSeries bounds the key id hash series kept per Metrics (all providers
@@ -206,9 +208,14 @@ func (m *Metrics) newSeed(provider string, w *state.WriteState) {
 // statusKeyID records when provider's Status last returned a key id, keeping at most
 // maxKeyIDHashSeries series: the least recently reported one is deleted first.
 func (m *Metrics) statusKeyID(provider, keyIDHash, apiServerIDHash string, ts float64) {
-	// Set first: the Add below can then only evict other series, never this one.
-	m.statusKeyIDTS.WithLabelValues(provider, keyIDHash, apiServerIDHash).Set(ts)
+	// Add first, so that the eviction of another series comes before this one's series
+	// exists: a gather in between never sees more than maxKeyIDHashSeries (with the Set
+	// first, TestKeyIDHashSeriesAreBounded once counted 101). Under the lock no other
+	// Add can evict this label set before its Set.
+	m.statusKeyIDMu.Lock()
+	defer m.statusKeyIDMu.Unlock()
 	m.statusKeyIDs.Add(keyIDSeries{provider, keyIDHash, apiServerIDHash}, nil)
+	m.statusKeyIDTS.WithLabelValues(provider, keyIDHash, apiServerIDHash).Set(ts)
 }
 
 // providerMetrics holds one provider's pre-resolved children, so the data path records
