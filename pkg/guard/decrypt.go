@@ -8,7 +8,6 @@ import (
 	"strings"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
@@ -162,25 +161,10 @@ func CheckDecrypt(ctx context.Context, inv *migrate.Inventory, cli *clientv3.Cli
 			continue
 		}
 		_, name := transformers.SplitPrefix(rb.id.prefix)
-		out = append(out, DecryptFailure{Resource: rb.resource, Provider: name, KeyIDHash: rb.id.keyID, Objects: counts[rb], Unavailable: pluginUnavailable(err), Err: err})
+		out = append(out, DecryptFailure{Resource: rb.resource, Provider: name, KeyIDHash: rb.id.keyID, Objects: counts[rb], Unavailable: transformers.PluginUnreachable(err), Err: err})
 	}
 	sort.SliceStable(out, func(i, j int) bool { return out[i].Resource < out[j].Resource })
 	return out, nil
-}
-
-// pluginUnavailable tells a plugin that did not answer from one that answered "no".
-func pluginUnavailable(err error) bool {
-	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, transformers.ErrKMSUnavailable) {
-		return true
-	}
-	var se interface{ GRPCStatus() *status.Status }
-	if errors.As(err, &se) {
-		switch se.GRPCStatus().Code() {
-		case codes.Unavailable, codes.DeadlineExceeded:
-			return true
-		}
-	}
-	return false
 }
 
 // setTransformers serves a built Set as value.ResourceTransformers.

@@ -1,9 +1,12 @@
 package transformers
 
 import (
+	"context"
 	"errors"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"k8s.io/apiserver/pkg/storage/value"
 )
 
@@ -14,6 +17,23 @@ import (
 // of the plugin (Unavailable, DeadlineExceeded, ResourceExhausted) carry their status
 // code instead.
 var ErrKMSUnavailable = errors.New("kms plugin unavailable")
+
+// PluginUnreachable reports whether err says a KMS plugin was not reached or did not
+// answer in time (gRPC Unavailable or DeadlineExceeded, an expired context, or
+// ErrKMSUnavailable), as opposed to an answer, an error of the plugin's own included.
+func PluginUnreachable(err error) bool {
+	if err == nil {
+		return false
+	}
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, ErrKMSUnavailable) {
+		return true
+	}
+	switch status.Code(err) {
+	case codes.Unavailable, codes.DeadlineExceeded:
+		return true
+	}
+	return false
+}
 
 // Unavailable wraps err so that it matches ErrKMSUnavailable; its message is err's.
 func Unavailable(err error) error { return unavailableError{err} }

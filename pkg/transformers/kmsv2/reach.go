@@ -28,26 +28,10 @@ type outage struct {
 	hung bool
 }
 
-// unreachable reports whether err says the plugin was not reached or did not answer in
-// time, as opposed to an answer (an error of the plugin's own included).
-func unreachable(err error) bool {
-	if err == nil {
-		return false
-	}
-	if errors.Is(err, context.DeadlineExceeded) {
-		return true
-	}
-	switch status.Code(err) {
-	case codes.Unavailable, codes.DeadlineExceeded:
-		return true
-	}
-	return false
-}
-
 // noteStatus records what a Status asked at askedAt says about reaching the plugin. It
 // runs on the loop.
 func (p *Provider) noteStatus(askedAt time.Time, err error) {
-	if !unreachable(err) {
+	if !transformers.PluginUnreachable(err) {
 		if errors.Is(err, context.Canceled) {
 			return // the provider is closing
 		}
@@ -70,7 +54,7 @@ func (p *Provider) noteStatus(askedAt time.Time, err error) {
 // starts or continues an outage, an answer ends one that a read saw (a hung plugin's
 // ends with a Status: reads do not call it).
 func (p *Provider) noteRead(err error) {
-	if unreachable(err) {
+	if transformers.PluginUnreachable(err) {
 		p.noteUnreachable(time.Unix(0, p.coarseNow.Load()), err, false)
 		return
 	}
@@ -137,7 +121,7 @@ func (p *Provider) readUnavailable() error {
 // not reach the plugin names the provider, the endpoint and since when, and matches
 // transformers.ErrKMSUnavailable.
 func (p *Provider) decryptFailed(err error, keyIDHash, uid string) error {
-	if !unreachable(err) {
+	if !transformers.PluginUnreachable(err) {
 		return fmt.Errorf("failed to decrypt DEK, error: %w (kms v2 provider %q, keyID hash %q, uid %s)", err, p.name, keyIDHash, uid)
 	}
 	since := ""
