@@ -165,37 +165,11 @@ func TestKMSKeyIDFlapsRewriteNothing(t *testing.T) {
 	start := time.Now()
 	const objects = 500
 	const provider = "flap"
-	dir := t.TempDir()
-	sockDir := shortTempDir(t)
-	kek1, kek2 := testbed.PluginKey{Name: "kek-1", Secret: testbed.RandomKey()}, testbed.PluginKey{Name: "kek-2", Secret: testbed.RandomKey()}
-	plugin, err := testbed.StartPlugin(ctx, bins.Plugin, dir, sockDir, kek1, kek2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { plugin.Stop(5 * time.Second) })
-	config := filepath.Join(dir, "encryption.yaml")
-	writeConfig(t, config, encryptionConfig([]string{kms(provider, plugin.Endpoint)}, []string{identity}))
-	const prefix = "/e2e-keyid-flap"
 	// A 2 s Status interval: a flap is cleared well within the one interval the second
 	// confirmation waits; migration checks every 250 ms, so a key change would be
 	// migrated at once.
-	s := startShim(t, testbed.ShimConfig{Dir: dir, EncryptionConfig: config, EtcdPrefix: prefix,
-		Args: []string{"--kms-status-interval", "2s", "--kms-retry-interval", "250ms", "--storage-migration-check-interval", "250ms"}})
-	c := clientFor(t, s)
-	hc, err := s.HTTPClient(true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cli, err := testbed.EtcdClient([]string{etcd.Endpoint})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cli.Close()
-	createObjects(t, c, "flap", objects)
-	secretsKey := prefix + "/secrets/flap/"
-	if err := testbed.WaitFor(ctx, 100*time.Millisecond, testbed.StoredKeyIDProbe(cli, secretsKey, provider, "kek-1")); err != nil {
-		t.Fatal(err)
-	}
+	b := startKeyIDBed(t, provider, "/e2e-keyid-flap", "flap", objects, "2s")
+	dir, sockDir, plugin, s, c, hc, cli, secretsKey := b.dir, b.sockDir, b.plugin, b.shim, b.client, b.hc, b.cli, b.secretsKey
 	before := modRevisions(t, cli, secretsKey)
 	if len(before) != objects {
 		t.Fatalf("%d Secrets stored, want %d", len(before), objects)
@@ -325,34 +299,9 @@ func TestKMSKeyIDReuseRefused(t *testing.T) {
 	start := time.Now()
 	const objects = 100
 	const provider = "reuse"
-	dir := t.TempDir()
-	sockDir := shortTempDir(t)
-	kek1, kek2 := testbed.PluginKey{Name: "kek-1", Secret: testbed.RandomKey()}, testbed.PluginKey{Name: "kek-2", Secret: testbed.RandomKey()}
-	plugin, err := testbed.StartPlugin(ctx, bins.Plugin, dir, sockDir, kek1, kek2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { plugin.Stop(5 * time.Second) })
-	config := filepath.Join(dir, "encryption.yaml")
-	writeConfig(t, config, encryptionConfig([]string{kms(provider, plugin.Endpoint)}, []string{identity}))
 	const prefix = "/e2e-keyid-reuse"
-	s := startShim(t, testbed.ShimConfig{Dir: dir, EncryptionConfig: config, EtcdPrefix: prefix,
-		Args: []string{"--kms-status-interval", "500ms", "--kms-retry-interval", "250ms", "--storage-migration-check-interval", "250ms"}})
-	c := clientFor(t, s)
-	hc, err := s.HTTPClient(true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cli, err := testbed.EtcdClient([]string{etcd.Endpoint})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cli.Close()
-	createObjects(t, c, "reuse", objects)
-	secretsKey := prefix + "/secrets/reuse/"
-	if err := testbed.WaitFor(ctx, 100*time.Millisecond, testbed.StoredKeyIDProbe(cli, secretsKey, provider, "kek-1")); err != nil {
-		t.Fatal(err)
-	}
+	b := startKeyIDBed(t, provider, prefix, "reuse", objects, "500ms")
+	dir, config, plugin, s, c, hc, cli, secretsKey := b.dir, b.config, b.plugin, b.shim, b.client, b.hc, b.cli, b.secretsKey
 
 	// A → B: a real rotation, migrated.
 	if err := plugin.SetFaults(ctx, map[string]any{"activeKey": "kek-2"}); err != nil {
@@ -511,4 +460,47 @@ func pluginStatusCalls(t *testing.T, p *testbed.Plugin) int64 {
 		t.Fatal(err)
 	}
 	return st.Status
+}
+
+// keyIDBed is the set-up of the key id tests: a plugin with kek-1 (active) and kek-2,
+// a shim encrypting Secrets with it (provider name given; identity for the rest), and
+// objects Secrets of namespace ns stored under kek-1.
+type keyIDBed struct {
+	dir, sockDir, config, secretsKey string
+	plugin                           *testbed.Plugin
+	shim                             *testbed.Shim
+	client                           *kubernetes.Clientset
+	hc                               *http.Client
+	cli                              *clientv3.Client
+}
+
+// startKeyIDBed starts it with the shim's --kms-status-interval statusInterval
+// (retries and migration checks every 250 ms, so that a key change would act at once).
+func startKeyIDBed(t *testing.T, provider, prefix, ns string, objects int, statusInterval string) *keyIDBed {
+	t.Helper()
+	ctx := t.Context()
+	b := &keyIDBed{dir: t.TempDir(), sockDir: shortTempDir(t), secretsKey: prefix + "/secrets/" + ns + "/"}
+	kek1, kek2 := testbed.PluginKey{Name: "kek-1", Secret: testbed.RandomKey()}, testbed.PluginKey{Name: "kek-2", Secret: testbed.RandomKey()}
+	var err error
+	if b.plugin, err = testbed.StartPlugin(ctx, bins.Plugin, b.dir, b.sockDir, kek1, kek2); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.plugin.Stop(5 * time.Second) })
+	b.config = filepath.Join(b.dir, "encryption.yaml")
+	writeConfig(t, b.config, encryptionConfig([]string{kms(provider, b.plugin.Endpoint)}, []string{identity}))
+	b.shim = startShim(t, testbed.ShimConfig{Dir: b.dir, EncryptionConfig: b.config, EtcdPrefix: prefix,
+		Args: []string{"--kms-status-interval", statusInterval, "--kms-retry-interval", "250ms", "--storage-migration-check-interval", "250ms"}})
+	b.client = clientFor(t, b.shim)
+	if b.hc, err = b.shim.HTTPClient(true); err != nil {
+		t.Fatal(err)
+	}
+	if b.cli, err = testbed.EtcdClient([]string{etcd.Endpoint}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.cli.Close() })
+	createObjects(t, b.client, ns, objects)
+	if err := testbed.WaitFor(ctx, 100*time.Millisecond, testbed.StoredKeyIDProbe(b.cli, b.secretsKey, provider, "kek-1")); err != nil {
+		t.Fatal(err)
+	}
+	return b
 }
