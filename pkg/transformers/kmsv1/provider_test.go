@@ -211,8 +211,19 @@ func TestPluginDown(t *testing.T) {
 		t.Fatalf("the read took %v; the timeout is 300ms", d)
 	}
 	plugin.Restart(t)
-	if out, _, err := p.Open(ctx, v, aad); err != nil || string(out) != "x" {
-		t.Fatalf("after the plugin came back: %q %v", out, err)
+	// The client reconnects on its dial backoff (from 50 ms, growing by 1.6 per failed
+	// attempt while the plugin was down, at most 1 s): a read in the meantime waits for
+	// the connection up to its 300 ms timeout, and under load the first one can fail.
+	// Reads succeed once it has reconnected, within the backoff's bound.
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		out, _, err := p.Open(ctx, v, aad)
+		if err == nil && string(out) == "x" {
+			break
+		}
+		if err == nil || time.Now().After(deadline) {
+			t.Fatalf("after the plugin came back: %q %v", out, err)
+		}
 	}
 }
 
