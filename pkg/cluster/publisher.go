@@ -62,7 +62,14 @@ func (p *publisher) Publish(ctx context.Context, st MemberState) (int64, error) 
 	if err != nil {
 		p.mu.Lock()
 		if p.session == s {
-			p.dropLocked() // e.g. the lease expired while etcd was unreachable
+			// e.g. the lease expired while etcd was unreachable, or was revoked. The
+			// session is dropped here, so awaitEnd will not see it end as the current
+			// one: say it is lost from here, or the node would publish under a new lease
+			// without holding writes first (TestLostLeaseHoldsWrites failed once: the
+			// revoke's own record deletion made the node publish before the keep-alive
+			// noticed).
+			p.dropLocked()
+			p.signalLostLocked()
 		}
 		p.mu.Unlock()
 		return 0, fmt.Errorf("publishing member state at %s: %w", p.key, err)
@@ -130,6 +137,11 @@ func (p *publisher) awaitEnd(s *memberSession) {
 		return
 	}
 	p.dropLocked()
+	p.signalLostLocked()
+}
+
+// signalLostLocked tells Lost that the lease ended.
+func (p *publisher) signalLostLocked() {
 	p.log.Info("Member lease ended; publishing again under a new one", "key", p.key)
 	select {
 	case p.lost <- struct{}{}:
