@@ -1,8 +1,11 @@
 package cluster
 
 import (
+	"errors"
+
 	"context"
 	"fmt"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	"slices"
 	"sync"
 	"time"
@@ -64,12 +67,15 @@ func (p *publisher) Publish(ctx context.Context, st MemberState) (int64, error) 
 		if p.session == s {
 			// e.g. the lease expired while etcd was unreachable, or was revoked. The
 			// session is dropped here, so awaitEnd will not see it end as the current
-			// one: say it is lost from here, or the node would publish under a new lease
+			// one: when etcd says the lease is gone, say it is lost from here (not for
+			// an etcd that did not answer: that held writes through a member outage), or the node would publish under a new lease
 			// without holding writes first (TestLostLeaseHoldsWrites failed once: the
 			// revoke's own record deletion made the node publish before the keep-alive
 			// noticed).
 			p.dropLocked()
-			p.signalLostLocked()
+			if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+				p.signalLostLocked()
+			}
 		}
 		p.mu.Unlock()
 		return 0, fmt.Errorf("publishing member state at %s: %w", p.key, err)
