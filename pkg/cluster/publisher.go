@@ -62,21 +62,23 @@ func (p *publisher) Publish(ctx context.Context, st MemberState) (int64, error) 
 	}
 	resp, err := p.cli.Put(ctx, p.key, string(data), clientv3.WithLease(s.Lease()))
 	if err != nil {
-		p.mu.Lock()
-		if p.session == s {
-			// e.g. the lease expired while etcd was unreachable, or was revoked. The
-			// session is dropped here, so awaitEnd will not see it end as the current
-			// one: when etcd says the lease is gone, say it is lost from here (not for
-			// an etcd that did not answer: that held writes through a member outage), or the node would publish under a new lease
-			// without holding writes first (TestLostLeaseHoldsWrites failed once: the
-			// revoke's own record deletion made the node publish before the keep-alive
-			// noticed).
-			p.dropLocked()
-			if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+		if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+			// The lease ended (revoked, or expired while etcd was unreachable) and the
+			// keep-alive has not noticed yet. Say it is lost here, as awaitEnd would:
+			// dropping the session silently would make awaitEnd ignore its end, and the
+			// node would publish under a new lease without holding writes first
+			// (TestLostLeaseHoldsWrites failed once so: the revoke's own record deletion
+			// made the node publish before the keep-alive noticed). Any other failure (an
+			// etcd that did not answer) keeps the session: its keep-alive tells whether
+			// the lease outlived the outage (reporting it lost on any failure held writes
+			// through an etcd member outage).
+			p.mu.Lock()
+			if p.session == s {
+				p.dropLocked()
 				p.signalLostLocked()
 			}
+			p.mu.Unlock()
 		}
-		p.mu.Unlock()
 		return 0, fmt.Errorf("publishing member state at %s: %w", p.key, err)
 	}
 	return resp.Header.Revision, nil

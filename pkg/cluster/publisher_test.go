@@ -2,9 +2,11 @@ package cluster
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/klog/v2/ktesting"
 
@@ -100,6 +102,68 @@ func TestPublisherGrantBoundedByTheCallersContext(t *testing.T) {
 		t.Fatalf("the session ended with the publish's context: %v", err)
 	}
 	if err := pub.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestPublisherReportsALeaseEtcdRefuses: a publish right after the lease was revoked,
+// before the keep-alive can notice, signals Lost (whichever sees the end first) and the
+// next publish writes under a new lease; a publish that fails otherwise (etcd did not
+// answer in time) keeps the session and its lease.
+func TestPublisherReportsALeaseEtcdRefuses(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	ctx := context.Background()
+	pub := newPublisher(cli, memberKey(defaultPrefix, "a"), 10*time.Second, ktesting.NewLogger(t, ktesting.NewConfig()))
+	st := MemberState{APIServerID: "a"}
+	if _, err := pub.Publish(ctx, st); err != nil {
+		t.Fatal(err)
+	}
+	lease := func() clientv3.LeaseID {
+		pub.mu.Lock()
+		defer pub.mu.Unlock()
+		if pub.session == nil {
+			return clientv3.NoLease
+		}
+		return pub.session.Lease()
+	}
+	first := lease()
+
+	ended, cancel := context.WithCancel(ctx)
+	cancel()
+	if _, err := pub.Publish(ended, st); err == nil {
+		t.Fatal("a publish with an ended context succeeded")
+	}
+	if got := lease(); got != first {
+		t.Fatalf("after a publish that etcd did not answer the lease is %x; want the session's %x kept", got, first)
+	}
+	select {
+	case <-pub.Lost():
+		t.Fatal("Lost signalled for a publish that etcd did not answer")
+	default:
+	}
+
+	// The keep-alive runs every TTL/3 (over 3 s here): the Put below meets the revoked
+	// lease first.
+	if _, err := cli.Revoke(ctx, first); err != nil {
+		t.Fatal(err)
+	}
+	_, err := pub.Publish(ctx, st)
+	if !errors.Is(err, rpctypes.ErrLeaseNotFound) {
+		t.Fatalf("publish under a revoked lease: %v; want %v", err, rpctypes.ErrLeaseNotFound)
+	}
+	select {
+	case <-pub.Lost():
+	case <-time.After(20 * time.Second):
+		t.Fatal("Lost not signalled after a publish met the revoked lease")
+	}
+	if _, err := pub.Publish(ctx, st); err != nil {
+		t.Fatal(err)
+	}
+	if got := lease(); got == first || got == clientv3.NoLease {
+		t.Fatalf("after the lease was lost the record is under %x; want a new lease", got)
+	}
+	if err := pub.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
 }
