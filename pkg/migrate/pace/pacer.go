@@ -282,6 +282,11 @@ func (p *pacer) ObserveServing(latency time.Duration) {
 	}
 }
 
+// dropServing forgets the client requests waiting for a judgement.
+func (p *pacer) dropServing() {
+	p.serving, p.servingWindows = p.serving[:0], 0
+}
+
 // Observe feeds one transaction that ended at now after latency, writing objects
 // (counted whether or not it succeeded); err is its etcd error, if any. A conflict is
 // not an error: the transaction was answered.

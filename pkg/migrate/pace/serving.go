@@ -43,8 +43,9 @@ type ServingLatency struct {
 	clock clock.PassiveClock
 
 	mu sync.Mutex
-	// migrating counts the migrations writing now.
-	migrating int
+	// migrating counts the migrations writing now, since the first of them began.
+	migrating      int
+	migratingSince time.Time
 	// baseline holds the requests answered while none wrote, a slot per minute of
 	// the last servingBaselineMaxAge (indexed by the minute, modulo).
 	baseline [servingBaselineSlots]servingSlot
@@ -70,7 +71,10 @@ func NewServingLatency(clk clock.PassiveClock) *ServingLatency {
 	return &ServingLatency{clock: clk, rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 0x5e55))}
 }
 
-// Observe records one answered request that took latency.
+// Observe records one answered request that took latency. A request that arrived
+// before the migrations writing now began is not judged: it was not theirs to slow,
+// and one that waited out an etcd leader election before the migration started (7 s)
+// halved the rate of a migration that had not met the outage at all.
 func (s *ServingLatency) Observe(latency time.Duration) {
 	if s == nil {
 		return
@@ -78,6 +82,9 @@ func (s *ServingLatency) Observe(latency time.Duration) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.migrating > 0 {
+		if s.clock.Now().Add(-latency).Before(s.migratingSince) {
+			return
+		}
 		if len(s.pending) < maxPendingServing {
 			s.pending = append(s.pending, latency)
 		}
@@ -114,7 +121,9 @@ func (s *ServingLatency) begin(q float64) (baseline time.Duration, ok bool, end 
 	if len(recent) >= minServingBaselineSamples {
 		baseline, ok = quantile(recent, q), true
 	}
-	s.migrating++
+	if s.migrating++; s.migrating == 1 {
+		s.migratingSince = now
+	}
 	var once sync.Once
 	return baseline, ok, func() {
 		once.Do(func() {

@@ -3,6 +3,7 @@ package pace
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -12,6 +13,7 @@ import (
 	"k8s.io/utils/clock"
 
 	"github.com/rekey-io/rekey/internal/etcdtest"
+	"github.com/rekey-io/rekey/internal/freeport"
 )
 
 // scriptedTxn fails Commit with the errors left in errs, one per attempt, then
@@ -77,7 +79,8 @@ func TestTxnTriesAgainWhileEtcdIsUnavailable(t *testing.T) {
 // The clients' requests answered while etcd could not answer the migration waited for
 // etcd as the migration did (up to etcd's 7 s request timeout in an election): they
 // are not judged as the migration's doing. Before, one such window halved the rate
-// of a migration whose etcd leader was killed.
+// of a migration whose etcd leader was killed. Those waiting in the pacer for enough
+// others to be judged are dropped with them: they held the rate for windows.
 func TestClientsWaitingOutAnEtcdOutageAreNotJudged(t *testing.T) {
 	cli := etcdtest.Start(t).Client(t)
 	serving := NewServingLatency(clock.RealClock{})
@@ -87,19 +90,31 @@ func TestClientsWaitingOutAnEtcdOutageAreNotJudged(t *testing.T) {
 	g := NewWriter(WriterOptions{Client: cli, Clock: clock.RealClock{}, MaxBatch: 8,
 		Pacing: Options{Serving: serving, Window: time.Hour}, Logger: ktesting.NewLogger(t, ktesting.NewConfig())})
 	defer g.Close()
+	// A few answered before the outage, too few to judge yet: they wait in the pacer.
+	// (Requests are judged when they arrived after the migration began.)
+	time.Sleep(10 * time.Millisecond)
+	serving.Observe(6 * time.Millisecond)
+	if _, err := g.Txn(t.Context(), 1, 100, func(ctx context.Context) clientv3.Txn {
+		return scriptedTxn{errs: new([]error), attempts: new([]context.Context), ctx: ctx}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(g.pacer.serving); n != 1 {
+		t.Fatalf("%d client requests wait in the pacer before the outage, want 1", n)
+	}
 	errs := []error{rpctypes.ErrTimeoutDueToLeaderFail, rpctypes.ErrNoLeader}
 	var attempts []context.Context
 	if _, err := g.Txn(t.Context(), 1, 100, func(ctx context.Context) clientv3.Txn {
-		// Clients answered after waiting for the election, before and as etcd returns.
+		// Clients answered while etcd elects a leader, before and as it returns.
 		for range 10 {
-			serving.Observe(7 * time.Second)
+			serving.Observe(5 * time.Millisecond)
 		}
 		return scriptedTxn{errs: &errs, attempts: &attempts, ctx: ctx}
 	}); err != nil {
 		t.Fatal(err)
 	}
 	if n := len(g.pacer.serving); n != 0 {
-		t.Fatalf("%d client requests of the etcd outage were handed to the pacer, want none", n)
+		t.Fatalf("%d client requests of the etcd outage or waiting from before it are in the pacer, want none (those waiting would hold the rate for windows)", n)
 	}
 	// Once a window has passed, the clients are judged again.
 	g.mu.Lock()
@@ -137,5 +152,45 @@ func TestAttemptTimeoutFollowsTheLatencyTarget(t *testing.T) {
 	p.Observe(t0, 40*time.Millisecond, 1, nil)
 	if got, want := p.LatencyScale(), 120*time.Millisecond; got != want {
 		t.Errorf("scale after a 40ms transaction = %v, want %v (3 × its latency)", got, want)
+	}
+}
+
+// A migration that starts during an etcd outage meets it first in the space reading,
+// before any transaction: the clients' requests answered meanwhile are excused as a
+// transaction's outage excuses them. Before, a killed etcd leader's 7 s client requests
+// were judged in the migration's first windows and halved its rate.
+func TestSpaceReadingOutageExcusesClients(t *testing.T) {
+	port, err := freeport.Pick()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{fmt.Sprintf("http://127.0.0.1:%d", port)}, DialTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	serving := NewServingLatency(clock.RealClock{})
+	for range minServingBaselineSamples {
+		serving.Observe(5 * time.Millisecond)
+	}
+	g := NewWriter(WriterOptions{Client: cli, Clock: clock.RealClock{}, MaxBatch: 8,
+		Pacing: Options{Serving: serving}, Logger: ktesting.NewLogger(t, ktesting.NewConfig())})
+	defer g.Close()
+	time.Sleep(10 * time.Millisecond)
+	serving.Observe(5 * time.Millisecond)
+	ctx, cancel := context.WithTimeout(t.Context(), maxEtcdAttemptTimeout+time.Second)
+	defer cancel()
+	start := time.Now()
+	if err := g.admit(ctx, 100); err == nil {
+		t.Fatal("admitted a write with etcd unreachable")
+	}
+	g.mu.Lock()
+	until := g.excuseServingUntil
+	g.mu.Unlock()
+	if until.Before(start.Add(etcdRequestTimeout)) {
+		t.Fatalf("clients excused until %v after the failed space reading; want until at least etcd's request timeout after it began", until.Sub(start))
+	}
+	if n := len(serving.drain(nil)); n != 0 {
+		t.Fatalf("%d client requests answered during the outage left to judge, want none", n)
 	}
 }

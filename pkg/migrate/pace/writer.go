@@ -348,6 +348,10 @@ func (g *Writer) Txn(ctx context.Context, objects int, bytes int64, build func(c
 		}
 		before := g.pacer.last
 		g.pacer.Observe(now, latency, objects, err)
+		if v := g.pacer.last; v != before {
+			g.log.V(4).Info("Storage migration pacing window", "change", v.Change, "cause", v.Cause, "p90", v.P90, "samples", v.Samples, "errors", v.Errors,
+				"clientsP99", v.ServingP99, "clientsSamples", v.ServingSamples, "achieved", v.Achieved, "allowedRate", g.pacer.Rate())
+		}
 		if v := g.pacer.last; v != before && v.Change == "decrease" {
 			g.log.V(2).Info("Storage migration slows down", "cause", v.Cause, "p90", v.P90, "target", g.pacer.Target(),
 				"clientsP99", v.ServingP99, "clientsTarget", g.pacer.ServingTarget(), "watchCacheLag", v.WatchLag,
@@ -380,7 +384,16 @@ const etcdRequestTimeout = 7 * time.Second
 func (g *Writer) excuseServing(since time.Time) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	g.excuseServingLocked(since)
+}
+
+// excuseServingLocked is excuseServing with g.mu held.
+func (g *Writer) excuseServingLocked(since time.Time) {
 	g.serving.drain(g.servingBuf[:0])
+	// Those the pacer was holding for a judgement go too: too few to judge before the
+	// outage, they would hold the rate for windows after it (a killed etcd leader
+	// held a migration at 100 objects/s for 3 s so).
+	g.pacer.dropServing()
 	until := g.clock.Now()
 	if end := since.Add(etcdRequestTimeout); end.After(until) {
 		until = end
@@ -470,10 +483,17 @@ func (g *Writer) admit(ctx context.Context, bytes int64) error {
 			// Read under the lock: one reading serves every worker. Each read is bounded
 			// as a transaction's attempt is: a read caught in a leader election is given
 			// up and tried again soon (unknownRetry).
+			readStart := g.clock.Now()
 			s := readSpace(ctx, g.client, attemptTimeoutFor(g.pacer.LatencyScale()))
 			if ctx.Err() != nil {
 				g.mu.Unlock()
 				return ctx.Err()
+			}
+			if s.Err != nil && etcdUnavailable(s.Err) {
+				// The same outage as a transaction's (a migration that starts during a
+				// leader election meets it here first): the clients' requests waiting
+				// for etcd meanwhile say nothing of the migration's load.
+				g.excuseServingLocked(readStart)
 			}
 			g.gate.Measured(g.clock.Now(), s)
 			d = g.gate.Admit(g.clock.Now(), bytes)
