@@ -15,6 +15,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
 
+	"github.com/rekey-io/rekey/internal/etcdunavailable"
 	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/events"
 	"github.com/rekey-io/rekey/pkg/migrate"
@@ -384,7 +385,7 @@ func (n *Node) confirmPromotions(ctx context.Context) {
 	read, err := readMembers(rctx, n.opts.Client, n.opts.Prefix, n.ownClusterID())
 	cancel()
 	if err != nil {
-		n.log.Error(err, "Cannot read the members to confirm a promotion; the key stays held until the next change")
+		n.log.Error(err, "Cannot read the members to confirm a promotion; the key stays held and the read is tried again")
 		return
 	}
 	n.mu.Lock()
@@ -417,6 +418,10 @@ func (n *Node) tick(ctx context.Context) {
 	n.mu.Unlock()
 	if stale || due {
 		n.publish(ctx, due)
+	} else {
+		// A read to confirm a promotion that failed (etcd did not answer) is tried
+		// again here, not only at the next change of the members.
+		n.confirmPromotions(ctx)
 	}
 	n.flushKeyWrites(ctx, false)
 	n.evaluate()
@@ -466,7 +471,7 @@ func (n *Node) publishNow(ctx context.Context, force bool) error {
 	n.mu.Lock()
 	losses := n.fence.Losses() // before the Put: a loss after it voids it
 	n.mu.Unlock()
-	rev, err := n.pub.Publish(pctx, st)
+	rev, err := n.publishAttempts(pctx, st)
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if err != nil {
@@ -483,6 +488,37 @@ func (n *Node) publishNow(ctx context.Context, force bool) error {
 	n.handshake.Published(st)
 	n.stepViewLocked(recordPut{Rev: rev, Losses: losses})
 	return nil
+}
+
+// publishAttempt bounds one attempt to publish; publishAttempts tries again until
+// ctx ends. A Put that a follower forwarded to an etcd leader killed meanwhile waits for
+// etcd's 7 s request timeout, while a new leader answers one sent a second or two
+// later: a single attempt under the 5 s publish timeout blocked the node's loop (and
+// the promotion handshake behind it) for all of that in every leader loss.
+const (
+	publishAttempt      = 1500 * time.Millisecond
+	publishRetryBackoff = 100 * time.Millisecond
+)
+
+// publishAttempts publishes st, trying again while etcd does not answer (an attempt's
+// deadline, a leader election) and ctx lasts; any other failure is returned at once.
+func (n *Node) publishAttempts(ctx context.Context, st MemberState) (int64, error) {
+	for {
+		actx, cancel := context.WithTimeout(ctx, publishAttempt)
+		rev, err := n.pub.Publish(actx, st)
+		cancel()
+		if err == nil || ctx.Err() != nil || !etcdunavailable.Is(err) {
+			return rev, err
+		}
+		// Real time, as the attempts' deadlines: a test's fake clock does not move etcd.
+		t := time.NewTimer(publishRetryBackoff)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return rev, err
+		case <-t.C:
+		}
+	}
 }
 
 // evaluate feeds the disagreement alarm and updates the metrics.

@@ -16,11 +16,11 @@ import (
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"golang.org/x/time/rate"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
+
+	"github.com/rekey-io/rekey/internal/etcdunavailable"
 )
 
 // spaceReadGrace is how long the other members may take once one answered.
@@ -319,7 +319,7 @@ func (g *Writer) Txn(ctx context.Context, objects int, bytes int64, build func(c
 		// The transaction's latency ends here: waiting for the lock below is the
 		// other workers' business, not etcd's.
 		latency := g.clock.Since(start)
-		if err != nil && ctx.Err() == nil && etcdUnavailable(err) {
+		if err != nil && ctx.Err() == nil && etcdunavailable.Is(err) {
 			if unavailableSince.IsZero() {
 				unavailableSince = start
 			}
@@ -435,28 +435,6 @@ const (
 	etcdRetryBackoffMax = 2 * time.Second
 )
 
-// etcdUnavailable reports the failures of a transaction that say etcd could not answer
-// it then (a member lost, a leader election, an attempt's deadline), not that it is
-// wrong or that etcd refused it.
-func etcdUnavailable(err error) bool {
-	for _, e := range []error{rpctypes.ErrLeaderChanged, rpctypes.ErrNoLeader, rpctypes.ErrTimeout,
-		rpctypes.ErrTimeoutDueToLeaderFail, rpctypes.ErrTimeoutDueToConnectionLost, rpctypes.ErrTimeoutWaitAppliedIndex} {
-		if errors.Is(err, e) {
-			return true
-		}
-	}
-	if errors.Is(err, context.DeadlineExceeded) {
-		return true
-	}
-	if s, ok := status.FromError(err); ok {
-		switch s.Code() {
-		case codes.Unavailable, codes.DeadlineExceeded:
-			return true
-		}
-	}
-	return false
-}
-
 // waitForTokens waits until l allows n events. A batch is sized from the burst when it
 // is built, and another worker's transaction may lower the burst before this one
 // commits: rate.Limiter.WaitN fails outright for n above the burst ("Wait(n=10)
@@ -489,7 +467,7 @@ func (g *Writer) admit(ctx context.Context, bytes int64) error {
 				g.mu.Unlock()
 				return ctx.Err()
 			}
-			if s.Err != nil && etcdUnavailable(s.Err) {
+			if s.Err != nil && etcdunavailable.Is(s.Err) {
 				// The same outage as a transaction's (a migration that starts during a
 				// leader election meets it here first): the clients' requests waiting
 				// for etcd meanwhile say nothing of the migration's load.
