@@ -56,6 +56,10 @@ type Record struct {
 	// Acknowledged is how many unreadable objects the verifying re-scan found
 	// acknowledged: the migration is verified except them.
 	Acknowledged int64 `json:"acknowledged,omitempty"`
+	// SustainedRate is the highest rate (objects/s) the migration achieved while the
+	// leader's clients were answered within target: where the next migration starts
+	// from (pace.Options.KnownRate).
+	SustainedRate float64 `json:"sustainedRatePerSecond,omitempty"`
 }
 
 // Migration is one migration to start or running.
@@ -109,6 +113,8 @@ type migrationFinished struct {
 	Revision int64
 	// Acknowledged is how many acknowledged unreadable objects the re-scan found.
 	Acknowledged int64
+	// SustainedRate: see Record.
+	SustainedRate float64
 }
 
 func (leadership) leaderEvent()        {}
@@ -167,7 +173,12 @@ func (l *leader) Step(ev leaderEvent) {
 			return
 		}
 		rec := Record{Target: l.running.Target, StartedAt: l.running.StartedAt, FinishedAt: l.now, Error: e.Err, Verified: e.Err == "",
-			Revision: e.Revision, Acknowledged: e.Acknowledged}
+			Revision: e.Revision, Acknowledged: e.Acknowledged, SustainedRate: e.SustainedRate}
+		if rec.SustainedRate == 0 {
+			// A migration whose clients were never judged (all of it during an etcd
+			// outage, or too short) learned nothing new: the rate known before stays.
+			rec.SustainedRate = l.records[e.Resource].SustainedRate
+		}
 		l.running = nil
 		if e.Err != "" {
 			l.failures[e.Resource]++

@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"encoding/json"
 	"fmt"
 	"strconv"
 	"strings"
@@ -183,5 +184,52 @@ func TestInventoryEventsLeaveAcknowledgedObjectsOut(t *testing.T) {
 	}
 	if n := offTarget(ev, Key{Provider: "aesgcm", Key: "k2"}); n != 2 {
 		t.Fatalf("off target = %d, want the 2 objects under k0 that are not acknowledged", n)
+	}
+}
+
+// TestKnownRateComesFromTheLatestRecord: a finished migration's sustained rate is kept
+// in its record (published in the migration state, read by the next leader), and the
+// next migration starts from the latest record that has one; a migration that never
+// had its clients judged (0) does not erase it.
+func TestKnownRateComesFromTheLatestRecord(t *testing.T) {
+	now := epoch
+	l := newLeader([]string{"secrets", "configmaps"}, now)
+	finish := func(res string, rate float64) {
+		now = now.Add(time.Minute)
+		l.Step(tick{Now: now})
+		l.Step(migrationStarted{Migration: Migration{Resource: res, Target: Key{Provider: "aesgcm", Key: "k2"}, StartedAt: now}})
+		l.Step(migrationFinished{Resource: res, Target: Key{Provider: "aesgcm", Key: "k2"}, SustainedRate: rate})
+	}
+	if got := knownRate(l.Records()); got != 0 {
+		t.Fatalf("known rate with no records = %v, want 0", got)
+	}
+	finish("secrets", 900)
+	finish("configmaps", 1400)
+	if got := knownRate(l.Records()); got != 1400 {
+		t.Fatalf("known rate = %v, want the latest record's 1400", got)
+	}
+	finish("configmaps", 0)
+	if got := knownRate(l.Records()); got != 1400 {
+		t.Fatalf("known rate after a migration without a judged window = %v, want 1400 kept", got)
+	}
+	finish("secrets", 700)
+	if got := knownRate(l.Records()); got != 700 {
+		t.Fatalf("known rate = %v, want the latest record's 700 (a cluster slower than before)", got)
+	}
+	finish("configmaps", 1100)
+
+	// A new leader reads the records from the published state.
+	data, err := json.Marshal(MigrationState{Records: l.Records()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st MigrationState
+	if err := json.Unmarshal(data, &st); err != nil {
+		t.Fatal(err)
+	}
+	next := newLeader([]string{"secrets", "configmaps"}, now)
+	next.Step(recordsLoaded{Records: st.Records})
+	if got := knownRate(next.Records()); got != 1100 {
+		t.Fatalf("known rate read by a new leader = %v, want 1100 (%s)", got, data)
 	}
 }

@@ -87,6 +87,20 @@ type resumeRate struct {
 // resumeRateFor: a rate older than this says little about the clients now.
 const resumeRateFor = 30 * time.Second
 
+// knownRate is the sustained rate of the latest migration on record that had one (0:
+// none): where the next starts (pace.Options.KnownRate). It is kept in the migration
+// state, so a new leader and the next rotation, weeks later, start from it too; the
+// pacer starts at half of it and halves again at the first slowed window.
+func knownRate(records map[string]Record) float64 {
+	var latest Record
+	for _, r := range records {
+		if r.SustainedRate > 0 && r.FinishedAt.After(latest.FinishedAt) {
+			latest = r
+		}
+	}
+	return latest.SustainedRate
+}
+
 // LastMigration is the latest migration this apiserver ran as leader, in the storage
 // controller's format (nil when none).
 func (m *Migrator) LastMigration() *migrate.MigrationRecord {
@@ -155,6 +169,7 @@ type migrationResult struct {
 	err          error
 	revision     int64
 	acknowledged int64
+	sustained    float64
 }
 
 // term is the leader's work during one term of leadership: the leader machine fed from
@@ -306,11 +321,12 @@ func (t *term) start(ctx context.Context, mig Migration) {
 	t.m.log.Info("Every live apiserver writes with the same key; migrating stored objects", "resource", mig.Resource, "target", mig.Target.String())
 	t.m.opts.Events.Event(events.Normal, events.ReasonMigrationStarted, fmt.Sprintf("%s: every live apiserver writes with %s; migrating stored objects to it", mig.Resource, mig.Target.String()))
 	mirror := t.m.opts.Mirror
+	known := knownRate(t.leader.Records())
 	go func() {
 		if mirror != nil {
 			mirror.Started(ctx, mig.Resource, mig.Target.String())
 		}
-		out := t.m.migrate(ctx, mig, t.guard, func(p Progress) { t.progress.Store(&p) })
+		out := t.m.migrate(ctx, mig, known, t.guard, func(p Progress) { t.progress.Store(&p) })
 		out.mig = mig
 		if mirror != nil {
 			// Told even when the leadership ended (ctx cancelled): the mirror must not
@@ -339,7 +355,7 @@ func (t *term) finished(r migrationResult) {
 		t.m.opts.Events.Event(events.Normal, events.ReasonMigrationVerified, msg)
 	}
 	t.leader.Step(tick{Now: t.m.opts.Clock.Now()})
-	t.leader.Step(migrationFinished{Resource: r.mig.Resource, Target: r.mig.Target, Err: errText, Revision: r.revision, Acknowledged: r.acknowledged})
+	t.leader.Step(migrationFinished{Resource: r.mig.Resource, Target: r.mig.Target, Err: errText, Revision: r.revision, Acknowledged: r.acknowledged, SustainedRate: r.sustained})
 }
 
 // awaitRunning waits for the running migration (its context is cancelled) to return.
@@ -385,7 +401,7 @@ func (m *Migrator) refreshInventory(ctx context.Context, records map[string]Reco
 // migrate runs one resource's migration with its checkpoint in etcd; its result has the
 // etcd revision of the verifying re-scan, or, when it ended before one, the revision
 // when it ended: what orders the record against inventories.
-func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.Cmp, report func(Progress)) migrationResult {
+func (m *Migrator) migrate(ctx context.Context, mig Migration, known float64, guard []clientv3.Cmp, report func(Progress)) migrationResult {
 	var resource migrate.Resource
 	for _, r := range m.resources() {
 		if r.String() == mig.Resource {
@@ -395,6 +411,7 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.
 	start := m.opts.Clock.Now()
 	verified := &migrate.InventoryStore{}
 	pacing := m.opts.Pacing
+	pacing.KnownRate = known
 	m.mu.Lock()
 	if r := m.resume; r.target == mig.Target && m.opts.Clock.Since(r.at) < resumeRateFor {
 		pacing.ResumeRate = r.rate
@@ -433,6 +450,7 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, guard []clientv3.
 	rec := &migrate.MigrationRecord{Resources: []string{mig.Resource}, Finished: m.opts.Clock.Now(), Acknowledged: out.acknowledged}
 	if res != nil {
 		rec.Duration, rec.Counters = res.Duration, res.Counters
+		out.sustained = res.SustainedRate
 		m.mu.Lock()
 		m.resume = resumeRate{target: mig.Target, rate: res.AllowedRate, at: rec.Finished}
 		m.mu.Unlock()

@@ -122,6 +122,10 @@ type Result struct {
 	// (+Inf: no limit): the next migration of the same rotation can resume from it
 	// (pace.Options.ResumeRate).
 	AllowedRate float64
+	// SustainedRate is the highest rate the migration achieved while its clients were
+	// answered within target, in objects per second (0: none was judged): where a later
+	// migration of the cluster can start (pace.Options.KnownRate).
+	SustainedRate float64
 }
 
 // newWriter paces the migration's transactions at most at opts.Rate; pauseChanged
@@ -225,6 +229,7 @@ func Migrate(ctx context.Context, opts Options) (*Result, error) {
 	res, err := m.run(ctx)
 	if res != nil {
 		_, res.AllowedRate, _ = m.writer.State()
+		res.SustainedRate = m.writer.SustainedRate()
 	}
 	opts.Metrics.migrationDone(err, float64(opts.Clock.Now().UnixNano())/1e9)
 	return res, err

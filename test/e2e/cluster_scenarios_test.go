@@ -751,9 +751,9 @@ func TestClusterLeaderKilledMidMigration(t *testing.T) {
 }
 
 // (e) One etcd member of three goes down during a rotation, as in an upgrade or a
-// reboot: every shim has all three endpoints. After a rotation with every member up
-// (the baseline), one loses the etcd leader once the new key writes, the next a
-// follower; each finishes through the outage with the clients served, and the old key
+// reboot: every shim has all three endpoints. After two rotations with every member up
+// (the second is the baseline), one loses the etcd leader once the new key writes, the
+// next a follower; each finishes through the outage with the clients served, and the old key
 // is dropped while the member is down. Each rotation's migrate stage (the first object
 // under the new key to the last one under the old, as etcd shows it) is logged beside
 // the baseline's.
@@ -762,6 +762,10 @@ func TestClusterOneEtcdMemberDown(t *testing.T) {
 	b := newClusterBed(t, bedConfig{name: "cluster-e", objects: clusterObjects(t), coordination: true, etcdLeaderLoss: true, args: []string{"--v=2"}})
 	l := b.startLoad()
 	ctx := t.Context()
+	// The first rotation is the cluster's first migration: it starts at the pacer's
+	// start rate and finds the clients' level. Every later one starts from the rate
+	// that one sustained (the migration records keep it), so the baseline to compare
+	// a member outage with is the second, with every member up too.
 	steps := []struct {
 		down     string // which member goes down: "", "leader" or "follower"
 		cfg      testbed.EncryptionConfig
@@ -769,11 +773,12 @@ func TestClusterOneEtcdMemberDown(t *testing.T) {
 		from, to string
 	}{
 		{"", testbed.SecretsConfig(testbed.AESGCM(b.key2, b.key1)), "key1", stored1, stored2},
-		{"leader", testbed.SecretsConfig(testbed.AESGCM(b.key3, b.key2)), "key2", stored2, stored3},
-		{"follower", testbed.SecretsConfig(testbed.AESGCM(b.key1, b.key3)), "key3", stored3, stored1},
+		{"", testbed.SecretsConfig(testbed.AESGCM(b.key3, b.key2)), "key2", stored2, stored3},
+		{"leader", testbed.SecretsConfig(testbed.AESGCM(b.key1, b.key3)), "key3", stored3, stored1},
+		{"follower", testbed.SecretsConfig(testbed.AESGCM(b.key2, b.key1)), "key1", stored1, stored2},
 	}
 	var baseline migrateStage
-	for _, st := range steps {
+	for i, st := range steps {
 		stage := b.watchMigrateStage(st.from, st.to)
 		applied := time.Now()
 		if _, err := b.syncer.Apply(ctx, st.cfg.Render()).Wait(ctx); err != nil {
@@ -793,8 +798,11 @@ func TestClusterOneEtcdMemberDown(t *testing.T) {
 			st.cfg.Render(), testbed.StoredUnderProbe(b.cli, b.secretsKey, st.to))
 		took := stage()
 		if st.down == "" {
-			baseline = took
-			t.Logf("rotation with every etcd member up: edit → verified %v, migrate stage %v", verified.Sub(applied).Round(time.Millisecond), took)
+			what := "the cluster's first migration"
+			if i > 0 {
+				what, baseline = "the baseline", took
+			}
+			t.Logf("rotation with every etcd member up (%s): edit → verified %v, migrate stage %v", what, verified.Sub(applied).Round(time.Millisecond), took)
 		} else {
 			t.Logf("rotation with the etcd %s down: edit → verified %v, migrate stage %v: ×%.2f the baseline's %v, ×%.2f per stale object", st.down,
 				verified.Sub(applied).Round(time.Millisecond), took, took.took.Seconds()/max(baseline.took.Seconds(), 0.001), baseline.took.Round(time.Millisecond),

@@ -77,6 +77,9 @@ const (
 	// the migration started with: past that the cluster is in trouble of its own, and
 	// the migration slows down for such clients as before.
 	maxRebaselineFactor = 4
+	// knownRateFraction of Options.KnownRate is where a migration starts: the clients
+	// of now may be busier than those of the migration that found it.
+	knownRateFraction = 0.5
 	// busyFraction: a calm window raises the rate only when the migration used at
 	// least this fraction of it; otherwise the rate was not what held it back, and
 	// raising it would only let it drift far above what etcd was ever shown.
@@ -118,6 +121,14 @@ type Options struct {
 	// every resource over at ServingStartRate costs each a second or more. 0 or +Inf:
 	// ServingStartRate and slow start.
 	ResumeRate float64
+	// KnownRate is a rate the clients were answered within target at in an earlier
+	// migration of this cluster (its Result.SustainedRate; the cluster migrator keeps
+	// the latest in etcd). With a serving baseline and no ResumeRate, the rate starts at
+	// half of it (when that is above ServingStartRate) and doubles from there: the
+	// cluster showed what its clients bear, and finding it again from ServingStartRate
+	// costs a 1,000-object migration most of its time. The first window that shows
+	// the clients slowed halves it as any.
+	KnownRate float64
 }
 
 func (o Options) withDefaults() Options {
@@ -259,8 +270,17 @@ func (p *pacer) SetServingBaseline(baseline time.Duration) {
 		return
 	}
 	p.slowStart = true
-	p.rate = min(p.rate, p.opts.ServingStartRate)
+	start := p.opts.ServingStartRate
+	if k := p.opts.KnownRate; k > 0 && !math.IsInf(k, 1) {
+		start = max(start, knownRateFraction*k)
+	}
+	p.rate = min(p.rate, start)
 }
+
+// SustainedRate is the highest rate achieved in a window whose clients were judged
+// and answered within target (0: none was): evidence of what they bear, for the next
+// migration's start (Options.KnownRate).
+func (p *pacer) SustainedRate() float64 { return p.calmRate }
 
 func (p *pacer) servingTargetOf(baseline time.Duration) time.Duration {
 	return max(time.Duration(p.opts.ServingFactor*float64(baseline)), baseline+minServingSlack)

@@ -160,6 +160,14 @@ func (g *Writer) observeWatchCache(rev int64, now time.Time) {
 // serving baseline again.
 func (g *Writer) Close() { g.endServing() }
 
+// SustainedRate is the highest rate the migration achieved with its clients judged
+// within target (0: none): for the next migration's Options.KnownRate.
+func (g *Writer) SustainedRate() float64 {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.pacer.SustainedRate()
+}
+
 // BatchLimit is how many objects one transaction should carry at the rate allowed
 // now: at most batchSpread's worth of it, so that a slow rate is spent evenly rather
 // than in bursts of a full batch that stall the clients' requests behind them.
