@@ -60,6 +60,9 @@ const (
 	ReasonKMSKeyIDReused = "KMSKeyIDReused"
 	// ReasonKMSKeyIDDisagreement: a KMS plugin's Encrypt and Status key ids differ.
 	ReasonKMSKeyIDDisagreement = "KMSKeyIDDisagreement"
+	// ReasonKMSDecryptProbeFailed: a KMS plugin answered but could not decrypt a stored
+	// object's DEK under a key id data is stored with.
+	ReasonKMSDecryptProbeFailed = "KMSDecryptProbeFailed"
 )
 
 // DefaultBuffer is how many events a Deferred keeps before it is attached.

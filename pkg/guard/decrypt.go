@@ -35,8 +35,8 @@ type DecryptFailure struct {
 	Err error
 }
 
-// reason describes f.Err without the plugin's own words.
-func (f DecryptFailure) reason() string {
+// Reason describes f.Err without the plugin's own words (they may name raw key ids).
+func (f DecryptFailure) Reason() string {
 	var se interface{ GRPCStatus() *status.Status }
 	if errors.As(f.Err, &se) {
 		return "the plugin answered " + se.GRPCStatus().Code().String()
@@ -46,9 +46,9 @@ func (f DecryptFailure) reason() string {
 
 func (f DecryptFailure) String() string {
 	if f.Unavailable {
-		return fmt.Sprintf("%s: %d objects are stored under kms provider %q key id %s; the new plugin for it is unavailable, so whether it can decrypt them is unknown (%s)", f.Resource, f.Objects, f.Provider, f.KeyIDHash, f.reason())
+		return fmt.Sprintf("%s: %d objects are stored under kms provider %q key id %s; the new plugin for it is unavailable, so whether it can decrypt them is unknown (%s)", f.Resource, f.Objects, f.Provider, f.KeyIDHash, f.Reason())
 	}
-	return fmt.Sprintf("%s: %d objects are stored under kms provider %q key id %s, and the new plugin for it cannot decrypt them (%s)", f.Resource, f.Objects, f.Provider, f.KeyIDHash, f.reason())
+	return fmt.Sprintf("%s: %d objects are stored under kms provider %q key id %s, and the new plugin for it cannot decrypt them (%s)", f.Resource, f.Objects, f.Provider, f.KeyIDHash, f.Reason())
 }
 
 // DecryptOptions configure NewDecrypt.

@@ -33,6 +33,10 @@ const (
 // migrator quickly.
 const DefaultKMSStatusInterval = 15 * time.Second
 
+// DefaultKMSDecryptProbeInterval is --kms-decrypt-probe-interval's default: one plugin
+// Decrypt per KMS v2 key id in use every 5 minutes, well inside any DEK cache's life.
+const DefaultKMSDecryptProbeInterval = 5 * time.Minute
+
 // DefaultKMSFirstSeedHold is --kms-first-seed-hold's default: two Status intervals, so a
 // plugin on another node that rotated its key with this one's is seen and published,
 // while a plugin that lags for longer does not keep this apiserver from writing.
@@ -123,6 +127,10 @@ type Flags struct {
 	KMSDEKCacheIdle  time.Duration
 	// KMSKeyIDConfirmations is --kms-key-id-confirmations; 0 keeps the default.
 	KMSKeyIDConfirmations int
+	// KMSDecryptProbeInterval is --kms-decrypt-probe-interval: how often one stored
+	// object per KMS v2 provider and key id is decrypted by the plugin, past every DEK
+	// cache; 0 probes never.
+	KMSDecryptProbeInterval time.Duration
 
 	StorageMigration     bool
 	StorageMigrationRate float64
@@ -166,6 +174,7 @@ func NewFlags(d Defaults) Flags {
 		KMSSeedMaxWrites:                    kmsv2.DefaultSeedMaxWrites,
 		KMSDEKCacheIdle:                     kmsv2.DefaultDEKCacheIdle,
 		KMSKeyIDConfirmations:               kmsv2.DefaultKeyIDConfirmations,
+		KMSDecryptProbeInterval:             DefaultKMSDecryptProbeInterval,
 		StorageMigration:                    d.StorageMigration,
 		StorageMigrationEtcdQuotaBytes:      pace.DefaultEtcdQuotaBytes,
 		StorageMigrationMaxDBFraction:       pace.DefaultMaxDBFraction,
@@ -207,6 +216,10 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 		"How many consecutive healthy KMS v2 Status answers must report a new key id before it acts (a new DEK seed, the write fence, migration); "+
 			"the Encrypt that follows must answer with it too. A key id flap shorter than that rewrites nothing; a real rotation acts "+
 			"this many Status intervals minus one later. 1: at the first Status (upstream kube-apiserver).")
+	fs.DurationVar(&f.KMSDecryptProbeInterval, "kms-decrypt-probe-interval", f.KMSDecryptProbeInterval,
+		"How often one stored object per KMS v2 provider and key id (from the storage inventory) is decrypted by its plugin past every DEK cache, "+
+			"so that a key the plugin can no longer decrypt with (a deleted key version, an alias re-pointed behind a stable key id) is raised "+
+			"(error log, Event KMSDecryptProbeFailed, rekey_kms_decrypt_probe_failing) while cached DEKs still serve every read. 0: never.")
 	fs.DurationVar(&f.KMSRetryInterval, "kms-retry-interval", f.KMSRetryInterval, "KMS v2 Status period while unhealthy (default 10s; never longer than --kms-status-interval). For tests.")
 	fs.DurationVar(&f.KMSWriteTTL, "kms-write-ttl", f.KMSWriteTTL, "How long KMS v2 writes continue after the last healthy Status (default 3m). For tests.")
 
@@ -303,6 +316,9 @@ func (f *Flags) Validate() []error {
 	}
 	if f.KMSFirstSeedHold < 0 {
 		errs = append(errs, fmt.Errorf("--kms-first-seed-hold=%s: must be 0 (no hold) or positive", f.KMSFirstSeedHold))
+	}
+	if f.KMSDecryptProbeInterval < 0 {
+		errs = append(errs, fmt.Errorf("--kms-decrypt-probe-interval=%s: must not be negative (0 probes never)", f.KMSDecryptProbeInterval))
 	}
 	if f.KMSKeyIDConfirmations < 0 {
 		errs = append(errs, fmt.Errorf("--kms-key-id-confirmations=%d: must be at least 1 (0 keeps the default, %d)", f.KMSKeyIDConfirmations, kmsv2.DefaultKeyIDConfirmations))

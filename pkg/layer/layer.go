@@ -221,6 +221,8 @@ type Layer struct {
 	serving *pace.ServingLatency
 	// watchCache reads how far the apiserver's watch caches have got (nil: not known).
 	watchCache *watchCacheRevisions
+	// probeMetrics are the KMS decrypt probe's (nil: it never runs).
+	probeMetrics *kmsProbeMetrics
 
 	// client is the layer's one etcd client, closed last.
 	client *clientv3.Client
@@ -293,6 +295,12 @@ func New(ctx context.Context, o Options) (_ *Layer, err error) {
 	}
 	o.layout() // set once, before any goroutine reads the options
 	l := &Layer{opts: o, client: cli, store: &migrate.InventoryStore{}, metrics: m, refusals: refusals, log: o.Logger, events: &events.Deferred{}}
+	if o.KMSDecryptProbeInterval > 0 {
+		if l.probeMetrics, err = newKMSProbeMetrics(o.Registry); err != nil {
+			_ = cli.Close()
+			return nil, fmt.Errorf("registering KMS decrypt probe metrics: %w", err)
+		}
+	}
 	if o.StorageMigrationClientLatencyFactor > 0 {
 		l.serving = pace.NewServingLatency(nil)
 	}
@@ -667,6 +675,12 @@ func (l *Layer) addStorageHook(c *genericapiserver.Config) error {
 			}
 			wg.Add(1)
 			go func() { defer wg.Done(); l.ledgerRecorder().Run(ctx, ledgerRecordInterval) }()
+			if l.probeMetrics != nil {
+				probe := &kmsProbe{inventory: l.store, client: l.etcdClient, config: agent.ActiveConfig, tr: agent,
+					events: l.events, log: l.log.WithName("kms-decrypt-probe"), m: l.probeMetrics}
+				wg.Add(1)
+				go func() { defer wg.Done(); probe.Run(ctx, o.KMSDecryptProbeInterval) }()
+			}
 			ctrl.Run(ctx)
 			wg.Wait()
 		}()

@@ -109,3 +109,23 @@ type KMSStatus struct {
 	KeyIDDisagreements    uint64 `json:"keyIDDisagreements,omitempty"`
 	LastKeyIDDisagreement string `json:"lastKeyIDDisagreement,omitempty"`
 }
+
+// uncachedKMSKey marks a context whose reads must ask the KMS plugin (WithUncachedKMS).
+type uncachedKMSKey struct{}
+
+// WithUncachedKMS returns a context whose reads through a KMS v2 provider ask the
+// plugin to decrypt the stored DEK source, whatever the provider has cached, and cache
+// nothing. It is how a probe learns that a plugin can no longer decrypt what is stored
+// under a key id (a deleted key version, an alias re-pointed behind a stable id) while
+// the cached DEKs still serve every read: before the cache expires or a restart
+// empties it and the data is unreadable.
+func WithUncachedKMS(ctx context.Context) context.Context {
+	return context.WithValue(ctx, uncachedKMSKey{}, true)
+}
+
+// UncachedKMS reports whether ctx asks for reads that bypass the DEK cache
+// (WithUncachedKMS).
+func UncachedKMS(ctx context.Context) bool {
+	v, _ := ctx.Value(uncachedKMSKey{}).(bool)
+	return v
+}

@@ -350,6 +350,21 @@ func (p *Provider) Open(ctx context.Context, data []byte, dataCtx value.Context)
 	ws := p.write.Load()
 	var e *dekEntry
 	stale := false
+	if transformers.UncachedKMS(ctx) {
+		// A probe of the plugin (transformers.WithUncachedKMS): the plugin decrypts the
+		// DEK source, and nothing is cached.
+		if e, err = p.unwrap(ctx, &o, annos); err != nil {
+			return nil, false, err
+		}
+		if ws != nil {
+			stale = string(o.KeyID) != ws.keyID || o.SourceType != ws.typ
+		}
+		out, err := p.decrypt(e, o.Data, dataCtx.AuthenticatedData(), nil)
+		if err != nil {
+			return nil, false, err
+		}
+		return out, stale, nil
+	}
 	if ws != nil && o.Tail != nil && string(o.Tail) == string(ws.tail) {
 		e = ws.entry
 		p.pm.hits.Inc()
@@ -450,6 +465,15 @@ func (p *Provider) decrypt(e *dekEntry, data, aad []byte, ws *writeState) ([]byt
 
 // fetch asks the plugin to decrypt a DEK source and caches it.
 func (p *Provider) fetch(ctx context.Context, o *wire.Object, annotations []wire.Annotation, k wire.CacheKey) (*dekEntry, error) {
+	e, err := p.unwrap(ctx, o, annotations)
+	if err != nil {
+		return nil, err
+	}
+	return p.dek.put(k, e), nil
+}
+
+// unwrap asks the plugin to decrypt a DEK source.
+func (p *Provider) unwrap(ctx context.Context, o *wire.Object, annotations []wire.Annotation) (*dekEntry, error) {
 	var annos map[string][]byte
 	if len(annotations) > 0 {
 		annos = make(map[string][]byte, len(annotations))
@@ -470,7 +494,7 @@ func (p *Provider) fetch(ctx context.Context, o *wire.Object, annotations []wire
 	if err != nil {
 		return nil, fmt.Errorf("kms v2 provider %q: %w", p.name, err)
 	}
-	return p.dek.put(k, e), nil
+	return e, nil
 }
 
 // Status describes the provider without key material.
