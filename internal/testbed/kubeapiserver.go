@@ -138,7 +138,13 @@ func StartKubeAPIServer(ctx context.Context, bin string, c KubeAPIServerConfig) 
 	return retryLostPort(func() (*Shim, error) { return startKubeAPIServer(ctx, bin, c) })
 }
 
-func startKubeAPIServer(ctx context.Context, bin string, c KubeAPIServerConfig) (*Shim, error) {
+// LaunchKubeAPIServer starts kube-apiserver without waiting for it to listen or be
+// ready (one whose KMS plugin is absent is not ready): the caller polls what it needs.
+// Its kubeconfig is written at once.
+func LaunchKubeAPIServer(bin string, c KubeAPIServerConfig) (*Shim, error) {
+	if c.Name == "" {
+		c.Name = "kube-apiserver"
+	}
 	port, err := FreePort()
 	if err != nil {
 		return nil, err
@@ -147,13 +153,26 @@ func startKubeAPIServer(ctx context.Context, bin string, c KubeAPIServerConfig) 
 	if err != nil {
 		return nil, err
 	}
-	start := time.Now()
 	p, err := Start(c.Name, c.Dir, bin, args...)
 	if err != nil {
 		return nil, err
 	}
 	s := &Shim{Process: p, Token: adminToken, Port: port, URL: "https://127.0.0.1:" + strconv.Itoa(port),
-		CAFile: filepath.Join(c.Dir, "certs", "apiserver.crt")}
+		CAFile: filepath.Join(c.Dir, "certs", "apiserver.crt"), Kubeconfig: filepath.Join(c.Dir, "kubeconfig")}
+	if err := os.WriteFile(s.Kubeconfig, []byte(Kubeconfig(s.URL, s.CAFile, s.Token)), 0o600); err != nil {
+		p.Kill()
+		return nil, err
+	}
+	return s, nil
+}
+
+func startKubeAPIServer(ctx context.Context, bin string, c KubeAPIServerConfig) (*Shim, error) {
+	start := time.Now()
+	s, err := LaunchKubeAPIServer(bin, c)
+	if err != nil {
+		return nil, err
+	}
+	p := s.Process
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Minute)
 	defer cancel()
 	err = poll(ctx, p, 50*time.Millisecond, func() error {
@@ -176,10 +195,5 @@ func startKubeAPIServer(ctx context.Context, bin string, c KubeAPIServerConfig) 
 		return nil, fmt.Errorf("%s not ready: %w\n%s", c.Name, err, p.Log(3000))
 	}
 	s.Ready = time.Since(start)
-	s.Kubeconfig = filepath.Join(c.Dir, "kubeconfig")
-	if err := os.WriteFile(s.Kubeconfig, []byte(Kubeconfig(s.URL, s.CAFile, s.Token)), 0o600); err != nil {
-		p.Kill()
-		return nil, err
-	}
 	return s, nil
 }
