@@ -21,7 +21,7 @@ import (
 
 // kmsProbe decrypts, every interval, one stored object per KMS v2 (provider, key id)
 // that the latest storage inventory counts, with the serving configuration but past
-// every DEK cache (transformers.WithUncachedKMS): the plugin itself must decrypt the
+// every DEK cache (transformers.UncachedKMSReads): the plugin itself must decrypt the
 // DEK source. A plugin that lost a key behind a stable key id (a deleted key version,
 // an alias re-pointed to other material) keeps answering Status with that id, and the
 // cached DEKs keep serving every read, until the cache drops them or the apiserver
@@ -102,7 +102,7 @@ func (p *kmsProbe) once(ctx context.Context) {
 	if cli == nil {
 		return
 	}
-	fs, err := guard.CheckDecrypt(transformers.WithUncachedKMS(ctx), p.inventory.Latest(), cli, p.config(), p.tr)
+	fs, err := guard.CheckDecrypt(ctx, p.inventory.Latest(), cli, p.config(), transformers.UncachedKMSReads(p.tr))
 	if err != nil {
 		p.log.V(2).Info("KMS decrypt probe could not read etcd; trying again at the next interval", "err", err)
 		return

@@ -350,45 +350,39 @@ func (p *Provider) Open(ctx context.Context, data []byte, dataCtx value.Context)
 	ws := p.write.Load()
 	var e *dekEntry
 	stale := false
-	if transformers.UncachedKMS(ctx) {
-		// A probe of the plugin (transformers.WithUncachedKMS): the plugin decrypts the
-		// DEK source, and nothing is cached.
-		if e, err = p.unwrap(ctx, &o, annos); err != nil {
-			return nil, false, err
-		}
-		if ws != nil {
-			stale = string(o.KeyID) != ws.keyID || o.SourceType != ws.typ
-		}
-		out, err := p.decrypt(e, o.Data, dataCtx.AuthenticatedData(), nil)
-		if err != nil {
-			return nil, false, err
-		}
-		return out, stale, nil
-	}
-	if ws != nil && o.Tail != nil && string(o.Tail) == string(ws.tail) {
+	// A probe of the plugin (transformers.UncachedKMS) has it decrypt the DEK source
+	// whatever is cached, and caches nothing, not even the derived AEAD.
+	uncached := transformers.IsUncachedKMS(dataCtx)
+	if !uncached && ws != nil && o.Tail != nil && string(o.Tail) == string(ws.tail) {
 		e = ws.entry
 		p.pm.hits.Inc()
 	} else {
 		if ws != nil {
 			stale = string(o.KeyID) != ws.keyID || o.SourceType != ws.typ
 		}
-		if e = p.recentEntry(o.Tail); e != nil {
-			p.pm.hits.Inc()
+		if uncached {
+			if e, err = p.unwrap(ctx, &o, annos); err != nil {
+				return nil, false, err
+			}
 		} else {
-			k := wire.ComputeCacheKey(o.SourceType, o.DEKSource, o.KeyID, annos)
-			if e = p.dek.get(k); e != nil {
+			if e = p.recentEntry(o.Tail); e != nil {
 				p.pm.hits.Inc()
 			} else {
-				p.pm.miss()
-				if e, err = p.fetch(ctx, &o, annos, k); err != nil {
-					return nil, false, err
+				k := wire.ComputeCacheKey(o.SourceType, o.DEKSource, o.KeyID, annos)
+				if e = p.dek.get(k); e != nil {
+					p.pm.hits.Inc()
+				} else {
+					p.pm.miss()
+					if e, err = p.fetch(ctx, &o, annos, k); err != nil {
+						return nil, false, err
+					}
 				}
+				p.rememberTail(o.Tail, e)
 			}
-			p.rememberTail(o.Tail, e)
+			e.touch(p.coarseNow.Load())
 		}
-		e.touch(p.coarseNow.Load())
 	}
-	out, err := p.decrypt(e, o.Data, dataCtx.AuthenticatedData(), ws)
+	out, err := p.decrypt(e, o.Data, dataCtx.AuthenticatedData(), ws, !uncached)
 	if err != nil {
 		return nil, false, err
 	}
@@ -429,7 +423,9 @@ func (p *Provider) rememberTail(tail []byte, e *dekEntry) {
 	p.recent.Store(&next)
 }
 
-func (p *Provider) decrypt(e *dekEntry, data, aad []byte, ws *writeState) ([]byte, error) {
+// decrypt opens data with e's key; cacheAEAD keeps an AEAD derived from a seed for the
+// next value under it (false for an entry no later read will find).
+func (p *Provider) decrypt(e *dekEntry, data, aad []byte, ws *writeState, cacheAEAD bool) ([]byte, error) {
 	var a = e.aead
 	if e.typ == wire.SourceHKDFSeed {
 		if len(data) < infoSize+nonceSize+tagSize {
@@ -449,7 +445,9 @@ func (p *Provider) decrypt(e *dekEntry, data, aad []byte, ws *writeState) ([]byt
 				if a, err = deriveGCM(e.seed, info); err != nil {
 					return nil, err
 				}
-				p.aeads.put(k, a)
+				if cacheAEAD {
+					p.aeads.put(k, a)
+				}
 			}
 		}
 	}
