@@ -3,6 +3,7 @@ package layer
 import (
 	"fmt"
 	"path"
+	"strconv"
 	"strings"
 	"time"
 
@@ -47,6 +48,12 @@ const (
 	FlagStorageMigration          = "storage-migration"
 	FlagStorageMigrationResources = "storage-migration-resources"
 	FlagAPIServerID               = "apiserver-id"
+)
+
+// Names of the flags of the trade between a migration's speed and the clients' latency.
+const (
+	FlagStorageMigrationPriority            = "storage-migration-priority"
+	FlagStorageMigrationClientLatencyFactor = "storage-migration-client-latency-factor"
 )
 
 // Defaults are what may differ between the binaries that embed the layer; everything
@@ -142,6 +149,15 @@ type Flags struct {
 	// Options.WatchCacheMetrics); 0 or negative leaves the watch cache out.
 	StorageMigrationClientLatencyFactor float64
 	StorageMigrationMaxWatchLag         time.Duration
+	// StorageMigrationPriority is --storage-migration-priority (pace.Priority's
+	// names; "" is normal): the clients' latency factor unless
+	// StorageMigrationClientLatencyFactor was set (see ServingFactor), and where a
+	// migration starts.
+	StorageMigrationPriority string
+	// clientLatencyFactorSet: --storage-migration-client-latency-factor was given on
+	// the command line (AddFlags' value records it), so it wins over the priority even
+	// at its default value.
+	clientLatencyFactorSet bool
 	// StorageMigrationEtcdQuotaBytes and StorageMigrationMaxDBFraction: see
 	// pace.SpaceOptions.
 	StorageMigrationEtcdQuotaBytes int64
@@ -180,6 +196,7 @@ func NewFlags(d Defaults) Flags {
 		StorageMigrationMaxDBFraction:       pace.DefaultMaxDBFraction,
 		StorageMigrationClientLatencyFactor: pace.DefaultServingFactor,
 		StorageMigrationMaxWatchLag:         pace.DefaultMaxWatchLag,
+		StorageMigrationPriority:            string(pace.PriorityNormal),
 		StorageResources:                    d.StorageResources,
 		ClusterCoordination:                 true,
 		ClusterLeaseTTL:                     cluster.DefaultLeaseTTL,
@@ -231,13 +248,19 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 		"Maximum objects re-encrypted per second by --storage-migration; 0 is no ceiling. Below it the rate adapts to etcd: it halves "+
 			"while the migration's own etcd transactions are slow (p90 over 3× the first second's, at least 20ms) or fail, and climbs back "+
 			"50 objects/s (or a tenth of the rate, above 500/s) a second while they are fast (rekey_storage_migration_allowed_rate).")
-	fs.Float64Var(&f.StorageMigrationClientLatencyFactor, "storage-migration-client-latency-factor", f.StorageMigrationClientLatencyFactor,
+	fs.Var(&clientLatencyFactorValue{f}, FlagStorageMigrationClientLatencyFactor,
 		"Storage migration also halves its rate while this apiserver answers its clients more than this many times slower (p99 of at least 100 requests, "+
 			"or of what 5s brought; at least 1ms more) than before the migration began, and then starts at 100 objects/s, doubling while they are as fast as before "+
 			"(the rate holds until their requests are judged); its verifying re-scan is paced the same way; "+
 			"on control planes whose CPUs etcd, the apiserver and the migration share, etcd can stay fast while the clients wait. "+
 			"Watches and other long-running requests are not timed; with fewer than 50 requests in the 10 minutes before, there is no baseline "+
-			"and etcd alone paces. 0 leaves the clients out.")
+			"and etcd alone paces. 0 leaves the clients out. Set, it wins over --"+FlagStorageMigrationPriority+"'s factor (unset: 1.5, or 3 for fast).")
+	fs.StringVar(&f.StorageMigrationPriority, FlagStorageMigrationPriority, f.StorageMigrationPriority,
+		"How storage migration trades this apiserver's clients' latency for its own speed: "+
+			"gentle (clients within 1.5× their p99 before it, and every migration starts at 100 objects/s, doubling), "+
+			"normal (clients within 1.5×; a migration starts at half the highest rate the cluster's last migration sustained with its clients within target, at least 100/s), "+
+			"fast (clients within 3×; a migration starts at that rate itself). "+
+			"--"+FlagStorageMigrationClientLatencyFactor+", when set, replaces the priority's factor.")
 	fs.DurationVar(&f.StorageMigrationMaxWatchLag, "storage-migration-max-watch-lag", f.StorageMigrationMaxWatchLag,
 		"Storage migration also halves its rate while this apiserver's watch cache of the resource is further behind the migration's own writes "+
 			"than this (every rewritten object is an event the cache decodes, one at a time, before any watcher sees it: writing faster only "+
@@ -292,6 +315,40 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 	}
 }
 
+// clientLatencyFactorValue is --storage-migration-client-latency-factor: a float64
+// flag (the same type, default and text as pflag's) that records being set, so that a
+// factor given on the command line wins over --storage-migration-priority's even when
+// it equals the default.
+type clientLatencyFactorValue struct{ f *Flags }
+
+func (v *clientLatencyFactorValue) String() string {
+	return strconv.FormatFloat(v.f.StorageMigrationClientLatencyFactor, 'g', -1, 64)
+}
+
+func (v *clientLatencyFactorValue) Set(s string) error {
+	x, err := strconv.ParseFloat(s, 64)
+	if err != nil {
+		return err
+	}
+	v.f.StorageMigrationClientLatencyFactor, v.f.clientLatencyFactorSet = x, true
+	return nil
+}
+
+func (v *clientLatencyFactorValue) Type() string { return "float64" }
+
+// Pacing is the clients' latency factor and the priority storage migrations are paced
+// with: the factor is StorageMigrationClientLatencyFactor when it was set (on the
+// command line, or in process to anything but its default), else 0, which pace reads
+// as the priority's (pace.Options.ServingFactor). The flags are valid (Validate).
+func (f *Flags) Pacing() (servingFactor float64, priority pace.Priority) {
+	priority, _ = pace.ParsePriority(f.StorageMigrationPriority)
+	servingFactor = f.StorageMigrationClientLatencyFactor
+	if !f.clientLatencyFactorSet && servingFactor == pace.DefaultServingFactor {
+		servingFactor = 0
+	}
+	return servingFactor, priority
+}
+
 // Rekey reports whether this layer serves the configuration (not upstream's); the
 // zero value's empty EncryptionLayer means rekey.
 func (f *Flags) Rekey() bool {
@@ -336,7 +393,10 @@ func (f *Flags) Validate() []error {
 		errs = append(errs, fmt.Errorf("--storage-migration-rate=%v: must be 0 (unlimited) or positive", f.StorageMigrationRate))
 	}
 	if f := f.StorageMigrationClientLatencyFactor; f != 0 && f <= 1 {
-		errs = append(errs, fmt.Errorf("--storage-migration-client-latency-factor=%v: must be above 1 (clients allowed that many times slower), or 0 to leave them out", f))
+		errs = append(errs, fmt.Errorf("--%s=%v: must be above 1 (clients allowed that many times slower), or 0 to leave them out", FlagStorageMigrationClientLatencyFactor, f))
+	}
+	if _, err := pace.ParsePriority(f.StorageMigrationPriority); err != nil {
+		errs = append(errs, fmt.Errorf("--%s=%q: must be %s, %s or %s", FlagStorageMigrationPriority, f.StorageMigrationPriority, pace.PriorityGentle, pace.PriorityNormal, pace.PriorityFast))
 	}
 	errs = append(errs, ValidateStorageMigrationSpace(f.StorageMigrationEtcdQuotaBytes, f.StorageMigrationMaxDBFraction)...)
 	if f.ClusterCoordination && f.Rekey() && f.APIServerID != "" {

@@ -10,6 +10,7 @@ import (
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/migrate/pace"
 	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
 
@@ -156,5 +157,56 @@ func TestDefaultCoordinationPrefix(t *testing.T) {
 	o.CoordinationPrefix = "/kube/rekey"
 	if err := o.Validate(); err == nil {
 		t.Error("a coordination prefix inside --etcd-prefix passed Validate")
+	}
+}
+
+// --storage-migration-priority picks the clients' latency factor unless
+// --storage-migration-client-latency-factor is given, even at its default value; the
+// layer's pacing options carry both.
+func TestStorageMigrationPriority(t *testing.T) {
+	for _, tc := range []struct {
+		args         []string
+		wantFactor   float64 // what the layer passes pace (0: the priority's)
+		wantPriority pace.Priority
+		effective    float64
+	}{
+		{nil, 0, pace.PriorityNormal, 1.5},
+		{[]string{"--storage-migration-priority=gentle"}, 0, pace.PriorityGentle, 1.5},
+		{[]string{"--storage-migration-priority=fast"}, 0, pace.PriorityFast, 3},
+		{[]string{"--storage-migration-priority=fast", "--storage-migration-client-latency-factor=1.5"}, 1.5, pace.PriorityFast, 1.5},
+		{[]string{"--storage-migration-client-latency-factor=2", "--storage-migration-priority=gentle"}, 2, pace.PriorityGentle, 2},
+	} {
+		f := NewFlags(KubeAPIServerDefaults())
+		fs := pflag.NewFlagSet("t", pflag.ContinueOnError)
+		f.AddFlags(fs)
+		if err := fs.Parse(tc.args); err != nil {
+			t.Fatal(err)
+		}
+		if errs := f.Validate(); len(errs) > 0 {
+			t.Fatalf("%q: %v", tc.args, errs)
+		}
+		l := &Layer{opts: Options{Flags: f}}
+		p := l.pacing()
+		effective := p.ServingFactor
+		if effective == 0 {
+			effective = p.Priority.ServingFactor()
+		}
+		if p.ServingFactor != tc.wantFactor || p.Priority != tc.wantPriority || effective != tc.effective {
+			t.Errorf("%q: pacing factor %v, priority %q (effective factor %v), want %v, %q (%v)",
+				tc.args, p.ServingFactor, p.Priority, effective, tc.wantFactor, tc.wantPriority, tc.effective)
+		}
+	}
+
+	// In process, a factor other than the default is explicit too.
+	f := NewFlags(ShimDefaults())
+	f.StorageMigrationPriority, f.StorageMigrationClientLatencyFactor = "fast", 1.2
+	if factor, priority := f.Pacing(); factor != 1.2 || priority != pace.PriorityFast {
+		t.Errorf("in process: factor %v, priority %q, want 1.2, fast", factor, priority)
+	}
+
+	f = NewFlags(ShimDefaults())
+	f.StorageMigrationPriority = "urgent"
+	if errs := f.Validate(); len(errs) != 1 || !strings.Contains(errs[0].Error(), `--storage-migration-priority="urgent": must be gentle, normal or fast`) {
+		t.Errorf("errors %v, want one naming the flag and its values", errs)
 	}
 }

@@ -244,7 +244,8 @@ type Layer struct {
 // timed (AddServingLatency) to them too.
 func (l *Layer) pacing() pace.Options {
 	// The flag's 0 leaves the watch cache out; pace's 0 is its default.
-	p := pace.Options{Serving: l.serving, ServingFactor: l.opts.StorageMigrationClientLatencyFactor, MaxWatchLag: noBoundIfZero(l.opts.StorageMigrationMaxWatchLag)}
+	factor, priority := l.opts.Pacing()
+	p := pace.Options{Serving: l.serving, ServingFactor: factor, Priority: priority, MaxWatchLag: noBoundIfZero(l.opts.StorageMigrationMaxWatchLag)}
 	if l.watchCache != nil {
 		p.WatchCache = l.watchCache.Revision
 	}

@@ -77,9 +77,10 @@ const (
 	// the migration started with: past that the cluster is in trouble of its own, and
 	// the migration slows down for such clients as before.
 	maxRebaselineFactor = 4
-	// knownRateFraction of Options.KnownRate is where a migration starts: the clients
-	// of now may be busier than those of the migration that found it.
-	knownRateFraction = 0.5
+	// FastServingFactor is PriorityFast's clients' latency factor: loose enough that
+	// the migration takes what etcd gives, tight enough that clients slowed threefold
+	// still slow it down.
+	FastServingFactor = 3
 	// busyFraction: a calm window raises the rate only when the migration used at
 	// least this fraction of it; otherwise the rate was not what held it back, and
 	// raising it would only let it drift far above what etcd was ever shown.
@@ -104,7 +105,8 @@ type Options struct {
 	// before the migration for a baseline, the migration starts at ServingStartRate and
 	// slows down whenever the clients are answered more than ServingFactor times slower.
 	Serving *ServingLatency
-	// ServingFactor and ServingStartRate: see the defaults.
+	// ServingFactor and ServingStartRate: see the defaults; an unset ServingFactor
+	// is the Priority's.
 	ServingFactor    float64
 	ServingStartRate float64
 	// WatchCache, when set, is how far the apiserver's watch caches have got (an
@@ -124,11 +126,70 @@ type Options struct {
 	// KnownRate is a rate the clients were answered within target at in an earlier
 	// migration of this cluster (its Result.SustainedRate; the cluster migrator keeps
 	// the latest in etcd). With a serving baseline and no ResumeRate, the rate starts at
-	// half of it (when that is above ServingStartRate) and doubles from there: the
+	// half of it (Priority's KnownRateFraction: none of it for gentle, all of it for
+	// fast), when that is above ServingStartRate, and doubles from there: the
 	// cluster showed what its clients bear, and finding it again from ServingStartRate
 	// costs a 1,000-object migration most of its time. The first window that shows
 	// the clients slowed halves it as any.
 	KnownRate float64
+	// Priority trades the clients' latency for the migration's speed: the
+	// ServingFactor when that is not set, and where a migration with a serving baseline
+	// starts (see Priority). "": PriorityNormal.
+	Priority Priority
+}
+
+// Priority is how a migration weighs the apiserver's clients against its own speed
+// (--storage-migration-priority).
+type Priority string
+
+// Priorities.
+const (
+	// PriorityGentle: clients within DefaultServingFactor, and every migration starts
+	// at ServingStartRate in slow start, whatever an earlier one sustained.
+	PriorityGentle Priority = "gentle"
+	// PriorityNormal (the default): clients within DefaultServingFactor; a migration
+	// starts at half of Options.KnownRate when that is above ServingStartRate.
+	PriorityNormal Priority = "normal"
+	// PriorityFast: clients within FastServingFactor; a migration starts at
+	// Options.KnownRate itself.
+	PriorityFast Priority = "fast"
+)
+
+// Priorities lists the priorities, gentlest first.
+func Priorities() []Priority { return []Priority{PriorityGentle, PriorityNormal, PriorityFast} }
+
+// ParsePriority reads a priority's name ("" is PriorityNormal).
+func ParsePriority(s string) (Priority, error) {
+	if s == "" {
+		return PriorityNormal, nil
+	}
+	for _, p := range Priorities() {
+		if string(p) == s {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("unknown storage migration priority %q: use %s, %s or %s", s, PriorityGentle, PriorityNormal, PriorityFast)
+}
+
+// ServingFactor is the clients' latency factor of the priority.
+func (p Priority) ServingFactor() float64 {
+	if p == PriorityFast {
+		return FastServingFactor
+	}
+	return DefaultServingFactor
+}
+
+// KnownRateFraction is the fraction of Options.KnownRate a migration of the priority
+// starts at (when above ServingStartRate): 0 for gentle (never), 0.5 for normal (the
+// clients of now may be busier than those of the migration that found it), 1 for fast.
+func (p Priority) KnownRateFraction() float64 {
+	switch p {
+	case PriorityGentle:
+		return 0
+	case PriorityFast:
+		return 1
+	}
+	return 0.5
 }
 
 func (o Options) withDefaults() Options {
@@ -147,8 +208,11 @@ func (o Options) withDefaults() Options {
 	if o.Decrease <= 0 || o.Decrease >= 1 {
 		o.Decrease = DefaultDecrease
 	}
+	if o.Priority == "" {
+		o.Priority = PriorityNormal
+	}
 	if o.ServingFactor <= 1 {
-		o.ServingFactor = DefaultServingFactor
+		o.ServingFactor = o.Priority.ServingFactor()
 	}
 	if o.ServingStartRate <= 0 {
 		o.ServingStartRate = DefaultServingStartRate
@@ -272,7 +336,7 @@ func (p *pacer) SetServingBaseline(baseline time.Duration) {
 	p.slowStart = true
 	start := p.opts.ServingStartRate
 	if k := p.opts.KnownRate; k > 0 && !math.IsInf(k, 1) {
-		start = max(start, knownRateFraction*k)
+		start = max(start, p.opts.Priority.KnownRateFraction()*k)
 	}
 	p.rate = min(p.rate, start)
 }

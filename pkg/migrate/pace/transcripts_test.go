@@ -22,9 +22,11 @@ var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 // Pacer commands:
 //
 //	pacer [ceiling=N] [target=D] [window=D] [min=N] [increase=N] [serving=D] [resume=N] [known=N]
+//	      [priority=P] [factor=F]
 //	                      a new pacer at +0s; serving is the clients' baseline p99,
 //	                      resume the previous migration's ending rate, known an earlier
-//	                      migration's sustained rate; prints its rate
+//	                      migration's sustained rate, priority gentle|normal|fast,
+//	                      factor the clients' latency factor; prints its rate
 //	txns n=N latency=D [objects=K] [every=D] [errors=E] [clients=C clientlatency=D] [watchlag=D]
 //	                      N transactions of K objects (default 64), one ending every D
 //	                      (default: latency), the first E failing, C client requests
@@ -76,6 +78,13 @@ func (h *pacingHarness) run(t *testing.T, d *datadriven.TestData) string {
 		d.MaybeScanArgs(t, "increase", &o.Increase)
 		d.MaybeScanArgs(t, "resume", &o.ResumeRate)
 		d.MaybeScanArgs(t, "known", &o.KnownRate)
+		d.MaybeScanArgs(t, "factor", &o.ServingFactor)
+		var priority string
+		d.MaybeScanArgs(t, "priority", &priority)
+		var err error
+		if o.Priority, err = ParsePriority(priority); err != nil {
+			d.Fatalf(t, "%v", err)
+		}
 		d.MaybeScanArgs(t, "target", &target)
 		d.MaybeScanArgs(t, "window", &window)
 		o.TargetLatency, o.Window = duration(t, d, target), duration(t, d, window)
