@@ -19,7 +19,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -444,33 +443,18 @@ type Server struct {
 // Start listens and serves in the background; the socket accepts connections when it
 // returns.
 func Start(o Options) (*Server, error) {
-	listen := o.ListenAddr
-	if listen == "" {
-		listen = DefaultListenAddr()
-		if err := ensurePrivateDir(defaultSocketDir()); err != nil {
-			return nil, err
-		}
-	}
-	addr, err := socketPath(listen)
+	addr, err := CheckListenAddr(o.ListenAddr)
 	if err != nil {
 		return nil, err
-	}
-	if !strings.HasPrefix(addr, "@") {
-		if err := checkSocketDir(filepath.Dir(addr)); err != nil {
-			return nil, err
-		}
 	}
 	p, err := NewPlugin(o.KeysFile)
 	if err != nil {
 		return nil, err
 	}
 	p.SetFaults(o.Faults)
-	if !strings.HasPrefix(addr, "@") {
-		_ = os.Remove(addr)
-	}
-	lis, err := net.Listen("unix", addr)
+	lis, err := ListenUnix(addr)
 	if err != nil {
-		return nil, fmt.Errorf("kms-plugin: cannot listen on %s: %w", listen, err)
+		return nil, err
 	}
 	gs := grpc.NewServer()
 	switch o.APIVersion {

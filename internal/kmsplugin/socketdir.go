@@ -4,11 +4,50 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"net"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 )
+
+// CheckListenAddr applies the socket rules every KMS plugin of this repository
+// follows to endpoint (unix:///path.sock or unix:///@abstract-name; empty means
+// DefaultListenAddr, whose directory it creates 0700) and returns the address to
+// listen on: a socket file's directory must be private (checkSocketDir), so that no
+// other local user can replace the socket and receive the plaintext DEK seeds.
+func CheckListenAddr(endpoint string) (string, error) {
+	if endpoint == "" {
+		endpoint = DefaultListenAddr()
+		if err := ensurePrivateDir(defaultSocketDir()); err != nil {
+			return "", err
+		}
+	}
+	addr, err := socketPath(endpoint)
+	if err != nil {
+		return "", err
+	}
+	if !strings.HasPrefix(addr, "@") {
+		if err := checkSocketDir(filepath.Dir(addr)); err != nil {
+			return "", err
+		}
+	}
+	return addr, nil
+}
+
+// ListenUnix listens on addr, an address CheckListenAddr returned, replacing a stale
+// socket file a previous run left behind.
+func ListenUnix(addr string) (net.Listener, error) {
+	if !strings.HasPrefix(addr, "@") {
+		_ = os.Remove(addr)
+	}
+	lis, err := net.Listen("unix", addr)
+	if err != nil {
+		return nil, fmt.Errorf("kms-plugin: cannot listen on %s: %w", addr, err)
+	}
+	return lis, nil
+}
 
 // DefaultListenAddr is the gRPC socket used when Options.ListenAddr is empty: in
 // $XDG_RUNTIME_DIR/rekey-kms when that is set, else in /tmp/rekey-kms-<uid>. A fixed
