@@ -18,9 +18,9 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/server/options/encryptionconfig"
 	"k8s.io/apiserver/pkg/storage/value"
+	"k8s.io/component-base/metrics"
 	kmsapi "k8s.io/kms/apis/v2"
 	"k8s.io/kms/pkg/service"
-	"k8s.io/component-base/metrics"
 	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/rekey-io/rekey/internal/kmsplugin"

@@ -1,0 +1,201 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	kmsapi "k8s.io/kms/apis/v2"
+
+	"github.com/rekey-io/rekey/plugins/kms-pkcs11/internal/softhsmtest"
+)
+
+// buildBinary builds this command into a temporary directory.
+func buildBinary(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "rekey-kms-pkcs11")
+	out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput()
+	if err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	return bin
+}
+
+type env struct {
+	bin, pinFile, sock string
+	h                  *softhsmtest.Token
+}
+
+func (e *env) tokenArgs() []string {
+	return []string{"--module", e.h.Module, "--token-label", e.h.Label, "--pin-file", e.pinFile, "--key-label", "kek", "--max-sessions", fmt.Sprint(softhsmtest.MaxSessions)}
+}
+
+func (e *env) run(t *testing.T, args ...string) string {
+	t.Helper()
+	out, err := exec.Command(e.bin, append(args, e.tokenArgs()...)...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+func (e *env) serve(t *testing.T) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command(e.bin, append([]string{"serve", "--listen-addr", "unix://" + e.sock, "--state-refresh-interval", "200ms"}, e.tokenArgs()...)...)
+	var logs bytes.Buffer
+	cmd.Stderr = &logs
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		if t.Failed() {
+			t.Logf("plugin log:\n%s", logs.String())
+		}
+	})
+	return cmd
+}
+
+func (e *env) client(t *testing.T) kmsapi.KeyManagementServiceClient {
+	t.Helper()
+	conn, err := grpc.NewClient("unix://"+e.sock, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithContextDialer(func(ctx context.Context, a string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, "unix", e.sock)
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return kmsapi.NewKeyManagementServiceClient(conn)
+}
+
+func waitHealthy(t *testing.T, c kmsapi.KeyManagementServiceClient, keyID string) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		st, err := c.Status(ctx, &kmsapi.StatusRequest{})
+		cancel()
+		if err == nil && st.Healthz == "ok" && (keyID == "" || st.KeyId == keyID) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the plugin did not become healthy with key id %q: %+v, %v", keyID, st, err)
+		}
+		time.Sleep(50 * time.Millisecond) // polling another process
+	}
+}
+
+func newEnv(t *testing.T) *env {
+	h := softhsmtest.New(t)
+	dir, err := os.MkdirTemp("", "kp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	e := &env{bin: buildBinary(t), pinFile: filepath.Join(dir, "pin"), sock: filepath.Join(dir, "kms.sock"), h: h}
+	if err := os.WriteFile(e.pinFile, []byte(h.PIN+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+type sealed struct {
+	keyID, pt string
+	ct        []byte
+}
+
+// TestSIGKILLDuringRotation: twice, the plugin process is killed with SIGKILL while
+// writers seal and a rotation runs in another process; once restarted, every
+// ciphertext of every version decrypts, the last rotation's version is current and no
+// version number was issued twice.
+func TestSIGKILLDuringRotation(t *testing.T) {
+	e := newEnv(t)
+	e.run(t, "rotate")
+	srv := e.serve(t)
+	c := e.client(t)
+	waitHealthy(t, c, "kek:v1")
+
+	var mu sync.Mutex
+	var all []sealed
+	writers := func() (stop func()) {
+		ctx, cancel := context.WithCancel(context.Background())
+		var wg sync.WaitGroup
+		for w := range 2 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := 0; ctx.Err() == nil; i++ {
+					pt := fmt.Sprintf("w%d-%d", w, i)
+					cctx, ccancel := context.WithTimeout(ctx, time.Second)
+					r, err := c.Encrypt(cctx, &kmsapi.EncryptRequest{Plaintext: []byte(pt), Uid: pt})
+					ccancel()
+					if err == nil {
+						mu.Lock()
+						all = append(all, sealed{r.KeyId, pt, r.Ciphertext})
+						mu.Unlock()
+					}
+				}
+			}()
+		}
+		return func() { cancel(); wg.Wait() }
+	}
+	for round := 2; round <= 3; round++ {
+		stop := writers()
+		time.Sleep(300 * time.Millisecond) // the writers seal under the current version
+		rot := exec.Command(e.bin, append([]string{"rotate"}, e.tokenArgs()...)...)
+		if err := rot.Start(); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond) // the rotation is under way
+		if err := srv.Process.Signal(syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+		_ = srv.Wait()
+		if err := rot.Wait(); err != nil {
+			t.Fatalf("rotate: %v", err)
+		}
+		stop()
+		srv = e.serve(t)
+		waitHealthy(t, c, fmt.Sprintf("kek:v%d", round))
+	}
+	stop := writers()
+	time.Sleep(200 * time.Millisecond)
+	stop()
+	byKey := map[string]int{}
+	for _, s := range all {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		r, err := c.Decrypt(ctx, &kmsapi.DecryptRequest{Ciphertext: s.ct, KeyId: s.keyID, Uid: s.pt})
+		cancel()
+		if err != nil || string(r.Plaintext) != s.pt {
+			t.Fatalf("%s sealed under %s does not decrypt after the restarts: %v", s.pt, s.keyID, err)
+		}
+		byKey[s.keyID]++
+	}
+	if byKey["kek:v1"] == 0 || byKey["kek:v3"] == 0 {
+		t.Fatalf("sealed per key id: %v; want values under v1 and v3 at least", byKey)
+	}
+	t.Logf("%d ciphertexts decrypted after two SIGKILLs: %v", len(all), byKey)
+	list := e.run(t, "list")
+	for _, want := range []string{"kek:v1", "kek:v2", "kek:v3", "current", "highest version issued: 3"} {
+		if !strings.Contains(list, want) {
+			t.Fatalf("list does not show %q:\n%s", want, list)
+		}
+	}
+	// retire refuses without a way to check the cluster.
+	out, err := exec.Command(e.bin, append([]string{"retire", "1"}, e.tokenArgs()...)...).CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "--etcd-servers is required") {
+		t.Fatalf("retire without --etcd-servers: %v\n%s", err, out)
+	}
+}
