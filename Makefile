@@ -9,7 +9,7 @@ STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(BIN)/tools/staticcheck-$(STATICCHECK_VERSION)/staticcheck
 VERSION_LDFLAGS := -X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 
-.PHONY: all build test lint fmt vet staticcheck tidy-check openapi-check tools run e2e e2e-long bench bench-rotation bench-scale charts bench-go fuzz sim clean kube-apiserver run-kube-apiserver
+.PHONY: kms-pkcs11 test-kms-pkcs11 all build test lint fmt vet staticcheck tidy-check openapi-check tools run e2e e2e-long bench bench-rotation bench-scale charts bench-go fuzz sim clean kube-apiserver run-kube-apiserver
 
 # dist/kube-apiserver: upstream's kube-apiserver with rekey inside, a Go module of its own.
 KUBE_VERSION := v1.37.2
@@ -28,10 +28,11 @@ build:
 ## package and module (dist/kube-apiserver, deploy/monitoring); verbose logs in bin/test-logs,
 ## the slowest tests printed at the end.
 test: lint
+	bash hack/softhsm.sh
 	GO=$(GO) bash hack/test.sh
 
-## lint: gofmt, go vet, staticcheck, `go mod tidy` leaves no diff (here and in deploy/monitoring), the
-## generated OpenAPI is current.
+## lint: gofmt, go vet, staticcheck, `go mod tidy` leaves no diff (here, in deploy/monitoring and in
+## plugins/kms-pkcs11), the generated OpenAPI is current.
 lint: fmt vet staticcheck tidy-check openapi-check
 
 fmt:
@@ -43,6 +44,7 @@ vet:
 	@# dist/kube-apiserver is a module of its own (k8s.io/kubernetes); REKEY_SKIP_KUBE_APISERVER=1 skips it.
 	@if [ "$$REKEY_SKIP_KUBE_APISERVER" != 1 ]; then cd dist/kube-apiserver && $(GO) vet .; fi
 	cd deploy/monitoring && $(GO) vet .
+	cd plugins/kms-pkcs11 && $(GO) vet ./...
 
 tools: $(STATICCHECK)
 
@@ -52,11 +54,13 @@ $(STATICCHECK):
 staticcheck: $(STATICCHECK)
 	$(STATICCHECK) ./...
 	cd deploy/monitoring && $(CURDIR)/$(STATICCHECK) .
+	cd plugins/kms-pkcs11 && $(CURDIR)/$(STATICCHECK) ./...
 
 # -diff prints what tidy would change and fails, leaving go.mod and go.sum untouched.
 tidy-check:
 	@$(GO) mod tidy -diff || { echo "go.mod/go.sum are not tidy: run go mod tidy and commit the result"; exit 1; }
 	@cd deploy/monitoring && $(GO) mod tidy -diff || { echo "deploy/monitoring/go.mod/go.sum are not tidy: run go mod tidy there and commit the result"; exit 1; }
+	@cd plugins/kms-pkcs11 && $(GO) mod tidy -diff || { echo "plugins/kms-pkcs11/go.mod/go.sum are not tidy: run go mod tidy there and commit the result"; exit 1; }
 
 openapi-check:
 	@bash hack/update-openapi.sh --verify
@@ -129,6 +133,17 @@ kube-apiserver:
 ## run-kube-apiserver: etcd, the local KMS v2 plugin and bin/kube-apiserver, like `make run`.
 run-kube-apiserver: kube-apiserver
 	@bash hack/run-kube-apiserver.sh
+
+## kms-pkcs11: bin/rekey-kms-pkcs11, the KMS v2 plugin on PKCS#11 (plugins/kms-pkcs11, a module of
+## its own: it needs cgo and the PKCS#11 headers crypto11 carries; no library to link).
+kms-pkcs11:
+	cd plugins/kms-pkcs11 && CGO_ENABLED=1 $(GO) build -o $(abspath $(BIN))/rekey-kms-pkcs11 .
+
+## test-kms-pkcs11: the plugin's tests alone (SoftHSM2 tokens in temporary directories; they fail,
+## never skip, without softhsm2: apt-get install -y softhsm2 opensc).
+test-kms-pkcs11:
+	bash hack/softhsm.sh
+	cd plugins/kms-pkcs11 && $(GO) test -count=1 -v -timeout 5m ./...
 
 clean:
 	rm -rf $(BIN)

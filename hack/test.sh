@@ -10,7 +10,8 @@
 #   cluster: go test -run '^TestCluster' ./test/e2e
 #   e2e:     go test -skip '^TestCluster' ./test/e2e
 #   other:   every other package of the module, pkg/migrate's heap-bound test without
-#            -race, then dist/kube-apiserver's and deploy/monitoring's own modules
+#            -race, then dist/kube-apiserver's, deploy/monitoring's and plugins/kms-pkcs11's
+#            own modules (the last needs SoftHSM2: .ci/run installs it)
 #
 # Tests must hold under this load: one that fails only beside the others is a bug to
 # find (a starved goroutine taken for a paused process, a command started before its
@@ -41,6 +42,8 @@ group_other() {
 	fi
 	# deploy/monitoring: the alert rules and dashboard checked against running shims.
 	(cd deploy/monitoring && $GO test -count=1 -v -timeout 10m .) || rc=1
+	# plugins/kms-pkcs11: the PKCS#11 plugin against SoftHSM2 tokens (they fail without it).
+	(cd plugins/kms-pkcs11 && $GO test -count=1 -v -timeout 10m ./...) || rc=1
 	return $rc
 }
 
