@@ -120,7 +120,7 @@ func newServeCommand() *cobra.Command {
 			}
 			log := logr.FromSlogHandler(slog.NewTextHandler(cmd.ErrOrStderr(), nil))
 			return serve(cmd.Context(), serveOptions{
-				token: cfg, listen: listen, metricsAddr: metricsAddr, loginRetry: loginRetry, probe: probe,
+				token: cfg, config: tf.config, listen: listen, metricsAddr: metricsAddr, loginRetry: loginRetry, probe: probe,
 				refresh: refresh, shutdown: shutdown, rpcTimeout: rpcTimeout, log: log,
 			})
 		},
@@ -138,7 +138,10 @@ func newServeCommand() *cobra.Command {
 }
 
 type serveOptions struct {
-	token                                            token.Config
+	token token.Config
+	// config reads the flags and the PIN file again: every login attempt reads the PIN
+	// file, so a corrected PIN takes effect at the next attempt without a restart.
+	config                                           func() (token.Config, error)
 	listen, metricsAddr                              string
 	loginRetry, probe, refresh, shutdown, rpcTimeout time.Duration
 	log                                              logr.Logger
@@ -151,7 +154,13 @@ func serve(ctx context.Context, o serveOptions) error {
 	}
 	reg := prometheus.NewRegistry()
 	svc, err := server.New(server.Options{
-		Open:               func() (*token.Token, error) { return token.Open(o.token) },
+		Open: func() (*token.Token, error) {
+			cfg, err := o.config()
+			if err != nil {
+				return nil, err
+			}
+			return token.Open(cfg)
+		},
 		KeyLabel:           o.token.KeyLabel,
 		LoginRetryInterval: o.loginRetry,
 		ProbeInterval:      o.probe,

@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,18 +20,28 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	kmsapi "k8s.io/kms/apis/v2"
 
+	"github.com/rekey-io/rekey/internal/freeport"
 	"github.com/rekey-io/rekey/plugins/kms-pkcs11/internal/softhsmtest"
 )
 
-// buildBinary builds this command into a temporary directory.
-func buildBinary(t *testing.T) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "rekey-kms-pkcs11")
-	out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput()
+// binary is this command, built once by TestMain for every test of the package.
+var binary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "rekey-kms-pkcs11-bin")
 	if err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
 	}
-	return bin
+	binary = filepath.Join(dir, "rekey-kms-pkcs11")
+	if out, err := exec.Command("go", "build", "-o", binary, ".").CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "go build: %v\n%s", err, out)
+		_ = os.RemoveAll(dir)
+		os.Exit(1)
+	}
+	code := m.Run()
+	_ = os.RemoveAll(dir)
+	os.Exit(code)
 }
 
 type env struct {
@@ -50,11 +62,35 @@ func (e *env) run(t *testing.T, args ...string) string {
 	return string(out)
 }
 
-func (e *env) serve(t *testing.T) *exec.Cmd {
+func (e *env) serve(t *testing.T, extra ...string) *exec.Cmd {
+	cmd, _ := e.serveLogged(t, extra...)
+	return cmd
+}
+
+// syncBuffer is a bytes.Buffer a process writes and the test reads.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func (e *env) serveLogged(t *testing.T, extra ...string) (*exec.Cmd, *syncBuffer) {
 	t.Helper()
-	cmd := exec.Command(e.bin, append([]string{"serve", "--listen-addr", "unix://" + e.sock, "--state-refresh-interval", "200ms"}, e.tokenArgs()...)...)
-	var logs bytes.Buffer
-	cmd.Stderr = &logs
+	args := append([]string{"serve", "--listen-addr", "unix://" + e.sock, "--state-refresh-interval", "200ms"}, e.tokenArgs()...)
+	cmd := exec.Command(e.bin, append(args, extra...)...)
+	logs := &syncBuffer{}
+	cmd.Stderr = logs
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -65,7 +101,7 @@ func (e *env) serve(t *testing.T) *exec.Cmd {
 			t.Logf("plugin log:\n%s", logs.String())
 		}
 	})
-	return cmd
+	return cmd, logs
 }
 
 func (e *env) client(t *testing.T) kmsapi.KeyManagementServiceClient {
@@ -104,7 +140,7 @@ func newEnv(t *testing.T) *env {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(dir) })
-	e := &env{bin: buildBinary(t), pinFile: filepath.Join(dir, "pin"), sock: filepath.Join(dir, "kms.sock"), h: h}
+	e := &env{bin: binary, pinFile: filepath.Join(dir, "pin"), sock: filepath.Join(dir, "kms.sock"), h: h}
 	if err := os.WriteFile(e.pinFile, []byte(h.PIN+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -197,5 +233,65 @@ func TestSIGKILLDuringRotation(t *testing.T) {
 	out, err := exec.Command(e.bin, append([]string{"retire", "1"}, e.tokenArgs()...)...).CombinedOutput()
 	if err == nil || !strings.Contains(string(out), "--etcd-servers is required") {
 		t.Fatalf("retire without --etcd-servers: %v\n%s", err, out)
+	}
+}
+
+// TestSIGTERMAndMetrics: the metrics endpoint serves the plugin's own metrics (never
+// the PIN or a key id in clear); SIGTERM ends the process cleanly (exit 0) after it
+// logged the shutdown.
+func TestSIGTERMAndMetrics(t *testing.T) {
+	e := newEnv(t)
+	e.run(t, "rotate")
+	port, err := freeport.Pick()
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	srv, logs := e.serveLogged(t, "--metrics-addr", addr)
+	c := e.client(t)
+	waitHealthy(t, c, "kek:v1")
+	r, err := c.Encrypt(context.Background(), &kmsapi.EncryptRequest{Plaintext: []byte("seed"), Uid: "u"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Decrypt(context.Background(), &kmsapi.DecryptRequest{Ciphertext: r.Ciphertext, KeyId: r.KeyId, Uid: "u"}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	_ = resp.Body.Close()
+	for _, want := range []string{
+		`rekey_kms_pkcs11_requests_total{method="Encrypt",result="ok"} 1`,
+		`rekey_kms_pkcs11_requests_total{method="Decrypt",result="ok"} 1`,
+		`rekey_kms_pkcs11_login_attempts_total{result="ok"} 1`,
+		"rekey_kms_pkcs11_healthy 1",
+		"rekey_kms_pkcs11_current_version 1",
+	} {
+		if !strings.Contains(string(body), want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
+	if strings.Contains(string(body), e.h.PIN) || strings.Contains(string(body), "go_gc_duration_seconds") {
+		t.Errorf("metrics show the PIN, or the global registry's metrics:\n%s", body)
+	}
+	if err := srv.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- srv.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("exit after SIGTERM: %v\n%s", err, logs)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatalf("still running 15 s after SIGTERM\n%s", logs)
+	}
+	out := logs.String()
+	if !strings.Contains(out, "shutting down") || strings.Contains(out, e.h.PIN) {
+		t.Fatalf("log after SIGTERM:\n%s", out)
 	}
 }

@@ -73,6 +73,7 @@ type Service struct {
 	o Options
 	m *metrics
 
+	stepMu       sync.Mutex // one Step at a time
 	mu           sync.Mutex
 	tok          *token.Token
 	lastLogin    time.Time // zero: never attempted
@@ -135,19 +136,26 @@ func (s *Service) Run(ctx context.Context, c clock.WithTicker) {
 }
 
 // Step does what is due at now: a login attempt when not logged in and none was made
-// within LoginRetryInterval, else a refresh of the versions and a probe when due.
+// within LoginRetryInterval, else a refresh of the versions and a probe when due. The
+// login runs outside the service's lock, so a slow token does not hold Status up.
 func (s *Service) Step(now time.Time) {
+	s.stepMu.Lock()
+	defer s.stepMu.Unlock()
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	if s.closed {
+		s.mu.Unlock()
 		return
 	}
 	if s.tok == nil {
 		if !s.lastLogin.IsZero() && now.Sub(s.lastLogin) < s.o.LoginRetryInterval {
+			s.mu.Unlock()
 			return
 		}
 		s.lastLogin = now
+		s.mu.Unlock()
 		tok, err := s.o.Open()
+		s.mu.Lock()
+		defer s.mu.Unlock()
 		if err != nil {
 			s.loginErr = err
 			s.m.logins.WithLabelValues("failed").Inc()
@@ -156,19 +164,37 @@ func (s *Service) Step(now time.Time) {
 			return
 		}
 		s.m.logins.WithLabelValues("ok").Inc()
+		if s.closed {
+			tok.Close()
+			return
+		}
 		s.tok, s.loginErr = tok, nil
 		s.aeads = map[uint64]cipher.AEAD{}
 		s.o.Logger.Info("PKCS#11 token open", "keyLabel", s.o.KeyLabel)
 		s.refreshLocked(now)
-		s.probeLocked(now)
+		if s.tok != nil {
+			s.probeLocked(now)
+		}
 		return
 	}
+	defer s.mu.Unlock()
 	if now.Sub(s.lastRefresh) >= s.o.RefreshInterval {
 		s.refreshLocked(now)
 	}
 	if s.tok != nil && now.Sub(s.lastProbe) >= s.o.ProbeInterval {
 		s.probeLocked(now)
 	}
+}
+
+// AdminSessionsInUse is how many of the token's state sessions are open (0 between
+// calls, or when not logged in).
+func (s *Service) AdminSessionsInUse() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.tok == nil {
+		return 0
+	}
+	return s.tok.AdminSessionsInUse()
 }
 
 // refreshLocked reads the versions: the current one, and which are retired or gone

@@ -57,6 +57,7 @@ type plugin struct {
 	endpoint string
 	dir      string
 	logins   *atomic.Int64
+	pin      *atomic.Value // the PIN the next login attempt uses
 	clock    *clocktesting.FakeClock
 }
 
@@ -69,10 +70,13 @@ func startPlugin(t *testing.T, h *softhsmtest.Token, pin string) *plugin {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(dir) })
-	p := &plugin{dir: dir, logins: &atomic.Int64{}, clock: clocktesting.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))}
-	cfg := tokenConfig(h, pin)
+	p := &plugin{dir: dir, logins: &atomic.Int64{}, pin: &atomic.Value{}, clock: clocktesting.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))}
+	p.pin.Store(pin)
 	p.svc, err = server.New(server.Options{
-		Open:               func() (*token.Token, error) { p.logins.Add(1); return token.Open(cfg) },
+		Open: func() (*token.Token, error) {
+			p.logins.Add(1)
+			return token.Open(tokenConfig(h, p.pin.Load().(string)))
+		},
 		KeyLabel:           "kek",
 		LoginRetryInterval: time.Minute,
 		ProbeInterval:      30 * time.Second,
@@ -318,6 +322,9 @@ func TestRotationsKeepEveryVersionReadable(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	if n := p.svc.AdminSessionsInUse(); n != 0 {
+		t.Fatalf("%d state sessions still open after every call returned", n)
+	}
 }
 
 // TestWrongPINOneLoginPerInterval: with a wrong PIN the plugin attempts one login per
@@ -367,4 +374,16 @@ func TestWrongPINOneLoginPerInterval(t *testing.T) {
 	}
 	st, _ := p.svc.Status(ctx)
 	t.Logf("unhealthy Status: %s", st.Healthz)
+
+	// The PIN corrected (the binary reads its --pin-file at every attempt): the next
+	// attempt, not an earlier one, logs in.
+	p.pin.Store(h.PIN)
+	p.advance(29 * time.Second) // 179 s: the next attempt is due at 180 s
+	if st, _ := p.svc.Status(ctx); st.Healthz == "ok" || p.logins.Load() != 3 {
+		t.Fatalf("logged in before the interval passed: %q after %d attempts", st.Healthz, p.logins.Load())
+	}
+	p.advance(time.Second)
+	if st, _ := p.svc.Status(ctx); st.Healthz != "ok" || st.KeyID != "kek:v1" || p.logins.Load() != 4 {
+		t.Fatalf("after the PIN was corrected: %+v after %d attempts", st, p.logins.Load())
+	}
 }

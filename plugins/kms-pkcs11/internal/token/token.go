@@ -127,7 +127,13 @@ type Token struct {
 	slot uint
 
 	mu sync.Mutex // serialises state object updates within this process
+	// admin bounds the sessions of state and attribute work (withSession): one slot
+	// per session open. Sealing and opening use crypto11's pool (MaxSessions).
+	admin chan struct{}
 }
+
+// adminSessions bounds the sessions withSession opens at once.
+const adminSessions = 2
 
 // ErrNoVersion: the label has no version yet (run rotate).
 var ErrNoVersion = errors.New("the key label has no version yet")
@@ -162,7 +168,7 @@ func Open(cfg Config) (*Token, error) {
 	if err != nil {
 		return nil, fmt.Errorf("pkcs11: opening token %q with module %s: %s", cfg.TokenLabel, cfg.Module, describe(err))
 	}
-	t := &Token{cfg: cfg, c11: c11}
+	t := &Token{cfg: cfg, c11: c11, admin: make(chan struct{}, adminSessions)}
 	// The same library, initialised by crypto11: dlopen shares it, and C_Initialize
 	// answers CKR_CRYPTOKI_ALREADY_INITIALIZED. The login is the application's, so
 	// sessions opened here are logged in too.
@@ -214,7 +220,16 @@ func (t *Token) findSlot() (uint, error) {
 }
 
 // withSession runs f in a session of its own, closed before it returns.
+// At most adminSessions are open at once; a caller waits up to SessionWait for one.
 func (t *Token) withSession(f func(s pkcs11.SessionHandle) error) error {
+	timer := time.NewTimer(t.cfg.SessionWait)
+	defer timer.Stop()
+	select {
+	case t.admin <- struct{}{}:
+	case <-timer.C:
+		return fmt.Errorf("pkcs11: no free session within --session-wait %s (%d in use)", t.cfg.SessionWait, adminSessions)
+	}
+	defer func() { <-t.admin }()
 	s, err := t.p.OpenSession(t.slot, pkcs11.CKF_SERIAL_SESSION|pkcs11.CKF_RW_SESSION)
 	if err != nil {
 		return fmt.Errorf("pkcs11: opening a session: %s", describe(err))
@@ -222,6 +237,10 @@ func (t *Token) withSession(f func(s pkcs11.SessionHandle) error) error {
 	defer func() { _ = t.p.CloseSession(s) }()
 	return f(s)
 }
+
+// AdminSessionsInUse is how many sessions of state and attribute work are open now
+// (0 between calls: a test that sees more found a leak).
+func (t *Token) AdminSessionsInUse() int { return len(t.admin) }
 
 func (t *Token) find(s pkcs11.SessionHandle, tmpl []*pkcs11.Attribute) ([]pkcs11.ObjectHandle, error) {
 	if err := t.p.FindObjectsInit(s, tmpl); err != nil {

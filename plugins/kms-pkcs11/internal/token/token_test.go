@@ -103,6 +103,9 @@ func TestVersionsNeverReused(t *testing.T) {
 	if g := fmtSlice(got); g != want {
 		t.Fatalf("versions %s, want %s", g, want)
 	}
+	if n := tok.AdminSessionsInUse(); n != 0 {
+		t.Fatalf("%d sessions still open after the calls returned", n)
+	}
 	// A second process's view: another Token on the same token sees the same.
 	other := open(t, h)
 	if c, err := other.Current(); err != nil || c.Number != 6 {
