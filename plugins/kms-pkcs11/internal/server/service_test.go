@@ -42,7 +42,9 @@ func tokenConfig(h *softhsmtest.Token, pin string) token.Config {
 }
 
 // admin opens the token as the CLI does, beside the plugin.
-func admin(t *testing.T, h *softhsmtest.Token) *token.Token {
+func admin(t *testing.T, h *softhsmtest.Token) *token.Token { return adminB(t, h) }
+
+func adminB(t testing.TB, h *softhsmtest.Token) *token.Token {
 	t.Helper()
 	tok, err := token.Open(tokenConfig(h, h.PIN))
 	if err != nil {
@@ -64,6 +66,12 @@ type plugin struct {
 // startPlugin serves the token over a unix socket in a private directory; its loop is
 // driven by the test's fake clock (Step).
 func startPlugin(t *testing.T, h *softhsmtest.Token, pin string) *plugin {
+	return startPluginWith(t, h, pin)
+}
+
+func startPluginB(b *testing.B, h *softhsmtest.Token) *plugin { return startPluginWith(b, h, h.PIN) }
+
+func startPluginWith(t testing.TB, h *softhsmtest.Token, pin string) *plugin {
 	t.Helper()
 	dir, err := os.MkdirTemp("", "kp")
 	if err != nil {
