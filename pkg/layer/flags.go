@@ -249,12 +249,13 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 			"while the migration's own etcd transactions are slow (p90 over 3× the first second's, at least 20ms) or fail, and climbs back "+
 			"50 objects/s (or a tenth of the rate, above 500/s) a second while they are fast (rekey_storage_migration_allowed_rate).")
 	fs.Var(&clientLatencyFactorValue{f}, FlagStorageMigrationClientLatencyFactor,
-		"Storage migration also halves its rate while this apiserver answers its clients more than this many times slower (p99 of at least 100 requests, "+
-			"or of what 5s brought; at least 1ms more) than before the migration began, and then starts at 100 objects/s, doubling while they are as fast as before "+
+		"Storage migration also halves its rate while this apiserver answers its clients more than this many times slower (p99 of at least 100 requests "+
+			"of one class, or of what 5s brought; at least 1ms more) than that class's requests before the migration began (GETs, writes, LISTs and other requests "+
+			"are judged apart), and then starts at 100 objects/s, doubling while they are as fast as before "+
 			"(the rate holds until their requests are judged); its verifying re-scan is paced the same way; "+
 			"on control planes whose CPUs etcd, the apiserver and the migration share, etcd can stay fast while the clients wait. "+
-			"Watches and other long-running requests are not timed; with fewer than 50 requests in the 10 minutes before, there is no baseline "+
-			"and etcd alone paces. 0 leaves the clients out. Set, it wins over --"+FlagStorageMigrationPriority+"'s factor (unset: 1.5, or 3 for fast).")
+			"Watches and other long-running requests are not timed; a class with fewer than 50 requests in the 10 minutes before has no baseline "+
+			"and is not judged (with none, etcd alone paces). 0 leaves the clients out. Set, it wins over --"+FlagStorageMigrationPriority+"'s factor (unset: 1.5, or 3 for fast).")
 	fs.StringVar(&f.StorageMigrationPriority, FlagStorageMigrationPriority, f.StorageMigrationPriority,
 		"How storage migration trades this apiserver's clients' latency for its own speed: "+
 			"gentle (clients within 1.5× their p99 before it, and every migration starts at 100 objects/s, doubling), "+

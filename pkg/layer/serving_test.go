@@ -3,19 +3,23 @@ package layer
 import (
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"testing"
 	"time"
 
 	"k8s.io/apimachinery/pkg/util/sets"
 	"k8s.io/apiserver/pkg/endpoints/request"
 	genericfilters "k8s.io/apiserver/pkg/server/filters"
+
+	"github.com/rekey-io/rekey/pkg/migrate/pace"
 )
 
 func TestTimeServingTimesAnsweredRequestsOnly(t *testing.T) {
 	var timed []time.Duration
+	var classes []pace.RequestClass
 	h := timeServing(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}),
 		genericfilters.BasicLongRunningRequestCheck(sets.NewString("watch", "proxy"), sets.NewString("log", "exec")),
-		func(d time.Duration) { timed = append(timed, d) })
+		func(c pace.RequestClass, d time.Duration) { timed, classes = append(timed, d), append(classes, c) })
 
 	serve := func(info *request.RequestInfo, arrived time.Time) {
 		r := httptest.NewRequest(http.MethodGet, "/api/v1/namespaces/default/secrets", nil)
@@ -42,5 +46,21 @@ func TestTimeServingTimesAnsweredRequestsOnly(t *testing.T) {
 	serve(get, time.Time{})
 	if len(timed) != 2 {
 		t.Fatalf("a request without its arrival time was not timed")
+	}
+
+	// Each request is timed in its class: a LIST is never judged against GETs.
+	classes = classes[:0]
+	for _, info := range []*request.RequestInfo{
+		{IsResourceRequest: true, Verb: "list", Resource: "secrets"},
+		{IsResourceRequest: true, Verb: "update", Resource: "secrets", Name: "a"},
+		{IsResourceRequest: true, Verb: "deletecollection", Resource: "secrets"},
+		{IsResourceRequest: false, Verb: "get", Path: "/readyz"},
+		get,
+	} {
+		serve(info, time.Now())
+	}
+	want := []pace.RequestClass{pace.RequestList, pace.RequestWrite, pace.RequestList, pace.RequestOther, pace.RequestRead}
+	if !slices.Equal(classes, want) {
+		t.Errorf("classes %v, want %v", classes, want)
 	}
 }

@@ -287,7 +287,7 @@ func TestMigrationSlowsDownForSlowClients(t *testing.T) {
 	serving := pace.NewServingLatency(nil)
 	// Twice the samples a baseline needs (pace's minServingBaselineSamples).
 	for range 100 {
-		serving.Observe(2 * time.Millisecond)
+		serving.Observe(pace.RequestRead, 2*time.Millisecond)
 	}
 	stop := make(chan struct{})
 	clientsDone := make(chan struct{})
@@ -298,7 +298,7 @@ func TestMigrationSlowsDownForSlowClients(t *testing.T) {
 			case <-stop:
 				return
 			case <-time.After(2 * time.Millisecond):
-				serving.Observe(40 * time.Millisecond)
+				serving.Observe(pace.RequestRead, 40*time.Millisecond)
 			}
 		}
 	}()

@@ -10,9 +10,9 @@
 //   - the pacer: an AIMD rate (additive increase, multiplicative decrease) judged once
 //     per window on the latency and errors of the migration's own transactions and,
 //     inside an apiserver, on two signals of its own: how fast it answers its clients
-//     (ServingLatency, against a baseline taken while no migration wrote) and how far
-//     its watch cache of the resource is behind the migration's writes
-//     (WatchCacheRevision).
+//     (ServingLatency: each RequestClass against its own baseline, taken while no
+//     migration wrote) and how far its watch cache of the resource is behind the
+//     migration's writes (WatchCacheRevision).
 //
 // A Writer's ReadPacer paces a migration's verifying re-scan by the same clients'
 // latency. The decisions themselves (the pacer, the space gate, the watch-lag record)

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strings"
 	"time"
 )
 
@@ -234,9 +235,10 @@ func (o Options) withDefaults() Options {
 // a calm window in which the migration used most of its rate adds Increase or a tenth
 // of the rate, whichever is more, never above the ceiling.
 //
-// With a serving baseline (SetServingBaseline: the apiserver's clients were answered
-// in p99 B before the migration), a window whose clients' p99 is above
-// max(ServingFactor × B, B + 1ms) is congestion too. The rate then starts at
+// With a serving baseline (SetServingBaseline: the apiserver's clients' requests of a
+// RequestClass were answered in p99 B before the migration), a window in which that
+// class's p99 is above max(ServingFactor × B, B + 1ms) is congestion too; each class
+// is judged against its own baseline only. The rate then starts at
 // ServingStartRate and doubles per calm window until the first congestion (TCP's slow
 // start): starting at full speed would slow every client for the windows it takes to
 // halve down, and those seconds alone make a p99.
@@ -246,23 +248,18 @@ type pacer struct {
 	// target is opts.TargetLatency or the baseline's; 0 until the first judged window.
 	target time.Duration
 
-	// servingTarget is the clients' p99 above which the rate decreases; 0: no
-	// serving baseline. slowStart: doubling until the first congestion.
-	servingTarget time.Duration
-	slowStart     bool
-	// firstServingTarget is the target the migration started with (the bound of a
-	// re-baseline). calmRate is the highest rate achieved in a window whose clients
-	// were judged within target; externalP99s the clients' p99 of the windows in a
-	// row that were slow at most externalRateFraction of it.
-	firstServingTarget time.Duration
-	calmRate           float64
-	externalP99s       []time.Duration
+	// classes are the clients' request classes, each judged against its own
+	// target; serving says whether any class has one (a serving baseline).
+	// slowStart: doubling until the first congestion.
+	classes   [numRequestClasses]servingClass
+	serving   bool
+	slowStart bool
+	// calmRate is the highest rate achieved in a window whose clients were judged
+	// within target.
+	calmRate float64
 
 	windowStart time.Time
 	latencies   []time.Duration
-	serving     []time.Duration
-	// servingWindows counts the windows since the clients were last judged.
-	servingWindows int
 	// watchLag is the longest the watch cache was behind in this window; watchLagSeen
 	// whether it was read at all.
 	watchLag     time.Duration
@@ -276,6 +273,28 @@ type pacer struct {
 	slowedBy string
 }
 
+// servingClass is the pacer's view of one class of the clients' requests.
+type servingClass struct {
+	// target is the class's p99 above which the rate decreases; 0: the class had
+	// too few requests before the migration for a baseline, and its requests are not
+	// judged. first is the target the migration started with (the bound of a
+	// re-baseline).
+	target, first time.Duration
+	// pending are its requests waiting for a judgement; windows counts the windows
+	// since it was last judged.
+	pending []time.Duration
+	windows int
+	// externalP99s are its p99 of the windows in a row in which it was slow while
+	// the migration achieved at most externalRateFraction of calmRate.
+	externalP99s []time.Duration
+}
+
+// classVerdict is one class's judgement in a window; Samples 0: not judged.
+type classVerdict struct {
+	P99     time.Duration
+	Samples int
+}
+
 // pacerVerdict is what the pacer concluded at the end of a window.
 type pacerVerdict struct {
 	At       time.Time
@@ -283,9 +302,13 @@ type pacerVerdict struct {
 	Samples  int
 	Errors   int
 	Achieved float64 // objects per second in the window
-	// ServingP99 of ServingSamples client requests, when there were enough to judge.
+	// ServingP99 of ServingSamples client requests of ServingClass, when a class
+	// had enough to judge: of the classes judged, the one furthest above its target
+	// (or closest to it). Classes holds every class's judgement.
 	ServingP99     time.Duration
 	ServingSamples int
+	ServingClass   RequestClass
+	Classes        [numRequestClasses]classVerdict
 	// WatchLag is how far behind the watch cache was at most (when it was read).
 	WatchLag     time.Duration
 	WatchLagSeen bool
@@ -324,11 +347,20 @@ func (p *pacer) LatencyScale() time.Duration {
 // figures; "" when it is not.
 func (p *pacer) SlowedBy() string { return p.slowedBy }
 
-// SetServingBaseline makes the clients' latency a signal: baseline is their p99
-// before the migration. Called before the first transaction.
-func (p *pacer) SetServingBaseline(baseline time.Duration) {
-	p.servingTarget = p.servingTargetOf(baseline)
-	p.firstServingTarget = p.servingTarget
+// SetServingBaseline makes the clients' latency a signal: b holds each class's p99
+// before the migration (0: none; with none at all this does nothing). Called before
+// the first transaction.
+func (p *pacer) SetServingBaseline(b servingBaselines) {
+	if !b.any() {
+		return
+	}
+	for c, base := range b {
+		if base > 0 {
+			t := p.servingTargetOf(base)
+			p.classes[c].target, p.classes[c].first = t, t
+		}
+	}
+	p.serving = true
 	if r := p.opts.ResumeRate; r > 0 && !math.IsInf(r, 1) {
 		p.rate = min(p.rate, max(r, p.opts.MinRate))
 		return
@@ -350,8 +382,20 @@ func (p *pacer) servingTargetOf(baseline time.Duration) time.Duration {
 	return max(time.Duration(p.opts.ServingFactor*float64(baseline)), baseline+minServingSlack)
 }
 
-// ServingTarget is the clients' latency target; 0 without a serving baseline.
-func (p *pacer) ServingTarget() time.Duration { return p.servingTarget }
+// ServingTarget is the latency target of the clients' requests of class c; 0 when
+// the class had no baseline.
+func (p *pacer) ServingTarget(c RequestClass) time.Duration { return p.classes[c].target }
+
+// servingTargets names every class's target, for the logs.
+func (p *pacer) servingTargets() string {
+	var parts []string
+	for c, cl := range p.classes {
+		if cl.target > 0 {
+			parts = append(parts, fmt.Sprintf("%s %s", RequestClass(c), cl.target))
+		}
+	}
+	return strings.Join(parts, ", ")
+}
 
 // ObserveWatchLag feeds how far the apiserver's watch cache was behind the
 // migration's own writes.
@@ -359,16 +403,30 @@ func (p *pacer) ObserveWatchLag(lag time.Duration) {
 	p.watchLag, p.watchLagSeen = max(p.watchLag, lag), true
 }
 
-// ObserveServing feeds one client request answered during the migration.
-func (p *pacer) ObserveServing(latency time.Duration) {
-	if p.servingTarget > 0 && len(p.serving) < maxPendingServing {
-		p.serving = append(p.serving, latency)
+// ObserveServing feeds one client request of class c answered during the
+// migration. A class without a baseline is not judged.
+func (p *pacer) ObserveServing(c RequestClass, latency time.Duration) {
+	if c >= numRequestClasses {
+		return
 	}
+	if cl := &p.classes[c]; cl.target > 0 && len(cl.pending) < maxPendingServing {
+		cl.pending = append(cl.pending, latency)
+	}
+}
+
+// pendingServing is how many client requests wait for a judgement.
+func (p *pacer) pendingServing() (n int) {
+	for _, cl := range p.classes {
+		n += len(cl.pending)
+	}
+	return n
 }
 
 // dropServing forgets the client requests waiting for a judgement.
 func (p *pacer) dropServing() {
-	p.serving, p.servingWindows = p.serving[:0], 0
+	for c := range p.classes {
+		p.classes[c].pending, p.classes[c].windows = p.classes[c].pending[:0], 0
+	}
 }
 
 // Observe feeds one transaction that ended at now after latency, writing objects
@@ -398,16 +456,57 @@ func (p *pacer) Tick(now time.Time) {
 	elapsed := now.Sub(p.windowStart)
 	v := pacerVerdict{At: now, Samples: len(p.latencies), Errors: p.errors, Achieved: float64(p.objects) / elapsed.Seconds()}
 	v.P90 = quantile(p.latencies, pacingQuantile)
-	p.servingWindows++
-	if n := len(p.serving); n >= minServingSamples || (n > 0 && p.servingWindows >= maxServingWindows) {
-		v.ServingP99, v.ServingSamples = quantile(p.serving, servingQuantile), n
-		p.serving, p.servingWindows = p.serving[:0], 0
-	}
+	p.judgeClasses(&v)
 	v.WatchLag, v.WatchLagSeen = p.watchLag, p.watchLagSeen
 	p.watchLag, p.watchLagSeen = 0, false
 	v.Change, v.Cause = p.judge(v)
 	p.last = v
 	p.windowStart, p.latencies, p.objects, p.errors = now, p.latencies[:0], 0, 0
+}
+
+// judgeClasses takes the p99 of every class with enough requests waiting (or with
+// some, after maxServingWindows windows: a light workload must not hold the rate for
+// long) into v, and names in v.Serving* the class furthest above its own target.
+func (p *pacer) judgeClasses(v *pacerVerdict) {
+	worst := math.Inf(-1)
+	for c := range p.classes {
+		cl := &p.classes[c]
+		if cl.target == 0 {
+			continue
+		}
+		cl.windows++
+		n := len(cl.pending)
+		if n < minServingSamples && (n == 0 || cl.windows < maxServingWindows) {
+			continue
+		}
+		p99 := quantile(cl.pending, servingQuantile)
+		v.Classes[c] = classVerdict{P99: p99, Samples: n}
+		if r := float64(p99) / float64(cl.target); r > worst {
+			worst = r
+			v.ServingP99, v.ServingSamples, v.ServingClass = p99, n, RequestClass(c)
+		}
+		cl.pending, cl.windows = cl.pending[:0], 0
+	}
+}
+
+// overTarget are the classes judged in v above their target.
+func (p *pacer) overTarget(v pacerVerdict) []RequestClass {
+	var over []RequestClass
+	for c, cv := range v.Classes {
+		if cv.Samples > 0 && cv.P99 > p.classes[c].target {
+			over = append(over, RequestClass(c))
+		}
+	}
+	return over
+}
+
+// resetExternal forgets the slow windows in a row of the classes judged in v.
+func (p *pacer) resetExternal(v pacerVerdict) {
+	for c, cv := range v.Classes {
+		if cv.Samples > 0 {
+			p.classes[c].externalP99s = p.classes[c].externalP99s[:0]
+		}
+	}
 }
 
 func (p *pacer) judge(v pacerVerdict) (change, cause string) {
@@ -421,7 +520,7 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 		cause = "etcd errors"
 	case !baseline && v.P90 > p.target:
 		cause = "etcd latency"
-	case v.ServingSamples > 0 && v.ServingP99 > p.servingTarget:
+	case v.ServingSamples > 0 && v.ServingP99 > p.classes[v.ServingClass].target:
 		if p.slowerByItself(v) {
 			return p.rebaseline(v)
 		}
@@ -430,7 +529,7 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 		cause = "watch cache lag"
 	}
 	if v.ServingSamples > 0 && cause != "serving latency" {
-		p.externalP99s = p.externalP99s[:0]
+		p.resetExternal(v)
 		if cause == "" {
 			p.calmRate = max(p.calmRate, v.Achieved)
 		}
@@ -446,14 +545,14 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 		case "watch cache lag":
 			p.slowedBy = fmt.Sprintf("the apiserver's watch cache fell behind the migration's writes (%s, at most %s)", v.WatchLag.Round(time.Millisecond), p.opts.MaxWatchLag)
 		default:
-			p.slowedBy = fmt.Sprintf("the apiserver's clients answered slower (p99 %s, target %s)", v.ServingP99, p.servingTarget)
+			p.slowedBy = fmt.Sprintf("the apiserver's clients answered slower (%s requests: p99 %s, target %s)", v.ServingClass, v.ServingP99, p.classes[v.ServingClass].target)
 		}
 		return "decrease", cause
 	}
 	if baseline {
 		return "baseline", ""
 	}
-	if p.servingTarget > 0 && v.ServingSamples == 0 && len(p.serving) > 0 {
+	if p.serving && v.ServingSamples == 0 && p.pendingServing() > 0 {
 		// The clients' requests of this window wait for enough others to be judged:
 		// until then there is no evidence that more is harmless. (With no clients at
 		// all, etcd alone decides.)
@@ -477,17 +576,34 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 	return change, ""
 }
 
-// slowerByItself reports whether a window whose clients were slower than the target
-// shows the cluster slower by itself rather than slowed by the migration: the
-// migration achieved at most externalRateFraction of a rate the clients were answered
-// within target at. Such windows hold the rate instead of halving it.
+// slowerByItself reports whether a window in which classes of the clients were slower
+// than their targets shows the cluster slower by itself rather than slowed by the
+// migration: the migration achieved at most externalRateFraction of a rate the clients
+// were answered within target at. Such windows hold the rate instead of halving it.
+// Each slow class keeps its own p99s in a row; the classes judged within target start
+// theirs over.
 func (p *pacer) slowerByItself(v pacerVerdict) bool {
-	if p.calmRate <= 0 || v.Achieved > externalRateFraction*p.calmRate ||
-		p.servingTargetOf(v.ServingP99) > maxRebaselineFactor*p.firstServingTarget {
-		p.externalP99s = p.externalP99s[:0]
+	over := p.overTarget(v)
+	external := p.calmRate > 0 && v.Achieved <= externalRateFraction*p.calmRate
+	for _, c := range over {
+		if p.servingTargetOf(v.Classes[c].P99) > maxRebaselineFactor*p.classes[c].first {
+			external = false
+		}
+	}
+	if !external {
+		p.resetExternal(v)
 		return false
 	}
-	p.externalP99s = append(p.externalP99s, v.ServingP99)
+	for c, cv := range v.Classes {
+		cl := &p.classes[c]
+		switch {
+		case cv.Samples == 0:
+		case cv.P99 > cl.target:
+			cl.externalP99s = append(cl.externalP99s, cv.P99)
+		default:
+			cl.externalP99s = cl.externalP99s[:0]
+		}
+	}
 	return true
 }
 
@@ -498,18 +614,23 @@ func (p *pacer) slowerByItself(v pacerVerdict) bool {
 // one; until then the rate holds. (slowerByItself keeps the new target within
 // maxRebaselineFactor of the first.)
 func (p *pacer) rebaseline(v pacerVerdict) (change, cause string) {
-	if len(p.externalP99s) < externalWindows {
-		return "hold", ""
+	over := p.overTarget(v)
+	for _, c := range over {
+		if len(p.classes[c].externalP99s) < externalWindows {
+			return "hold", ""
+		}
 	}
-	baseline := slices.Min(p.externalP99s)
-	p.servingTarget = max(p.servingTarget, p.servingTargetOf(baseline))
+	for _, c := range over {
+		cl := &p.classes[c]
+		cl.target = max(cl.target, p.servingTargetOf(slices.Min(cl.externalP99s)))
+		cl.externalP99s = cl.externalP99s[:0]
+	}
 	p.rate = max(p.rate, p.calmRate)
 	if p.opts.Ceiling > 0 {
 		p.rate = min(p.rate, p.opts.Ceiling)
 	}
-	p.externalP99s = p.externalP99s[:0]
-	p.slowedBy = fmt.Sprintf("the apiserver's clients are slower whatever the migration does (p99 %s at %.0f objects/s, within target at %.0f/s): their target is now %s",
-		v.ServingP99, v.Achieved, p.calmRate, p.servingTarget)
+	p.slowedBy = fmt.Sprintf("the apiserver's clients are slower whatever the migration does (%s requests: p99 %s at %.0f objects/s, within target at %.0f/s): their targets are now %s",
+		v.ServingClass, v.ServingP99, v.Achieved, p.calmRate, p.servingTargets())
 	return "rebaseline", ""
 }
 

@@ -14,8 +14,8 @@ import (
 func TestVerifyFinishesWithinTheBudget(t *testing.T) {
 	clk := clocktesting.NewFakeClock(t0)
 	g := &Writer{clock: clk, pacer: newPacer(Options{})}
-	g.servingBaseline = 5 * time.Millisecond
-	g.pacer.SetServingBaseline(g.servingBaseline)
+	g.servingBaselines = servingBaselines{RequestRead: 5 * time.Millisecond}
+	g.pacer.SetServingBaseline(g.servingBaselines)
 	g.pacer.rate = 10
 	r := g.ReadPacer()
 	ctx := context.Background()

@@ -7,7 +7,9 @@ package pace
 // traffic sees must be measured where it is served.
 
 import (
+	"fmt"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"time"
 
@@ -21,24 +23,103 @@ const (
 	// a baseline of the last half minute at a million Secrets was a quiet spell, and
 	// every later collection looked like the migration's doing.
 	servingBaselineMaxAge = 10 * time.Minute
-	// servingBaselineSlot: the baseline is kept per minute, each a uniform sample of at
-	// most servingSlotSamples of its requests (reservoir sampling).
+	// servingBaselineSlot: the baseline is kept per class and minute, each a uniform
+	// sample of at most servingSlotSamples of its requests (reservoir sampling).
 	servingBaselineSlot  = time.Minute
 	servingBaselineSlots = int(servingBaselineMaxAge / servingBaselineSlot)
 	servingSlotSamples   = 1024
-	// minServingBaselineSamples a baseline needs: with fewer requests there is too
-	// little traffic to judge (and to slow down); the pacer watches etcd alone.
+	// minServingBaselineSamples a class's baseline needs: with fewer requests of a
+	// class there is too little of its traffic to judge (and to slow down for); its
+	// requests are not judged. With no class that has one, the pacer watches etcd
+	// alone.
 	minServingBaselineSamples = 50
-	// maxPendingServing bounds the samples kept for a pacer between its windows.
+	// maxPendingServing bounds the samples of one class kept for a pacer between its
+	// windows.
 	maxPendingServing = 1 << 14
 )
 
+// RequestClass is the population a client request's latency is judged in: each class
+// is compared with its own baseline, never with another's. A LIST of 10,000 Secrets
+// takes hundreds of milliseconds where a GET takes one; judged as one population, a
+// controller's burst of LISTs during a migration read as the GETs slowed down (a
+// congestion), and a baseline with LISTs in its tail hid GETs slowed threefold.
+type RequestClass uint8
+
+// Request classes.
+const (
+	// RequestRead is a read of one object (GET).
+	RequestRead RequestClass = iota
+	// RequestWrite is a write of one object (create, update, patch, delete).
+	RequestWrite
+	// RequestList is a read or a delete of many objects (LIST, deletecollection).
+	RequestList
+	// RequestOther is a request for no resource: discovery, health checks, metrics.
+	RequestOther
+
+	numRequestClasses = iota
+)
+
+// String names the class as the logs and transcripts do.
+func (c RequestClass) String() string {
+	switch c {
+	case RequestRead:
+		return "get"
+	case RequestWrite:
+		return "write"
+	case RequestList:
+		return "list"
+	case RequestOther:
+		return "other"
+	}
+	return "unknown"
+}
+
+// ClassOf is the class of a request: resource says it is a request for a resource
+// (k8s.io/apiserver's RequestInfo.IsResourceRequest) and verb is its verb
+// (RequestInfo.Verb: get, list, create, update, patch, delete, deletecollection, …).
+// Watches are long-running and not timed at all.
+func ClassOf(resource bool, verb string) RequestClass {
+	if !resource {
+		return RequestOther
+	}
+	switch verb {
+	case "get":
+		return RequestRead
+	case "list", "deletecollection":
+		return RequestList
+	case "create", "update", "patch", "delete":
+		return RequestWrite
+	}
+	return RequestOther
+}
+
+// servingBaselines are the clients' p99 per class before a migration; 0: the class
+// has no baseline (too few of its requests), and its requests are not judged.
+type servingBaselines [numRequestClasses]time.Duration
+
+// any says whether any class has a baseline.
+func (b servingBaselines) any() bool { return b != servingBaselines{} }
+
+// String lists the classes' baselines, for the logs.
+func (b servingBaselines) String() string {
+	var parts []string
+	for c, d := range b {
+		if d > 0 {
+			parts = append(parts, fmt.Sprintf("%s %s", RequestClass(c), d))
+		}
+	}
+	return strings.Join(parts, ", ")
+}
+
+// servingSamples are latencies per class.
+type servingSamples [numRequestClasses][]time.Duration
+
 // ServingLatency collects how long the apiserver took to answer its clients (the
-// handler chain feeds it; see layer.Layer.AddServingLatency). Requests answered while
-// no migration writes make the baseline; those answered while one writes are handed to
-// its pacer, which slows the migration down when they are slower than the baseline
-// allows (Options.ServingFactor). Safe for concurrent use; a nil
-// *ServingLatency records nothing.
+// handler chain feeds it; see layer.Layer.AddServingLatency), per RequestClass.
+// Requests answered while no migration writes make each class's baseline; those
+// answered while one writes are handed to its pacer, which slows the migration down
+// when a class is slower than its own baseline allows (Options.ServingFactor). Safe
+// for concurrent use; a nil *ServingLatency records nothing.
 type ServingLatency struct {
 	clock clock.PassiveClock
 
@@ -46,16 +127,16 @@ type ServingLatency struct {
 	// migrating counts the migrations writing now, since the first of them began.
 	migrating      int
 	migratingSince time.Time
-	// baseline holds the requests answered while none wrote, a slot per minute of
-	// the last servingBaselineMaxAge (indexed by the minute, modulo).
-	baseline [servingBaselineSlots]servingSlot
+	// baseline holds, per class, the requests answered while none wrote, a slot per
+	// minute of the last servingBaselineMaxAge (indexed by the minute, modulo).
+	baseline [numRequestClasses][servingBaselineSlots]servingSlot
 	rng      *rand.Rand
 	// pending holds the samples taken while a migration writes, until its pacer
 	// drains them.
-	pending []time.Duration
+	pending servingSamples
 }
 
-// servingSlot is one minute of the baseline.
+// servingSlot is one minute of a class's baseline.
 type servingSlot struct {
 	start   time.Time
 	seen    int
@@ -71,12 +152,12 @@ func NewServingLatency(clk clock.PassiveClock) *ServingLatency {
 	return &ServingLatency{clock: clk, rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 0x5e55))}
 }
 
-// Observe records one answered request that took latency. A request that arrived
-// before the migrations writing now began is not judged: it was not theirs to slow,
-// and one that waited out an etcd leader election before the migration started (7 s)
-// halved the rate of a migration that had not met the outage at all.
-func (s *ServingLatency) Observe(latency time.Duration) {
-	if s == nil {
+// Observe records one answered request of class c that took latency. A request that
+// arrived before the migrations writing now began is not judged: it was not theirs to
+// slow, and one that waited out an etcd leader election before the migration started
+// (7 s) halved the rate of a migration that had not met the outage at all.
+func (s *ServingLatency) Observe(c RequestClass, latency time.Duration) {
+	if s == nil || c >= numRequestClasses {
 		return
 	}
 	s.mu.Lock()
@@ -85,13 +166,13 @@ func (s *ServingLatency) Observe(latency time.Duration) {
 		if s.clock.Now().Add(-latency).Before(s.migratingSince) {
 			return
 		}
-		if len(s.pending) < maxPendingServing {
-			s.pending = append(s.pending, latency)
+		if len(s.pending[c]) < maxPendingServing {
+			s.pending[c] = append(s.pending[c], latency)
 		}
 		return
 	}
 	start := s.clock.Now().Truncate(servingBaselineSlot)
-	sl := &s.baseline[int(start.UnixNano()/int64(servingBaselineSlot))%servingBaselineSlots]
+	sl := &s.baseline[c][int(start.UnixNano()/int64(servingBaselineSlot))%servingBaselineSlots]
 	if !sl.start.Equal(start) {
 		sl.start, sl.seen, sl.samples = start, 0, sl.samples[:0]
 	}
@@ -104,33 +185,38 @@ func (s *ServingLatency) Observe(latency time.Duration) {
 }
 
 // begin marks a migration as writing until the returned func is called, and returns
-// the baseline's quantile q (ok false: too few recent samples to have one).
-func (s *ServingLatency) begin(q float64) (baseline time.Duration, ok bool, end func()) {
+// each class's baseline quantile q (0 for a class with too few recent samples).
+func (s *ServingLatency) begin(q float64) (baselines servingBaselines, end func()) {
 	if s == nil {
-		return 0, false, func() {}
+		return baselines, func() {}
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.clock.Now()
 	var recent []time.Duration
-	for _, sl := range s.baseline {
-		if now.Sub(sl.start) < servingBaselineMaxAge {
-			recent = append(recent, sl.samples...)
+	for c := range baselines {
+		recent = recent[:0]
+		for _, sl := range s.baseline[c] {
+			if now.Sub(sl.start) < servingBaselineMaxAge {
+				recent = append(recent, sl.samples...)
+			}
 		}
-	}
-	if len(recent) >= minServingBaselineSamples {
-		baseline, ok = quantile(recent, q), true
+		if len(recent) >= minServingBaselineSamples {
+			baselines[c] = quantile(recent, q)
+		}
 	}
 	if s.migrating++; s.migrating == 1 {
 		s.migratingSince = now
 	}
 	var once sync.Once
-	return baseline, ok, func() {
+	return baselines, func() {
 		once.Do(func() {
 			s.mu.Lock()
 			defer s.mu.Unlock()
 			if s.migrating--; s.migrating == 0 {
-				s.pending = s.pending[:0]
+				for c := range s.pending {
+					s.pending[c] = s.pending[c][:0]
+				}
 			}
 		})
 	}
@@ -139,13 +225,14 @@ func (s *ServingLatency) begin(q float64) (baseline time.Duration, ok bool, end 
 // drain appends the samples taken while migrating to buf and forgets them. With
 // several migrations at once each sees a share: any of them slows down when its share
 // is slow, which is what matters.
-func (s *ServingLatency) drain(buf []time.Duration) []time.Duration {
+func (s *ServingLatency) drain(buf *servingSamples) {
 	if s == nil {
-		return buf
+		return
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	buf = append(buf, s.pending...)
-	s.pending = s.pending[:0]
-	return buf
+	for c := range s.pending {
+		buf[c] = append(buf[c], s.pending[c]...)
+		s.pending[c] = s.pending[c][:0]
+	}
 }

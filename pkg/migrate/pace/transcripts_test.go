@@ -23,16 +23,19 @@ var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 //
 //	pacer [ceiling=N] [target=D] [window=D] [min=N] [increase=N] [serving=D] [resume=N] [known=N]
 //	      [priority=P] [factor=F]
-//	                      a new pacer at +0s; serving is the clients' baseline p99,
+//	                      a new pacer at +0s; serving is the clients' baseline p99
+//	                      (of GETs, or per class: get:8ms,list:300ms),
 //	                      resume the previous migration's ending rate, known an earlier
 //	                      migration's sustained rate, priority gentle|normal|fast,
 //	                      factor the clients' latency factor; prints its rate
-//	txns n=N latency=D [objects=K] [every=D] [errors=E] [clients=C clientlatency=D] [watchlag=D]
+//	txns n=N latency=D [objects=K] [every=D] [errors=E] [clients=C clientlatency=D [class=K]]
+//	     [lists=L listlatency=D] [watchlag=D]
 //	                      N transactions of K objects (default 64), one ending every D
 //	                      (default: latency), the first E failing, C client requests
-//	                      answered in clientlatency before each, the watch cache
-//	                      watchlag behind after each; prints each window's verdict and
-//	                      the rate after it
+//	                      of class K (get, write, list, other; default get) answered in
+//	                      clientlatency and L LISTs in listlatency before each, the
+//	                      watch cache watchlag behind after each; prints each window's
+//	                      verdict and the rate after it
 //
 // Space gate commands:
 //
@@ -90,13 +93,16 @@ func (h *pacingHarness) run(t *testing.T, d *datadriven.TestData) string {
 		o.TargetLatency, o.Window = duration(t, d, target), duration(t, d, window)
 		h.now, h.pacer = t0, newPacer(o)
 		if serving != "" {
-			h.pacer.SetServingBaseline(duration(t, d, serving))
-			return fmt.Sprintf("rate %s serving target %s", rateText(h.pacer.Rate()), h.pacer.ServingTarget())
+			h.pacer.SetServingBaseline(baselines(t, d, serving))
+			return fmt.Sprintf("rate %s %s", rateText(h.pacer.Rate()), targetsText(h.pacer, "serving"))
 		}
 		return "rate " + rateText(h.pacer.Rate())
 	case "txns":
-		n, objects, errs, clients := 0, 64, 0, 0
-		var latency, every, clientLatency, watchLag string
+		n, objects, errs, clients, lists := 0, 64, 0, 0, 0
+		var latency, every, clientLatency, listLatency, watchLag, class string
+		d.MaybeScanArgs(t, "class", &class)
+		d.MaybeScanArgs(t, "lists", &lists)
+		d.MaybeScanArgs(t, "listlatency", &listLatency)
 		d.MaybeScanArgs(t, "watchlag", &watchLag)
 		d.MaybeScanArgs(t, "clients", &clients)
 		d.MaybeScanArgs(t, "clientlatency", &clientLatency)
@@ -117,7 +123,10 @@ func (h *pacingHarness) run(t *testing.T, d *datadriven.TestData) string {
 				err = errors.New("etcdserver: request timed out")
 			}
 			for range clients {
-				h.pacer.ObserveServing(duration(t, d, clientLatency))
+				h.pacer.ObserveServing(requestClass(t, d, class), duration(t, d, clientLatency))
+			}
+			for range lists {
+				h.pacer.ObserveServing(RequestList, duration(t, d, listLatency))
 			}
 			if watchLag != "" {
 				h.pacer.ObserveWatchLag(duration(t, d, watchLag))
@@ -127,18 +136,18 @@ func (h *pacingHarness) run(t *testing.T, d *datadriven.TestData) string {
 			if v := h.pacer.last; v != before {
 				fmt.Fprintf(&b, "%s: window p90=%s samples=%d errors=%d achieved=%.0f/s", h.at(), v.P90, v.Samples, v.Errors, v.Achieved)
 				if v.ServingSamples > 0 {
-					fmt.Fprintf(&b, " clients p99=%s samples=%d", v.ServingP99, v.ServingSamples)
+					b.WriteString(" clients " + classesText(v))
 				}
 				if v.WatchLagSeen {
 					fmt.Fprintf(&b, " watch cache lag=%s", v.WatchLag)
 				}
 				fmt.Fprintf(&b, " → %s", v.Change)
-				if v.Cause != "" && (h.pacer.ServingTarget() > 0 || v.WatchLagSeen) {
+				if v.Cause != "" && (h.pacer.serving || v.WatchLagSeen) {
 					fmt.Fprintf(&b, " (%s)", v.Cause)
 				}
 				fmt.Fprintf(&b, ": rate %s target %s", rateText(h.pacer.Rate()), h.pacer.Target())
 				if v.Change == "rebaseline" {
-					fmt.Fprintf(&b, " clients target %s", h.pacer.ServingTarget())
+					b.WriteString(" " + targetsText(h.pacer, "clients"))
 				}
 				b.WriteString("\n")
 			}
@@ -197,6 +206,64 @@ func (h *pacingHarness) run(t *testing.T, d *datadriven.TestData) string {
 		d.Fatalf(t, "unknown command %q", d.Cmd)
 	}
 	return b.String()
+}
+
+// baselines reads a pacer's serving=: one duration (the GETs' baseline) or
+// class:duration pairs (get:8ms,list:300ms).
+func baselines(t *testing.T, d *datadriven.TestData, s string) servingBaselines {
+	var b servingBaselines
+	if !strings.Contains(s, ":") {
+		b[RequestRead] = duration(t, d, s)
+		return b
+	}
+	for _, kv := range strings.Split(s, ",") {
+		k, v, _ := strings.Cut(kv, ":")
+		b[requestClass(t, d, k)] = duration(t, d, v)
+	}
+	return b
+}
+
+func requestClass(t *testing.T, d *datadriven.TestData, name string) RequestClass {
+	if name == "" {
+		return RequestRead
+	}
+	for c := range RequestClass(numRequestClasses) {
+		if c.String() == name {
+			return c
+		}
+	}
+	d.Fatalf(t, "unknown request class %q", name)
+	return 0
+}
+
+// targetsText is "<what> target D" when only GETs have a target (the transcripts
+// before request classes), else "<what> targets get D, list D".
+func targetsText(p *pacer, what string) string {
+	only := true
+	for c, cl := range p.classes {
+		if cl.target > 0 && RequestClass(c) != RequestRead {
+			only = false
+		}
+	}
+	if only {
+		return fmt.Sprintf("%s target %s", what, p.ServingTarget(RequestRead))
+	}
+	return fmt.Sprintf("%s targets %s", what, p.servingTargets())
+}
+
+// classesText is "p99=D samples=N" when only GETs were judged, else each judged
+// class's "get p99=D samples=N" and which decided.
+func classesText(v pacerVerdict) string {
+	var parts []string
+	for c, cv := range v.Classes {
+		if cv.Samples > 0 {
+			parts = append(parts, fmt.Sprintf("%s p99=%s samples=%d", RequestClass(c), cv.P99, cv.Samples))
+		}
+	}
+	if len(parts) == 1 && v.ServingClass == RequestRead {
+		return fmt.Sprintf("p99=%s samples=%d", v.ServingP99, v.ServingSamples)
+	}
+	return strings.Join(parts, ", ")
 }
 
 func alarmText(s etcdSpace) string {

@@ -85,7 +85,7 @@ func TestClientsWaitingOutAnEtcdOutageAreNotJudged(t *testing.T) {
 	cli := etcdtest.Start(t).Client(t)
 	serving := NewServingLatency(clock.RealClock{})
 	for range minServingBaselineSamples {
-		serving.Observe(5 * time.Millisecond)
+		serving.Observe(RequestRead, 5*time.Millisecond)
 	}
 	g := NewWriter(WriterOptions{Client: cli, Clock: clock.RealClock{}, MaxBatch: 8,
 		Pacing: Options{Serving: serving, Window: time.Hour}, Logger: ktesting.NewLogger(t, ktesting.NewConfig())})
@@ -93,13 +93,13 @@ func TestClientsWaitingOutAnEtcdOutageAreNotJudged(t *testing.T) {
 	// A few answered before the outage, too few to judge yet: they wait in the pacer.
 	// (Requests are judged when they arrived after the migration began.)
 	time.Sleep(10 * time.Millisecond)
-	serving.Observe(6 * time.Millisecond)
+	serving.Observe(RequestRead, 6*time.Millisecond)
 	if _, err := g.Txn(t.Context(), 1, 100, func(ctx context.Context) clientv3.Txn {
 		return scriptedTxn{errs: new([]error), attempts: new([]context.Context), ctx: ctx}
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if n := len(g.pacer.serving); n != 1 {
+	if n := g.pacer.pendingServing(); n != 1 {
 		t.Fatalf("%d client requests wait in the pacer before the outage, want 1", n)
 	}
 	errs := []error{rpctypes.ErrTimeoutDueToLeaderFail, rpctypes.ErrNoLeader}
@@ -107,26 +107,26 @@ func TestClientsWaitingOutAnEtcdOutageAreNotJudged(t *testing.T) {
 	if _, err := g.Txn(t.Context(), 1, 100, func(ctx context.Context) clientv3.Txn {
 		// Clients answered while etcd elects a leader, before and as it returns.
 		for range 10 {
-			serving.Observe(5 * time.Millisecond)
+			serving.Observe(RequestRead, 5*time.Millisecond)
 		}
 		return scriptedTxn{errs: &errs, attempts: &attempts, ctx: ctx}
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if n := len(g.pacer.serving); n != 0 {
+	if n := g.pacer.pendingServing(); n != 0 {
 		t.Fatalf("%d client requests of the etcd outage or waiting from before it are in the pacer, want none (those waiting would hold the rate for windows)", n)
 	}
 	// Once a window has passed, the clients are judged again.
 	g.mu.Lock()
 	g.excuseServingUntil = time.Now()
 	g.mu.Unlock()
-	serving.Observe(8 * time.Millisecond)
+	serving.Observe(RequestRead, 8*time.Millisecond)
 	if _, err := g.Txn(t.Context(), 1, 100, func(ctx context.Context) clientv3.Txn {
 		return scriptedTxn{errs: new([]error), attempts: &attempts, ctx: ctx}
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if n := len(g.pacer.serving); n != 1 {
+	if n := g.pacer.pendingServing(); n != 1 {
 		t.Fatalf("%d client requests handed to the pacer after the outage, want 1", n)
 	}
 }
@@ -171,13 +171,13 @@ func TestSpaceReadingOutageExcusesClients(t *testing.T) {
 	defer cli.Close()
 	serving := NewServingLatency(clock.RealClock{})
 	for range minServingBaselineSamples {
-		serving.Observe(5 * time.Millisecond)
+		serving.Observe(RequestRead, 5*time.Millisecond)
 	}
 	g := NewWriter(WriterOptions{Client: cli, Clock: clock.RealClock{}, MaxBatch: 8,
 		Pacing: Options{Serving: serving}, Logger: ktesting.NewLogger(t, ktesting.NewConfig())})
 	defer g.Close()
 	time.Sleep(10 * time.Millisecond)
-	serving.Observe(5 * time.Millisecond)
+	serving.Observe(RequestRead, 5*time.Millisecond)
 	ctx, cancel := context.WithTimeout(t.Context(), maxEtcdAttemptTimeout+time.Second)
 	defer cancel()
 	start := time.Now()
@@ -190,7 +190,7 @@ func TestSpaceReadingOutageExcusesClients(t *testing.T) {
 	if until.Before(start.Add(etcdRequestTimeout)) {
 		t.Fatalf("clients excused until %v after the failed space reading; want until at least etcd's request timeout after it began", until.Sub(start))
 	}
-	if n := len(serving.drain(nil)); n != 0 {
+	if n := len(drainRead(serving)); n != 0 {
 		t.Fatalf("%d client requests answered during the outage left to judge, want none", n)
 	}
 }

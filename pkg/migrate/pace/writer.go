@@ -83,14 +83,14 @@ type Writer struct {
 	// batch limit at the rate allowed (burstAt).
 	burst int
 	// servingBuf is reused to drain serving samples into the pacer.
-	servingBuf []time.Duration
+	servingBuf servingSamples
 	// excuseServingUntil: the clients' requests answered before it are not judged.
 	// While etcd cannot answer the migration (a member lost, a leader election) it
 	// cannot answer the clients either, and their requests that waited out an
 	// election (up to etcd's 7 s request timeout) say nothing of the migration's load.
 	excuseServingUntil time.Time
-	// servingBaseline is the clients' p99 before the migration; 0: none.
-	servingBaseline time.Duration
+	// servingBaselines are the clients' p99 per class before the migration.
+	servingBaselines servingBaselines
 	// watchCache (nil outside an apiserver) and lag: how far behind the apiserver's
 	// watch cache of resource is.
 	watchCache WatchCacheRevision
@@ -112,13 +112,13 @@ func NewWriter(opts WriterOptions) *Writer {
 	if g.recordPause == nil {
 		g.recordPause = func(string) {}
 	}
-	baseline, ok, end := g.serving.begin(servingQuantile)
+	baselines, end := g.serving.begin(servingQuantile)
 	g.endServing = end
-	if ok {
-		g.servingBaseline = baseline
-		g.pacer.SetServingBaseline(baseline)
-		g.log.V(2).Info("Storage migration paced by the apiserver's own request latency too", "baselineP99", baseline,
-			"servingTarget", g.pacer.ServingTarget(), "startRate", g.pacer.Rate())
+	if baselines.any() {
+		g.servingBaselines = baselines
+		g.pacer.SetServingBaseline(baselines)
+		g.log.V(2).Info("Storage migration paced by the apiserver's own request latency too", "baselineP99", baselines.String(),
+			"servingTargets", g.pacer.servingTargets(), "startRate", g.pacer.Rate())
 	}
 	g.burst = opts.MaxBatch
 	g.limiter = rate.NewLimiter(limitOf(g.pacer.Rate()), burstAt(g.pacer.Rate(), g.burst))
@@ -210,13 +210,13 @@ type ReadPacer struct {
 func (g *Writer) ReadPacer() *ReadPacer {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.servingBaseline == 0 {
+	if !g.servingBaselines.any() {
 		return nil
 	}
 	opts := g.pacer.opts
 	opts.Ceiling, opts.ResumeRate = 0, readCost*g.pacer.Rate()
 	p := newPacer(opts)
-	p.SetServingBaseline(g.servingBaseline)
+	p.SetServingBaseline(g.servingBaselines)
 	return &ReadPacer{g: g, pacer: p, limiter: rate.NewLimiter(limitOf(p.Rate()), 1)}
 }
 
@@ -254,13 +254,24 @@ func (r *ReadPacer) Wait(ctx context.Context, objects int) error {
 // those answered while etcd was unavailable to the migration (excuseServingUntil).
 // g.mu is held.
 func (g *Writer) drainServing(p *pacer) {
-	g.servingBuf = g.serving.drain(g.servingBuf[:0])
+	g.drainServingBuf()
 	if g.clock.Now().Before(g.excuseServingUntil) {
 		return
 	}
-	for _, d := range g.servingBuf {
-		p.ObserveServing(d)
+	for c, ds := range g.servingBuf {
+		for _, d := range ds {
+			p.ObserveServing(RequestClass(c), d)
+		}
 	}
+}
+
+// drainServingBuf empties servingBuf and drains the clients' requests answered since
+// the last call into it. g.mu is held.
+func (g *Writer) drainServingBuf() {
+	for c := range g.servingBuf {
+		g.servingBuf[c] = g.servingBuf[c][:0]
+	}
+	g.serving.drain(&g.servingBuf)
 }
 
 // Read feeds one page read of objects objects that took latency.
@@ -275,8 +286,8 @@ func (r *ReadPacer) Read(latency time.Duration, objects int) {
 	before := r.pacer.last
 	r.pacer.Observe(g.clock.Now(), latency, objects, nil)
 	if v := r.pacer.last; v != before && v.Change == "decrease" {
-		g.log.V(2).Info("Verifying re-scan slows down", "cause", v.Cause, "clientsP99", v.ServingP99,
-			"clientsTarget", r.pacer.ServingTarget(), "achieved", v.Achieved, "allowedRate", r.pacer.Rate())
+		g.log.V(2).Info("Verifying re-scan slows down", "cause", v.Cause, "clientsClass", v.ServingClass, "clientsP99", v.ServingP99,
+			"clientsTarget", r.pacer.ServingTarget(v.ServingClass), "achieved", v.Achieved, "allowedRate", r.pacer.Rate())
 	}
 }
 
@@ -358,11 +369,11 @@ func (g *Writer) Txn(ctx context.Context, objects int, bytes int64, build func(c
 		g.pacer.Observe(now, latency, objects, err)
 		if v := g.pacer.last; v != before {
 			g.log.V(4).Info("Storage migration pacing window", "change", v.Change, "cause", v.Cause, "p90", v.P90, "samples", v.Samples, "errors", v.Errors,
-				"clientsP99", v.ServingP99, "clientsSamples", v.ServingSamples, "achieved", v.Achieved, "allowedRate", g.pacer.Rate())
+				"clientsClass", v.ServingClass, "clientsP99", v.ServingP99, "clientsSamples", v.ServingSamples, "achieved", v.Achieved, "allowedRate", g.pacer.Rate())
 		}
 		if v := g.pacer.last; v != before && v.Change == "decrease" {
 			g.log.V(2).Info("Storage migration slows down", "cause", v.Cause, "p90", v.P90, "target", g.pacer.Target(),
-				"clientsP99", v.ServingP99, "clientsTarget", g.pacer.ServingTarget(), "watchCacheLag", v.WatchLag,
+				"clientsClass", v.ServingClass, "clientsP99", v.ServingP99, "clientsTarget", g.pacer.ServingTarget(v.ServingClass), "watchCacheLag", v.WatchLag,
 				"achieved", v.Achieved, "allowedRate", g.pacer.Rate())
 		}
 		changed := false
@@ -397,7 +408,7 @@ func (g *Writer) excuseServing(since time.Time) {
 
 // excuseServingLocked is excuseServing with g.mu held.
 func (g *Writer) excuseServingLocked(since time.Time) {
-	g.serving.drain(g.servingBuf[:0])
+	g.drainServingBuf()
 	// Those the pacer was holding for a judgement go too: too few to judge before the
 	// outage, they would hold the rate for windows after it (a killed etcd leader
 	// held a migration at 100 objects/s for 3 s so).

@@ -1,0 +1,174 @@
+package pace
+
+import (
+	"testing"
+	"time"
+
+	clocktesting "k8s.io/utils/clock/testing"
+)
+
+// The clients' requests are judged per class, each against its own baseline: a
+// controller's burst of LISTs (hundreds of milliseconds each, as before the
+// migration) is no congestion, and GETs slowed threefold are, although the LISTs'
+// tail hides them in a pooled p99. Judged as one population (before request
+// classes), the baseline's p99 was the GETs' 5ms, the burst of LISTs read as clients
+// forty times slower and halved the rate.
+func TestRequestClassesAreJudgedApart(t *testing.T) {
+	// LISTs as slow as before the migration, in a burst (one for every 5 GETs): no
+	// congestion. The GETs are judged every window; the LISTs once 5 windows brought
+	// them, against their own 200ms.
+	t.Run("a burst of usual LISTs", func(t *testing.T) {
+		b := newClassesBed(t)
+		for i := range 6 {
+			v := b.window(5*time.Millisecond, 220*time.Millisecond)
+			if v.Change != "double" {
+				t.Fatalf("window %d of a burst of usual LISTs: %s (%s: %s p99 %s), want double", i+2, v.Change, v.Cause, v.ServingClass, v.ServingP99)
+			}
+			if got := v.Classes[RequestList]; (i == 3) != (got.Samples > 0) || (got.Samples > 0 && got.P99 != 220*time.Millisecond) {
+				t.Fatalf("window %d judged %d LISTs at p99 %s; they are judged on what 5 windows brought, at 220ms", i+2, got.Samples, got.P99)
+			}
+		}
+	})
+	// GETs slowed threefold are congestion, whatever the LISTs' tail.
+	t.Run("slowed GETs", func(t *testing.T) {
+		b := newClassesBed(t)
+		b.window(5*time.Millisecond, 220*time.Millisecond)
+		rate := b.p.Rate()
+		v := b.window(15*time.Millisecond, 220*time.Millisecond)
+		if v.Change != "decrease" || v.Cause != "serving latency" || v.ServingClass != RequestRead || v.ServingP99 != 15*time.Millisecond {
+			t.Fatalf("slowed GETs: %s (%s: %s p99 %s), want a decrease for the GETs' 15ms", v.Change, v.Cause, v.ServingClass, v.ServingP99)
+		}
+		if b.p.Rate() >= rate {
+			t.Errorf("rate %v after the GETs slowed, was %v", b.p.Rate(), rate)
+		}
+	})
+	// LISTs slowed past their own target (300ms) are congestion too, once judged (in
+	// the fifth window, with the first's).
+	t.Run("slowed LISTs", func(t *testing.T) {
+		b := newClassesBed(t)
+		var v pacerVerdict
+		for i := range 3 {
+			if v = b.window(5*time.Millisecond, 400*time.Millisecond); v.Change != "double" {
+				t.Fatalf("window %d: %s before the slow LISTs were judged", i+2, v.Change)
+			}
+		}
+		v = b.window(5*time.Millisecond, 400*time.Millisecond)
+		if v.Change != "decrease" || v.ServingClass != RequestList || v.ServingP99 != 400*time.Millisecond {
+			t.Fatalf("slowed LISTs: %s (%s: %s p99 %s), want a decrease for the LISTs' 400ms", v.Change, v.Cause, v.ServingClass, v.ServingP99)
+		}
+		if want := "the apiserver's clients answered slower (list requests: p99 400ms, target 300ms)"; b.p.SlowedBy() != want {
+			t.Errorf("slowed by %q, want %q", b.p.SlowedBy(), want)
+		}
+	})
+}
+
+// classesBed is a migration's pacer fed by a ServingLatency on a fake clock, as a
+// Writer feeds it, after ten minutes of 600 GETs a minute at 5ms and 6 LISTs at 200ms
+// (1% of the requests: a pooled p99 would be the GETs' 5ms).
+type classesBed struct {
+	t   *testing.T
+	clk *clocktesting.FakePassiveClock
+	s   *ServingLatency
+	p   *pacer
+	buf servingSamples
+}
+
+func newClassesBed(t *testing.T) *classesBed {
+	clk := clocktesting.NewFakePassiveClock(t0)
+	s := NewServingLatency(clk)
+	for range 10 {
+		for i := range 606 {
+			if i%101 == 100 {
+				s.Observe(RequestList, 200*time.Millisecond)
+			} else {
+				s.Observe(RequestRead, 5*time.Millisecond)
+			}
+		}
+		clk.SetTime(clk.Now().Add(time.Minute))
+	}
+	base, end := s.begin(servingQuantile)
+	t.Cleanup(end)
+	if base[RequestRead] != 5*time.Millisecond || base[RequestList] != 200*time.Millisecond || base[RequestWrite] != 0 {
+		t.Fatalf("baselines %s, want get 5ms, list 200ms and none for writes", base)
+	}
+	b := &classesBed{t: t, clk: clk, s: s, p: newPacer(Options{})}
+	b.p.SetServingBaseline(base)
+	if v := b.window(5*time.Millisecond, 200*time.Millisecond); v.Change != "baseline" {
+		t.Fatalf("first window %+v, want etcd's baseline", v)
+	}
+	return b
+}
+
+// window runs transactions 50ms apart, each of 50ms of the allowed rate and after 5
+// GETs answered in get and a LIST in list, until a window ends; its verdict.
+func (b *classesBed) window(get, list time.Duration) pacerVerdict {
+	before := b.p.last
+	for range 40 {
+		b.clk.SetTime(b.clk.Now().Add(50 * time.Millisecond))
+		for range 5 {
+			b.s.Observe(RequestRead, get)
+		}
+		b.s.Observe(RequestList, list)
+		for c := range b.buf {
+			b.buf[c] = b.buf[c][:0]
+		}
+		b.s.drain(&b.buf)
+		for c, ds := range b.buf {
+			for _, d := range ds {
+				b.p.ObserveServing(RequestClass(c), d)
+			}
+		}
+		b.p.Observe(b.clk.Now(), 2*time.Millisecond, max(1, int(b.p.Rate()/20)), nil)
+		if b.p.last != before {
+			return b.p.last
+		}
+	}
+	b.t.Fatalf("no window ended at +%s", b.clk.Now().Sub(t0))
+	return pacerVerdict{}
+}
+
+// Requests of a class without a baseline of its own (fewer than
+// minServingBaselineSamples before the migration) are not judged, whatever they take.
+func TestAClassWithoutABaselineIsNotJudged(t *testing.T) {
+	clk := clocktesting.NewFakePassiveClock(t0)
+	s := NewServingLatency(clk)
+	for range 200 {
+		s.Observe(RequestRead, 5*time.Millisecond)
+	}
+	for range minServingBaselineSamples - 1 {
+		s.Observe(RequestWrite, 10*time.Millisecond)
+	}
+	b, end := s.begin(servingQuantile)
+	defer end()
+	if b[RequestRead] == 0 || b[RequestWrite] != 0 {
+		t.Fatalf("baselines %s: want one for GETs only", b)
+	}
+	p := newPacer(Options{})
+	p.SetServingBaseline(b)
+	clk.SetTime(clk.Now().Add(time.Second))
+	for range 200 {
+		s.Observe(RequestWrite, time.Second)
+	}
+	var buf servingSamples
+	s.drain(&buf)
+	for c, ds := range buf {
+		for _, d := range ds {
+			p.ObserveServing(RequestClass(c), d)
+		}
+	}
+	if n := p.pendingServing(); n != 0 {
+		t.Errorf("%d writes wait for a judgement without a baseline to judge them by", n)
+	}
+	for _, c := range []struct {
+		resource bool
+		verb     string
+		want     RequestClass
+	}{
+		{true, "get", RequestRead}, {true, "list", RequestList}, {true, "patch", RequestWrite}, {true, "create", RequestWrite},
+		{true, "deletecollection", RequestList}, {false, "get", RequestOther}, {true, "proxy", RequestOther},
+	} {
+		if got := ClassOf(c.resource, c.verb); got != c.want {
+			t.Errorf("ClassOf(%v, %q) = %s, want %s", c.resource, c.verb, got, c.want)
+		}
+	}
+}
