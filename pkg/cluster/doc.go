@@ -7,6 +7,8 @@
 //   - Each apiserver publishes a MemberState (write and read keys per resource, KMS
 //     key id hashes, health, config hash) under a lease at <prefix>/members/<id>.
 //   - A Node watches the members (Node.Members); an expired lease drops a member out.
+//     Each list and watch response is stepped into the fence as it arrives; the
+//     queries below only ask it, and what a decision changed comes back with it.
 //   - Its write fence, a pure state machine inside the package, tells the reload.Agent
 //     which chain entry writes (Node.WriteFence): a new write key is held back, the
 //     previous one writing, until every live member can read it, and then promoted

@@ -52,6 +52,28 @@ type fence struct {
 	selfListed bool
 	losses     int
 	resync     *resync
+	// ready is what the steps changed since the driver last asked (Ready).
+	ready fenceReady
+}
+
+// fenceReady is what the steps since the last Ready changed, for the driver to act on
+// (raft's Ready: the machine says what happened, the driver does the I/O).
+type fenceReady struct {
+	// Lost is set when a loss began a resynchronisation (a lost lease, or a pause
+	// longer than the lease TTL): the driver withdraws the handshake's confirmations,
+	// applies the fence again so that every write is held, and publishes its record.
+	Lost bool
+	// Resynced is set when a resynchronisation ended; HeldSince is when it began. The
+	// driver applies the fence again so that writes resume.
+	Resynced  bool
+	HeldSince time.Time
+}
+
+// Ready hands over what changed since the last call, and forgets it.
+func (f *fence) Ready() fenceReady {
+	r := f.ready
+	f.ready = fenceReady{}
+	return r
 }
 
 // Hold is a configured write key held back.
@@ -127,14 +149,56 @@ func (f *fence) Step(ev fenceEvent) {
 	}
 }
 
-// Writers decides, for the rules of next (built from the configuration: ReadKeys[0] is
+// fenceDecision is what Decide hands back: the entry each rule writes with (the
+// reload.Options.WriteFence contract) and how the holds changed, so that the driver
+// logs and raises Events from the decision instead of comparing Holds before and after.
+type fenceDecision struct {
+	Writers map[string]transformers.Writer
+	// Changed lists the holds that started or changed (another held key or writing
+	// entry, refused or no longer, safe or no longer), sorted by resource.
+	Changed []Hold
+	// Released lists the holds that ended, sorted by resource: the held key writes
+	// now (promoted), or the rule is gone.
+	Released []Hold
+	// Resyncing is set when every write is held to resynchronise (fence_resync.go).
+	Resyncing bool
+}
+
+// Decide decides, for the rules of next (built from the configuration: ReadKeys[0] is
 // the configured write key) given the rules serving now (current, nil at start), the
-// entry each rule writes with, or that it refuses writes. It records the holds. This
-// is the reload.Options.WriteFence contract.
-func (f *fence) Writers(current, next []transformers.RuleInfo) map[string]transformers.Writer {
+// entry each rule writes with, or that it refuses writes, and records the holds. It is
+// an input like Step — the configuration the agent is about to serve — and hands back
+// the decision.
+func (f *fence) Decide(current, next []transformers.RuleInfo) fenceDecision {
+	before := f.holds
+	var out map[string]transformers.Writer
 	if f.resync != nil {
-		return f.resyncWriters(next)
+		out = f.resyncWriters(next)
+	} else {
+		out = f.writers(current, next)
 	}
+	d := fenceDecision{Writers: out, Resyncing: f.resync != nil}
+	for _, h := range f.Holds() {
+		if b, ok := before[h.Resource]; !ok || !sameHold(b, h) {
+			d.Changed = append(d.Changed, h)
+		}
+	}
+	for _, r := range slices.Sorted(maps.Keys(before)) {
+		if _, ok := f.holds[r]; !ok {
+			d.Released = append(d.Released, before[r])
+		}
+	}
+	return d
+}
+
+// sameHold reports whether two holds of one resource say the same thing (Since and
+// WaitingFor may move without anything to report).
+func sameHold(a, b Hold) bool {
+	return a.Held == b.Held && a.Writing == b.Writing && a.Unsafe == b.Unsafe && a.Refused == b.Refused
+}
+
+// writers is Decide's rule outside a resynchronisation.
+func (f *fence) writers(current, next []transformers.RuleInfo) map[string]transformers.Writer {
 	out := map[string]transformers.Writer{}
 	holds := map[string]Hold{}
 	for _, n := range next {

@@ -118,6 +118,7 @@ func (f *fence) stepResync(ev fenceEvent) {
 // that includes that Put.
 func (f *fence) lose(now time.Time, why string) {
 	f.losses++
+	f.ready.Lost = true
 	if f.resync == nil {
 		f.resync = &resync{since: now}
 	}
@@ -138,6 +139,7 @@ func (f *fence) viewStepped(e membersChanged) {
 // shows the record.
 func (f *fence) maybeResynced() {
 	if f.resync != nil && f.resync.putRev > 0 && f.viewRev >= f.resync.putRev && f.selfListed {
+		f.ready.Resynced, f.ready.HeldSince = true, f.resync.since
 		f.resync = nil
 	}
 }

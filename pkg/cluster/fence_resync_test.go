@@ -18,7 +18,7 @@ func resyncFence(t *testing.T) (*fence, []transformers.RuleInfo, func(rev int64,
 	view := func(rev int64, members ...MemberState) { f.Step(membersChanged{Members: members, Rev: rev}) }
 	view(5, a, b)
 	rules := parseRules(t, "secrets: aesgcm/k1")
-	if w := f.Writers(nil, rules); len(w) != 0 {
+	if w := f.Decide(nil, rules).Writers; len(w) != 0 {
 		t.Fatalf("before any loss: writers %v, want k1 (no change)", w)
 	}
 	return f, rules, view
@@ -26,7 +26,7 @@ func resyncFence(t *testing.T) (*fence, []transformers.RuleInfo, func(rev int64,
 
 // refusal is the fence's refusal of secrets' writes ("" when it lets them through).
 func refusal(f *fence, rules []transformers.RuleInfo) string {
-	return f.Writers(rules, rules)["secrets"].Refuse
+	return f.Decide(rules, rules).Writers["secrets"].Refuse
 }
 
 // TestFenceHoldsWritesAfterAPauseUntilTheViewIncludesItsRecord: a tick more than a
@@ -43,7 +43,16 @@ func TestFenceHoldsWritesAfterAPauseUntilTheViewIncludesItsRecord(t *testing.T) 
 	if why := refusal(f, rules); why != "" {
 		t.Fatalf("ticks one TTL apart: writes refused (%s)", why)
 	}
+	if r := f.Ready(); r.Lost || r.Resynced {
+		t.Fatalf("ticks one TTL apart: the fence reports %+v", r)
+	}
 	f.Step(tick{Now: epoch.Add(23 * time.Second)}) // 12 s later: a pause
+	if r := f.Ready(); !r.Lost || r.Resynced {
+		t.Fatalf("after a 12 s pause: the fence reports %+v, want a loss", r)
+	}
+	if r := f.Ready(); r.Lost {
+		t.Fatal("Ready reported the loss twice")
+	}
 	why := refusal(f, rules)
 	if !strings.Contains(why, "writes of secrets are held: this apiserver did not run for 12s, longer than its 10s member lease") {
 		t.Fatalf("after a 12 s pause: refusal %q, want the hold naming the pause", why)
@@ -77,7 +86,13 @@ func TestFenceHoldsWritesAfterAPauseUntilTheViewIncludesItsRecord(t *testing.T) 
 	if refusal(f, rules) == "" {
 		t.Fatal("writes resumed with a view that does not show this apiserver's record")
 	}
+	if r := f.Ready(); r.Resynced {
+		t.Fatal("the fence reported the end of the resynchronisation before it ended")
+	}
 	view(10, a, b)
+	if r := f.Ready(); !r.Resynced || !r.HeldSince.Equal(epoch.Add(23*time.Second)) || r.Lost {
+		t.Fatalf("at the view that ends the resynchronisation the fence reports %+v, want its end and the hold's start", r)
+	}
 	if why := refusal(f, rules); why != "" {
 		t.Fatalf("with a view after the Put that shows the record: writes refused (%s)", why)
 	}

@@ -60,11 +60,13 @@ func TestFenceTranscripts(t *testing.T) {
 				return "ok"
 			case "config":
 				next := parseRules(t, d.Input)
-				current = applyWriters(next, f.Writers(current, next))
-				return renderFence(f, current, now)
+				dec := f.Decide(current, next)
+				current = applyWriters(next, dec.Writers)
+				return renderFence(f, current, now) + renderChanges(dec)
 			case "refence":
-				current = applyWriters(current, f.Writers(current, current))
-				return renderFence(f, current, now)
+				dec := f.Decide(current, current)
+				current = applyWriters(current, dec.Writers)
+				return renderFence(f, current, now) + renderChanges(dec)
 			case "may-write-keyid":
 				var provider, hash string
 				d.ScanArgs(t, "provider", &provider)
@@ -113,6 +115,26 @@ func renderFence(f *fence, rules []transformers.RuleInfo, now time.Time) string 
 	return b.String()
 }
 
+// renderChanges shows what a decision hands the driver to log: the holds that started
+// or changed, and the ones that ended.
+func renderChanges(d fenceDecision) string {
+	var b strings.Builder
+	for _, h := range d.Changed {
+		switch {
+		case h.Refused != "":
+			fmt.Fprintf(&b, "> %s: refusing writes\n", h.Resource)
+		case h.Unsafe:
+			fmt.Fprintf(&b, "> %s: holding %s, writing %s, unsafe\n", h.Resource, h.Held, h.Writing)
+		default:
+			fmt.Fprintf(&b, "> %s: holding %s, writing %s\n", h.Resource, h.Held, h.Writing)
+		}
+	}
+	for _, h := range d.Released {
+		fmt.Fprintf(&b, "> %s: released %s\n", h.Resource, h.Held)
+	}
+	return b.String()
+}
+
 func renderHolds(holds []Hold, now time.Time) string {
 	if len(holds) == 0 {
 		return "no key id held"
@@ -140,13 +162,13 @@ func TestFenceHoldsUntilEveryMemberReads(t *testing.T) {
 	f.Step(membersChanged{Members: []MemberState{b}})
 	current := []transformers.RuleInfo{{Resource: "secrets", ReadKeys: []Key{k1}}}
 	next := []transformers.RuleInfo{{Resource: "secrets", ReadKeys: []Key{k2, k1}}}
-	if got := fmt.Sprint(f.Writers(current, next), f.Holds()[0].WaitingFor); got != "map[secrets:{1  0s}] [b]" {
+	if got := fmt.Sprint(f.Decide(current, next).Writers, f.Holds()[0].WaitingFor); got != "map[secrets:{1  0s}] [b]" {
 		t.Errorf("b reads k1 only: writers and waiting = %s, want map[secrets:{1  0s}] [b] (k1 keeps writing, k2 waits for b)", got)
 	}
 
 	b.Resources[0].Read = []Key{k1, k2}
 	f.Step(membersChanged{Members: []MemberState{b}})
-	if got := fmt.Sprint(f.Writers(current, next), len(f.Holds())); got != "map[] 0" {
+	if got := fmt.Sprint(f.Decide(current, next).Writers, len(f.Holds())); got != "map[] 0" {
 		t.Errorf("b reads k2 too: writers and holds = %s, want map[] 0 (k2 promoted)", got)
 	}
 }

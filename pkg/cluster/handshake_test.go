@@ -168,7 +168,7 @@ type simMember struct {
 // apply serves next with the writers the fence chooses.
 func (m *simMember) apply(next []transformers.RuleInfo) string {
 	m.hs.BeginDecision()
-	m.rules = applyWriters(next, m.fence.Writers(m.rules, next))
+	m.rules = applyWriters(next, m.fence.Decide(m.rules, next).Writers)
 	var b strings.Builder
 	for _, r := range m.rules {
 		if r.WriteRefused != "" {

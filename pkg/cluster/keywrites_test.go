@@ -32,6 +32,26 @@ func (m *member) waitWritesWith(t *testing.T, key string) {
 	eventually(t, m.id+" to write with "+key, func() bool { w, _ := m.agent.Rules()[0].Writer(); return w.Key == key })
 }
 
+// waitFlushed waits until each member has started two more flushes of its write
+// counts (one at a time, so the first of them has ended).
+func waitFlushed(t *testing.T, ms ...*member) {
+	t.Helper()
+	last := func(m *member) time.Time {
+		m.node.mu.Lock()
+		defer m.node.mu.Unlock()
+		return m.node.lastKeyWritesFlush
+	}
+	for _, m := range ms {
+		seen, changes := last(m), 0
+		eventually(t, m.id+" to flush its write counts twice more", func() bool {
+			if at := last(m); !at.Equal(seen) {
+				seen, changes = at, changes+1
+			}
+			return changes >= 2
+		})
+	}
+}
+
 // aesgcmTotal is the cluster's total of the aesgcm key named name, and whether it exists.
 func aesgcmTotal(t *testing.T, m *member, name string) (KeyTotal, bool) {
 	t.Helper()
@@ -85,7 +105,8 @@ func TestKeyWriteTotalsAreExact(t *testing.T) {
 	b.sealN(t, 5)
 	a.sealN(t, 1)
 	eventually(t, "the total of k1 to reach 629", func() bool { k, _ := aesgcmTotal(t, a, "k1"); return k.Writes == 629 })
-	time.Sleep(100 * time.Millisecond) // several more flushes: nothing is added twice
+	// Every member flushes again at least once: nothing is added twice.
+	waitFlushed(t, a, b, c)
 	if k, _ := aesgcmTotal(t, a, "k1"); k.Writes != 629 || !k.FirstSeen.Equal(first.FirstSeen) {
 		t.Fatalf("k1 after more flushes: %d writes first seen %s, want 629 first seen %s", k.Writes, k.FirstSeen, first.FirstSeen)
 	}

@@ -13,7 +13,7 @@ import (
 // feeds it leadership, the live members, inventories and migration results; like
 // raft's Ready and Advance, Ready says which migration to start (and changes nothing),
 // the driver starts it and acknowledges with migrationStarted, and reports its end
-// with migrationFinished. Next does Ready and migrationStarted at once.
+// with migrationFinished.
 //
 // Rules:
 //   - only one migration runs at a time, and only while leading;
@@ -210,16 +210,6 @@ func (l *leader) Ready() (Migration, bool) {
 		}
 	}
 	return Migration{}, false
-}
-
-// Next is Ready followed by Step(migrationStarted), for a driver that starts what
-// Ready says at once.
-func (l *leader) Next() (Migration, bool) {
-	m, ok := l.Ready()
-	if ok {
-		l.Step(migrationStarted{Migration: m})
-	}
-	return m, ok
 }
 
 // Running is the migration in progress, if any.

@@ -304,7 +304,8 @@ func (t *term) round(ctx context.Context) error {
 	for _, ev := range inventoryEvents(m.opts.Inventory.Latest()) {
 		l.Step(ev)
 	}
-	if mig, ok := l.Next(); ok {
+	if mig, ok := l.Ready(); ok {
+		l.Step(migrationStarted{Migration: mig})
 		t.start(ctx, mig)
 	}
 	st := MigrationState{Leader: m.opts.ID, Records: l.Records(), Plans: l.Plans(), UpdatedAt: now}

@@ -4,9 +4,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/go-logr/logr/funcr"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -159,13 +163,20 @@ func TestMigratorLeaderNeverOverwritesUndecodableState(t *testing.T) {
 	a := startMember(t, cli, "a", secretsConfig("k1"))
 	storeSecrets(t, cli, a, 5, "/registry/secrets/ns/s%02d")
 	log := &eventLog{}
+	// Each read of the state that does not decode logs the hold once.
+	var held atomic.Int32
+	logger := funcr.New(func(_, args string) {
+		if strings.Contains(args, "Storage migration held") {
+			held.Add(1)
+		}
+	}, funcr.Options{})
 	mig := NewMigrator(MigratorOptions{
 		Client: cli, Prefix: defaultPrefix, ID: a.id, SessionTTL: 2 * time.Second,
 		Resources:      []migrate.Resource{migrate.ResourceFor("/registry", secrets)},
 		Source:         migrate.FromRules(a.agent, a.agent.Rules),
 		Members:        a.node.view.Members,
 		MembersChanged: a.node.view.Changed,
-		Logger:         a.node.log,
+		Logger:         logger,
 		Events:         log,
 	})
 	a.node.SetMigrator(mig)
@@ -174,8 +185,7 @@ func TestMigratorLeaderNeverOverwritesUndecodableState(t *testing.T) {
 	defer func() { cancel(); <-done }()
 
 	eventually(t, "a leads", func() bool { _, l := mig.State(); return l })
-	// Several retries (0.5 s, 1 s, ...) and rounds would have run by now.
-	time.Sleep(2 * time.Second)
+	eventually(t, "the leader to read the state three times", func() bool { return held.Load() >= 3 })
 	resp, err := cli.Get(ctx, key)
 	if err != nil {
 		t.Fatal(err)

@@ -175,10 +175,9 @@ func New(opts Options) (*Node, error) {
 	log := opts.Logger.WithName("cluster").WithValues("apiserverID", opts.ID)
 	fence, handshake := newFence(opts.ID, opts.Clock.Now()), newHandshake(opts.ID)
 	fence.SetPromotionGate(handshake)
-	return &Node{
+	n := &Node{
 		opts:      opts,
 		log:       log,
-		view:      newView(opts.Client, opts.Prefix, log, opts.Clock, opts.LeaseTTL),
 		pub:       newPublisher(opts.Client, memberKey(opts.Prefix, opts.ID), opts.LeaseTTL, log),
 		fence:     fence,
 		handshake: handshake,
@@ -187,7 +186,9 @@ func New(opts Options) (*Node, error) {
 		notify:    make(chan struct{}, 1),
 		// A loss or the end of a resynchronisation, noticed outside the loop.
 		resyncChanged: make(chan struct{}, 1),
-	}, nil
+	}
+	n.view = newView(opts.Client, opts.Prefix, log, opts.Clock, opts.LeaseTTL, n.viewStepped)
+	return n, nil
 }
 
 func moduleVersion() string {
@@ -228,7 +229,6 @@ func (n *Node) Start(ctx context.Context) error {
 		return fmt.Errorf("cluster coordination: listing the members under %s: %w (check --etcd-servers, or pass --cluster-coordination=false for a single apiserver)", membersPrefix(n.opts.Prefix), err)
 	}
 	n.mu.Lock()
-	n.fence.Step(n.viewEvent())
 	// From now on a tick more than a lease TTL after the previous one is a pause.
 	now := n.opts.Clock.Now()
 	n.fence.SetLeaseTTL(n.opts.LeaseTTL, now)
@@ -249,29 +249,21 @@ func (n *Node) Start(ctx context.Context) error {
 	return nil
 }
 
-// WriteFence is reload.Options.WriteFence.
+// WriteFence is reload.Options.WriteFence: the fence decides with the members the
+// watch has delivered (the watch steps them in as it receives them, see viewStepped),
+// and the node logs and raises Events for what the decision changed.
 func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]transformers.Writer {
-	ev := n.viewEvent()
 	n.mu.Lock()
-	defer n.mu.Unlock()
-	n.stepClockLocked(n.opts.Clock.Now())
-	// Decide with the members the watch has delivered, not the ones the node's loop
-	// has fed the fence so far: a member that just appeared must not miss a promotion.
-	n.stepViewLocked(ev)
-	resyncing, _, _ := n.fence.Resync()
-	before := map[string]Hold{}
-	for _, h := range n.fence.Holds() {
-		before[h.Resource] = h
-	}
 	n.handshake.BeginDecision()
-	w := n.fence.Writers(current, next)
-	for _, h := range n.fence.Holds() {
-		if b, ok := before[h.Resource]; ok && b.Held == h.Held && b.Writing == h.Writing && b.Unsafe == h.Unsafe && b.Refused == h.Refused {
-			continue
-		}
+	d := n.fence.Decide(current, next)
+	n.mu.Unlock()
+	for _, h := range d.Released {
+		n.log.V(2).Info("Write fence no longer holds a write key back", "resource", h.Resource, "held", h.Held.String())
+	}
+	for _, h := range d.Changed {
 		if h.Refused != "" {
 			msg := "Write fence refuses writes" // the reason says why
-			if resyncing {
+			if d.Resyncing {
 				msg = resyncHoldMessage
 			}
 			n.log.Info(msg, "resource", h.Resource, "reason", h.Refused)
@@ -283,7 +275,7 @@ func (n *Node) WriteFence(current, next []transformers.RuleInfo) map[string]tran
 		n.opts.Events.Event(events.Normal, events.ReasonWriteKeyHeld, fmt.Sprintf("%s: the write fence holds %s back until every live apiserver can read it (waiting for %s); writing with %s",
 			h.Resource, h.Held.String(), strings.Join(h.WaitingFor, ", "), h.Writing.String()))
 	}
-	return w
+	return d.Writers
 }
 
 // Notify asks for the member state to be published now (reload.Options.OnChange and
@@ -304,10 +296,8 @@ func (n *Node) NotifyKeyID(string, string) { n.Notify() }
 // member state, that its plugin can decrypt that key id. It never waits on etcd: it
 // asks the fence, which the watch of the members feeds.
 func (n *Node) MayWriteKeyID(provider, keyIDHash string) bool {
-	ev := n.viewEvent()
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	n.stepViewLocked(ev)
 	return n.fence.MayWriteKeyID(provider, keyIDHash)
 }
 
@@ -355,10 +345,10 @@ func (n *Node) run(ctx context.Context) {
 	}
 }
 
-// membersChanged feeds the fence and lets the agent promote (or hold) write keys.
+// membersChanged lets the agent promote (or hold) write keys: the watch has stepped
+// the new members into the fence already (viewStepped).
 func (n *Node) membersChanged(ctx context.Context) {
 	n.mu.Lock()
-	n.stepViewLocked(n.viewEvent())
 	agent := n.agent
 	n.mu.Unlock()
 	if agent != nil {
@@ -399,7 +389,7 @@ func (n *Node) confirmPromotions(ctx context.Context) {
 func (n *Node) tick(ctx context.Context) {
 	now := n.opts.Clock.Now()
 	n.mu.Lock()
-	started := n.stepClockLocked(now)
+	started := n.stepLocked(tick{Now: now})
 	agent, due := n.agent, now.Sub(n.lastPublish) >= n.opts.RefreshInterval
 	awaitsPut := n.fence.AwaitsPut()
 	n.mu.Unlock()
@@ -486,7 +476,7 @@ func (n *Node) publishNow(ctx context.Context, force bool) error {
 	}
 	n.publishErr, n.published, n.lastPublish, n.publishFailingSince = "", st, now, time.Time{}
 	n.handshake.Published(st)
-	n.stepViewLocked(recordPut{Rev: rev, Losses: losses})
+	n.stepLocked(recordPut{Rev: rev, Losses: losses})
 	return nil
 }
 
@@ -607,11 +597,14 @@ func (n *Node) Holds() []Hold {
 	return append(slices.Clone(n.fence.Holds()), n.fence.KeyIDHolds(self)...)
 }
 
-// viewEvent is what the watch has delivered, as the fence's event: the live members of
-// this cluster and the unknown records apart, at the view's revision.
-func (n *Node) viewEvent() membersChanged {
-	members, unknown, rev := n.view.snapshot()
-	return membersChanged{Members: members, Unknown: unknown, Rev: rev}
+// viewStepped is the view's callback: every list and watch response is stepped into
+// the fence as it arrives, so that a decision is always taken with the members the
+// watch has delivered (a member that just appeared must not miss a promotion) without
+// the queries stepping the fence themselves.
+func (n *Node) viewStepped(ev membersChanged) {
+	n.mu.Lock()
+	n.stepLocked(ev)
+	n.mu.Unlock()
 }
 
 // ownClusterID is the cluster identity Start read or created.
@@ -644,7 +637,7 @@ func (n *Node) watchPauses(ctx context.Context) {
 		}
 		now := n.opts.Clock.Now()
 		n.mu.Lock()
-		lost := n.stepClockLocked(now)
+		lost := n.stepLocked(tick{Now: now})
 		agent := n.agent
 		n.mu.Unlock()
 		// Stored after the fence stepped: the gate opens only once the fence holds.
@@ -676,47 +669,34 @@ func (n *Node) WriteGate() error {
 	return nil
 }
 
-// stepClockLocked steps the fence's clock (n.mu held) and reports whether that was a
-// loss: a pause longer than the lease TTL.
-func (n *Node) stepClockLocked(now time.Time) bool {
-	before := n.fence.Losses()
-	n.fence.Step(tick{Now: now})
-	if n.fence.Losses() == before {
-		return false
-	}
-	n.lostLocked()
-	return true
-}
-
 // lose steps a lost lease into the fence.
 func (n *Node) lose(ev leaseLost) {
 	n.mu.Lock()
-	n.fence.Step(ev)
-	n.lostLocked()
+	n.stepLocked(ev)
 	n.mu.Unlock()
 }
 
-// lostLocked follows a loss (n.mu held): confirmations of promotions are withdrawn
-// (while this apiserver had no record, a member dropping a key could read the members
-// without seeing it), and the loop is asked to hold the writes and publish.
-func (n *Node) lostLocked() {
-	n.handshake.RecordLost()
-	_, _, why := n.fence.Resync()
-	n.log.Info(resyncHoldMessage, "reason", why)
-	n.signalResync()
-}
-
-// stepViewLocked steps a view or a Put of this apiserver's record into the fence (n.mu
-// held) and, when that ends a resynchronisation, says so and asks the loop to apply the
-// fence again.
-func (n *Node) stepViewLocked(ev fenceEvent) {
-	held, since, _ := n.fence.Resync()
+// stepLocked steps one event into the fence (n.mu held) and acts on what the fence
+// says changed; it reports whether a loss began. After a loss, confirmations of
+// promotions are withdrawn (while this apiserver had no record, a member dropping a
+// key could read the members without seeing it) and the loop is asked to hold the
+// writes and publish; after a resynchronisation, the loop is asked to apply the fence
+// again so that writes resume.
+func (n *Node) stepLocked(ev fenceEvent) (lost bool) {
 	n.fence.Step(ev)
-	if still, _, _ := n.fence.Resync(); held && !still {
-		n.log.Info("Back in the cluster's view: this apiserver's record is published again and its view includes it; the write fence decides again",
-			"heldFor", n.opts.Clock.Since(since).Round(time.Millisecond), "viewRevision", n.fence.viewRev)
+	r := n.fence.Ready()
+	if r.Lost {
+		n.handshake.RecordLost()
+		_, _, why := n.fence.Resync()
+		n.log.Info(resyncHoldMessage, "reason", why)
 		n.signalResync()
 	}
+	if r.Resynced {
+		n.log.Info("Back in the cluster's view: this apiserver's record is published again and its view includes it; the write fence decides again",
+			"heldFor", n.opts.Clock.Since(r.HeldSince).Round(time.Millisecond), "viewRevision", n.fence.viewRev)
+		n.signalResync()
+	}
+	return r.Lost
 }
 
 // signalResync asks the loop to resync; it never blocks.

@@ -131,6 +131,25 @@ func (m *member) stop() {
 	}
 }
 
+// decideWithCurrentView waits until m's fence has been fed a view at least as new as
+// etcd's revision now, then has m's agent apply the fence again: what m writes
+// afterwards is its decision with everything etcd held when it was called.
+func (m *member) decideWithCurrentView(t *testing.T) {
+	t.Helper()
+	resp, err := m.node.opts.Client.Get(context.Background(), "/", clientv3.WithCountOnly())
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, m.id+"'s fence to see etcd's current revision", func() bool {
+		m.node.mu.Lock()
+		defer m.node.mu.Unlock()
+		return m.node.fence.viewRev >= resp.Header.Revision
+	})
+	if err := m.agent.Refence(); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func (m *member) writePrefix(t *testing.T) string {
 	t.Helper()
 	out, err := m.agent.TransformerForResource(secrets).TransformToStorage(context.Background(), []byte("x"), value.DefaultContext("/registry/secrets/ns/x"))
@@ -214,7 +233,7 @@ func TestFencePromotesWhenTheOtherMemberCatchesUp(t *testing.T) {
 	a := startMember(t, cli, "a", secretsConfig("k1"))
 	b := startMember(t, cli, "b", secretsConfig("k1"))
 	eventually(t, "a sees b", func() bool { return memberIDs(a.node.view) == "a,b" })
-	// The fence learns the members on the node's loop, a moment after the view.
+	// The fence learns the members from the watch's callback, a moment after the view.
 	eventually(t, "a's fence sees b", func() bool {
 		a.node.mu.Lock()
 		defer a.node.mu.Unlock()
@@ -232,8 +251,14 @@ func TestFencePromotesWhenTheOtherMemberCatchesUp(t *testing.T) {
 	if h := a.node.Holds(); len(h) != 1 || h[0].Held.Key != "k2" || strings.Join(h[0].WaitingFor, ",") != "b" {
 		t.Fatalf("a's holds = %+v, want k2 waiting for b", h)
 	}
-	// Holding stays held while nothing changes.
-	time.Sleep(300 * time.Millisecond)
+	// a publishes its hold: the verdict names it.
+	eventually(t, "the verdict to show a holding k2 for b", func() bool {
+		v := a.node.Status().Verdict
+		return !v.Converged && strings.Contains(v.Summary, "promoting aesgcm/k2 for secrets on a, waiting for b")
+	})
+	// Holding stays held while nothing changes: a decides again with a view as new as
+	// etcd is now (its own record holding k2 included).
+	a.decideWithCurrentView(t)
 	if p := a.writePrefix(t); p != "k8s:enc:aesgcm:v1:k1:" {
 		t.Fatalf("a promoted k2 with b unable to read it (writes %q)", p)
 	}
@@ -276,7 +301,8 @@ func TestStragglerIsNotReadyAndGuardRefusesDrop(t *testing.T) {
 		err := b.node.ReadyzCheck().Check(nil)
 		return err != nil && strings.Contains(err.Error(), "secrets: aesgcm/k2 (written by a)")
 	})
-	time.Sleep(300 * time.Millisecond)
+	// a decides again with a view as new as etcd is now (b's record included).
+	a.decideWithCurrentView(t)
 	if p := a.writePrefix(t); p != "k8s:enc:aesgcm:v1:k2:" {
 		t.Fatalf("the straggler pulled a back: a writes %q", p)
 	}

@@ -182,7 +182,7 @@ func (s *sched) reload(m *schedMember) { s.apply(m, s.rulesOf(m.file)) }
 
 func (s *sched) apply(m *schedMember, next []transformers.RuleInfo) {
 	before, hadWriter := writerOf(m.rules)
-	m.rules = applyWriters(next, m.fence.Writers(m.rules, next))
+	m.rules = applyWriters(next, m.fence.Decide(m.rules, next).Writers)
 	after, writing := writerOf(m.rules)
 	if writing && (!hadWriter || !after.SameKey(before)) {
 		s.checkPromotion(m, after)
@@ -332,7 +332,8 @@ func (s *sched) lead() {
 	}
 	l.leader.Step(tick{Now: s.now})
 	if s.running == nil {
-		if mig, ok := l.leader.Next(); ok {
+		if mig, ok := l.leader.Ready(); ok {
+			l.leader.Step(migrationStarted{Migration: mig})
 			s.running, s.cursor = &mig, 0
 		}
 		return

@@ -30,6 +30,9 @@ type view struct {
 	clock  clock.WithTicker
 	// progressEvery is how often an idle watch is asked to confirm its revision.
 	progressEvery time.Duration
+	// stepped, when set, is given every list and watch response as the fence's event,
+	// on the watch's goroutine, after the view took it (Node.viewStepped).
+	stepped func(membersChanged)
 
 	mu        sync.Mutex
 	clusterID string
@@ -43,9 +46,10 @@ type view struct {
 }
 
 // newView returns a view of the members under prefix, on clk, whose idle watch is
-// asked for progress three times per lease TTL; call Load, then Run.
-func newView(cli *clientv3.Client, prefix string, log klog.Logger, clk clock.WithTicker, ttl time.Duration) *view {
-	return &view{cli: cli, prefix: prefix, log: log, clock: clk, progressEvery: max(ttl/3, 100*time.Millisecond),
+// asked for progress three times per lease TTL, and which hands every list and watch
+// response to stepped (nil: nobody); call Load, then Run.
+func newView(cli *clientv3.Client, prefix string, log klog.Logger, clk clock.WithTicker, ttl time.Duration, stepped func(membersChanged)) *view {
+	return &view{cli: cli, prefix: prefix, log: log, clock: clk, progressEvery: max(ttl/3, 100*time.Millisecond), stepped: stepped,
 		members: map[string]MemberState{}, unknown: map[string]UnknownMember{}, changed: make(chan struct{})}
 }
 
@@ -63,14 +67,35 @@ func (v *view) Load(ctx context.Context) error {
 		return err
 	}
 	v.mu.Lock()
-	defer v.mu.Unlock()
 	v.members, v.unknown = map[string]MemberState{}, map[string]UnknownMember{}
 	for _, kv := range resp.Kvs {
 		v.putLocked(kv)
 	}
 	v.rev, v.loaded, v.freshAt = resp.Header.Revision, true, v.clock.Now()
-	v.notifyLocked()
+	ev := v.eventLocked()
+	v.mu.Unlock()
+	v.step(ev, true)
 	return nil
+}
+
+// eventLocked is what the view shows, as the fence's event: the live members of this
+// cluster and the unknown records apart, at the view's revision.
+func (v *view) eventLocked() membersChanged {
+	return membersChanged{Members: v.membersLocked(), Unknown: v.unknownLocked(), Rev: v.rev}
+}
+
+// step hands ev to the callback, outside v.mu (the callback takes the node's lock,
+// which is held while the view is read elsewhere), and then, for a change, wakes the
+// waiters on Changed: whoever wakes finds the fence already fed.
+func (v *view) step(ev membersChanged, changed bool) {
+	if v.stepped != nil {
+		v.stepped(ev)
+	}
+	if changed {
+		v.mu.Lock()
+		v.notifyLocked()
+		v.mu.Unlock()
+	}
 }
 
 // putLocked files one record as a member or, logging why, as an unknown member.
@@ -114,7 +139,7 @@ func (v *view) Run(ctx context.Context) {
 			}
 			select {
 			case <-ctx.Done():
-			case <-time.After(time.Second):
+			case <-v.clock.After(time.Second):
 			}
 		}
 	}
@@ -146,10 +171,11 @@ func (v *view) follow(wctx context.Context, ch clientv3.WatchChan) {
 	}
 }
 
-// apply files one watch response.
+// apply files one watch response and hands the view to the callback: one with events
+// is a change, a progress notification moves the revision on (which can end a
+// resynchronisation, fence_resync.go).
 func (v *view) apply(resp clientv3.WatchResponse) {
 	v.mu.Lock()
-	defer v.mu.Unlock()
 	for _, ev := range resp.Events {
 		if ev.Type == clientv3.EventTypeDelete {
 			id := strings.TrimPrefix(string(ev.Kv.Key), membersPrefix(v.prefix))
@@ -160,17 +186,9 @@ func (v *view) apply(resp clientv3.WatchResponse) {
 		v.putLocked(ev.Kv)
 	}
 	v.rev, v.freshAt = max(v.rev, resp.Header.Revision), v.clock.Now()
-	if len(resp.Events) > 0 {
-		v.notifyLocked()
-	}
-}
-
-// snapshot returns the live members sorted by id, the unknown records sorted by key
-// and the revision they are at, read together.
-func (v *view) snapshot() ([]MemberState, []UnknownMember, int64) {
-	v.mu.Lock()
-	defer v.mu.Unlock()
-	return v.membersLocked(), v.unknownLocked(), v.rev
+	ev := v.eventLocked()
+	v.mu.Unlock()
+	v.step(ev, len(resp.Events) > 0)
 }
 
 // FreshAt is when the view was last known current (zero before the first list).
