@@ -101,8 +101,9 @@ type Recorder struct {
 	Retention func() (retention time.Duration, known bool)
 	// TouchInterval: see Ledger.Observe; zero is DefaultTouchInterval.
 	TouchInterval time.Duration
-	Clock         clock.PassiveClock
-	Logger        klog.Logger
+	// Clock reads the time of each observation and paces Run; nil is the real clock.
+	Clock  clock.WithTicker
+	Logger klog.Logger
 	// Wake, when set, makes Run record at once instead of at the next interval (a
 	// member that starts writing with a new key: the ledger learns it, and the KMS key
 	// id it supersedes, without waiting).
@@ -125,10 +126,7 @@ func (r *Recorder) Record(ctx context.Context) (written bool, err error) {
 	if r.Retention != nil {
 		o.Retention, o.RetentionKnown = r.Retention()
 	}
-	c := r.Clock
-	if c == nil {
-		c = clock.RealClock{}
-	}
+	c := r.clock()
 	var seen *Ledger
 	written, err = r.Store.Update(ctx, func(l *Ledger, rev int64) bool {
 		changed := l.Observe(o, c.Now(), rev, r.TouchInterval)
@@ -148,7 +146,7 @@ func (r *Recorder) Run(ctx context.Context, interval time.Duration) {
 	if logger.GetSink() == nil {
 		logger = klog.Background()
 	}
-	t := time.NewTicker(interval)
+	t := r.clock().NewTicker(interval)
 	defer t.Stop()
 	for {
 		if _, err := r.Record(ctx); err != nil && ctx.Err() == nil {
@@ -157,8 +155,15 @@ func (r *Recorder) Run(ctx context.Context, interval time.Duration) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-t.C:
+		case <-t.C():
 		case <-r.Wake:
 		}
 	}
+}
+
+func (r *Recorder) clock() clock.WithTicker {
+	if r.Clock == nil {
+		return clock.RealClock{}
+	}
+	return r.Clock
 }

@@ -3,6 +3,7 @@ package keyledger
 import (
 	"context"
 	"testing"
+	"time"
 
 	clocktesting "k8s.io/utils/clock/testing"
 
@@ -16,7 +17,7 @@ func TestRecordIsIdempotentAcrossMembers(t *testing.T) {
 	srv := etcdtest.Start(t)
 	cli := srv.Client(t)
 	ctx := context.Background()
-	clk := clocktesting.NewFakePassiveClock(t0)
+	clk := clocktesting.NewFakeClock(t0)
 	rules := func() []transformers.RuleInfo { return rule(aesgcm("key1", "c1")) }
 	store := Store{Client: cli, Key: Key("/rekey")}
 	a := &Recorder{Store: store, Rules: rules, Clock: clk}
@@ -59,7 +60,7 @@ func TestRecorderSeenHandsOverTheLedger(t *testing.T) {
 	srv := etcdtest.Start(t)
 	cli := srv.Client(t)
 	ctx := context.Background()
-	clk := clocktesting.NewFakePassiveClock(t0)
+	clk := clocktesting.NewFakeClock(t0)
 	store := Store{Client: cli, Key: Key("/rekey")}
 	keyID := "sha256:aaaa"
 	writer := &Recorder{Store: store, Rules: func() []transformers.RuleInfo { return rule(kmsID(keyID)) }, Clock: clk}
@@ -77,5 +78,43 @@ func TestRecorderSeenHandsOverTheLedger(t *testing.T) {
 	}
 	if got := seen["vault"]; len(got) != 1 || got[0] != "sha256:aaaa" {
 		t.Fatalf("superseded key ids seen = %v, want vault's sha256:aaaa", seen)
+	}
+}
+
+// Run records at once and then every interval of its clock: stepping a fake clock
+// past the interval records again (the ledger's last use moves), without waiting on
+// the wall clock.
+func TestRecorderRunRecordsEveryIntervalOfItsClock(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	clk := clocktesting.NewFakeClock(t0)
+	store := Store{Client: cli, Key: Key("/rekey")}
+	records := make(chan *Ledger, 10)
+	r := &Recorder{Store: store, Rules: func() []transformers.RuleInfo { return rule(aesgcm("key1", "c1")) }, Clock: clk,
+		Seen: func(l *Ledger) { records <- l }}
+	done := make(chan struct{})
+	go func() { defer close(done); r.Run(ctx, time.Hour) }()
+	defer func() { cancel(); <-done }()
+	first := <-records
+	if len(first.Entries) != 1 || !first.Entries[0].LastUse.At.Equal(t0) {
+		t.Fatalf("the first record: %+v, want key1 used at t0", first.Entries)
+	}
+	// The ticker exists once Run waits on it; then a step of the clock fires it.
+	for deadline := time.Now().Add(10 * time.Second); !clk.HasWaiters(); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("Run never waits on its clock (a wall-clock ticker?)")
+		}
+	}
+	later := t0.Add(time.Hour)
+	clk.SetTime(later)
+	select {
+	case l := <-records:
+		if !l.Entries[0].LastUse.At.Equal(later) {
+			t.Fatalf("the record after an interval: last use %v, want %v", l.Entries[0].LastUse.At, later)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("stepping the recorder's clock past its interval recorded nothing")
 	}
 }
