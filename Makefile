@@ -9,7 +9,7 @@ STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(BIN)/tools/staticcheck-$(STATICCHECK_VERSION)/staticcheck
 VERSION_LDFLAGS := -X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 
-.PHONY: kms-pkcs11 test-kms-pkcs11 all build test lint fmt vet staticcheck tidy-check openapi-check tools run e2e e2e-long bench bench-rotation bench-scale charts bench-go fuzz sim clean kube-apiserver run-kube-apiserver
+.PHONY: kms-pkcs11 test-kms-pkcs11 all build test lint docs-check fmt vet staticcheck tidy-check openapi-check tools run e2e e2e-long bench bench-rotation bench-scale charts bench-go fuzz sim clean kube-apiserver run-kube-apiserver
 
 # dist/kube-apiserver: upstream's kube-apiserver with rekey inside, a Go module of its own.
 KUBE_VERSION := v1.37.2
@@ -32,8 +32,11 @@ test: lint
 	GO=$(GO) bash hack/test.sh
 
 ## lint: gofmt, go vet, staticcheck, `go mod tidy` leaves no diff (here, in deploy/monitoring and in
-## plugins/kms-pkcs11), the generated OpenAPI is current.
-lint: fmt vet staticcheck tidy-check openapi-check
+## plugins/kms-pkcs11), the generated OpenAPI is current, README and DESIGN name every package.
+lint: fmt vet staticcheck tidy-check openapi-check docs-check
+
+docs-check:
+	@bash hack/check-docs.sh
 
 fmt:
 	@bad=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
