@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync/atomic"
@@ -394,4 +395,44 @@ func TestWrongPINOneLoginPerInterval(t *testing.T) {
 	if st, _ := p.svc.Status(ctx); st.Healthz != "ok" || st.KeyID != "kek:v1" || p.logins.Load() != 4 {
 		t.Fatalf("after the PIN was corrected: %+v after %d attempts", st, p.logins.Load())
 	}
+}
+
+// TestProbeReportsALostKey: the current version's key object deleted behind the
+// plugin's back (by OpenSC's pkcs11-tool, another process): the next probe fails and
+// Status reports unhealthy with the cause, until a rotation gives a working version.
+func TestProbeReportsALostKey(t *testing.T) {
+	h := softhsmtest.New(t)
+	adm, err := token.Open(tokenConfig(h, h.PIN))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := adm.Rotate(time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	adm.Close()
+	p := startPlugin(t, h, h.PIN)
+	ctx := context.Background()
+	if st, _ := p.svc.Status(ctx); st.Healthz != "ok" {
+		t.Fatalf("Status before: %q", st.Healthz)
+	}
+	tool, err := exec.LookPath("pkcs11-tool")
+	if err != nil {
+		t.Fatalf("OpenSC's pkcs11-tool is not installed; install it with: %s", softhsmtest.InstallCommand)
+	}
+	// CKA_ID "1" is 0x31.
+	out, err := exec.Command(tool, "--module", h.Module, "--token-label", h.Label, "--login", "--pin", h.PIN,
+		"--delete-object", "--type", "secrkey", "--id", "31", "--label", "kek").CombinedOutput()
+	if err != nil {
+		t.Fatalf("pkcs11-tool --delete-object: %v\n%s", err, out)
+	}
+	p.advance(29 * time.Second)
+	if st, _ := p.svc.Status(ctx); st.Healthz != "ok" {
+		t.Fatalf("Status changed before the next probe was due (the probe result is cached): %q", st.Healthz)
+	}
+	p.advance(time.Second)
+	st, _ := p.svc.Status(ctx)
+	if st.Healthz == "ok" || !strings.Contains(st.Healthz, "health probe") || !strings.Contains(st.Healthz, "no key object of that version") || strings.Contains(st.Healthz, h.PIN) {
+		t.Fatalf("Status after the key was lost: %q", st.Healthz)
+	}
+	t.Logf("unhealthy Status: %s", st.Healthz)
 }
