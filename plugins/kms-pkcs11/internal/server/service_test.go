@@ -61,6 +61,7 @@ type plugin struct {
 	dir      string
 	logins   *atomic.Int64
 	pin      *atomic.Value // the PIN the next login attempt uses
+	reg      *prometheus.Registry
 	clock    *clocktesting.FakeClock
 }
 
@@ -79,7 +80,7 @@ func startPluginWith(t testing.TB, h *softhsmtest.Token, pin string) *plugin {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(dir) })
-	p := &plugin{dir: dir, logins: &atomic.Int64{}, pin: &atomic.Value{}, clock: clocktesting.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))}
+	p := &plugin{dir: dir, logins: &atomic.Int64{}, pin: &atomic.Value{}, reg: prometheus.NewRegistry(), clock: clocktesting.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))}
 	p.pin.Store(pin)
 	p.svc, err = server.New(server.Options{
 		Open: func() (*token.Token, error) {
@@ -92,7 +93,7 @@ func startPluginWith(t testing.TB, h *softhsmtest.Token, pin string) *plugin {
 		RefreshInterval:    10 * time.Second,
 		Clock:              p.clock,
 		Logger:             logr.Discard(),
-		Registry:           prometheus.NewRegistry(),
+		Registry:           p.reg,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -115,13 +116,36 @@ func startPluginWith(t testing.TB, h *softhsmtest.Token, pin string) *plugin {
 	return p
 }
 
+// decrypts is how many Decrypt calls the plugin answered so far.
+func (p *plugin) decrypts(t testing.TB) float64 {
+	t.Helper()
+	mfs, err := p.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n float64
+	for _, mf := range mfs {
+		if mf.GetName() != "rekey_kms_pkcs11_requests_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "method" && l.GetValue() == "Decrypt" {
+					n += m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return n
+}
+
 // advance moves the fake clock and steps the plugin's loop.
 func (p *plugin) advance(d time.Duration) {
 	p.clock.Step(d)
 	p.svc.Step(p.clock.Now())
 }
 
-func writeConfig(t *testing.T, dir, file, name, endpoint string) string {
+func writeConfig(t testing.TB, dir, file, name, endpoint string) string {
 	t.Helper()
 	path := filepath.Join(dir, file+".yaml")
 	cfg := fmt.Sprintf(`apiVersion: apiserver.config.k8s.io/v1
@@ -142,7 +166,9 @@ resources:
 }
 
 // upstream is kube-apiserver's own KMS v2 transformer (k8s.io/apiserver).
-func upstream(t *testing.T, p *plugin, name string) value.Transformer {
+func upstream(t *testing.T, p *plugin, name string) value.Transformer { return upstreamB(t, p, name) }
+
+func upstreamB(t testing.TB, p *plugin, name string) value.Transformer {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
@@ -164,6 +190,10 @@ func upstream(t *testing.T, p *plugin, name string) value.Transformer {
 
 // ours is rekey's transformers (pkg/transformers with its KMS v2 provider).
 func ours(t *testing.T, p *plugin, name string) (value.Transformer, *kmsv2.Provider) {
+	return oursB(t, p, name)
+}
+
+func oursB(t testing.TB, p *plugin, name string) (value.Transformer, *kmsv2.Provider) {
 	t.Helper()
 	cfg, err := config.Load(writeConfig(t, p.dir, name+"-ours", name, p.endpoint), config.Options{})
 	if err != nil {
