@@ -65,7 +65,7 @@ type Options struct {
 	// from: the verifying re-scan does not count them against the migration.
 	CoordinationPrefix string
 	Logger             klog.Logger
-	Clock              clock.PassiveClock
+	Clock              clock.Clock
 }
 
 // Counters count what a migration did to objects.

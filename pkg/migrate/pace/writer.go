@@ -41,7 +41,8 @@ type PauseState struct {
 // WriterOptions configure a Writer.
 type WriterOptions struct {
 	Client *clientv3.Client
-	Clock  clock.PassiveClock
+	// Clock times the transactions and paces them (nil: the real clock).
+	Clock  clock.Clock
 	Logger klog.Logger
 	// Pacing tunes the adaptive rate; its Ceiling is the most objects per second.
 	Pacing Options
@@ -63,7 +64,7 @@ type WriterOptions struct {
 // pacer. Safe for concurrent use by a migration's workers.
 type Writer struct {
 	client       *clientv3.Client
-	clock        clock.PassiveClock
+	clock        clock.Clock
 	log          klog.Logger
 	recordRate   func(float64)
 	recordPause  func(string)
@@ -101,6 +102,9 @@ type Writer struct {
 // NewWriter starts pacing a migration: from now until Close, the apiserver's
 // requests (Options.Serving) are judged against the baseline they made before.
 func NewWriter(opts WriterOptions) *Writer {
+	if opts.Clock == nil {
+		opts.Clock = clock.RealClock{}
+	}
 	g := &Writer{
 		client: opts.Client, clock: opts.Clock, log: opts.Logger,
 		recordRate: opts.RecordRate, recordPause: opts.RecordPause, pauseChanged: opts.PauseChanged,
@@ -541,18 +545,12 @@ func (g *Writer) notify(changed bool) {
 }
 
 func (g *Writer) sleep(ctx context.Context, d time.Duration) error {
-	var after <-chan time.Time
-	if c, ok := g.clock.(clock.Clock); ok {
-		after = c.After(d)
-	} else {
-		t := time.NewTimer(d)
-		defer t.Stop()
-		after = t.C
-	}
+	t := g.clock.NewTimer(d)
+	defer t.Stop()
 	select {
 	case <-ctx.Done():
 		return ctx.Err()
-	case <-after:
+	case <-t.C():
 		return nil
 	}
 }
