@@ -50,6 +50,9 @@ type rotationResult struct {
 	newKey           string
 	// rewritten and rewriteConflicts are the upstream script's no-op updates.
 	rewritten, rewriteConflicts int64
+	// clients are the writers' and the sampler's latencies before and during the
+	// rotation.
+	clients []latencySummary
 }
 
 // runRotation runs each side on its own fresh testbed, one after the other.
@@ -97,6 +100,9 @@ func runRotation(s Settings) ([]Row, error) {
 		}
 		fmt.Fprintf(progress, "rotation: %s: %v from the first edit (%v after the last file update), %d edits; writers: %s; sampler: %s; %d of %d stored Secrets under %s\n",
 			side, r.total.Round(time.Millisecond), r.afterLastFile.Round(time.Millisecond), r.edits, r.writes, r.reads, r.underNew, r.stored, r.newKey)
+		for _, l := range strings.Split(latencyText(r.clients), "\n") {
+			fmt.Fprintf(progress, "rotation: %s: clients: %s\n", side, l)
+		}
 		results[side] = r
 	}
 	return rotationRows(results, objects), nil
@@ -111,8 +117,15 @@ func rotateOnce(ctx context.Context, progress io.Writer, dir string, bins testbe
 	}
 	defer b.stop()
 
+	// The "before" window of the clients' latency (and rekey's pacing baseline).
+	select {
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-time.After(rotationBaselineWindow):
+	}
 	rctx, cancel := context.WithTimeout(ctx, rotationTimeout)
 	defer cancel()
+	b.clients.enter(windowDuring)
 	source := testbed.FollowSource(rctx, b.sourcePath, b.initial, b.syncer)
 	res := &rotationResult{side: side}
 	var done time.Time
@@ -124,8 +137,10 @@ func rotateOnce(ctx context.Context, progress io.Writer, dir string, bins testbe
 	case "upstream":
 		done, final, rewrite, err = rotateUpstream(rctx, progress, b, b.sourcePath, b.oldKey)
 	}
+	b.clients.enter("")
 	source.Stop()
 	res.writes, res.reads = b.stopLoad()
+	res.clients = b.clients.summaries()
 	res.rewritten, res.rewriteConflicts = rewrite.rewritten, rewrite.conflicts
 	if err != nil {
 		return nil, fmt.Errorf("%w\n%s", err, b.fleet.LogTails(2000))
@@ -231,5 +246,79 @@ func rotationRows(res map[string]*rotationResult, objects int) []Row {
 		under.Checks = append(under.Checks, Check{Desc: "upstream's rewrite", Met: true,
 			Got: fmt.Sprintf("%d no-op updates, %d conflicts retried", r.rewritten, r.rewriteConflicts)})
 	}
-	return []Row{total, after, edits, failed, unreadable, under}
+	return append([]Row{total, after, edits, failed, unreadable, under}, clientLatencyRows(res, row)...)
+}
+
+// clientLatencyRows are the clients' p50 and p99 per kind of request, before and
+// during the rotation, on both sides; the rows of p99 during the rotation check
+// rekey's against 1.5 × its p99 before (issue 34's target), and say upstream's.
+func clientLatencyRows(res map[string]*rotationResult, row func(c, unit string, value func(*rotationResult) float64) Row) []Row {
+	find := func(r *rotationResult, window, kind string) (latencySummary, bool) {
+		for _, s := range r.clients {
+			if s.Window == window && s.Requests == kind {
+				return s, true
+			}
+		}
+		return latencySummary{}, false
+	}
+	kinds := map[string]bool{}
+	for _, r := range res {
+		for _, s := range r.clients {
+			kinds[s.Requests] = true
+		}
+	}
+	var rows []Row
+	for _, kind := range slices.Sorted(maps.Keys(kinds)) {
+		for _, window := range []string{windowBefore, windowDuring} {
+			for _, q := range []string{"p50", "p99"} {
+				r := row(fmt.Sprintf("clients' %s, %s, %s the rotation", q, kind, window), "ms", func(r *rotationResult) float64 {
+					s, _ := find(r, window, kind)
+					if q == "p50" {
+						return s.P50ms
+					}
+					return s.P99ms
+				})
+				for i, side := range rotationSides {
+					if r.Figures[i].Note == "" && res[side] != nil {
+						if _, ok := find(res[side], window, kind); !ok {
+							r.Figures[i].Note = "no such request"
+						}
+					}
+				}
+				if window == windowDuring && q == "p99" {
+					r.Checks = clientLatencyChecks(res, kind, find)
+				}
+				rows = append(rows, r)
+			}
+		}
+	}
+	return rows
+}
+
+// maxClientP99Factor is issue 34's bound on rekey's side: the clients' p99 during the
+// rotation at most this many times their p99 before it.
+const maxClientP99Factor = 1.5
+
+func clientLatencyChecks(res map[string]*rotationResult, kind string, find func(*rotationResult, string, string) (latencySummary, bool)) []Check {
+	ratio := func(side string) (float64, string, bool) {
+		r := res[side]
+		if r == nil {
+			return 0, "", false
+		}
+		b, okB := find(r, windowBefore, kind)
+		d, okD := find(r, windowDuring, kind)
+		if !okB || !okD || b.P99ms <= 0 {
+			return 0, "", false
+		}
+		x := d.P99ms / b.P99ms
+		return x, fmt.Sprintf("%.1f → %.1f ms, ×%.2f", b.P99ms, d.P99ms, x), true
+	}
+	var checks []Check
+	if x, text, ok := ratio("rekey"); ok {
+		if _, up, ok := ratio("upstream"); ok {
+			text += "; upstream " + up
+		}
+		checks = append(checks, Check{Desc: fmt.Sprintf("rekey: p99 during ≤ %.1f× before", maxClientP99Factor), Met: x <= maxClientP99Factor, Got: text})
+	}
+	return checks
 }

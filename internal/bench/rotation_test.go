@@ -162,3 +162,62 @@ func TestMergeKeepsOtherScenarios(t *testing.T) {
 		t.Fatalf("rotation's run after the second merge: %+v", ri)
 	}
 }
+
+// The clients' requests are summarised per window and per sender and verb: those
+// answered after the rotation count nowhere; the p99 during the rotation is checked
+// on rekey's side against 1.5 × before, upstream's reported beside it.
+func TestRotationClientLatencies(t *testing.T) {
+	c := newClientLatencies()
+	sampler, writers := c.observer("sampler"), c.observer("writers")
+	for i := range 100 {
+		sampler("get", time.Duration(i+1)*time.Millisecond) // 1..100 ms
+		writers("update", 10*time.Millisecond)
+	}
+	c.enter(windowDuring)
+	for i := range 200 {
+		sampler("get", time.Duration(i+1)*time.Millisecond) // 1..200 ms
+	}
+	writers("create", 30*time.Millisecond)
+	c.enter("")
+	sampler("get", time.Hour)
+	got := c.summaries()
+	want := []latencySummary{
+		{Window: windowBefore, Requests: "sampler get", N: 100, P50ms: 50, P99ms: 99},
+		{Window: windowBefore, Requests: "writers update", N: 100, P50ms: 10, P99ms: 10},
+		{Window: windowDuring, Requests: "sampler get", N: 200, P50ms: 100, P99ms: 198},
+		{Window: windowDuring, Requests: "writers create", N: 1, P50ms: 30, P99ms: 30},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("summaries\n%+v\nwant\n%+v", got, want)
+	}
+	if text := latencyText(got); !strings.Contains(text, "sampler get: p50 50.0 ms, p99 99.0 ms before (n 100); p50 100.0 ms, p99 198.0 ms during (n 200); p99 ×2.00") {
+		t.Errorf("text:\n%s", text)
+	}
+
+	up := append([]latencySummary(nil), got...)
+	up[2].P99ms = 400
+	rows := rotationRows(map[string]*rotationResult{
+		"rekey":    {side: "rekey", clients: got},
+		"upstream": {side: "upstream", clients: up},
+	}, 10_000)
+	byCase := map[string]Row{}
+	for _, r := range rows {
+		byCase[r.Case] = r
+	}
+	r, ok := byCase["clients' p99, sampler get, during the rotation"]
+	if !ok {
+		t.Fatalf("no row of the sampler's p99 during the rotation among %d rows", len(rows))
+	}
+	if r.Figures[0].Stats.Median != 198 || r.Figures[1].Stats.Median != 400 || r.Figures[0].Unit != "ms" {
+		t.Errorf("figures %+v", r.Figures)
+	}
+	if len(r.Checks) != 1 || r.Checks[0].Met || r.Checks[0].Got != "99.0 → 198.0 ms, ×2.00; upstream 99.0 → 400.0 ms, ×4.04" {
+		t.Errorf("checks %+v: rekey's ×2 is over the 1.5× bound", r.Checks)
+	}
+	if r := byCase["clients' p99, writers update, during the rotation"]; r.Figures[0].Note != "no such request" || len(r.Checks) != 0 {
+		t.Errorf("a kind without requests during the rotation: %+v", r)
+	}
+	if r := byCase["clients' p50, writers create, before the rotation"]; len(r.Figures) != 2 || r.Figures[0].Note != "no such request" {
+		t.Errorf("writers' creates before the rotation: %+v", r)
+	}
+}

@@ -38,6 +38,8 @@ type rotationBed struct {
 	oldKey     testbed.NamedKey
 	writers    *testbed.Writers
 	sampler    *testbed.Sampler
+	// clients times the writers' and the sampler's requests.
+	clients *clientLatencies
 }
 
 // startRotationBed starts a fresh testbed in dir whose shims run layer side, seeds
@@ -85,8 +87,10 @@ func startRotationBed(ctx context.Context, progress io.Writer, dir string, bins 
 		return nil, err
 	}
 	fmt.Fprintf(progress, "rotation: %s: %d Secrets under key1 in %v\n", side, objects, time.Since(seedStart).Round(time.Millisecond))
-	b.writers = b.load.StartWriters(ctx, testbed.WritersConfig{PerEndpoint: 2, Pause: 20 * time.Millisecond, CreateEvery: 50})
-	b.sampler = b.load.StartSampler(ctx, testbed.SamplerConfig{Rate: 200})
+	b.clients = newClientLatencies()
+	b.writers = b.load.StartWriters(ctx, testbed.WritersConfig{PerEndpoint: 2, Pause: 20 * time.Millisecond, CreateEvery: 50,
+		Latency: b.clients.observer("writers")})
+	b.sampler = b.load.StartSampler(ctx, testbed.SamplerConfig{Rate: 200, Latency: b.clients.observer("sampler")})
 	return b, nil
 }
 

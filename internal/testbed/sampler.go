@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
@@ -25,6 +26,9 @@ type SamplerConfig struct {
 	// when asked right after the failure (a FleetShim asks its /readyz): a load
 	// balancer would not send it traffic, and the invariant is about ready members.
 	ExcuseNotReady bool
+	// Latency, when set, is told how long every read took to be answered (verb get),
+	// as WritersConfig.Latency is.
+	Latency LatencyFunc
 }
 
 // Sampler reads every acknowledged object through every endpoint in turn (each
@@ -118,9 +122,12 @@ func (s *Sampler) read(ctx context.Context, ep Endpoint, name string) {
 	var v string
 	if err == nil {
 		rctx, cancel := context.WithTimeout(ctx, requestTimeout)
-		sec, gerr := c.CoreV1().Secrets(s.w.Namespace).Get(rctx, name, metav1.GetOptions{})
+		var sec *corev1.Secret
+		err = timed(ctx, s.cfg.Latency, "get", func() (gerr error) {
+			sec, gerr = c.CoreV1().Secrets(s.w.Namespace).Get(rctx, name, metav1.GetOptions{})
+			return gerr
+		})
 		cancel()
-		err = gerr
 		if err == nil {
 			v = string(sec.Data[valueKey])
 		}

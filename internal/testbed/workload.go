@@ -229,6 +229,28 @@ type WritersConfig struct {
 	// kills etcd members): any apiserver answers those with an error, and clients
 	// retry them.
 	ExcuseEtcdLeaderLoss bool
+	// Latency, when set, is told how long every request the writers sent took to be
+	// answered, with its verb (create, update, get: the read after a conflict), from
+	// their goroutines; requests cut short by Stop are not told.
+	Latency LatencyFunc
+}
+
+// LatencyFunc is told one answered request's verb and latency (a request answered
+// with an error counts: the client waited for that answer too).
+type LatencyFunc func(verb string, latency time.Duration)
+
+// timed calls f and tells observe (when set) how long it took, unless ctx was
+// cancelled meanwhile (the run stopping, not the server answering).
+func timed(ctx context.Context, observe LatencyFunc, verb string, f func() error) error {
+	if observe == nil {
+		return f()
+	}
+	start := time.Now()
+	err := f()
+	if ctx.Err() == nil {
+		observe(verb, time.Since(start))
+	}
+	return err
 }
 
 // etcdLeaderLoss reports etcd's own errors of a leader election in progress, or of a
@@ -314,7 +336,7 @@ func (wr *Writers) run(ctx context.Context, ep Endpoint, id int, owned []string)
 		}
 		if wr.cfg.CreateEvery > 0 && iter%wr.cfg.CreateEvery == wr.cfg.CreateEvery-1 || len(owned) == 0 {
 			name := fmt.Sprintf("%s-new-%d-%d", ep.Name(), id, iter)
-			err := wr.w.create(ctx, c, name)
+			err := timed(ctx, wr.cfg.Latency, "create", func() error { return wr.w.create(ctx, c, name) })
 			if ctx.Err() != nil {
 				return
 			}
@@ -348,8 +370,12 @@ func (wr *Writers) update(ctx context.Context, c kubernetes.Interface, name stri
 	secrets := c.CoreV1().Secrets(w.Namespace)
 	for attempt := 0; attempt < 10; attempt++ {
 		rctx, cancel := context.WithTimeout(ctx, requestTimeout)
-		s, err := secrets.Update(rctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: name, ResourceVersion: rv},
-			Data: map[string][]byte{valueKey: []byte(seqValue(name, seq))}}, metav1.UpdateOptions{})
+		var s *corev1.Secret
+		err := timed(ctx, wr.cfg.Latency, "update", func() (err error) {
+			s, err = secrets.Update(rctx, &corev1.Secret{ObjectMeta: metav1.ObjectMeta{Name: name, ResourceVersion: rv},
+				Data: map[string][]byte{valueKey: []byte(seqValue(name, seq))}}, metav1.UpdateOptions{})
+			return err
+		})
 		cancel()
 		if err == nil {
 			w.ack(name, seq, s.ResourceVersion)
@@ -364,7 +390,11 @@ func (wr *Writers) update(ctx context.Context, c kubernetes.Interface, name stri
 		// Someone else changed it: a migration's rewrite (same value) or our own
 		// write whose answer was lost. Read the current version and go on from it.
 		rctx, cancel = context.WithTimeout(ctx, requestTimeout)
-		cur, err := secrets.Get(rctx, name, metav1.GetOptions{})
+		var cur *corev1.Secret
+		err = timed(ctx, wr.cfg.Latency, "get", func() (err error) {
+			cur, err = secrets.Get(rctx, name, metav1.GetOptions{})
+			return err
+		})
 		cancel()
 		if err != nil {
 			return fmt.Errorf("reading %s after a conflict: %w", name, err)

@@ -1,0 +1,122 @@
+package bench
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/rekey-io/rekey/internal/testbed"
+)
+
+// What the rotation costs the clients: every request of the writers and the sampler is
+// timed, by who sent it and its verb, in two windows: before the rotation (from the
+// load's start to the first edit) and during it (from the first edit until the old key
+// is removed everywhere). Each side's p50 and p99 per window are reported beside its
+// times.
+
+// Client latency windows.
+const (
+	windowBefore = "before"
+	windowDuring = "during"
+)
+
+// rotationBaselineWindow is how long the load runs before the rotation starts: the
+// "before" window, and on rekey's side the requests its pacing takes its baseline from
+// (at least 50 of a class in the 10 minutes before a migration).
+const rotationBaselineWindow = 15 * time.Second
+
+// clientLatencies records the timed requests of one side. Safe for concurrent use.
+type clientLatencies struct {
+	mu sync.Mutex
+	// window is where requests answered now go; "": recorded nowhere (after the
+	// rotation).
+	window  string
+	samples map[string]map[string][]time.Duration // window → "sender verb" → latencies
+}
+
+func newClientLatencies() *clientLatencies {
+	return &clientLatencies{window: windowBefore, samples: map[string]map[string][]time.Duration{}}
+}
+
+// observer is the testbed.LatencyFunc of sender's requests (writers, sampler).
+func (c *clientLatencies) observer(sender string) testbed.LatencyFunc {
+	return func(verb string, d time.Duration) {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if c.window == "" {
+			return
+		}
+		m := c.samples[c.window]
+		if m == nil {
+			m = map[string][]time.Duration{}
+			c.samples[c.window] = m
+		}
+		k := sender + " " + verb
+		m[k] = append(m[k], d)
+	}
+}
+
+// enter makes requests answered from now on count in window ("": none).
+func (c *clientLatencies) enter(window string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.window = window
+}
+
+// latencySummary is one window's figures of one kind of request.
+type latencySummary struct {
+	Window   string  `json:"window"`
+	Requests string  `json:"requests"` // sender and verb: "sampler get", "writers update"
+	N        int     `json:"n"`
+	P50ms    float64 `json:"p50Ms"`
+	P99ms    float64 `json:"p99Ms"`
+}
+
+// summaries are the figures of every window and kind recorded, before first, kinds
+// sorted.
+func (c *clientLatencies) summaries() []latencySummary {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []latencySummary
+	for _, w := range []string{windowBefore, windowDuring} {
+		for _, k := range slices.Sorted(maps.Keys(c.samples[w])) {
+			ds := c.samples[w][k]
+			ms := make([]float64, len(ds))
+			for i, d := range ds {
+				ms[i] = float64(d) / float64(time.Millisecond)
+			}
+			out = append(out, latencySummary{Window: w, Requests: k, N: len(ds), P50ms: percentile(ms, 50), P99ms: percentile(ms, 99)})
+		}
+	}
+	return out
+}
+
+// latencyText is a side's summaries on one line per kind: "sampler get: p50 2.1 ms,
+// p99 9.8 ms before (n 3000); p50 …, p99 … during (n …), p99 ×1.4".
+func latencyText(ss []latencySummary) string {
+	byKind := map[string]map[string]latencySummary{}
+	for _, s := range ss {
+		if byKind[s.Requests] == nil {
+			byKind[s.Requests] = map[string]latencySummary{}
+		}
+		byKind[s.Requests][s.Window] = s
+	}
+	var lines []string
+	for _, k := range slices.Sorted(maps.Keys(byKind)) {
+		var parts []string
+		for _, w := range []string{windowBefore, windowDuring} {
+			if s, ok := byKind[k][w]; ok {
+				parts = append(parts, fmt.Sprintf("p50 %.1f ms, p99 %.1f ms %s (n %d)", s.P50ms, s.P99ms, w, s.N))
+			}
+		}
+		line := k + ": " + strings.Join(parts, "; ")
+		if b, d := byKind[k][windowBefore], byKind[k][windowDuring]; b.N > 0 && d.N > 0 && b.P99ms > 0 {
+			line += fmt.Sprintf("; p99 ×%.2f", d.P99ms/b.P99ms)
+		}
+		lines = append(lines, line)
+	}
+	return strings.Join(lines, "\n")
+}
