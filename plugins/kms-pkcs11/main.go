@@ -108,7 +108,7 @@ func newRootCommand() *cobra.Command {
 func newServeCommand() *cobra.Command {
 	var tf tokenFlags
 	var listen, metricsAddr string
-	var loginRetry, probe, refresh, shutdown, rpcTimeout time.Duration
+	var loginRetry, probe, refresh, shutdown time.Duration
 	cmd := &cobra.Command{
 		Use:   "serve",
 		Short: "Serve KMS v2 on a unix socket",
@@ -121,7 +121,7 @@ func newServeCommand() *cobra.Command {
 			log := logr.FromSlogHandler(slog.NewTextHandler(cmd.ErrOrStderr(), nil))
 			return serve(cmd.Context(), serveOptions{
 				token: cfg, config: tf.config, listen: listen, metricsAddr: metricsAddr, loginRetry: loginRetry, probe: probe,
-				refresh: refresh, shutdown: shutdown, rpcTimeout: rpcTimeout, log: log,
+				refresh: refresh, shutdown: shutdown, log: log,
 			})
 		},
 	}
@@ -133,7 +133,6 @@ func newServeCommand() *cobra.Command {
 	fs.DurationVar(&probe, "health-probe-interval", server.DefaultProbeInterval, "How often a seal/open probe of 32 bytes with the current version runs; Status reports its cached result.")
 	fs.DurationVar(&refresh, "state-refresh-interval", server.DefaultRefreshInterval, "How often the versions on the token are read again: a version retired by the retire command stops decrypting within it. Status reads the current version on every call.")
 	fs.DurationVar(&shutdown, "shutdown-timeout", 10*time.Second, "On SIGTERM, how long calls in flight may finish before the socket closes.")
-	fs.DurationVar(&rpcTimeout, "rpc-timeout", 0, "Deadline of each KMS call inside the plugin (0: the caller's).")
 	return cmd
 }
 
@@ -141,10 +140,10 @@ type serveOptions struct {
 	token token.Config
 	// config reads the flags and the PIN file again: every login attempt reads the PIN
 	// file, so a corrected PIN takes effect at the next attempt without a restart.
-	config                                           func() (token.Config, error)
-	listen, metricsAddr                              string
-	loginRetry, probe, refresh, shutdown, rpcTimeout time.Duration
-	log                                              logr.Logger
+	config                               func() (token.Config, error)
+	listen, metricsAddr                  string
+	loginRetry, probe, refresh, shutdown time.Duration
+	log                                  logr.Logger
 }
 
 func serve(ctx context.Context, o serveOptions) error {
@@ -177,7 +176,7 @@ func serve(ctx context.Context, o serveOptions) error {
 		return err
 	}
 	gs := grpc.NewServer()
-	kmsapi.RegisterKeyManagementServiceServer(gs, service.NewGRPCService(addr, o.rpcTimeout, svc))
+	kmsapi.RegisterKeyManagementServiceServer(gs, service.NewGRPCService(addr, 0, svc))
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	loopDone := make(chan struct{})
@@ -376,6 +375,14 @@ func checkInUse(cmd *cobra.Command, cf *clusterFlags, action string, n uint64, k
 		return fmt.Errorf("connecting to etcd %v: %w; check --etcd-servers and the TLS flags", cf.etcd.Servers, err)
 	}
 	defer func() { _ = cli.Close() }()
+	// A read through the client's balancer, as rekey's CLI checks etcd: any member
+	// that answers will do.
+	hctx, hcancel := context.WithTimeout(ctx, cf.dialTimeout)
+	_, err = cli.Get(hctx, "health", clientv3.WithCountOnly())
+	hcancel()
+	if err != nil {
+		return fmt.Errorf("etcd does not answer at any of %s (%v); check --etcd-servers and the TLS flags: nothing was %sd", strings.Join(cf.etcd.Servers, ","), err, action)
+	}
 	prefix := cf.coordinationPrefix
 	if prefix == "" {
 		prefix = layer.DefaultCoordinationPrefix(cf.etcdPrefix)

@@ -234,6 +234,18 @@ func TestSIGKILLDuringRotation(t *testing.T) {
 	if err == nil || !strings.Contains(string(out), "--etcd-servers is required") {
 		t.Fatalf("retire without --etcd-servers: %v\n%s", err, out)
 	}
+	// Nor when etcd does not answer: nothing is let go blind.
+	port, perr := freeport.Pick()
+	if perr != nil {
+		t.Fatal(perr)
+	}
+	out, err = exec.Command(e.bin, append([]string{"retire", "1", "--etcd-servers", fmt.Sprintf("http://127.0.0.1:%d", port), "--etcd-dial-timeout", "1s"}, e.tokenArgs()...)...).CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "etcd does not answer") {
+		t.Fatalf("retire with etcd down: %v\n%s", err, out)
+	}
+	if list := e.run(t, "list"); strings.Contains(list, "retired") {
+		t.Fatalf("a version was retired although the check could not run:\n%s", list)
+	}
 }
 
 // TestSIGTERMAndMetrics: the metrics endpoint serves the plugin's own metrics (never
