@@ -5,6 +5,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -247,6 +248,7 @@ func newRotateCommand() *cobra.Command {
 
 func newListCommand() *cobra.Command {
 	var tf tokenFlags
+	var output string
 	cmd := &cobra.Command{
 		Use:   "list",
 		Short: "List the key versions on the token with their creation time and state (current, active, retired)",
@@ -265,12 +267,49 @@ func newListCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			writeVersions(cmd.OutOrStdout(), vs, highest)
-			return nil
+			switch output {
+			case "table":
+				writeVersions(cmd.OutOrStdout(), vs, highest)
+				return nil
+			case "json":
+				return writeVersionsJSON(cmd.OutOrStdout(), vs, highest)
+			}
+			return fmt.Errorf("-o %q: use table or json", output)
 		},
 	}
 	tf.add(cmd.Flags())
+	cmd.Flags().StringVarP(&output, "output", "o", "table", "table or json")
 	return cmd
+}
+
+// versionJSON is one version as list -o json prints it.
+type versionJSON struct {
+	Version   uint64     `json:"version"`
+	KeyID     string     `json:"keyID"`
+	KeyIDHash string     `json:"keyIDHash"`
+	Created   *time.Time `json:"created,omitempty"`
+	State     string     `json:"state"`
+	Retired   *time.Time `json:"retired,omitempty"`
+}
+
+func writeVersionsJSON(w io.Writer, vs []token.Version, highest uint64) error {
+	doc := struct {
+		Versions []versionJSON `json:"versions"`
+		Highest  uint64        `json:"highestIssued"`
+	}{Versions: []versionJSON{}, Highest: highest}
+	for _, v := range vs {
+		j := versionJSON{Version: v.Number, KeyID: v.KeyID, KeyIDHash: inuse.HashKeyID(v.KeyID), State: string(v.State)}
+		if !v.Created.IsZero() {
+			j.Created = &v.Created
+		}
+		if !v.RetiredAt.IsZero() {
+			j.Retired = &v.RetiredAt
+		}
+		doc.Versions = append(doc.Versions, j)
+	}
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(doc)
 }
 
 func writeVersions(w io.Writer, vs []token.Version, highest uint64) {

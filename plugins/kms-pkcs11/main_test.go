@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -228,6 +229,17 @@ func TestSIGKILLDuringRotation(t *testing.T) {
 		if !strings.Contains(list, want) {
 			t.Fatalf("list does not show %q:\n%s", want, list)
 		}
+	}
+	var doc struct {
+		Versions []struct {
+			Version   uint64 `json:"version"`
+			KeyIDHash string `json:"keyIDHash"`
+			State     string `json:"state"`
+		} `json:"versions"`
+		Highest uint64 `json:"highestIssued"`
+	}
+	if err := json.Unmarshal([]byte(e.run(t, "list", "-o", "json")), &doc); err != nil || len(doc.Versions) != 3 || doc.Highest != 3 || doc.Versions[2].State != "current" || !strings.HasPrefix(doc.Versions[0].KeyIDHash, "sha256:") {
+		t.Fatalf("list -o json: %+v, %v", doc, err)
 	}
 	// retire refuses without a way to check the cluster.
 	out, err := exec.Command(e.bin, append([]string{"retire", "1"}, e.tokenArgs()...)...).CombinedOutput()
