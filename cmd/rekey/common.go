@@ -26,11 +26,12 @@ type common struct {
 	// etcd is how to reach etcd, configured as the encryption layer's own clients are.
 	etcd       layer.Etcd
 	etcdPrefix string
-	configPath string
-	resources  []string
-	pageSize   int64
-	kmsWait    time.Duration
-	timeout    time.Duration
+	// src is where the configuration is kept: a file or a Secret's key.
+	src       sourceFlags
+	resources []string
+	pageSize  int64
+	kmsWait   time.Duration
+	timeout   time.Duration
 	// acknowledgedUnder is the coordination prefix whose acknowledged unreadable objects
 	// an inventory counts apart ("" counts none).
 	acknowledgedUnder string
@@ -94,7 +95,7 @@ func (c *common) coordinationPrefix(flag string) string {
 func (c *common) addFlags(fs *pflag.FlagSet) {
 	c.addEtcdFlags(fs)
 	c.addEtcdPrefixFlag(fs)
-	fs.StringVar(&c.configPath, "encryption-provider-config", "", "The EncryptionConfiguration the apiservers run now. Required.")
+	c.src.addFlags(fs)
 	fs.StringSliceVar(&c.resources, "resources", nil, "Resources to scan: secrets, widgets.example.com, or deployments.apps=/registry/deployments/ for a custom etcd path. Default: every resource the configuration names explicitly (secrets and configmaps when it only has wildcards).")
 	fs.Int64Var(&c.pageSize, "page-size", migrate.DefaultPageSize, "Objects per etcd range request.")
 	fs.DurationVar(&c.kmsWait, "kms-wait", 15*time.Second, "How long to wait for KMS v2 plugins to report their current key id.")
@@ -105,8 +106,8 @@ func (c *common) validate() error {
 	if err := c.validateEtcd(); err != nil {
 		return err
 	}
-	if c.configPath == "" {
-		return errors.New("--encryption-provider-config is required: the keys that read the stored data are in it")
+	if !c.src.given() {
+		return errors.New("--encryption-provider-config (or --secret) is required: the keys that read the stored data are in it")
 	}
 	return nil
 }
@@ -186,7 +187,10 @@ func (c *common) open(ctx context.Context, p preamble) (*session, error) {
 	case p.cfg != nil:
 		s.cur, err = c.build(ctx, p.cfg, p.requireKMS)
 	case p.config:
-		s.cur, err = c.load(ctx, c.configPath, p.requireKMS)
+		var cfg *config.Config
+		if cfg, err = c.loadSource(ctx); err == nil {
+			s.cur, err = c.build(ctx, cfg, p.requireKMS)
+		}
 	}
 	if err != nil {
 		_ = cli.Close()

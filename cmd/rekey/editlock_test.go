@@ -12,6 +12,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/rekey-io/rekey/internal/configsource"
 )
 
 // Rotates run at once on one file (two operators, a loop in a pipeline): each run either
@@ -42,7 +44,7 @@ func TestConcurrentRotates(t *testing.T) {
 			switch m := newKey.FindStringSubmatch(outs[i]); {
 			case errs[i] == nil && m != nil:
 				added = append(added, m[1])
-			case errors.Is(errs[i], errFileChanged) && strings.Contains(errs[i].Error(), "nothing was written"):
+			case errors.Is(errs[i], configsource.ErrChanged) && strings.Contains(errs[i].Error(), "nothing was written"):
 				changed++
 			default:
 				t.Fatalf("run %d: neither applied nor refused as changed: %v\n%s", i, errs[i], outs[i])

@@ -10,7 +10,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/rekey-io/rekey/internal/atomicfile"
+	"github.com/rekey-io/rekey/internal/configsource"
 	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/guard"
@@ -75,10 +75,10 @@ when both are given), as the apiservers' per-key totals in etcd say. rotate prin
 it did or did not rotate and exits 0 in both cases. See docs/rotation.md.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if c.configPath == "" {
-				return errors.New("--encryption-provider-config is required: rotate edits that file")
+			if !c.src.given() {
+				return errors.New("--encryption-provider-config (a file) or --secret (a Secret's key) is required: rotate edits the configuration kept there")
 			}
-			f, err := c.readConfigFile("the current configuration is not valid, so rotate leaves it alone")
+			f, err := c.readSource(cmd.Context(), "the current configuration is not valid, so rotate leaves it alone")
 			if err != nil {
 				return err
 			}
@@ -87,7 +87,7 @@ it did or did not rotate and exits 0 in both cases. See docs/rotation.md.`,
 				return errors.New("--if-writes-over and --if-older-than decide whether to add a new write key; --remove-old is not conditional (its guard decides)")
 			}
 			if cond.active() {
-				due, why, err := c.rotationDue(cmd.Context(), f, cond, w.prefix)
+				due, why, err := c.rotationDue(cmd.Context(), f.File, cond, w.prefix)
 				if err != nil {
 					return err
 				}
@@ -126,18 +126,18 @@ it did or did not rotate and exits 0 in both cases. See docs/rotation.md.`,
 
 // rotateStep makes one edit of f, the first (a new write key) or with removeOld the
 // second, and replaces the file with it, or prints it with -o -.
-func (c *common) rotateStep(cmd *cobra.Command, f *rotation.File, r rotation.Request, removeOld, output string) error {
+func (c *common) rotateStep(cmd *cobra.Command, f sourced, r rotation.Request, removeOld, output string) error {
 	var e *rotation.Edit
 	var err error
 	var summary string
 	if removeOld != "" {
-		if e, err = c.removeKeys(cmd.Context(), f, []string{removeOld}, r.Resources); err != nil {
+		if e, err = c.removeKeys(cmd.Context(), f.File, []string{removeOld}, r.Resources); err != nil {
 			return err
 		}
 		summary = e.Summary
 	} else {
 		r.Now, r.Random = time.Now(), rand.Reader
-		if e, err = c.addKey(cmd, f, r); err != nil {
+		if e, err = c.addKey(cmd, f.File, r); err != nil {
 			return err
 		}
 		summary = fmt.Sprintf("%s until `rekey rotate --remove-old NAME` (NAME: %s)", e.Summary, strings.Join(e.OldKeys, ", "))
@@ -150,53 +150,16 @@ func (c *common) rotateStep(cmd *cobra.Command, f *rotation.File, r rotation.Req
 	if output != "" {
 		return fmt.Errorf("-o %q: only - (print the new configuration) is supported; without -o the file is replaced", output)
 	}
-	if err := c.replaceFile(cmd.Context(), f.Config.Hash, e); errors.Is(err, errFileChanged) {
-		return fmt.Errorf("%s: %w (another rotate, a person or a pipeline wrote it), so nothing was written; look at it and run rotate again if it still needs this edit", c.configPath, err)
+	// The edit (and for a removal the guard's inventory of etcd) was worked out on the
+	// version read; it replaces exactly that version, or nothing: two edits never
+	// stack on one another unseen.
+	if err := c.replaceSource(cmd.Context(), f, e); errors.Is(err, configsource.ErrChanged) {
+		return fmt.Errorf("%w (another rotate, a person, a pipeline or a controller wrote it), so nothing was written; look at it and run rotate again if it still needs this edit", err)
 	} else if err != nil {
-		return fmt.Errorf("%w; the file is left as it was (or print the new configuration with -o - and install it yourself)", err)
+		return fmt.Errorf("%w; the configuration is left as it was (or print the new configuration with -o - and install it yourself)", err)
 	}
-	fmt.Fprintf(cmd.OutOrStdout(), "%s: %s (%s)\n", c.configPath, summary, e.Config.Hash)
+	fmt.Fprintf(cmd.OutOrStdout(), "%s: %s (%s)\n", c.sourceName(), summary, e.Config.Hash)
 	return nil
-}
-
-// errFileChanged: the file is not the one the decision to edit it was taken on (another
-// rotate, a person, a pipeline wrote it in between); the edit is not written, so two
-// edits never stack on one another unseen.
-var errFileChanged = errors.New("the configuration file changed since it was read")
-
-// replaceFile replaces the configuration file with e, provided it still holds the
-// content whose hash readHash e was decided on. The check and the rename happen under
-// the file's edit lock (lockForEdit), so two rotate runs cannot both pass the check and
-// the second rename drop the first edit. Only the check and the write are locked: e,
-// and for a removal the guard's inventory of etcd, are worked out before.
-func (c *common) replaceFile(ctx context.Context, readHash string, e *rotation.Edit) error {
-	unlock, err := lockForEdit(ctx, c.configPath)
-	if err != nil {
-		return err
-	}
-	defer unlock()
-	_, now, err := config.ReadFile(c.configPath)
-	if err != nil {
-		return err
-	}
-	if now != readHash {
-		return errFileChanged
-	}
-	return atomicfile.WriteFile(c.configPath, e.Data, 0o600)
-}
-
-// readConfigFile reads --encryption-provider-config for an edit; invalid says what a
-// file that is not valid means for the caller.
-func (c *common) readConfigFile(invalid string) (*rotation.File, error) {
-	data, _, err := config.ReadFile(c.configPath)
-	if err != nil {
-		return nil, err
-	}
-	f, err := rotation.ParseFile(data, c.configPath)
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", invalid, err)
-	}
-	return f, nil
 }
 
 // addKey is the first edit of f: a new write key first; warnings go to stderr. With

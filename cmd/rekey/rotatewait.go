@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/rekey-io/rekey/internal/configsource"
 	"github.com/rekey-io/rekey/internal/errtext"
 	"github.com/rekey-io/rekey/internal/progress"
 	"github.com/rekey-io/rekey/internal/rotation"
@@ -76,12 +77,12 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation.Request, w waitOption
 	if err != nil {
 		return err
 	}
-	out.linef("following the rotation of %s through %s under %s (timeout %s)", c.configPath, strings.Join(c.etcd.Servers, ","), w.prefix, w.timeout)
+	out.linef("following the rotation of %s through %s under %s (timeout %s)", c.sourceName(), strings.Join(c.etcd.Servers, ","), w.prefix, w.timeout)
 	ticker := time.NewTicker(w.interval)
 	defer ticker.Stop()
 	for {
 		m.Step(rotation.Tick{Now: time.Now()})
-		f, err := c.readConfigFile("the configuration is not valid now, so rotate --wait stops (fix the file and run it again)")
+		f, err := c.readSource(ctx, "the configuration is not valid now, so rotate --wait stops (fix it and run it again)")
 		if err != nil {
 			return err
 		}
@@ -108,7 +109,7 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation.Request, w waitOption
 				stored = x
 				fr = withKeyIDs(f.Read(r, stored.resources), kmsKeyIDs)
 			}
-			counts, ids, err := c.storedCounts(ctx, s, f, fr)
+			counts, ids, err := c.storedCounts(ctx, s, f.File, fr)
 			if err != nil {
 				m.Step(rotation.InventoryFailed{Reason: oneLine(err.Error())})
 				continue
@@ -181,23 +182,23 @@ func withKeyIDs(fr rotation.FileRead, ids map[string]string) rotation.FileRead {
 // waitEdit makes the edit rd asks for on f, the file as read for this decision, and
 // reports the result to m: the first edit (a new write key), or the second (rd.Remove
 // out, once the guard allows it; a refusal is the machine's to retry).
-func (c *common) waitEdit(cmd *cobra.Command, m *rotation.Machine, rd rotation.Ready, f *rotation.File, r rotation.Request, out *waitOutput) error {
+func (c *common) waitEdit(cmd *cobra.Command, m *rotation.Machine, rd rotation.Ready, f sourced, r rotation.Request, out *waitOutput) error {
 	which := "first"
 	var e *rotation.Edit
 	var err error
 	if rd.Action == rotation.ActionRemoveOld {
 		which = "second"
-		e, err = c.removeKeys(cmd.Context(), f, rd.Remove, r.Resources)
+		e, err = c.removeKeys(cmd.Context(), f.File, rd.Remove, r.Resources)
 	} else {
 		r.Now = time.Now()
-		e, err = c.addKey(cmd, f, r)
+		e, err = c.addKey(cmd, f.File, r)
 	}
 	if err == nil {
-		err = c.replaceFile(cmd.Context(), f.Config.Hash, e)
+		err = c.replaceSource(cmd.Context(), f, e)
 	}
 	switch {
-	case errors.Is(err, errFileChanged):
-		out.notef("%s changed since it was read; reading it again before the %s edit", c.configPath, which)
+	case errors.Is(err, configsource.ErrChanged):
+		out.notef("%s changed since it was read; reading it again before the %s edit", c.sourceName(), which)
 		m.Step(rotation.EditSkipped{})
 		return nil
 	case err != nil && rd.Action == rotation.ActionRemoveOld:
@@ -206,7 +207,7 @@ func (c *common) waitEdit(cmd *cobra.Command, m *rotation.Machine, rd rotation.R
 	case err != nil:
 		return fmt.Errorf("rotate --wait: writing the first edit: %w", err)
 	}
-	out.linef("wrote %s: %s (%s)", c.configPath, e.Summary, e.Config.Hash)
+	out.linef("wrote %s: %s (%s)", c.sourceName(), e.Summary, e.Config.Hash)
 	if rd.Action == rotation.ActionRemoveOld {
 		m.Step(rotation.RemoveWritten{})
 	} else {

@@ -18,6 +18,7 @@ import (
 	"github.com/spf13/cobra"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/rekey-io/rekey/internal/configsource"
 	"github.com/rekey-io/rekey/internal/etcdtest"
 	"github.com/rekey-io/rekey/internal/rotation"
 	"github.com/rekey-io/rekey/pkg/cluster"
@@ -286,7 +287,7 @@ func TestRotateWaitFirstTimeEncryption(t *testing.T) {
 
 // An edit is written only to the file the decision was taken on: when someone else wrote
 // the file in between (a second rotate, a pipeline), the edit is refused with
-// errFileChanged and the file is left as they wrote it, so two new keys never stack.
+// configsource.ErrChanged and the file is left as they wrote it, so two new keys never stack.
 // (TestConcurrentRotates shows the check holds against rotates running at once.)
 func TestRotateWaitEditsOnlyTheFileItRead(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "enc.yaml")
@@ -299,7 +300,7 @@ func TestRotateWaitEditsOnlyTheFileItRead(t *testing.T) {
 	if err := os.WriteFile(path, []byte(theirs), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	c := &common{configPath: path}
+	c := &common{src: sourceFlags{configPath: path}}
 	read, err := rotation.ParseFile([]byte(before), path)
 	if err != nil {
 		t.Fatal(err)
@@ -308,8 +309,8 @@ func TestRotateWaitEditsOnlyTheFileItRead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := c.replaceFile(t.Context(), readHash, first); !errors.Is(err, errFileChanged) {
-		t.Fatalf("first edit of a file changed since it was read: %v, want errFileChanged", err)
+	if err := c.replaceSource(t.Context(), sourced{File: read, version: readHash}, first); !errors.Is(err, configsource.ErrChanged) {
+		t.Fatalf("first edit of a file changed since it was read: %v, want configsource.ErrChanged", err)
 	}
 	// The second edit, decided on the file the first edit would have written.
 	rotated, err := rotation.ParseFile(first.Data, path)
@@ -320,8 +321,8 @@ func TestRotateWaitEditsOnlyTheFileItRead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := c.replaceFile(t.Context(), first.Config.Hash, second); !errors.Is(err, errFileChanged) {
-		t.Fatalf("second edit of a file changed since it was read: %v, want errFileChanged", err)
+	if err := c.replaceSource(t.Context(), sourced{File: rotated, version: first.Config.Hash}, second); !errors.Is(err, configsource.ErrChanged) {
+		t.Fatalf("second edit of a file changed since it was read: %v, want configsource.ErrChanged", err)
 	}
 	if got, _ := os.ReadFile(path); string(got) != theirs {
 		t.Fatalf("the file was written over:\n%s", got)

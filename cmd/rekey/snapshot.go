@@ -52,9 +52,9 @@ type snapshotReport struct {
 // it does not, or when that cannot be told).
 func (c *common) snapshotInventory(cmd *cobra.Command, path, coordinationFlag string, skipHashCheck bool, output outputFormat) error {
 	var cfg *config.Config
-	if c.configPath != "" {
+	if c.src.given() {
 		var err error
-		if cfg, err = config.Load(c.configPath, config.Options{Reload: true}); err != nil {
+		if cfg, err = c.loadSource(cmd.Context()); err != nil {
 			return err
 		}
 	}
@@ -75,18 +75,18 @@ func (c *common) snapshotInventory(cmd *cobra.Command, path, coordinationFlag st
 	}
 	out := snapshotReport{Snapshot: path, HashSkipped: skipHashCheck, Report: rep}
 	if cfg != nil {
-		out.Config = fmt.Sprintf("%s (%s)", c.configPath, cfg.Hash)
+		out.Config = fmt.Sprintf("%s (%s)", c.sourceName(), cfg.Hash)
 		out.Missing, out.Unverified = etcdsnapshot.Check(rep, cfg)
 	}
 	if err := output.write(cmd.OutOrStdout(), out, func(w io.Writer) { writeSnapshotTable(w, out) }); err != nil {
 		return err
 	}
 	if len(out.Missing) > 0 {
-		return fmt.Errorf("%s cannot read %d sets of objects of snapshot %s; restoring it with this configuration loses them", c.configPath, len(out.Missing), path)
+		return fmt.Errorf("%s cannot read %d sets of objects of snapshot %s; restoring it with this configuration loses them", c.sourceName(), len(out.Missing), path)
 	}
 	if len(out.Unverified) > 0 {
 		return fmt.Errorf("cannot tell whether %s reads %d sets of objects of snapshot %s: no check value is known for their keys, and a key of the same name may be another secret; "+
-			"to be sure, restore the snapshot into a scratch etcd and run rekey inventory --decrypt-check against it", c.configPath, len(out.Unverified), path)
+			"to be sure, restore the snapshot into a scratch etcd and run rekey inventory --decrypt-check against it", c.sourceName(), len(out.Unverified), path)
 	}
 	return nil
 }
