@@ -258,10 +258,15 @@ func (c *common) inventory(ctx context.Context, cli *clientv3.Client, l *loaded,
 
 // inventoryOf is inventory of the resources res; it covers res's wildcard rules.
 func (c *common) inventoryOf(ctx context.Context, cli *clientv3.Client, l *loaded, decryptCheck bool, res migrate.Resolution) (*migrate.Inventory, error) {
-	return migrate.TakeInventory(ctx, migrate.InventoryOptions{
+	return migrate.TakeInventory(ctx, c.inventoryOptions(cli, l, decryptCheck, res))
+}
+
+// inventoryOptions are the options of inventoryOf, for a command that sets more.
+func (c *common) inventoryOptions(cli *clientv3.Client, l *loaded, decryptCheck bool, res migrate.Resolution) migrate.InventoryOptions {
+	return migrate.InventoryOptions{
 		Client: cli, Source: migrate.FromSet(l.set), Resources: res.Resources, Wildcards: res.Wildcards,
 		PageSize: c.pageSize, DecryptCheck: decryptCheck, ConfigHash: l.cfg.Hash, CoordinationPrefix: c.acknowledgedUnder,
-	})
+	}
 }
 
 // resolve lists the stored resources the rules of cfgs cover (all of them:

@@ -8,6 +8,8 @@
 //	rekey ledger       --etcd-servers URL [--coordination-prefix /rekey] [-o table|json]
 //	rekey rotate       --encryption-provider-config FILE [--provider aesgcm|secretbox|aescbc|kms] [-o -] [--remove-old NAME --etcd-servers URL]
 //	rekey rotate       --encryption-provider-config FILE --wait --etcd-servers URL [--coordination-prefix /rekey] [--wait-timeout 30m] [--progress auto|bar|plain]
+//	rekey evidence     --etcd-servers URL --encryption-provider-config FILE --signing-key PEM [--out FILE]
+//	rekey evidence verify --public-key PEM FILE
 //	rekey kms-check    --endpoint unix:///PATH.sock | --plugin-command CMD [--observe 10s] [--calls N] [-o table|json]
 //
 // inventory counts stored objects per resource, provider, key (KMS: provider name and
@@ -38,7 +40,7 @@ func newRootCommand() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: false,
 	}
-	root.AddCommand(newInventoryCommand(), newMigrateCommand(), newCheckConfigCommand(), newStatusCommand(), newRotateCommand(), newLedgerCommand(), newKMSCheckCommand())
+	root.AddCommand(newInventoryCommand(), newMigrateCommand(), newCheckConfigCommand(), newStatusCommand(), newRotateCommand(), newLedgerCommand(), newKMSCheckCommand(), newEvidenceCommand())
 	printableErrors(root)
 	return root
 }

@@ -31,6 +31,9 @@ type MemberState struct {
 	Version string `json:"version,omitempty"`
 	// ConfigHash is "sha256:<hex>" of the configuration file in use.
 	ConfigHash string `json:"configHash"`
+	// FIPS is whether the apiserver runs in FIPS 140-3 mode (crypto/fips140.Enabled);
+	// nil in the records of versions that did not publish it.
+	FIPS *bool `json:"fips,omitempty"`
 	// Resources has one entry per resource rule of that configuration, in file order.
 	Resources []ResourceState `json:"resources"`
 	// KMS reports the health and key id hash of every KMS v2 provider.

@@ -158,6 +158,10 @@ type InventoryOptions struct {
 	// CoordinationPrefix, when set, is where acknowledgements of unreadable objects are
 	// read from (coordination.AcknowledgedPrefix); without it none is counted.
 	CoordinationPrefix string
+	// Revision, when set, reads every resource at this one etcd revision (evidence of
+	// the whole store at one point); 0 reads each resource at the revision of its first
+	// page. A compacted Revision is an error, not a retry.
+	Revision int64
 	// Workers decrypt in parallel (decrypt check only); default GOMAXPROCS.
 	Workers int
 	Clock   clock.PassiveClock
@@ -189,12 +193,15 @@ func TakeInventory(ctx context.Context, opts InventoryOptions) (*Inventory, erro
 		var err error
 		for attempt := 0; ; attempt++ {
 			ri, err = inventoryOf(ctx, opts, res, acks)
-			if errors.Is(err, errCompacted) && attempt < compactedRetries {
+			if errors.Is(err, errCompacted) && opts.Revision == 0 && attempt < compactedRetries {
 				continue
 			}
 			break
 		}
 		if err != nil {
+			if errors.Is(err, errCompacted) && opts.Revision != 0 {
+				return nil, fmt.Errorf("inventory of %s at revision %d: etcd compacted that revision; take the inventory again", res, opts.Revision)
+			}
 			return nil, fmt.Errorf("inventory of %s: %w", res, err)
 		}
 		inv.Resources = append(inv.Resources, *ri)
@@ -212,6 +219,7 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 	tr := opts.Source.TransformerFor(res.GroupResource)
 	t := newTally(res, cl, acks, opts.DecryptCheck)
 	p := newPager(opts.Client, res, "", opts.PageSize, true).withPageBytes(opts.PageBytes)
+	p.rev = opts.Revision
 	var results []checkResult
 	if opts.readPacer != nil {
 		total, err := countKeys(ctx, opts.Client, res)

@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"strings"
 	"testing"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -224,5 +225,48 @@ func TestInventoryBucketsAreBounded(t *testing.T) {
 				t.Fatalf("rekey_storage_objects has %d series", len(mf.GetMetric()))
 			}
 		}
+	}
+}
+
+// InventoryOptions.Revision reads every resource at that one revision: objects written
+// after it are not counted, in any resource, and a compacted revision is an error.
+func TestInventoryAtOneRevision(t *testing.T) {
+	ctx := context.Background()
+	cli := startEtcd(t)
+	_, set := setFor(t, "secrets, configmaps", "aesgcm:key1")
+	writeObjects(t, cli, set, secrets, 6)
+	resp, err := cli.Get(ctx, "x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rev := resp.Header.Revision
+	writeObjects(t, cli, set, configmaps, 4)
+	for i := 0; i < 3; i++ {
+		mustPut(t, cli, keyOf(secrets, "later", fmt.Sprint(i)), string(storedObject("plaintext")))
+	}
+	inv, err := TakeInventory(ctx, InventoryOptions{Client: cli, Source: FromSet(set), Resources: testResources(), Revision: rev, PageSize: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, c := inv.Find("secrets"), inv.Find("configmaps"); s.Objects != 6 || s.Plaintext != 0 || c.Objects != 0 || s.Revision != rev {
+		t.Fatalf("at revision %d: secrets %+v, configmaps %+v; want 6 secrets and no configmap", rev, s, c)
+	}
+	now, err := TakeInventory(ctx, InventoryOptions{Client: cli, Source: FromSet(set), Resources: testResources()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, c := now.Find("secrets"), now.Find("configmaps"); s.Objects != 9 || c.Objects != 4 {
+		t.Fatalf("latest: secrets %d, configmaps %d; want 9 and 4", s.Objects, c.Objects)
+	}
+	last, err := cli.Get(ctx, "x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Compact(ctx, last.Header.Revision); err != nil {
+		t.Fatal(err)
+	}
+	_, err = TakeInventory(ctx, InventoryOptions{Client: cli, Source: FromSet(set), Resources: testResources(), Revision: rev})
+	if err == nil || !strings.Contains(err.Error(), "compacted") {
+		t.Fatalf("at a compacted revision: err = %v", err)
 	}
 }

@@ -1,0 +1,152 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/ed25519"
+	"crypto/rand"
+	"crypto/x509"
+	"encoding/json"
+	"encoding/pem"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rekey-io/rekey/internal/etcdtest"
+	"github.com/rekey-io/rekey/internal/evidence"
+	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/coordination"
+)
+
+// writeKeyPair writes a PKCS#8 ed25519 private key and its PKIX public key.
+func writeKeyPair(t *testing.T) (privPath, pubPath string) {
+	t.Helper()
+	pub, priv, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	der, err := x509.MarshalPKCS8PrivateKey(priv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pubDER, err := x509.MarshalPKIXPublicKey(pub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	privPath, pubPath = filepath.Join(dir, "key.pem"), filepath.Join(dir, "pub.pem")
+	if err := os.WriteFile(privPath, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(pubPath, pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pubDER}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return privPath, pubPath
+}
+
+// Secrets under the write key, one written in plaintext behind the layer's back and
+// one under a retired key: the evidence shows both, with the apiservers' configuration
+// hashes and the cluster identity; it verifies with the public key, fails with another
+// key and fails with a byte changed.
+func TestEvidence(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	ctx := context.Background()
+	oldCfg := writeConfig(t, "old.yaml", "key1")
+	curCfg := writeConfig(t, "cur.yaml", "key2")
+	seedResource(t, cli, oldCfg, "secrets", "retired", 1)
+	seedResource(t, cli, curCfg, "secrets", "current", 10)
+	seedPlain(t, cli, "secrets", "planted", 1)
+	id, err := cluster.EnsureIdentity(ctx, cli, coordination.DefaultPrefix, "/registry", "test", time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	member, err := json.Marshal(cluster.MemberState{APIServerID: "apiserver-a", ClusterID: id.ClusterID, ConfigHash: "sha256:not-the-same", PublishedAt: time.Now()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := putMember(ctx, cli, "apiserver-a", string(member)); err != nil {
+		t.Fatal(err)
+	}
+
+	priv, pub := writeKeyPair(t)
+	envPath := filepath.Join(t.TempDir(), "evidence.json")
+	cmd := newRootCommand()
+	var stdout, stderr bytes.Buffer
+	cmd.SetOut(&stdout)
+	cmd.SetErr(&stderr)
+	cmd.SetArgs([]string{"evidence", "--etcd-servers", srv.Endpoint, "--encryption-provider-config", curCfg, "--signing-key", priv, "--out", envPath})
+	if err := cmd.ExecuteContext(ctx); err != nil {
+		t.Fatalf("evidence: %v\n%s", err, stderr.String())
+	}
+	summary := stderr.String()
+	t.Logf("evidence summary:\n%s", summary)
+	for _, want := range []string{
+		"secrets: 1 objects stored in plaintext", "secrets: 2 objects the configuration cannot read",
+		"aesgcm/key1 (not in configuration)", "apiserver apiserver-a: sha256:not-the-same (ANOTHER configuration)", id.ClusterID,
+	} {
+		if !strings.Contains(summary, want) {
+			t.Errorf("summary lacks %q:\n%s", want, summary)
+		}
+	}
+	file, err := os.ReadFile(envPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(file), secret('1')) || strings.Contains(string(file), secret('2')) {
+		t.Fatal("the evidence holds key material")
+	}
+
+	out, err := run(t, "evidence", "verify", "--public-key", pub, "-o", "json", envPath)
+	if err != nil {
+		t.Fatalf("verify: %v\n%s", err, out)
+	}
+	var p evidence.Predicate
+	if err := json.Unmarshal([]byte(out), &p); err != nil {
+		t.Fatalf("verify -o json: %v\n%s", err, out)
+	}
+	if p.Cluster.ID != id.ClusterID || len(p.Resources) != 1 || len(p.APIServers) != 1 || p.APIServers[0].SameConfig {
+		t.Fatalf("predicate = %+v", p)
+	}
+	sec := p.Resources[0]
+	if sec.Resource != "secrets" || sec.Objects != 12 || sec.Plaintext != 1 || sec.Unreadable != 2 {
+		t.Fatalf("secrets = %+v, want 12 objects, 1 plaintext, 2 unreadable (the plaintext one and the retired key's)", sec)
+	}
+	byKey := map[string]evidence.Key{}
+	for _, k := range sec.Keys {
+		byKey[k.Provider+"/"+k.Name] = k
+		if k.Provider == "aesgcm" && k.Name == "key2" && (!k.Current || k.Check == "" || !strings.Contains(k.Fingerprint, "check:"+k.Check)) {
+			t.Errorf("write key = %+v, want current with its check value", k)
+		}
+	}
+	if k := byKey["aesgcm/key1"]; k.Objects != 1 || k.InConfiguration || k.Unreadable != 1 {
+		t.Errorf("retired key = %+v, want 1 unreadable object not in the configuration", k)
+	}
+	if k := byKey["identity/"]; k.Objects != 1 {
+		t.Errorf("plaintext = %+v, want 1 object", k)
+	}
+	if p.Revision == 0 || p.ConfigHash == "" {
+		t.Errorf("revision %d, config hash %q", p.Revision, p.ConfigHash)
+	}
+	out, err = run(t, "evidence", "verify", "--public-key", pub, envPath)
+	if err != nil || !strings.HasPrefix(out, "VERIFIED") || !strings.Contains(out, "1 plaintext") {
+		t.Fatalf("verify table: %v\n%s", err, out)
+	}
+
+	_, otherPub := writeKeyPair(t)
+	if out, err := run(t, "evidence", "verify", "--public-key", otherPub, envPath); err == nil || !strings.Contains(out, "FAILED") {
+		t.Fatalf("verify with another key: %v\n%s", err, out)
+	}
+	// One byte changed fails (internal/evidence changes each byte in turn).
+	changed := bytes.Clone(file)
+	changed[len(changed)/2] ^= 0x01
+	bad := filepath.Join(t.TempDir(), "changed.json")
+	if err := os.WriteFile(bad, changed, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := run(t, "evidence", "verify", "--public-key", pub, bad); err == nil || !strings.Contains(out, "FAILED") {
+		t.Fatalf("verify of a changed file: %v\n%s", err, out)
+	}
+}
