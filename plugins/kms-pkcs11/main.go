@@ -238,7 +238,7 @@ func newRotateCommand() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "version %d is current: key id %s (%s)\n", v.Number, v.KeyID, inuse.HashKeyID(v.KeyID))
+			fmt.Fprintf(cmd.OutOrStdout(), "version %d is current: key id %s\n", v.Number, inuse.HashKeyID(v.KeyID))
 			return nil
 		},
 	}
@@ -285,7 +285,6 @@ func newListCommand() *cobra.Command {
 // versionJSON is one version as list -o json prints it.
 type versionJSON struct {
 	Version   uint64     `json:"version"`
-	KeyID     string     `json:"keyID"`
 	KeyIDHash string     `json:"keyIDHash"`
 	Created   *time.Time `json:"created,omitempty"`
 	State     string     `json:"state"`
@@ -298,7 +297,7 @@ func writeVersionsJSON(w io.Writer, vs []token.Version, highest uint64) error {
 		Highest  uint64        `json:"highestIssued"`
 	}{Versions: []versionJSON{}, Highest: highest}
 	for _, v := range vs {
-		j := versionJSON{Version: v.Number, KeyID: v.KeyID, KeyIDHash: inuse.HashKeyID(v.KeyID), State: string(v.State)}
+		j := versionJSON{Version: v.Number, KeyIDHash: inuse.HashKeyID(v.KeyID), State: string(v.State)}
 		if !v.Created.IsZero() {
 			j.Created = &v.Created
 		}
@@ -314,7 +313,7 @@ func writeVersionsJSON(w io.Writer, vs []token.Version, highest uint64) error {
 
 func writeVersions(w io.Writer, vs []token.Version, highest uint64) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "VERSION\tKEY ID\tKEY ID HASH\tCREATED\tSTATE\tRETIRED")
+	fmt.Fprintln(tw, "VERSION\tKEY ID HASH\tCREATED\tSTATE\tRETIRED")
 	for _, v := range vs {
 		created, retired := "-", "-"
 		if !v.Created.IsZero() {
@@ -323,7 +322,7 @@ func writeVersions(w io.Writer, vs []token.Version, highest uint64) {
 		if !v.RetiredAt.IsZero() {
 			retired = v.RetiredAt.UTC().Format(time.RFC3339)
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\n", v.Number, v.KeyID, inuse.HashKeyID(v.KeyID), created, v.State, retired)
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\n", v.Number, inuse.HashKeyID(v.KeyID), created, v.State, retired)
 	}
 	_ = tw.Flush()
 	fmt.Fprintf(w, "highest version issued: %d (never issued again)\n", highest)

@@ -22,6 +22,7 @@ import (
 	kmsapi "k8s.io/kms/apis/v2"
 
 	"github.com/rekey-io/rekey/internal/freeport"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
 	"github.com/rekey-io/rekey/plugins/kms-pkcs11/internal/softhsmtest"
 )
 
@@ -225,10 +226,13 @@ func TestSIGKILLDuringRotation(t *testing.T) {
 	}
 	t.Logf("%d ciphertexts decrypted after two SIGKILLs: %v", len(all), byKey)
 	list := e.run(t, "list")
-	for _, want := range []string{"kek:v1", "kek:v2", "kek:v3", "current", "highest version issued: 3"} {
+	for _, want := range []string{state.KeyIDHash("kek:v1"), state.KeyIDHash("kek:v2"), state.KeyIDHash("kek:v3"), "current", "highest version issued: 3"} {
 		if !strings.Contains(list, want) {
 			t.Fatalf("list does not show %q:\n%s", want, list)
 		}
+	}
+	if strings.Contains(list, "kek:v") {
+		t.Fatalf("list prints a key id itself, not only its hash:\n%s", list)
 	}
 	var doc struct {
 		Versions []struct {

@@ -16,8 +16,6 @@ package inuse
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"slices"
 	"strings"
@@ -31,16 +29,14 @@ import (
 	"github.com/rekey-io/rekey/pkg/keyledger"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
 )
 
 // pageSize bounds one etcd range request of the storage scan.
 const pageSize = 500
 
 // HashKeyID is how rekey's records name a KMS v2 key id: "sha256:<hex>".
-func HashKeyID(keyID string) string {
-	sum := sha256.Sum256([]byte(keyID))
-	return "sha256:" + hex.EncodeToString(sum[:])
-}
+func HashKeyID(keyID string) string { return state.KeyIDHash(keyID) }
 
 // Options say where the cluster's records are.
 type Options struct {

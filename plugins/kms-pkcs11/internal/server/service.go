@@ -29,6 +29,7 @@ import (
 	"k8s.io/kms/pkg/service"
 	"k8s.io/utils/clock"
 
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
 	"github.com/rekey-io/rekey/plugins/kms-pkcs11/internal/token"
 )
 
@@ -225,7 +226,7 @@ func (s *Service) refreshLocked(now time.Time) {
 
 func (s *Service) setCurrentLocked(v token.Version) {
 	if v.Number != s.current.Number {
-		s.o.Logger.Info("current key version", "keyID", v.KeyID)
+		s.o.Logger.Info("current key version", "version", v.Number, "keyIDHash", state.KeyIDHash(v.KeyID))
 	}
 	s.current, s.currentErr = v, nil
 	s.m.current.Set(float64(v.Number))
@@ -261,14 +262,14 @@ func (s *Service) roundTripLocked(v token.Version) error {
 	}
 	ct, err := seal(a, pt, v.KeyID)
 	if err != nil {
-		return fmt.Errorf("probe seal with %s: %w", v.KeyID, err)
+		return fmt.Errorf("probe seal with version %d (%s): %w", v.Number, state.KeyIDHash(v.KeyID), err)
 	}
 	got, err := open(a, ct, v.KeyID)
 	if err != nil {
-		return fmt.Errorf("probe open with %s: %w", v.KeyID, err)
+		return fmt.Errorf("probe open with version %d (%s): %w", v.Number, state.KeyIDHash(v.KeyID), err)
 	}
 	if string(got) != string(pt) {
-		return fmt.Errorf("probe with %s: the token opened other bytes than it sealed", v.KeyID)
+		return fmt.Errorf("probe with version %d (%s): the token opened other bytes than it sealed", v.Number, state.KeyIDHash(v.KeyID))
 	}
 	return nil
 }
@@ -387,7 +388,7 @@ func (s *Service) encrypt(plaintext []byte) (*service.EncryptResponse, error) {
 	}
 	ct, err := seal(a, plaintext, cur.KeyID)
 	if err != nil {
-		return nil, status.Errorf(codes.Unavailable, "pkcs11: sealing with %s: %v", cur.KeyID, err)
+		return nil, status.Errorf(codes.Unavailable, "pkcs11: sealing with version %d (%s): %v", cur.Number, state.KeyIDHash(cur.KeyID), err)
 	}
 	return &service.EncryptResponse{Ciphertext: ct, KeyID: cur.KeyID}, nil
 }
@@ -413,21 +414,21 @@ func (s *Service) decrypt(req *service.DecryptRequest) ([]byte, error) {
 	}
 	if s.retiredKnown[n] {
 		s.mu.Unlock()
-		return nil, status.Errorf(codes.FailedPrecondition, "pkcs11: key id %s is retired: it no longer decrypts", req.KeyID)
+		return nil, status.Errorf(codes.FailedPrecondition, "pkcs11: version %d (key id %s) is retired: it no longer decrypts", n, state.KeyIDHash(req.KeyID))
 	}
 	a, err := s.aeadLocked(n)
 	s.mu.Unlock()
 	switch {
 	case errors.Is(err, token.ErrRetired):
-		return nil, status.Errorf(codes.FailedPrecondition, "pkcs11: key id %s is retired: it no longer decrypts", req.KeyID)
+		return nil, status.Errorf(codes.FailedPrecondition, "pkcs11: version %d (key id %s) is retired: it no longer decrypts", n, state.KeyIDHash(req.KeyID))
 	case errors.Is(err, token.ErrNotFound):
-		return nil, status.Errorf(codes.NotFound, "pkcs11: key id %s: its version is not on the token (destroyed?)", req.KeyID)
+		return nil, status.Errorf(codes.NotFound, "pkcs11: version %d (key id %s) is not on the token (destroyed?)", n, state.KeyIDHash(req.KeyID))
 	case err != nil:
 		return nil, status.Error(codes.Unavailable, err.Error())
 	}
 	pt, err := open(a, req.Ciphertext, req.KeyID)
 	if err != nil {
-		return nil, status.Errorf(codes.InvalidArgument, "pkcs11: opening with %s: %v", req.KeyID, err)
+		return nil, status.Errorf(codes.InvalidArgument, "pkcs11: opening with version %d (key id %s): %v", n, state.KeyIDHash(req.KeyID), err)
 	}
 	return pt, nil
 }

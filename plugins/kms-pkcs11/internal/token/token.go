@@ -29,6 +29,8 @@ import (
 
 	"github.com/ThalesGroup/crypto11"
 	"github.com/miekg/pkcs11"
+
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/state"
 )
 
 // StateApplication is the CKA_APPLICATION of the state data object.
@@ -110,11 +112,11 @@ func KeyID(label string, n uint64) string { return label + ":v" + strconv.Format
 func ParseKeyID(label, keyID string) (uint64, error) {
 	rest, ok := strings.CutPrefix(keyID, label+":v")
 	if !ok {
-		return 0, fmt.Errorf("key id %q is not one of key label %q (want %s)", keyID, label, KeyID(label, 1))
+		return 0, fmt.Errorf("key id %s is not one of key label %q (want %s:v<N>)", state.KeyIDHash(keyID), label, label)
 	}
 	n, err := strconv.ParseUint(rest, 10, 64)
 	if err != nil || n == 0 || strconv.FormatUint(n, 10) != rest {
-		return 0, fmt.Errorf("key id %q does not end in a version number", keyID)
+		return 0, fmt.Errorf("key id %s does not end in a version number", state.KeyIDHash(keyID))
 	}
 	return n, nil
 }
