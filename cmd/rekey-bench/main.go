@@ -35,6 +35,7 @@ func main() {
 		rotObjects = flag.Int("rotation-objects", 0, "Secrets the rotation scenario rotates (default 10,000; short 1,000)")
 		rotSides   = flag.String("rotation-sides", "", "comma-separated sides of the rotation scenario to run: rekey, upstream (default both)")
 		rotRekey   = flag.String("rotation-rekey-bin", "", "the rekey binary the rotation scenario runs (default: cmd/rekey built from this tree)")
+		rotShim    = flag.String("rotation-shim-flags", "", "the rotation scenario's rekey side: more flags for its shims, space-separated (e.g. --storage-migration-priority=fast)")
 		scaleN     = flag.Int("scale-objects", 0, "Secrets the scale scenario stores and rotates (default $REKEY_BENCH_SCALE_N, else 1,000,000; short 20,000)")
 		scaleSides = flag.String("scale-sides", "", "comma-separated sides of the scale scenario to run: rekey, upstream (default both)")
 		scaleBase  = flag.Duration("scale-baseline", 0, "the scale scenario's client-load window before the rotation (default 1m, 5m from 500,000 Secrets; short 10s)")
@@ -66,7 +67,7 @@ func main() {
 	if *sampleTime > 0 {
 		settings.SampleTime = *sampleTime
 	}
-	settings.RotationObjects, settings.RotationRekeyBin = *rotObjects, *rotRekey
+	settings.RotationObjects, settings.RotationRekeyBin, settings.RotationShimFlags = *rotObjects, *rotRekey, strings.Fields(*rotShim)
 	if *rotSides != "" {
 		settings.RotationSides = strings.Split(*rotSides, ",")
 	}

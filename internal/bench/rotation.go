@@ -94,7 +94,11 @@ func runRotation(s Settings) ([]Row, error) {
 	results := map[string]*rotationResult{}
 	for _, side := range sides {
 		fmt.Fprintf(progress, "rotation: side %s, %d Secrets\n", side, objects)
-		r, err := rotateOnce(ctx, progress, filepath.Join(dir, side), bins, rekeyBin, side, objects)
+		var shimFlags []string
+		if side == "rekey" {
+			shimFlags = s.RotationShimFlags
+		}
+		r, err := rotateOnce(ctx, progress, filepath.Join(dir, side), bins, rekeyBin, side, objects, shimFlags)
 		if err != nil {
 			return nil, fmt.Errorf("rotation side %s: %w", side, err)
 		}
@@ -108,10 +112,11 @@ func runRotation(s Settings) ([]Row, error) {
 	return rotationRows(results, objects), nil
 }
 
-// rotateOnce starts a fresh testbed for side, seeds objects Secrets under key1, starts
-// the load, rotates with side's procedure and checks the end state.
-func rotateOnce(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, rekeyBin, side string, objects int) (*rotationResult, error) {
-	b, err := startRotationBed(ctx, progress, dir, bins, side, objects)
+// rotateOnce starts a fresh testbed for side (its shims given shimFlags too), seeds
+// objects Secrets under key1, starts the load, rotates with side's procedure and checks
+// the end state.
+func rotateOnce(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, rekeyBin, side string, objects int, shimFlags []string) (*rotationResult, error) {
+	b, err := startRotationBed(ctx, progress, dir, bins, side, objects, shimFlags)
 	if err != nil {
 		return nil, err
 	}

@@ -42,9 +42,10 @@ type rotationBed struct {
 	clients *clientLatencies
 }
 
-// startRotationBed starts a fresh testbed in dir whose shims run layer side, seeds
-// objects Secrets under a new key key1 and starts the writers and the sampler.
-func startRotationBed(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, side string, objects int) (b *rotationBed, err error) {
+// startRotationBed starts a fresh testbed in dir whose shims run layer side with
+// shimFlags, seeds objects Secrets under a new key key1 and starts the writers and the
+// sampler.
+func startRotationBed(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, side string, objects int, shimFlags []string) (b *rotationBed, err error) {
 	b = &rotationBed{}
 	defer func() {
 		if err != nil {
@@ -62,7 +63,7 @@ func startRotationBed(ctx context.Context, progress io.Writer, dir string, bins 
 	b.fleet, err = testbed.StartFleet(ctx, testbed.FleetConfig{
 		ShimBin: bins.Shim, Dir: filepath.Join(dir, "shims"), N: 3,
 		EtcdServers: b.etcd.Endpoints(), EtcdPrefix: rotationPrefix,
-		Layer: side, Config: b.initial,
+		Layer: side, Config: b.initial, Args: shimFlags,
 	})
 	if err != nil {
 		return nil, err

@@ -24,6 +24,9 @@ type Settings struct {
 	// RotationRekeyBin is the rekey binary side (a) runs (default: cmd/rekey built from
 	// this tree).
 	RotationRekeyBin string
+	// RotationShimFlags are more flags for the rekey side's shims (e.g.
+	// --storage-migration-priority=fast, to measure what a priority trades).
+	RotationShimFlags []string
 	// ScaleObjects is the number of Secrets the scale scenario stores and rotates
 	// (default 1,000,000; 20,000 in short mode).
 	ScaleObjects int
