@@ -9,7 +9,7 @@ STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(BIN)/tools/staticcheck-$(STATICCHECK_VERSION)/staticcheck
 VERSION_LDFLAGS := -X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 
-.PHONY: kms-pkcs11 test-kms-pkcs11 all build test lint docs-check fmt vet staticcheck tidy-check openapi-check tools run e2e e2e-long bench bench-rotation bench-scale charts bench-go fuzz sim clean kube-apiserver run-kube-apiserver
+.PHONY: test-fips kms-pkcs11 test-kms-pkcs11 all build test lint docs-check fmt vet staticcheck tidy-check openapi-check tools run e2e e2e-long bench bench-rotation bench-scale charts bench-go fuzz sim clean kube-apiserver run-kube-apiserver
 
 # dist/kube-apiserver: upstream's kube-apiserver with rekey inside, a Go module of its own.
 KUBE_VERSION := v1.37.2
@@ -30,6 +30,13 @@ build:
 test: lint
 	bash hack/softhsm.sh
 	GO=$(GO) bash hack/test.sh
+
+## test-fips: unit tests built with Go's FIPS 140-3 module and run with it enforced (not part of
+## `make test`; docs/fips.md). FIPS_PKGS picks the packages, FIPS_GODEBUG=fips140=on only uses the module.
+FIPS_PKGS ?= ./pkg/transformers/... ./pkg/reload/... ./pkg/config/... ./internal/evidence/... ./cmd/rekey/...
+FIPS_GODEBUG ?= fips140=only
+test-fips:
+	GOFIPS140=v1.0.0 GODEBUG=$(FIPS_GODEBUG) $(GO) test -count=1 $(FIPS_PKGS)
 
 ## lint: gofmt, go vet, staticcheck, `go mod tidy` leaves no diff (here, in deploy/monitoring and in
 ## plugins/kms-pkcs11), the generated OpenAPI is current, README and DESIGN name every package.

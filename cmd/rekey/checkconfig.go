@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/fips140"
 	"errors"
 	"fmt"
 
@@ -20,7 +21,7 @@ import (
 func newCheckConfigCommand() *cobra.Command {
 	var c common
 	var next string
-	var override bool
+	var override, fips bool
 	var prefix string
 	cmd := &cobra.Command{
 		Use:   "check-config",
@@ -38,7 +39,10 @@ encrypt and decrypt a random test value within its timeout (--skip-preflight ski
 that, with a warning). Run it before you install a new configuration; the apiserver shim
 applies the same guard to every reload. It also refuses to drop a key that an etcd
 snapshot within the largest --backup-retention (this flag, or one a live apiserver
-publishes) may need, per the apiservers' key ledger, as their own guard would.`,
+publishes) may need, per the apiservers' key ledger, as their own guard would. With
+--fips, or when rekey itself runs in FIPS 140-3 mode (GODEBUG=fips140=on or only), a
+new configuration naming secretbox or a KMS v1 provider is refused first, as the
+apiservers in FIPS mode refuse it at start-up and on reload (docs/fips.md).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if next == "" {
@@ -47,6 +51,11 @@ publishes) may need, per the apiservers' key ledger, as their own guard would.`,
 			nextCfg, err := config.Load(next, config.Options{Reload: true})
 			if err != nil {
 				return err
+			}
+			if fips || fips140.Enabled() {
+				if err := transformers.FIPSRefusal(nextCfg); err != nil {
+					return fmt.Errorf("%s is refused: %w", next, err)
+				}
 			}
 			ctx := cmd.Context()
 			if err := c.preflight(ctx, cmd.ErrOrStderr(), nextCfg, next); err != nil {
@@ -90,6 +99,7 @@ publishes) may need, per the apiservers' key ledger, as their own guard would.`,
 	c.addFlags(cmd.Flags())
 	c.addPreflightFlag(cmd.Flags())
 	cmd.Flags().StringVar(&next, "new", "", "The configuration to check. Required.")
+	cmd.Flags().BoolVar(&fips, "fips", false, "Judge --new as apiservers in FIPS 140-3 mode do: refuse providers outside the approved set (secretbox, KMS v1). On whenever this rekey runs in FIPS mode.")
 	cmd.Flags().BoolVar(&override, guard.OverrideFlag, false, "Report violations but succeed anyway (disaster recovery).")
 	addCoordinationPrefixFlag(cmd.Flags(), &prefix)
 	c.retention.addFlag(cmd.Flags(), &prefix)

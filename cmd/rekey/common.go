@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/fips140"
 	"errors"
 	"fmt"
 	"io"
@@ -226,7 +227,7 @@ func (c *common) load(ctx context.Context, path string, requireKMS bool) (*loade
 
 // build is load for a configuration already read (and checked) by the caller.
 func (c *common) build(ctx context.Context, cfg *config.Config, requireKMS bool) (*loaded, error) {
-	set, err := transformers.Build(ctx, cfg, transformers.Options{KMS: kmsv2.NewFactory(kmsv2.FactoryOptions{}), Logger: klog.Background()})
+	set, err := transformers.Build(ctx, cfg, transformers.Options{KMS: kmsv2.NewFactory(kmsv2.FactoryOptions{}), Logger: klog.Background(), FIPS: fips140.Enabled()})
 	if err != nil {
 		return nil, err
 	}

@@ -150,3 +150,29 @@ func TestEvidence(t *testing.T) {
 		t.Fatalf("verify of a changed file: %v\n%s", err, out)
 	}
 }
+
+// check-config --fips judges the new configuration as apiservers in FIPS 140-3 mode
+// do: secretbox is refused naming FIPS and the provider, before etcd is read; without
+// --fips the same configuration passes.
+func TestCheckConfigFIPS(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cur := writeConfig(t, "cur.yaml", "key1")
+	next := filepath.Join(t.TempDir(), "next.yaml")
+	body := "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n" +
+		"      - secretbox:\n          keys:\n            - {name: sb1, secret: " + secret('7') + "}\n" +
+		"      - aesgcm:\n          keys:\n            - {name: key1, secret: " + secret('1') + "}\n"
+	if err := os.WriteFile(next, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"check-config", "--etcd-servers", srv.Endpoint, "--encryption-provider-config", cur, "--new", next}
+	out, err := run(t, append(args, "--fips")...)
+	if err == nil || !strings.Contains(err.Error(), "FIPS 140-3") || !strings.Contains(err.Error(), `provider secretbox "sb1"`) {
+		t.Fatalf("check-config --fips: err = %v\n%s", err, out)
+	}
+	if strings.Contains(err.Error(), secret('7')) {
+		t.Fatal("the refusal quotes key material")
+	}
+	if out, err := run(t, args...); err != nil || !strings.Contains(out, "OK:") {
+		t.Fatalf("check-config without --fips: %v\n%s", err, out)
+	}
+}

@@ -82,7 +82,7 @@ The exit code is 0 only when the cluster has converged.`,
 // etcd, so it goes out through row and printLine only.
 func writeStatusTable(w io.Writer, snap *cluster.Snapshot, v cluster.Verdict, now time.Time) {
 	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-	row(tw, "APISERVER", "CONFIG", "WRITES", "READS", "KMS", "LAST ERROR", "AGE")
+	row(tw, "APISERVER", "CONFIG", "FIPS", "WRITES", "READS", "KMS", "LAST ERROR", "AGE")
 	for _, m := range snap.Members {
 		var writes, reads, kms []string
 		for _, r := range m.Resources {
@@ -108,7 +108,11 @@ func writeStatusTable(w io.Writer, snap *cluster.Snapshot, v cluster.Verdict, no
 		if i := strings.IndexByte(lastErr, '\n'); i >= 0 {
 			lastErr = lastErr[:i] + " …"
 		}
-		row(tw, m.APIServerID, shortHash(m.ConfigHash), strings.Join(writes, "; "), strings.Join(reads, "; "),
+		fips := "-"
+		if m.FIPS != nil {
+			fips = onOff(*m.FIPS)
+		}
+		row(tw, m.APIServerID, shortHash(m.ConfigHash), fips, strings.Join(writes, "; "), strings.Join(reads, "; "),
 			dash(strings.Join(kms, ", ")), dash(lastErr), now.Sub(m.PublishedAt).Round(time.Second).String())
 	}
 	_ = tw.Flush()

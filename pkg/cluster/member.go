@@ -190,7 +190,8 @@ func ParseMemberState(data []byte) (MemberState, error) {
 // stateFromStatus describes an agent's status document as a member state. held says,
 // per resource, since when the fence holds its configured write key back.
 func stateFromStatus(id, version string, st reload.Status, held map[string]time.Time, now time.Time) MemberState {
-	m := MemberState{APIServerID: id, Version: version, ConfigHash: st.ActiveConfigHash, PublishedAt: now}
+	fips := st.FIPS
+	m := MemberState{APIServerID: id, Version: version, ConfigHash: st.ActiveConfigHash, FIPS: &fips, PublishedAt: now}
 	for _, r := range st.Resources {
 		rs := resourceState(r)
 		if r.WriteIndex > 0 && len(r.ReadKeys) > 0 {

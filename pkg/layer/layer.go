@@ -24,6 +24,7 @@ package layer
 import (
 	"cmp"
 	"context"
+	"crypto/fips140"
 	"errors"
 	"fmt"
 	"net/http"
@@ -112,6 +113,12 @@ type Options struct {
 	// migration the elected migrator runs (dist/kube-apiserver mirrors them as
 	// StorageVersionMigrations); nil for none.
 	MigrationMirror cluster.MigrationMirror
+
+	// FIPS makes the layer refuse, at start-up and on every reload, a configuration
+	// naming a provider outside FIPS 140-3's approved set (transformers.FIPSRefusal).
+	// The layer also does when the process runs in FIPS mode (crypto/fips140.Enabled,
+	// GODEBUG=fips140=on or only), whatever this says: tests set it to judge as FIPS mode.
+	FIPS bool
 
 	// Registry receives the layer's metrics; Logger its logs.
 	Registry metrics.KubeRegistry
@@ -352,6 +359,9 @@ func (l *Layer) agentOptions(running *runningRules) reload.Options {
 			Logger:  o.Logger,
 			Metrics: transformers.NewMetrics(o.Registry),
 			KMS:     l.kmsFactory(),
+			// The process's FIPS 140-3 mode, read here at the edge; the rule
+			// (transformers.FIPSRefusal) takes it as an option.
+			FIPS: o.FIPS || fips140.Enabled(),
 		},
 		Registry:    o.Registry,
 		APIServerID: o.Identity,

@@ -25,6 +25,9 @@ type Status struct {
 	AutomaticReload bool `json:"automaticReload"`
 	// ActiveConfigHash is "sha256:<hex>" of the file content in use.
 	ActiveConfigHash string `json:"activeConfigHash"`
+	// FIPS is whether the agent builds its configurations in FIPS 140-3 mode
+	// (transformers.Options.FIPS): a provider outside the approved set is refused.
+	FIPS bool `json:"fips"`
 	// LoadedAt is when the active configuration was applied.
 	LoadedAt time.Time `json:"loadedAt"`
 	// ReloadsSucceeded and ReloadsFailed count applied and refused changes since start.
@@ -150,6 +153,7 @@ func (a *Agent) OwnStatus() Status {
 		ConfigPath:           a.opts.Path,
 		AutomaticReload:      a.opts.AutomaticReload,
 		ActiveConfigHash:     g.cfg.Hash,
+		FIPS:                 a.opts.Transformers.FIPS,
 		LoadedAt:             g.loadedAt,
 		ReplacedPendingClose: a.pending.Load(),
 		Resources:            g.set.Rules(),

@@ -124,7 +124,11 @@ func newAESGCMSealers(keys []apiserver.Key) ([]Sealer, error) {
 		if err != nil {
 			return nil, fmt.Errorf("aesgcm key %q: key must be 16, 24 or 32 bytes, got %d", k.Name, len(secret))
 		}
-		aead, err := cipher.NewGCM(block)
+		// The AEAD draws each nonce itself and writes it before the ciphertext, which
+		// is upstream's layout (nonce(12) ‖ ciphertext ‖ tag(16)); it is the form of
+		// AES-GCM that Go's FIPS 140-3 module allows under GODEBUG=fips140=only
+		// (cipher.NewGCM, with nonces the caller supplies, is refused there).
+		aead, err := cipher.NewGCMWithRandomNonce(block)
 		if err != nil {
 			return nil, fmt.Errorf("aesgcm key %q: %w", k.Name, err)
 		}
@@ -137,13 +141,8 @@ func (g *gcmSealer) Prefix() []byte { return g.prefix }
 
 func (g *gcmSealer) Seal(_ context.Context, plaintext []byte, dataCtx value.Context) ([]byte, error) {
 	n := len(g.prefix)
-	out := sealWithPrefix(g.prefix, n+gcmNonceSize+len(plaintext)+gcmTagSize)
-	out = out[:n+gcmNonceSize]
-	nonce := out[n:]
-	if _, err := rand.Read(nonce); err != nil {
-		return nil, fmt.Errorf("aesgcm: reading a random nonce: %w", err)
-	}
-	return g.aead.Seal(out, nonce, plaintext, dataCtx.AuthenticatedData()), nil
+	out := sealWithPrefix(g.prefix, n+gcmNonceSize+len(plaintext)+gcmTagSize)[:n]
+	return g.aead.Seal(out, nil, plaintext, dataCtx.AuthenticatedData()), nil
 }
 
 func (g *gcmSealer) Open(_ context.Context, data []byte, dataCtx value.Context) ([]byte, bool, error) {
@@ -151,7 +150,7 @@ func (g *gcmSealer) Open(_ context.Context, data []byte, dataCtx value.Context) 
 		return nil, false, errShortData
 	}
 	out := make([]byte, 0, len(data)-gcmNonceSize-gcmTagSize)
-	out, err := g.aead.Open(out, data[:gcmNonceSize], data[gcmNonceSize:], dataCtx.AuthenticatedData())
+	out, err := g.aead.Open(out, nil, data, dataCtx.AuthenticatedData())
 	if err != nil {
 		return nil, false, fmt.Errorf("aesgcm key %q: %w (wrong key, corrupted value, or value moved to another etcd key)", g.keyName(), err)
 	}
