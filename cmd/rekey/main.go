@@ -10,6 +10,7 @@
 //	rekey rotate       --encryption-provider-config FILE --wait --etcd-servers URL [--coordination-prefix /rekey] [--wait-timeout 30m] [--progress auto|bar|plain]
 //	rekey evidence     --etcd-servers URL --encryption-provider-config FILE --signing-key PEM [--out FILE]
 //	rekey evidence verify --public-key PEM FILE
+//	rekey fleet status -f FLEET.yaml [--concurrency N] [-o table|json]   (exit 3: a cluster needs attention)
 //	rekey kms-check    --endpoint unix:///PATH.sock | --plugin-command CMD [--observe 10s] [--calls N] [-o table|json]
 //
 // inventory counts stored objects per resource, provider, key (KMS: provider name and
@@ -23,6 +24,7 @@
 package main
 
 import (
+	"errors"
 	"os"
 
 	"github.com/spf13/cobra"
@@ -30,7 +32,32 @@ import (
 )
 
 func main() {
-	os.Exit(cli.Run(newRootCommand()))
+	os.Exit(execute(newRootCommand()))
+}
+
+// execute is cli.Run, except that a command failing with an *exitError exits with its
+// code (rekey fleet status: 3 when a cluster needs attention).
+func execute(root *cobra.Command) int {
+	var coded *exitError
+	var keep func(c *cobra.Command)
+	keep = func(c *cobra.Command) {
+		if run := c.RunE; run != nil {
+			c.RunE = func(cmd *cobra.Command, args []string) error {
+				err := run(cmd, args)
+				errors.As(err, &coded)
+				return err
+			}
+		}
+		for _, sub := range c.Commands() {
+			keep(sub)
+		}
+	}
+	keep(root)
+	code := cli.Run(root)
+	if code != 0 && coded != nil {
+		return coded.code
+	}
+	return code
 }
 
 func newRootCommand() *cobra.Command {
@@ -40,7 +67,7 @@ func newRootCommand() *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: false,
 	}
-	root.AddCommand(newInventoryCommand(), newMigrateCommand(), newCheckConfigCommand(), newStatusCommand(), newRotateCommand(), newLedgerCommand(), newKMSCheckCommand(), newEvidenceCommand())
+	root.AddCommand(newInventoryCommand(), newMigrateCommand(), newCheckConfigCommand(), newStatusCommand(), newRotateCommand(), newLedgerCommand(), newKMSCheckCommand(), newEvidenceCommand(), newFleetCommand())
 	printableErrors(root)
 	return root
 }

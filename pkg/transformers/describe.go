@@ -66,6 +66,25 @@ func SplitPrefix(p string) (provider, key string) {
 	return ProviderUnknown, key
 }
 
+// StoredPrefix is the prefix of the values a chain entry writes, the inverse of
+// SplitPrefix: "k8s:enc:aesgcm:v1:key1:", "k8s:enc:kms:v2:vault:", "" for identity (and
+// for a provider this package does not know).
+func (k KeyInfo) StoredPrefix() string {
+	switch k.Provider {
+	case ProviderAESGCM:
+		return KeyPrefix(AESGCMPrefix, k.Key)
+	case ProviderAESCBC:
+		return KeyPrefix(AESCBCPrefix, k.Key)
+	case ProviderSecretbox:
+		return KeyPrefix(SecretboxPrefix, k.Key)
+	case ProviderKMSv2:
+		return KeyPrefix(KMSv2Prefix, k.Key)
+	case ProviderKMSv1:
+		return KeyPrefix(KMSv1Prefix, k.Key)
+	}
+	return ""
+}
+
 // Lookup finds the rule of gr in rules the way kube-apiserver does: the exact resource,
 // else `<group>/*` (written `*.<group>`), else `*.*`. ok is false when none applies (the
 // resource is then stored as plaintext).

@@ -63,3 +63,16 @@ func TestFIPSRefusesProvidersOutsideTheApprovedSet(t *testing.T) {
 		}
 	}
 }
+
+// StoredPrefix is SplitPrefix's inverse for every provider that stores values.
+func TestStoredPrefixInvertsSplitPrefix(t *testing.T) {
+	for _, p := range []string{transformers.ProviderAESGCM, transformers.ProviderAESCBC, transformers.ProviderSecretbox, transformers.ProviderKMSv2, transformers.ProviderKMSv1} {
+		prefix := transformers.KeyInfo{Provider: p, Key: "k1"}.StoredPrefix()
+		if gotP, gotK := transformers.SplitPrefix(prefix); gotP != p || gotK != "k1" {
+			t.Errorf("%s: StoredPrefix %q splits into %s/%s", p, prefix, gotP, gotK)
+		}
+	}
+	if got := (transformers.KeyInfo{Provider: transformers.ProviderIdentity}).StoredPrefix(); got != "" {
+		t.Errorf("identity: %q", got)
+	}
+}
