@@ -35,6 +35,9 @@ func TestFIPSModeRefusesSecretboxAtStartAndReload(t *testing.T) {
 	if st := g.agent.OwnStatus(); !st.FIPS {
 		t.Fatal("the status does not say FIPS")
 	}
+	if v := g.metric("rekey_fips_mode", nil); v != 1 {
+		t.Fatalf("rekey_fips_mode = %v in FIPS mode, want 1", v)
+	}
 	writeRename(t, g.path, secretsConfig("secretbox:sb1", "aesgcm:k1"))
 	err := g.agent.Reload(context.Background())
 	if !errors.Is(err, transformers.ErrNotFIPSApproved) {
@@ -53,6 +56,9 @@ func TestFIPSModeRefusesSecretboxAtStartAndReload(t *testing.T) {
 	h := newFixture(t, secretsConfig("aesgcm:k1"))
 	if h.agent.OwnStatus().FIPS {
 		t.Fatal("the status says FIPS without it")
+	}
+	if v := h.metric("rekey_fips_mode", nil); v != 0 {
+		t.Fatalf("rekey_fips_mode = %v without FIPS mode, want 0", v)
 	}
 	writeRename(t, h.path, secretsConfig("secretbox:sb1", "aesgcm:k1"))
 	if err := h.agent.Reload(context.Background()); err != nil {

@@ -26,9 +26,11 @@ type reloadMetrics struct {
 	reloads  *metrics.CounterVec
 	lastTime *metrics.GaugeVec
 	info     *configInfoCollector
+	// fips is rekey_fips_mode: 1 when the agent builds in FIPS 140-3 mode.
+	fips *metrics.Gauge
 }
 
-func newReloadMetrics(reg metrics.KubeRegistry, apiServerID string) (*reloadMetrics, error) {
+func newReloadMetrics(reg metrics.KubeRegistry, apiServerID string, fips bool) (*reloadMetrics, error) {
 	m := &reloadMetrics{
 		idHash: hashLabel(apiServerID),
 		reloads: metrics.NewCounterVec(&metrics.CounterOpts{
@@ -49,6 +51,11 @@ func newReloadMetrics(reg metrics.KubeRegistry, apiServerID string) (*reloadMetr
 			metrics.BuildFQName(metricsNamespace, metricsSubsystem, "last_config_info"),
 			"Information about the last applied encryption configuration with hash as label, split by apiserver identity.",
 			[]string{"apiserver_id_hash", "hash"}, nil, metrics.ALPHA, "")},
+		fips: metrics.NewGauge(&metrics.GaugeOpts{
+			Namespace: "rekey", Name: "fips_mode",
+			Help:           "1 when the encryption layer runs in FIPS 140-3 mode and refuses providers outside the approved set (secretbox, KMS v1), else 0.",
+			StabilityLevel: metrics.ALPHA,
+		}),
 	}
 	if err := reg.Register(m.reloads); err != nil {
 		return nil, err
@@ -61,6 +68,16 @@ func newReloadMetrics(reg metrics.KubeRegistry, apiServerID string) (*reloadMetr
 		reg.Unregister(m.reloads)
 		reg.Unregister(m.lastTime)
 		return nil, err
+	}
+	if err := reg.Register(m.fips); err != nil {
+		reg.Unregister(m.reloads)
+		reg.Unregister(m.lastTime)
+		return nil, err
+	}
+	if fips {
+		m.fips.Set(1)
+	} else {
+		m.fips.Set(0)
 	}
 	return m, nil
 }
