@@ -176,3 +176,48 @@ func TestCheckConfigFIPS(t *testing.T) {
 		t.Fatalf("check-config without --fips: %v\n%s", err, out)
 	}
 }
+
+// rekey status shows each apiserver's published FIPS mode, "-" for a record that does
+// not say.
+func TestStatusShowsFIPS(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	ctx := context.Background()
+	on := true
+	k := cluster.Key{Provider: "aesgcm", Key: "k1", Check: "c1"}
+	for _, m := range []cluster.MemberState{
+		{APIServerID: "fips-apiserver", ConfigHash: "sha256:aaaa", FIPS: &on},
+		{APIServerID: "old-apiserver", ConfigHash: "sha256:aaaa"},
+	} {
+		m.PublishedAt = time.Now()
+		m.Resources = []cluster.ResourceState{{Resource: "secrets", Write: k, Read: []cluster.Key{k}}}
+		data, err := m.Marshal()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := putMember(ctx, cli, m.APIServerID, string(data)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out, err := run(t, "status", "--etcd-servers", srv.Endpoint)
+	if err != nil {
+		t.Fatalf("status: %v\n%s", err, out)
+	}
+	lines := strings.Split(out, "\n")
+	if !strings.Contains(lines[0], "FIPS") {
+		t.Fatalf("no FIPS column:\n%s", out)
+	}
+	col := strings.Index(lines[0], "FIPS")
+	for _, l := range lines[1:] {
+		switch {
+		case strings.HasPrefix(l, "fips-apiserver"):
+			if !strings.HasPrefix(l[col:], "on ") {
+				t.Errorf("FIPS apiserver row: %q", l)
+			}
+		case strings.HasPrefix(l, "old-apiserver"):
+			if !strings.HasPrefix(l[col:], "-  ") {
+				t.Errorf("record without FIPS: %q", l)
+			}
+		}
+	}
+}

@@ -97,7 +97,7 @@ func escapeC1(doc []byte) []byte {
 	return b.Bytes()
 }
 
-// printableErrors makes the error of every subcommand of root printable line by line
+// printableErrors makes the error of every subcommand of root (at any depth) printable line by line
 // (errtext.Printable): errors carry text read from etcd and from KMS plugins, and klog
 // prints an error of several lines as it is. The line breaks between the items of a
 // list rekey reports stay; errors.Is and errors.As still see the original error.
@@ -106,6 +106,7 @@ func printableErrors(root *cobra.Command) {
 		if run := c.RunE; run != nil {
 			c.RunE = func(cmd *cobra.Command, args []string) error { return printableError(run(cmd, args)) }
 		}
+		printableErrors(c)
 	}
 }
 
