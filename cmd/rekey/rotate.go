@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"time"
 
@@ -137,7 +138,7 @@ func (c *common) rotateStep(cmd *cobra.Command, f sourced, r rotation.Request, r
 		summary = e.Summary
 	} else {
 		r.Now, r.Random = time.Now(), rand.Reader
-		if e, err = c.addKey(cmd, f.File, r); err != nil {
+		if e, err = c.addKey(cmd.Context(), cmd.ErrOrStderr(), f.File, r); err != nil {
 			return err
 		}
 		summary = fmt.Sprintf("%s until `rekey rotate --remove-old NAME` (NAME: %s)", e.Summary, strings.Join(e.OldKeys, ", "))
@@ -164,16 +165,16 @@ func (c *common) rotateStep(cmd *cobra.Command, f sourced, r rotation.Request, r
 
 // addKey is the first edit of f: a new write key first; warnings go to stderr. With
 // --provider kms every KMS v2 plugin of the result is called first (preflight).
-func (c *common) addKey(cmd *cobra.Command, f *rotation.File, r rotation.Request) (*rotation.Edit, error) {
+func (c *common) addKey(ctx context.Context, stderr io.Writer, f *rotation.File, r rotation.Request) (*rotation.Edit, error) {
 	e, err := rotation.Add(f, r)
 	if err != nil {
 		return nil, err
 	}
 	for _, w := range e.Warnings {
-		fmt.Fprintln(cmd.ErrOrStderr(), w)
+		fmt.Fprintln(stderr, w)
 	}
 	if r.Provider == transformers.ProviderKMSv2 {
-		if err := c.preflight(cmd.Context(), cmd.ErrOrStderr(), e.Config, "the new configuration"); err != nil {
+		if err := c.preflight(ctx, stderr, e.Config, "the new configuration"); err != nil {
 			return nil, fmt.Errorf("%w; nothing was written", err)
 		}
 	}

@@ -11,11 +11,9 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
-	"github.com/rekey-io/rekey/internal/configsource"
 	"github.com/rekey-io/rekey/internal/errtext"
 	"github.com/rekey-io/rekey/internal/progress"
 	"github.com/rekey-io/rekey/internal/rotation"
-	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/transformers"
@@ -44,8 +42,7 @@ func (w *waitOptions) addFlags(fs *pflag.FlagSet) {
 	_ = fs.MarkHidden("wait-interval")
 }
 
-// rotateWait drives rotation.Machine: it reads the file and the coordination keys every
-// interval, feeds them, and does what the machine asks.
+// rotateWait is rotate --wait: driveRotation, its progress printed by waitOutput.
 func (c *common) rotateWait(cmd *cobra.Command, r rotation.Request, w waitOptions) error {
 	if len(c.etcd.Servers) == 0 {
 		return errors.New("--wait needs --etcd-servers: it follows the apiservers through the coordination keys in etcd")
@@ -54,82 +51,18 @@ func (c *common) rotateWait(cmd *cobra.Command, r rotation.Request, w waitOption
 	if err := coordination.ValidatePrefix(w.prefix, c.etcdPrefix); err != nil {
 		return err
 	}
-	if w.interval <= 0 {
-		w.interval = 500 * time.Millisecond
-	}
-	ctx := cmd.Context()
-	s, err := c.open(ctx, preamble{})
-	if err != nil {
-		return err
-	}
-	defer s.Close()
-
 	start := time.Now()
 	out := &waitOutput{p: progress.New(cmd.OutOrStdout(), w.progress.Mode()), start: start}
 	defer out.p.Done()
-	m := rotation.New(rotation.Config{Timeout: w.timeout, RemoveIdentity: w.removeIdentity}, start)
-	// kmsKeyIDs are the key id hashes this command's own KMS plugins report, by
-	// provider name, from the last inventory: the key id a KMS rule's rotation waits for.
-	var kmsKeyIDs map[string]string
-	// stored resolves the file's rules into the resources stored under them (a wildcard
-	// rule into what is stored), refreshed at every inventory.
-	stored, err := c.scanStored(ctx, s.etcd)
-	if err != nil {
-		return err
-	}
 	out.linef("following the rotation of %s through %s under %s (timeout %s)", c.sourceName(), strings.Join(c.etcd.Servers, ","), w.prefix, w.timeout)
-	ticker := time.NewTicker(w.interval)
-	defer ticker.Stop()
-	for {
-		m.Step(rotation.Tick{Now: time.Now()})
-		f, err := c.readSource(ctx, "the configuration is not valid now, so rotate --wait stops (fix it and run it again)")
-		if err != nil {
-			return err
-		}
-		fr := withKeyIDs(f.Read(r, stored.resources), kmsKeyIDs)
-		m.Step(fr)
-		sctx, cancel := context.WithTimeout(ctx, c.timeout)
-		snap, err := cluster.ReadSnapshot(sctx, s.etcd, w.prefix)
-		cancel()
-		if err != nil {
-			out.notef("reading the cluster failed (retrying): %v", err)
-		} else {
-			m.Step(rotation.ClusterObserved{Members: snap.Members, Migration: snap.Migration, Prefix: w.prefix})
-		}
-		rd := m.Ready()
-		out.update(rd)
-		switch rd.Action {
-		case rotation.ActionDone:
-			out.linef("done in %s", time.Since(start).Round(time.Millisecond))
-			return nil
-		case rotation.ActionFail:
-			return fmt.Errorf("rotate --wait: %s", rd.Err)
-		case rotation.ActionTakeInventory:
-			if x, err := c.scanStored(ctx, s.etcd); err == nil {
-				stored = x
-				fr = withKeyIDs(f.Read(r, stored.resources), kmsKeyIDs)
-			}
-			counts, ids, err := c.storedCounts(ctx, s, f.File, fr)
-			if err != nil {
-				m.Step(rotation.InventoryFailed{Reason: oneLine(err.Error())})
-				continue
-			}
-			kmsKeyIDs = ids
-			m.Step(withKeyIDs(fr, kmsKeyIDs))
-			m.Step(rotation.Inventoried{Resources: counts})
-			continue
-		case rotation.ActionWriteFirstEdit, rotation.ActionRemoveOld:
-			if err := c.waitEdit(cmd, m, rd, f, r, out); err != nil {
-				return err
-			}
-			continue
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("rotate --wait: interrupted at %s; run it again to continue: %w", stageText(rd.Stage), ctx.Err())
-		case <-ticker.C:
-		}
+	err := c.driveRotation(cmd.Context(), drive{
+		request: r, prefix: w.prefix, timeout: w.timeout, interval: w.interval,
+		removeIdentity: w.removeIdentity, stderr: cmd.ErrOrStderr(),
+	}, out)
+	if err == nil {
+		out.linef("done in %s", time.Since(start).Round(time.Millisecond))
 	}
+	return err
 }
 
 // storedCounts takes the inventory the machine decides from: every resource stored
@@ -177,43 +110,6 @@ func withKeyIDs(fr rotation.FileRead, ids map[string]string) rotation.FileRead {
 		}
 	}
 	return fr
-}
-
-// waitEdit makes the edit rd asks for on f, the file as read for this decision, and
-// reports the result to m: the first edit (a new write key), or the second (rd.Remove
-// out, once the guard allows it; a refusal is the machine's to retry).
-func (c *common) waitEdit(cmd *cobra.Command, m *rotation.Machine, rd rotation.Ready, f sourced, r rotation.Request, out *waitOutput) error {
-	which := "first"
-	var e *rotation.Edit
-	var err error
-	if rd.Action == rotation.ActionRemoveOld {
-		which = "second"
-		e, err = c.removeKeys(cmd.Context(), f.File, rd.Remove, r.Resources)
-	} else {
-		r.Now = time.Now()
-		e, err = c.addKey(cmd, f.File, r)
-	}
-	if err == nil {
-		err = c.replaceSource(cmd.Context(), f, e)
-	}
-	switch {
-	case errors.Is(err, configsource.ErrChanged):
-		out.notef("%s changed since it was read; reading it again before the %s edit", c.sourceName(), which)
-		m.Step(rotation.EditSkipped{})
-		return nil
-	case err != nil && rd.Action == rotation.ActionRemoveOld:
-		m.Step(removeRefused(err))
-		return nil
-	case err != nil:
-		return fmt.Errorf("rotate --wait: writing the first edit: %w", err)
-	}
-	out.linef("wrote %s: %s (%s)", c.sourceName(), e.Summary, e.Config.Hash)
-	if rd.Action == rotation.ActionRemoveOld {
-		m.Step(rotation.RemoveWritten{})
-	} else {
-		m.Step(rotation.FirstEditWritten{})
-	}
-	return nil
 }
 
 // removeRefused is the machine's event for a refused second edit: the guard that
@@ -272,6 +168,16 @@ func (o *waitOutput) notef(format string, args ...any) {
 		o.linef(format, args...)
 	}
 }
+
+// The rotationObserver of rotate --wait.
+
+func (o *waitOutput) Line(s string) { o.linef("%s", s) }
+func (o *waitOutput) Note(s string) { o.notef("%s", s) }
+func (o *waitOutput) Round(r rotationRound) error {
+	o.update(r.Ready)
+	return nil
+}
+func (o *waitOutput) Edited(bool, *rotation.Edit) error { return nil }
 
 func (o *waitOutput) update(rd rotation.Ready) {
 	for _, l := range rd.Lines {

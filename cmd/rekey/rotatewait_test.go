@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"slices"
@@ -15,7 +16,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/spf13/cobra"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/rekey-io/rekey/internal/configsource"
@@ -305,7 +305,7 @@ func TestRotateWaitEditsOnlyTheFileItRead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	first, err := c.addKey(&cobra.Command{}, read, rotation.Request{Now: time.Now(), Random: rand.Reader})
+	first, err := c.addKey(context.Background(), io.Discard, read, rotation.Request{Now: time.Now(), Random: rand.Reader})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -221,6 +221,12 @@ type Config struct {
 	// MigratorGrace is how long a wait tolerates that no live apiserver migrates a
 	// rotated resource (a leader restarting) before it fails.
 	MigratorGrace time.Duration
+	// ResumeOnly finishes a rotation in progress but never starts one: where a new
+	// rotation would start with the first edit, the machine is done instead, having
+	// added no key. A controller that recorded a first edit before it restarted uses it,
+	// so a rotation that completed while no status could be written is not followed by
+	// a second new key.
+	ResumeOnly bool
 }
 
 // Defaults of Config.
@@ -425,6 +431,9 @@ func (m *Machine) advance() {
 		m.checkDeadline()
 		return
 	}
+	if m.stage == StageDone {
+		return
+	}
 	if m.stage == StageEdit {
 		if !m.edited {
 			m.waiting = "writing the first edit"
@@ -509,6 +518,11 @@ func (m *Machine) decide() bool {
 		m.target = slices.Clone(m.file.Rules)
 		m.linef("resuming the rotation in progress: the old key is already out of the file, but not every apiserver runs it yet; no new key is added")
 		m.enter(StageAck)
+		return true
+	}
+	if m.cfg.ResumeOnly {
+		m.linef("no rotation is in progress (every apiserver runs %s and no old key is left): nothing to resume, no key added", m.file.Hash)
+		m.stage = StageDone
 		return true
 	}
 	if !m.migratorsFor(m.file.Rotates) {

@@ -20,11 +20,12 @@ var epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 
 // TestTranscripts steps the machine through testdata/stages/*.txt. Every command prints Ready.
 //
-//	start [timeout=<d>] [reset] [remove-identity] [grace=<d>] [manual-inventory]
+//	start [timeout=<d>] [reset] [remove-identity] [resume-only] [grace=<d>] [manual-inventory]
 //	                                     a new machine that sees the cluster as it is
 //	                                     (reset: no members, no migration state, nothing
 //	                                     stored; remove-identity: Config.RemoveIdentity;
-//	                                     grace: Config.MigratorGrace; manual-inventory:
+//	                                     grace: Config.MigratorGrace; resume-only:
+//	                                     Config.ResumeOnly; manual-inventory:
 //	                                     take-inventory is printed and answered by the
 //	                                     inventoried command, not at once)
 //	file hash=<h> [rotates=<res>,…]      input: "<resources>: <key>, <key>…" per rule (first
@@ -90,6 +91,7 @@ func TestTranscripts(t *testing.T) {
 					members, mig, stored = map[string]cluster.MemberState{}, nil, nil
 				}
 				cfg.RemoveIdentity = d.HasArg("remove-identity")
+				cfg.ResumeOnly = d.HasArg("resume-only")
 				manual = d.HasArg("manual-inventory")
 				if d.HasArg("grace") {
 					var s string
