@@ -68,6 +68,7 @@ func newRootCommand() *cobra.Command {
 		SilenceErrors: false,
 	}
 	root.AddCommand(newInventoryCommand(), newMigrateCommand(), newCheckConfigCommand(), newStatusCommand(), newRotateCommand(), newLedgerCommand(), newKMSCheckCommand(), newEvidenceCommand(), newFleetCommand())
+	root.AddCommand(newControllerCommand())
 	printableErrors(root)
 	return root
 }

@@ -23,6 +23,9 @@ type sourceFlags struct {
 	secret     string
 	kubeconfig string
 	context    string
+	// set is a source given in code (rekey controller: the object's Secret), used
+	// instead of the flags.
+	set configsource.Source
 }
 
 func (f *sourceFlags) addFlags(fs *pflag.FlagSet) {
@@ -33,11 +36,13 @@ func (f *sourceFlags) addFlags(fs *pflag.FlagSet) {
 }
 
 // given reports whether a source was named.
-func (f *sourceFlags) given() bool { return f.configPath != "" || f.secret != "" }
+func (f *sourceFlags) given() bool { return f.configPath != "" || f.secret != "" || f.set != nil }
 
 // source is the configuration's source the flags name.
 func (f *sourceFlags) source() (configsource.Source, error) {
 	switch {
+	case f.set != nil:
+		return f.set, nil
 	case f.configPath != "" && f.secret != "":
 		return nil, errors.New("--encryption-provider-config and --secret both name the configuration: give one")
 	case f.configPath != "":
@@ -140,6 +145,9 @@ func (c *common) loadSource(ctx context.Context) (*config.Config, error) {
 
 // sourceName names the configuration's source in messages.
 func (c *common) sourceName() string {
+	if c.src.set != nil {
+		return c.src.set.String()
+	}
 	if c.src.secret != "" {
 		if ref, err := configsource.ParseSecretRef(c.src.secret); err == nil {
 			return ref.String()
