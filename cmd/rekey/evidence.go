@@ -16,6 +16,7 @@ import (
 	"github.com/rekey-io/rekey/internal/atomicfile"
 	"github.com/rekey-io/rekey/internal/evidence"
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/keyledger"
 	"github.com/rekey-io/rekey/pkg/migrate"
 )
 
@@ -80,13 +81,17 @@ evidence was written.`,
 			if err != nil {
 				return err
 			}
+			ledger, _, _, err := keyledger.Store{Client: s.etcd, Key: keyledger.Key(coord)}.Load(ctx)
+			if err != nil {
+				return err
+			}
 			id := evidence.Cluster{EtcdPrefix: c.etcdPrefix, CoordinationPrefix: coord}
 			if snap.Identity != nil {
 				id.ID = snap.Identity.ClusterID
 			}
 			pred, err := evidence.Build(evidence.Input{
 				Cluster: id, Revision: rev, TakenAt: inv.TakenAt, RekeyVersion: rekeyVersion(), FIPS: fips140.Enabled(),
-				Config: s.cur.cfg, Inventory: inv, Members: snap.Members,
+				Config: s.cur.cfg, Inventory: inv, Members: snap.Members, Ledger: ledger,
 			})
 			if err != nil {
 				return err
@@ -174,6 +179,12 @@ func writeEvidenceSummary(w io.Writer, p *evidence.Predicate) {
 			key := k.Fingerprint
 			if k.Current {
 				key += " (writes)"
+			}
+			if k.LedgerCheck != "" {
+				key += " ledger check:" + k.LedgerCheck
+			}
+			if k.Retired != nil {
+				key += " retired " + k.Retired.Format(time.RFC3339)
 			}
 			row(tw, r.Resource, key, fmt.Sprint(k.Objects), fmt.Sprint(k.Unreadable))
 		}

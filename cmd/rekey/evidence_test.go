@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"encoding/base64"
 	"context"
 	"crypto/ed25519"
 	"crypto/rand"
@@ -18,6 +19,8 @@ import (
 	"github.com/rekey-io/rekey/internal/evidence"
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/coordination"
+	"github.com/rekey-io/rekey/pkg/keyledger"
+	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // writeKeyPair writes a PKCS#8 ed25519 private key and its PKIX public key.
@@ -71,6 +74,24 @@ func TestEvidence(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	// The key ledger remembers the retired key1 with its check value.
+	raw1, err := base64.StdEncoding.DecodeString(secret('1'))
+	if err != nil {
+		t.Fatal(err)
+	}
+	check1 := transformers.CheckValue(transformers.AESGCMPrefix, raw1)
+	retiredAt := time.Date(2026, 11, 1, 12, 0, 0, 0, time.UTC)
+	ledger, err := json.Marshal(keyledger.Ledger{Version: keyledger.Version, Entries: []keyledger.Entry{{
+		Provider: "aesgcm", Name: "key1", Check: check1, Prefix: "k8s:enc:aesgcm:v1:key1:",
+		FirstUse: keyledger.Event{At: retiredAt.Add(-time.Hour)}, LastUse: keyledger.Event{At: retiredAt.Add(-time.Minute)}, Retired: &keyledger.Event{At: retiredAt},
+	}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Put(ctx, keyledger.Key(coordination.DefaultPrefix), string(ledger)); err != nil {
+		t.Fatal(err)
+	}
+
 	priv, pub := writeKeyPair(t)
 	envPath := filepath.Join(t.TempDir(), "evidence.json")
 	cmd := newRootCommand()
@@ -121,8 +142,8 @@ func TestEvidence(t *testing.T) {
 			t.Errorf("write key = %+v, want current with its check value", k)
 		}
 	}
-	if k := byKey["aesgcm/key1"]; k.Objects != 1 || k.InConfiguration || k.Unreadable != 1 {
-		t.Errorf("retired key = %+v, want 1 unreadable object not in the configuration", k)
+	if k := byKey["aesgcm/key1"]; k.Objects != 1 || k.InConfiguration || k.Unreadable != 1 || k.LedgerCheck != check1 || k.Retired == nil || !k.Retired.Equal(retiredAt) {
+		t.Errorf("retired key = %+v, want 1 unreadable object not in the configuration, the ledger's check value %s and retirement %s", k, check1, retiredAt)
 	}
 	if k := byKey["identity/"]; k.Objects != 1 {
 		t.Errorf("plaintext = %+v, want 1 object", k)

@@ -21,6 +21,7 @@ import (
 
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/keyledger"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
@@ -95,7 +96,12 @@ type Key struct {
 	Check     string `json:"check,omitempty"`
 	KeyIDHash string `json:"keyIDHash,omitempty"`
 	// InConfiguration is false for a key the configuration cannot read (a retired key).
-	InConfiguration bool  `json:"inConfiguration"`
+	InConfiguration bool `json:"inConfiguration"`
+	// For a key not in the configuration, what the key ledger recorded: the check value
+	// of the one key of that name and prefix it knows ("" when it knows none, or several
+	// secrets under the name, which the stored value cannot tell apart), and when it retired.
+	LedgerCheck string     `json:"ledgerCheck,omitempty"`
+	Retired     *time.Time `json:"retired,omitempty"`
 	Current         bool  `json:"current"`
 	Objects         int64 `json:"objects"`
 	Unreadable      int64 `json:"unreadable,omitempty"`
@@ -124,6 +130,9 @@ type Input struct {
 	Inventory    *migrate.Inventory
 	// Members are the live apiservers (cluster.Snapshot.Members).
 	Members []cluster.MemberState
+	// Ledger is the cluster's key ledger (nil: none); it names keys the configuration
+	// no longer has.
+	Ledger *keyledger.Ledger
 }
 
 // Build makes the predicate of an inventory taken at in.Revision.
@@ -152,6 +161,9 @@ func Build(in Input) (*Predicate, error) {
 		r.WriteKey = writeFingerprint(keys, ri)
 		for _, b := range ri.Buckets {
 			k := bucketKey(keys, b)
+			if !k.InConfiguration {
+				k.LedgerCheck, k.Retired = fromLedger(in.Ledger, b)
+			}
 			k.Objects, k.Unreadable = b.Objects, b.Unreadable
 			if !in.Inventory.DecryptChecked && !b.KnownKey {
 				k.Unreadable = b.Objects
@@ -169,6 +181,29 @@ func Build(in Input) (*Predicate, error) {
 	}
 	slices.SortFunc(p.Resources, func(a, b Resource) int { return strings.Compare(a.Resource, b.Resource) })
 	return p, nil
+}
+
+// fromLedger is what the key ledger says of a key the configuration lacks: the check
+// value when exactly one local key of that provider and name is recorded (a KMS v2
+// bucket is already named by its key id hash), and its retirement.
+func fromLedger(l *keyledger.Ledger, b migrate.Count) (check string, retired *time.Time) {
+	if l == nil || b.Provider == transformers.ProviderKMSv2 {
+		return "", nil
+	}
+	var found []keyledger.Entry
+	for _, e := range l.Entries {
+		if e.Provider == b.Provider && e.Name == b.Key && !e.IsHistory() {
+			found = append(found, e)
+		}
+	}
+	if len(found) != 1 {
+		return "", nil
+	}
+	if r := found[0].Retired; r != nil {
+		at := r.At.UTC()
+		retired = &at
+	}
+	return found[0].Check, retired
 }
 
 // writeFingerprint names the key the configuration writes ri with.
