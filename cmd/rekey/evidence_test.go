@@ -2,11 +2,11 @@ package main
 
 import (
 	"bytes"
-	"encoding/base64"
 	"context"
 	"crypto/ed25519"
 	"crypto/rand"
 	"crypto/x509"
+	"encoding/base64"
 	"encoding/json"
 	"encoding/pem"
 	"os"

@@ -102,9 +102,9 @@ type Key struct {
 	// secrets under the name, which the stored value cannot tell apart), and when it retired.
 	LedgerCheck string     `json:"ledgerCheck,omitempty"`
 	Retired     *time.Time `json:"retired,omitempty"`
-	Current         bool  `json:"current"`
-	Objects         int64 `json:"objects"`
-	Unreadable      int64 `json:"unreadable,omitempty"`
+	Current     bool       `json:"current"`
+	Objects     int64      `json:"objects"`
+	Unreadable  int64      `json:"unreadable,omitempty"`
 }
 
 // Totals add up Resources.
