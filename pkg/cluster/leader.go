@@ -26,7 +26,9 @@ import (
 //   - R is migrated again when an inventory newer than its record counts objects not
 //     under T (a straggler wrote with an old key); "newer" compares etcd revisions,
 //     never the members' clocks, which may disagree;
-//   - a failed migration is retried with exponential backoff (2 s doubling to 1 min).
+//   - a failed migration is retried with exponential backoff (2 s doubling to 1 min);
+//   - a resource never migrated whose inventory finds every object on the common
+//     write key is recorded as verified by that inventory (adoptInventories).
 type leader struct {
 	resources []string
 	now       time.Time
@@ -154,12 +156,15 @@ func (l *leader) Step(ev leaderEvent) {
 		if cur, ok := l.inventory[e.Resource]; !ok || e.Revision >= cur.Revision {
 			l.inventory[e.Resource] = e
 		}
+		l.adoptInventories()
 	case resourcesChanged:
 		if len(e.Resources) > 0 {
 			l.resources = slices.Clone(e.Resources)
 		}
+		l.adoptInventories()
 	case membersChanged:
 		l.members = memberList(e.Members, "")
+		l.adoptInventories()
 	case migrationStarted:
 		// The driver reports what it did: the migration runs, even if the leader
 		// would no longer choose it. Only a second one at once is refused (a driver
@@ -193,6 +198,29 @@ func (l *leader) Step(ev leaderEvent) {
 		if e.Now.After(l.now) {
 			l.now = e.Now
 		}
+	}
+}
+
+// adoptInventories records, for a resource never migrated, an inventory that found
+// every stored object under the common write key as a verified migration to it: the
+// inventory read every object at its revision, as a verifying re-scan does, so no
+// migration is due, and without a record the rotation that waits for one (rekey rotate
+// --wait's stage 2) would wait for ever. It happens on a cluster's first rotation when
+// the clients rewrote every object before an inventory was taken.
+func (l *leader) adoptInventories() {
+	for _, r := range l.resources {
+		if _, hasRec := l.records[r]; hasRec || (l.running != nil && l.running.Resource == r) {
+			continue
+		}
+		inv, ok := l.inventory[r]
+		if !ok || inv.Revision <= 0 {
+			continue
+		}
+		target, ok, _ := commonWriteKey(l.members, r)
+		if !ok || offTarget(inv, target) > 0 {
+			continue
+		}
+		l.records[r] = Record{Target: target, Verified: true, StartedAt: inv.TakenAt, FinishedAt: inv.TakenAt, Revision: inv.Revision}
 	}
 }
 
@@ -276,7 +304,8 @@ func (l *leader) plan(r string) Plan {
 		if n := offTarget(inv, target); n > 0 {
 			due, why = true, fmt.Sprintf("an inventory counts %d objects under other keys", n)
 		} else if !due || !hasRec {
-			// A fresh inventory with everything on target is as good as a verified run.
+			// A fresh inventory with everything on target is as good as a verified run
+			// (for a resource never migrated, adoptInventories records it as one).
 			return Plan{Resource: r, State: PlanDone, Target: target}
 		}
 	}

@@ -3,6 +3,8 @@ package cluster
 import (
 	"encoding/json"
 	"fmt"
+	"maps"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -131,6 +133,17 @@ func TestLeaderTranscripts(t *testing.T) {
 				return fmt.Sprintf("t=%s", now.Sub(epoch))
 			case "plans":
 				return renderPlans(l)
+			case "recorded":
+				var b strings.Builder
+				recs := l.Records()
+				for _, r := range slices.Sorted(maps.Keys(recs)) {
+					rec := recs[r]
+					fmt.Fprintf(&b, "record %s: target %s verified=%v rev=%d\n", r, rec.Target, rec.Verified, rec.Revision)
+				}
+				if b.Len() == 0 {
+					return "no records"
+				}
+				return b.String()
 			}
 			d.Fatalf(t, "unknown command %q", d.Cmd)
 			return ""
