@@ -559,7 +559,7 @@ func (c *controller) rotate(ctx context.Context, o *v1alpha1.ControlPlaneEncrypt
 		c.metrics.rotations.WithLabelValues("failed").Inc()
 		log.Error(err, "rotation failed", "retryAfter", c.o.retryFailed)
 		c.recorder.Eventf(o, corev1.EventTypeWarning, "RotationFailed", "%s (resumed after %s, or at once with the annotation %s=%s)",
-			truncate(oneLine(err.Error()), 800), c.o.retryFailed, v1alpha1.OperationAnnotation, v1alpha1.OperationRotate)
+			truncate(controllerWords(oneLine(err.Error())), 800), c.o.retryFailed, v1alpha1.OperationAnnotation, v1alpha1.OperationRotate)
 		return
 	}
 	c.metrics.rotations.WithLabelValues("completed").Inc()
@@ -674,6 +674,7 @@ type statusObserver struct {
 }
 
 func (s *statusObserver) Line(l string) {
+	l = controllerWords(l)
 	s.log.Info(l)
 	s.c.recorder.Event(s.o, corev1.EventTypeNormal, "Rotation", truncate(l, 1000))
 }

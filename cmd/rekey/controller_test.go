@@ -219,8 +219,9 @@ func TestRotationStatus(t *testing.T) {
 	for i := range 12 {
 		o.Spec.RotationGeneration++
 		startRotation(o, ctrlDecision{Triggers: []v1alpha1.Trigger{v1alpha1.TriggerGeneration}}, now)
-		finishRotation(o, rotationRound{}, errors.New("rotate --wait: not complete after 30m"), now)
-		if i == 0 && (o.Status.Rotation == nil || o.Status.Phase != v1alpha1.PhaseFailed || !strings.Contains(o.Status.Message, "30m")) {
+		finishRotation(o, rotationRound{}, errors.New("rotate --wait: not complete after 30m, at stage 1/4 (promote): b; run `rekey rotate --wait` again to continue from there"), now)
+		if i == 0 && (o.Status.Rotation == nil || o.Status.Phase != v1alpha1.PhaseFailed || !strings.Contains(o.Status.Message, "30m") ||
+			strings.Contains(o.Status.Message, "rekey rotate") || !strings.Contains(o.Status.Message, "the controller resumes it")) {
 			t.Fatalf("failed: %+v", o.Status)
 		}
 		o.Status.Rotation = nil

@@ -252,7 +252,7 @@ func finishRotation(o *v1alpha1.ControlPlaneEncryption, last rotationRound, err 
 	st.ObservedGeneration = o.Generation
 	st.Stragglers = nil
 	if err != nil {
-		msg := oneLine(err.Error())
+		msg := controllerWords(oneLine(err.Error()))
 		rec.Result, rec.Message = v1alpha1.ResultFailed, msg
 		st.Rotation.Message = msg
 		st.Phase, st.Stage, st.Message = v1alpha1.PhaseFailed, rotation.StageFailed.String(), msg
@@ -294,4 +294,13 @@ func firstEditRecorded(o *v1alpha1.ControlPlaneEncryption, e *rotation.Edit, mem
 	st.Rotation.FirstEditWritten = true
 	st.TargetKey = keyRef(e.Config, e.NewKey, members)
 	st.Rotation.Key = st.TargetKey
+}
+
+// controllerWords turns the advice rotate --wait prints (run it again) into what
+// resumes a rotation under the controller.
+func controllerWords(s string) string {
+	s = strings.TrimPrefix(s, "rotate --wait: ")
+	s = strings.ReplaceAll(s, "run rekey rotate --wait again for a new key", "raise spec.rotationGeneration for a new key")
+	return strings.ReplaceAll(s, "run `rekey rotate --wait` again",
+		"the controller resumes it (after --retry-failed-after, or at once with the annotation "+v1alpha1.OperationAnnotation+"="+v1alpha1.OperationRotate+")")
 }

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -30,10 +31,12 @@ import (
 
 // TestControllerRotatesDeclaredRotations: the CRD round-trips every field of the Go
 // types; then, with writers and the sampler on the three apiservers, rotationGeneration
-// raised twice at once gives one rotation to Completed; the annotation gives another,
-// during which the controller is killed after its first edit: the next controller
-// resumes it and adds no second key, and the annotation is gone. 0 failed requests, 0
-// unreadable reads.
+// raised twice at once gives one rotation, which waits while one apiserver's copy of
+// the Secret is stuck (named in status.stragglers) and completes once it is fixed; the
+// annotation gives another, during which the controller is killed after its first
+// edit: the next controller resumes it and adds no second key, and the annotation is
+// gone; with E2E_LONG=1, a write budget not reached starts nothing, one exceeded
+// starts a rotation. 0 failed requests, 0 unreadable reads.
 func TestControllerRotatesDeclaredRotations(t *testing.T) {
 	requireClusterShim(t)
 	bin := rekeyBin(t)
@@ -91,7 +94,7 @@ func TestControllerRotatesDeclaredRotations(t *testing.T) {
 	startCtrl := func(n int) *testbed.Process {
 		p, err := testbed.Start(fmt.Sprintf("controller-%d", n), dir, bin, "controller", "--kubeconfig", mgmt.Kubeconfig,
 			"--leader-election-namespace", "default", "--leader-election-lease-duration", "3s", "--leader-election-renew-deadline", "2s",
-			"--leader-election-retry-period", "500ms", "--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--wait-interval", "200ms")
+			"--leader-election-retry-period", "500ms", "--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--wait-interval", "200ms", "--resync-period", "2s")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -105,13 +108,27 @@ func TestControllerRotatesDeclaredRotations(t *testing.T) {
 	}
 	ctrl := startCtrl(1)
 
-	// Two raises at once: one rotation.
+	// Two raises at once: one rotation. One apiserver's copy of the Secret is stuck
+	// (a subPath mount): the status names it and the rotation waits until it is fixed.
+	const stuck = 2
+	stuckID := b.fleet.Shims[stuck].ID
+	follow.Stick(stuck)
 	start := time.Now()
 	for _, g := range []int64{1, 2} {
 		if _, err := res.Patch(ctx, "tenant", types.MergePatchType, fmt.Appendf(nil, `{"spec":{"rotationGeneration":%d}}`, g), metav1.PatchOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
+	waitCPE(ctx, t, res, time.Minute, "waiting for the stuck apiserver "+stuckID, func(o *v1alpha1.ControlPlaneEncryption) bool {
+		c := meta.FindStatusCondition(o.Status.Conditions, v1alpha1.ConditionEtcdDataEncryptionUpToDate)
+		return o.Status.Stage == "promote" && len(o.Status.Stragglers) == 1 && o.Status.Stragglers[0].APIServerID == stuckID &&
+			strings.Contains(o.Status.Stragglers[0].Reason, "subPath") && c != nil && c.Reason == v1alpha1.ReasonWaitingForAPIServers
+	})
+	time.Sleep(2 * time.Second)
+	if o := waitCPE(ctx, t, res, time.Second, "still waiting", func(*v1alpha1.ControlPlaneEncryption) bool { return true }); o.Status.Stage != "promote" {
+		t.Fatalf("the rotation went on to %s with %s's copy stuck", o.Status.Stage, stuckID)
+	}
+	follow.Unstick(stuck)
 	o := waitCPE(ctx, t, res, 3*time.Minute, "Completed with observedRotationGeneration 2", func(o *v1alpha1.ControlPlaneEncryption) bool {
 		return o.Status.Phase == v1alpha1.PhaseCompleted && o.Status.ObservedRotationGeneration == 2
 	})
@@ -161,6 +178,12 @@ func TestControllerRotatesDeclaredRotations(t *testing.T) {
 	if err := testbed.AllStoredUnder(ctx, b.cli, b.secretsKey, "k8s:enc:aesgcm:v1:"+mid[0]+":"); err != nil {
 		t.Fatal(err)
 	}
+	// A write budget that is not due, then one that is (E2E_LONG: it adds 25 s).
+	if e2eLong() {
+		controllerWriteBudget(ctx, t, res, kube, mid[0])
+	} else {
+		t.Log("E2E_LONG=1 (make e2e-long) also runs the write budget's scenario")
+	}
 	evs, err := kube.CoreV1().Events("default").List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=tenant"})
 	if err != nil {
 		t.Fatal(err)
@@ -178,6 +201,38 @@ func TestControllerRotatesDeclaredRotations(t *testing.T) {
 		}
 	}
 	b.finishFollowing(ctx, cancel, follow, l)
+}
+
+// controllerWriteBudget: a rotateIfWritesOver the write key is under starts nothing;
+// one it is over starts a rotation, which completes with a new key (not prev).
+func controllerWriteBudget(ctx context.Context, t *testing.T, res dynamic.ResourceInterface, kube kubernetes.Interface, prev string) {
+	t.Helper()
+	if _, err := res.Patch(ctx, "tenant", types.MergePatchType, []byte(`{"spec":{"rotateIfWritesOver":1000000000}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(4 * time.Second) // two resync periods
+	var o *v1alpha1.ControlPlaneEncryption
+	if o = waitCPE(ctx, t, res, time.Second, "read", func(*v1alpha1.ControlPlaneEncryption) bool { return true }); o.Status.Rotation != nil || len(o.Status.History) != 2 {
+		t.Fatalf("a rotation started under a write budget of 1,000,000,000: %+v", o.Status)
+	}
+	start := time.Now()
+	if _, err := res.Patch(ctx, "tenant", types.MergePatchType, []byte(`{"spec":{"rotateIfWritesOver":10}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitCPE(ctx, t, res, time.Minute, "a rotation for the write budget", func(o *v1alpha1.ControlPlaneEncryption) bool {
+		return o.Status.Rotation != nil && slices.Contains(o.Status.Rotation.Triggers, v1alpha1.TriggerWrites)
+	})
+	// The new key passes 10 writes at once: the budget goes, or it would rotate again.
+	if _, err := res.Patch(ctx, "tenant", types.MergePatchType, []byte(`{"spec":{"rotateIfWritesOver":0}}`), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	o = waitCPE(ctx, t, res, 3*time.Minute, "the write budget's rotation Completed", func(o *v1alpha1.ControlPlaneEncryption) bool {
+		return o.Status.Phase == v1alpha1.PhaseCompleted && len(o.Status.History) == 3
+	})
+	t.Logf("rotateIfWritesOver exceeded → Completed: %v", time.Since(start).Round(time.Millisecond))
+	if got := controllerSecretKeys(ctx, t, kube); len(got) != 1 || got[0] == prev || o.Status.ActiveKey.Name != got[0] {
+		t.Fatalf("keys in the Secret after the write budget's rotation: %v (activeKey %s), want one new key", got, o.Status.ActiveKey.Name)
+	}
 }
 
 // waitCPE polls the object until ok, failing after timeout with its last status.
