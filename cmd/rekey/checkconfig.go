@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/fips140"
 	"errors"
 	"fmt"
 
@@ -52,10 +51,12 @@ apiservers in FIPS mode refuse it at start-up and on reload (docs/fips.md).`,
 			if err != nil {
 				return err
 			}
-			if fips || fips140.Enabled() {
-				if err := transformers.FIPSRefusal(nextCfg); err != nil {
-					return fmt.Errorf("%s is refused: %w", next, err)
-				}
+			mode := processFIPSMode()
+			if fips && mode == transformers.FIPSOff {
+				mode = transformers.FIPSOn
+			}
+			if err := transformers.FIPSRefusal(nextCfg, mode); err != nil {
+				return fmt.Errorf("%s is refused: %w", next, err)
 			}
 			ctx := cmd.Context()
 			if err := c.preflight(ctx, cmd.ErrOrStderr(), nextCfg, next); err != nil {

@@ -214,6 +214,12 @@ type loaded struct {
 	set *transformers.Set
 }
 
+// processFIPSMode is this process's FIPS 140-3 mode (crypto/fips140), read at the edge
+// and passed to the rule (transformers.FIPSRefusal).
+func processFIPSMode() transformers.FIPSMode {
+	return transformers.FIPSModeOf(fips140.Enabled(), fips140.Enforced())
+}
+
 // load reads and builds a configuration; KMS v2 providers connect to their plugins,
 // and are waited for up to --kms-wait. requireKMS makes a plugin that is not ready
 // an error (a migration must write).
@@ -227,7 +233,7 @@ func (c *common) load(ctx context.Context, path string, requireKMS bool) (*loade
 
 // build is load for a configuration already read (and checked) by the caller.
 func (c *common) build(ctx context.Context, cfg *config.Config, requireKMS bool) (*loaded, error) {
-	set, err := transformers.Build(ctx, cfg, transformers.Options{KMS: kmsv2.NewFactory(kmsv2.FactoryOptions{}), Logger: klog.Background(), FIPS: fips140.Enabled()})
+	set, err := transformers.Build(ctx, cfg, transformers.Options{KMS: kmsv2.NewFactory(kmsv2.FactoryOptions{}), Logger: klog.Background(), FIPS: processFIPSMode()})
 	if err != nil {
 		return nil, err
 	}

@@ -125,6 +125,15 @@ type Options struct {
 	Logger   klog.Logger
 }
 
+// fipsMode is the process's FIPS 140-3 mode, at least FIPSOn when Options.FIPS says so.
+func (o *Options) fipsMode() transformers.FIPSMode {
+	mode := transformers.FIPSModeOf(fips140.Enabled(), fips140.Enforced())
+	if o.FIPS && mode == transformers.FIPSOff {
+		mode = transformers.FIPSOn
+	}
+	return mode
+}
+
 // Validate checks what can be checked before etcd is reached (and before an embedded
 // etcd's address is known): the flags against the binary's part (--etcd-prefix, the
 // default --apiserver-id, where the named resources are stored).
@@ -361,7 +370,7 @@ func (l *Layer) agentOptions(running *runningRules) reload.Options {
 			KMS:     l.kmsFactory(),
 			// The process's FIPS 140-3 mode, read here at the edge; the rule
 			// (transformers.FIPSRefusal) takes it as an option.
-			FIPS: o.FIPS || fips140.Enabled(),
+			FIPS: o.fipsMode(),
 		},
 		Registry:    o.Registry,
 		APIServerID: o.Identity,

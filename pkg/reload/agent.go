@@ -251,7 +251,7 @@ func NewAgent(ctx context.Context, opts Options) (*Agent, error) {
 		return nil, err
 	}
 	if opts.Registry != nil {
-		if a.metrics, err = newReloadMetrics(opts.Registry, opts.APIServerID, opts.Transformers.FIPS); err != nil {
+		if a.metrics, err = newReloadMetrics(opts.Registry, opts.APIServerID, opts.Transformers.FIPS != transformers.FIPSOff); err != nil {
 			a.closeCancel()
 			return nil, fmt.Errorf("reload: registering metrics: %w", err)
 		}

@@ -17,7 +17,7 @@ import (
 // in use keeps serving, the refusal names FIPS and the provider, and the status says
 // FIPS. Nothing panics and nothing is sealed with secretbox.
 func TestFIPSModeRefusesSecretboxAtStartAndReload(t *testing.T) {
-	fips := func(o *Options) { o.Transformers.FIPS = true }
+	fips := func(o *Options) { o.Transformers.FIPS = transformers.FIPSOn }
 	dir := t.TempDir()
 	path := filepath.Join(dir, "encryption-config.yaml")
 	writeRename(t, path, secretsConfig("secretbox:sb1"))

@@ -153,7 +153,7 @@ func (a *Agent) OwnStatus() Status {
 		ConfigPath:           a.opts.Path,
 		AutomaticReload:      a.opts.AutomaticReload,
 		ActiveConfigHash:     g.cfg.Hash,
-		FIPS:                 a.opts.Transformers.FIPS,
+		FIPS:                 a.opts.Transformers.FIPS != transformers.FIPSOff,
 		LoadedAt:             g.loadedAt,
 		ReplacedPendingClose: a.pending.Load(),
 		Resources:            g.set.Rules(),

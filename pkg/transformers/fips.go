@@ -12,6 +12,55 @@ import (
 // (FIPSRefusal).
 var ErrNotFIPSApproved = errors.New("not approved in FIPS 140-3 mode")
 
+// FIPSMode is the FIPS 140-3 mode a process runs in: the binary reads it at its edge
+// (FIPSModeOf(crypto/fips140.Enabled(), crypto/fips140.Enforced())) and passes it in.
+type FIPSMode int
+
+const (
+	// FIPSOff: not in FIPS mode; every provider is accepted.
+	FIPSOff FIPSMode = iota
+	// FIPSOn: GODEBUG=fips140=on; providers outside the approved set are refused.
+	FIPSOn
+	// FIPSOnly: GODEBUG=fips140=only, where Go itself refuses non-approved uses at run
+	// time; KMS v2 is refused too (FIPSApprovedIn).
+	FIPSOnly
+)
+
+// FIPSModeOf is the mode of crypto/fips140's two answers.
+func FIPSModeOf(enabled, enforced bool) FIPSMode {
+	switch {
+	case enforced:
+		return FIPSOnly
+	case enabled:
+		return FIPSOn
+	}
+	return FIPSOff
+}
+
+func (m FIPSMode) String() string {
+	switch m {
+	case FIPSOn:
+		return "on"
+	case FIPSOnly:
+		return "only"
+	}
+	return "off"
+}
+
+// FIPSApprovedIn is FIPSApproved in a mode: under FIPSOnly, KMS v2 is refused as well,
+// because Go's enforcement refuses AES-GCM with nonces the caller builds
+// (cipher.NewGCM), which KMS v2 writes and reads with (a counter per DEK generation),
+// and it would fail at the first write instead of at validation.
+func FIPSApprovedIn(mode FIPSMode, provider string) (ok bool, why string) {
+	if mode == FIPSOff {
+		return true, ""
+	}
+	if mode == FIPSOnly && provider == ProviderKMSv2 {
+		return false, "under GODEBUG=fips140=only Go refuses the AES-GCM nonces KMS v2 seals with; run with GODEBUG=fips140=on"
+	}
+	return FIPSApproved(provider)
+}
+
 // FIPSApproved reports whether a provider (Provider*) may be configured in FIPS 140-3
 // mode, and if not, why. The approved set:
 //
@@ -35,17 +84,20 @@ func FIPSApproved(provider string) (ok bool, why string) {
 	return false, "it is not a provider rekey knows"
 }
 
-// FIPSRefusal returns nil when every provider of cfg is approved in FIPS 140-3 mode
-// (FIPSApproved), and otherwise one error naming FIPS and every provider refused, by
+// FIPSRefusal returns nil when mode is FIPSOff or every provider of cfg is approved in
+// that mode (FIPSApprovedIn), and otherwise one error naming FIPS and every provider refused, by
 // resource and name, with what to do. It is the one check of the rule: Build applies it
 // when Options.FIPS is set (start-up, reload, every rekey command that builds a
 // configuration), and rekey check-config calls it before anything else.
-func FIPSRefusal(cfg *config.Config) error {
+func FIPSRefusal(cfg *config.Config, mode FIPSMode) error {
+	if mode == FIPSOff {
+		return nil
+	}
 	var refused []string
 	seen := map[string]bool{}
 	for _, e := range Describe(cfg) {
 		for _, k := range e.Items {
-			ok, why := FIPSApproved(k.Provider)
+			ok, why := FIPSApprovedIn(mode, k.Provider)
 			if ok {
 				continue
 			}
@@ -63,7 +115,11 @@ func FIPSRefusal(cfg *config.Config) error {
 	if len(refused) == 0 {
 		return nil
 	}
-	return fmt.Errorf("%w: FIPS 140-3 mode refuses the configuration: it names providers outside the approved set (aesgcm, aescbc, kms v2, identity):\n  %s\n"+
+	approved := "aesgcm, aescbc, kms v2, identity"
+	if mode == FIPSOnly {
+		approved = "aesgcm, aescbc, identity"
+	}
+	return fmt.Errorf("%w: FIPS 140-3 mode (%s) refuses the configuration: it names providers outside the approved set (%s):\n  %s\n"+
 		"rotate those resources to aesgcm or KMS v2 (rekey rotate --provider aesgcm), migrate, and remove the provider before running in FIPS mode",
-		ErrNotFIPSApproved, strings.Join(refused, "\n  "))
+		ErrNotFIPSApproved, mode, approved, strings.Join(refused, "\n  "))
 }

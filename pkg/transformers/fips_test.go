@@ -26,7 +26,7 @@ func TestFIPSRefusesProvidersOutsideTheApprovedSet(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := enctest.MustConfig(t, tc.yaml)
-			_, err := transformers.Build(ctx, cfg, transformers.Options{FIPS: true})
+			_, err := transformers.Build(ctx, cfg, transformers.Options{FIPS: transformers.FIPSOn})
 			if !errors.Is(err, transformers.ErrNotFIPSApproved) {
 				t.Fatalf("FIPS mode: err = %v, want ErrNotFIPSApproved", err)
 			}
@@ -38,7 +38,7 @@ func TestFIPSRefusesProvidersOutsideTheApprovedSet(t *testing.T) {
 			if strings.Contains(err.Error(), "aesgcm \"k1\"") {
 				t.Errorf("an approved provider is named as refused: %v", err)
 			}
-			if err := transformers.FIPSRefusal(cfg); err == nil {
+			if err := transformers.FIPSRefusal(cfg, transformers.FIPSOn); err == nil {
 				t.Fatal("FIPSRefusal accepts what Build refuses")
 			}
 			if tc.name == "kmsv1" {
@@ -52,11 +52,30 @@ func TestFIPSRefusesProvidersOutsideTheApprovedSet(t *testing.T) {
 		})
 	}
 	approved := enctest.MustConfig(t, enctest.ConfigYAML("secrets", "aesgcm:k1", "aescbc:k2", "identity"))
-	set, err := transformers.Build(ctx, approved, transformers.Options{FIPS: true})
+	set, err := transformers.Build(ctx, approved, transformers.Options{FIPS: transformers.FIPSOn})
 	if err != nil {
 		t.Fatalf("aesgcm, aescbc and identity in FIPS mode: %v", err)
 	}
 	set.Close()
+	// KMS v2 is approved; under GODEBUG=fips140=only it is refused at validation, since
+	// Go would refuse its GCM nonces at the first write.
+	kms := enctest.MustConfig(t, enctest.ConfigYAML("secrets")+"      - kms: {apiVersion: v2, name: vault, endpoint: unix:///tmp/vault.sock}\n")
+	if err := transformers.FIPSRefusal(kms, transformers.FIPSOn); err != nil {
+		t.Fatalf("KMS v2 with fips140=on: %v", err)
+	}
+	err = transformers.FIPSRefusal(kms, transformers.FIPSOnly)
+	if !errors.Is(err, transformers.ErrNotFIPSApproved) || !strings.Contains(err.Error(), `provider kms "vault"`) || !strings.Contains(err.Error(), "fips140=on") {
+		t.Fatalf("KMS v2 with fips140=only: %v", err)
+	}
+	if err := transformers.FIPSRefusal(enctest.MustConfig(t, enctest.ConfigYAML("secrets", "secretbox:sb1")), transformers.FIPSOff); err != nil {
+		t.Fatalf("FIPS off refuses: %v", err)
+	}
+	if got := transformers.FIPSModeOf(true, true); got != transformers.FIPSOnly {
+		t.Errorf("FIPSModeOf(enabled, enforced) = %s", got)
+	}
+	if got := transformers.FIPSModeOf(true, false); got != transformers.FIPSOn {
+		t.Errorf("FIPSModeOf(enabled) = %s", got)
+	}
 	for _, p := range []string{transformers.ProviderAESGCM, transformers.ProviderAESCBC, transformers.ProviderKMSv2, transformers.ProviderIdentity} {
 		if ok, why := transformers.FIPSApproved(p); !ok {
 			t.Errorf("%s refused: %s", p, why)

@@ -42,10 +42,10 @@ type Options struct {
 	// WriteCounts, when set, counts the values each key seals. Pass the same one to
 	// every Build of a process so a reloaded key continues its count.
 	WriteCounts *WriteCounts
-	// FIPS is whether the process runs in FIPS 140-3 mode (the binary passes
-	// crypto/fips140.Enabled()): Build then refuses a configuration naming a provider
+	// FIPS is the process's FIPS 140-3 mode (the binary passes FIPSModeOf of
+	// crypto/fips140): unless FIPSOff, Build refuses a configuration naming a provider
 	// outside the approved set (FIPSRefusal) before building any provider.
-	FIPS bool
+	FIPS FIPSMode
 }
 
 // KMSFactory builds a KMS v2 provider for one `kms` entry of the configuration. The
@@ -110,10 +110,8 @@ func Build(ctx context.Context, cfg *config.Config, opts Options) (set *Set, err
 	if cfg == nil || cfg.Encryption == nil {
 		return nil, errors.New("transformers: no configuration to build from")
 	}
-	if opts.FIPS {
-		if err := FIPSRefusal(cfg); err != nil {
-			return nil, err
-		}
+	if err := FIPSRefusal(cfg, opts.FIPS); err != nil {
+		return nil, err
 	}
 	if opts.Clock == nil {
 		opts.Clock = clock.RealClock{}
