@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/base64"
 	"encoding/json"
 	"errors"
@@ -11,8 +12,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	dynamicfake "k8s.io/client-go/dynamic/fake"
+	kubefake "k8s.io/client-go/kubernetes/fake"
+	"k8s.io/klog/v2"
 
 	"github.com/rekey-io/rekey/api/v1alpha1"
 	"github.com/rekey-io/rekey/internal/configtest"
@@ -239,4 +246,85 @@ func TestRotationStatus(t *testing.T) {
 	if !slices.ContainsFunc(o.Status.History, func(r v1alpha1.RotationRecord) bool { return r.Result == v1alpha1.ResultFailed }) {
 		t.Fatal("no failed rotation in the history")
 	}
+}
+
+// TestReconcileTakesATriggerOnce runs reconcile against fake API clients: a raised
+// rotationGeneration with the annotation records one rotation in the status and
+// removes the annotation; a reconcile of the stale cached object while it runs starts
+// nothing; a second controller (a new leader with a stale cache) resumes the recorded
+// rotation instead of starting another.
+func TestReconcileTakesATriggerOnce(t *testing.T) {
+	o := cpe(func(o *v1alpha1.ControlPlaneEncryption) {
+		o.Spec.RotationGeneration = 2
+		o.Annotations = map[string]string{v1alpha1.OperationAnnotation: v1alpha1.OperationRotate}
+	})
+	stale, err := toUnstructured(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gvr := v1alpha1.GroupVersionResource()
+	dyn := dynamicfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(), map[schema.GroupVersionResource]string{gvr: v1alpha1.ListKind}, stale.DeepCopy())
+	kube := kubefake.NewClientset()
+	ctx, cancel := context.WithCancel(t.Context())
+	newCtrl := func() *controller {
+		c, err := newController(controllerOptions{etcdTimeout: 100 * time.Millisecond, retryFailed: time.Hour, maxRotations: 1}, kube, dyn, prometheus.NewRegistry(), klog.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.now = func() time.Time { return ctrlEpoch }
+		if err := c.informer.GetStore().Add(stale.DeepCopy()); err != nil {
+			t.Fatal(err)
+		}
+		c.sem <- struct{}{} // the rotation started waits for a slot: nothing runs
+		return c
+	}
+	read := func() *v1alpha1.ControlPlaneEncryption {
+		t.Helper()
+		u, err := dyn.Resource(gvr).Namespace("ns").Get(ctx, "cp", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := fromUnstructured(u)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	c1 := newCtrl()
+	if _, err := c1.reconcile(ctx, "ns/cp"); err != nil {
+		t.Fatal(err)
+	}
+	got := read()
+	r := got.Status.Rotation
+	if r == nil || r.Generation != 2 || got.Status.ObservedRotationGeneration != 2 || !slices.Equal(r.Triggers, []v1alpha1.Trigger{v1alpha1.TriggerGeneration, v1alpha1.TriggerAnnotation}) {
+		t.Fatalf("status after the first reconcile: %+v", got.Status)
+	}
+	if _, ok := got.Annotations[v1alpha1.OperationAnnotation]; ok {
+		t.Fatal("the annotation was not removed once taken")
+	}
+	started := r.StartedTime
+	// The informer has not seen the controller's writes: the same stale object again.
+	c1.now = func() time.Time { return ctrlEpoch.Add(time.Minute) }
+	if _, err := c1.reconcile(ctx, "ns/cp"); err != nil {
+		t.Fatal(err)
+	}
+	// A new leader whose cache is stale too.
+	c2 := newCtrl()
+	c2.now = func() time.Time { return ctrlEpoch.Add(2 * time.Minute) }
+	if _, err := c2.reconcile(ctx, "ns/cp"); err != nil {
+		t.Fatal(err)
+	}
+	got = read()
+	if got.Status.Rotation == nil || !got.Status.Rotation.StartedTime.Equal(&started) || len(got.Status.History) != 0 || got.Status.ObservedRotationGeneration != 2 {
+		t.Fatalf("a second rotation was recorded: %+v", got.Status)
+	}
+	c2.mu.Lock()
+	resumed := c2.runs["ns/cp"]
+	c2.mu.Unlock()
+	if !resumed {
+		t.Fatal("the new leader does not resume the recorded rotation")
+	}
+	cancel()
+	c1.wg.Wait()
+	c2.wg.Wait()
 }
