@@ -15,7 +15,9 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
 
+	"github.com/rekey-io/rekey/internal/errtext"
 	"github.com/rekey-io/rekey/internal/fleet"
+	"github.com/rekey-io/rekey/internal/progress"
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/layer"
 	"github.com/rekey-io/rekey/pkg/migrate"
@@ -44,6 +46,7 @@ func newFleetStatusCommand() *cobra.Command {
 	var output outputFormat
 	var concurrency int
 	var timeout, alarm time.Duration
+	mode := progress.NewFlag(progress.Auto, progress.Bar, progress.Plain, progress.None)
 	cmd := &cobra.Command{
 		Use:   "status -f FLEET.yaml",
 		Short: "One row per cluster: write key age, objects not on the write key, plaintext, stragglers, budget, FIPS",
@@ -88,7 +91,9 @@ otherwise (1: the command failed).`,
 				f.Concurrency = concurrency
 			}
 			start := time.Now()
-			rows := readFleet(cmd.Context(), f, timeout, alarm, cmd.ErrOrStderr())
+			p := progress.New(cmd.ErrOrStderr(), mode.Mode())
+			rows := readFleet(cmd.Context(), f, timeout, alarm, p)
+			p.Done()
 			fleet.Sort(rows)
 			attention := 0
 			for _, r := range rows {
@@ -112,6 +117,7 @@ otherwise (1: the command failed).`,
 	cmd.Flags().IntVar(&concurrency, "concurrency", 0, "Clusters read at once (default: the file's concurrency, else 8).")
 	cmd.Flags().DurationVar(&timeout, "cluster-timeout", time.Minute, "How long reading one cluster may take.")
 	cmd.Flags().DurationVar(&alarm, "disagreement-alarm", cluster.DefaultDisagreementAlarm, "Report an alarm when a member has seen the others disagree for longer than this.")
+	cmd.Flags().Var(mode, "progress", "How progress is shown on stderr: auto (a bar on a terminal, else plain), bar (one line redrawn), plain (a line per tenth of the fleet) or none.")
 	addOutputFlag(cmd.Flags(), &output)
 	return cmd
 }
@@ -126,9 +132,9 @@ func (e *exitError) Error() string { return e.err.Error() }
 func (e *exitError) Unwrap() error { return e.err }
 
 // readFleet reads every cluster, at most f.Concurrency at once; clusters on one etcd
-// with the same TLS files share one client. Progress goes to progress, one line per
-// tenth of the fleet.
-func readFleet(ctx context.Context, f *fleet.File, timeout, alarm time.Duration, progress io.Writer) []fleet.Row {
+// with the same TLS files share one client. Progress: a bar redrawn at each cluster, a
+// line per tenth of the fleet, and a line for each cluster that could not be read.
+func readFleet(ctx context.Context, f *fleet.File, timeout, alarm time.Duration, p *progress.Writer) []fleet.Row {
 	clients := &clientPool{clients: map[string]*pooledClient{}}
 	defer clients.close()
 	rows := make([]fleet.Row, len(f.Clusters))
@@ -151,11 +157,18 @@ func readFleet(ctx context.Context, f *fleet.File, timeout, alarm time.Duration,
 			}
 			rows[i] = row
 			mu.Lock()
+			defer mu.Unlock()
 			done++
-			if done%step == 0 || done == len(f.Clusters) {
-				fmt.Fprintf(progress, "fleet: %d/%d clusters read\n", done, len(f.Clusters))
+			if err != nil {
+				p.Line(errtext.Printable(fmt.Sprintf("fleet: %s not read: %v", c.Name, err)))
 			}
-			mu.Unlock()
+			frac := float64(done) / float64(len(f.Clusters))
+			status := fmt.Sprintf("fleet %s %d/%d clusters read", progress.Fill(frac, 30), done, len(f.Clusters))
+			if p.Mode() == progress.Bar {
+				p.Status(status, done == len(f.Clusters))
+			} else if done%step == 0 || done == len(f.Clusters) {
+				p.Line(fmt.Sprintf("fleet: %d/%d clusters read", done, len(f.Clusters)))
+			}
 		}()
 	}
 	wg.Wait()

@@ -192,9 +192,13 @@ func TestFleetStatusUnreachableCluster(t *testing.T) {
 	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	out, err := run(t, "fleet", "status", "-f", p, "--cluster-timeout", "3s")
-	if err == nil || !strings.Contains(out, "not read:") || !strings.Contains(out, "gone") {
+	out, err := run(t, "fleet", "status", "-f", p, "--cluster-timeout", "3s", "--progress", "plain")
+	if err == nil || !strings.Contains(out, "not read:") || !strings.Contains(out, "fleet: gone not read") || !strings.Contains(out, "fleet: 1/1 clusters read") {
 		t.Fatalf("unreachable cluster: err %v\n%s", err, out)
+	}
+	out, err = run(t, "fleet", "status", "-f", p, "--cluster-timeout", "3s", "--progress", "none")
+	if err == nil || strings.Contains(out, "fleet: ") || !strings.Contains(out, "not read:") {
+		t.Fatalf("--progress none: err %v\n%s", err, out)
 	}
 	if err := os.WriteFile(p, []byte("clusters:\n  - name: x\n    etcdServer: [http://127.0.0.1:1]\n"), 0o600); err != nil {
 		t.Fatal(err)
