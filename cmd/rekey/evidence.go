@@ -38,7 +38,7 @@ FIPS 140-3 mode. It is written as an in-toto v1 Statement (predicate type
 (a PKCS#8 PEM ed25519 or ECDSA P-256 key); the subject is the cluster id with the
 sha256 of the predicate. rekey evidence verify checks it offline.
 
-What needs attention (plaintext where a key writes, unreadable, stale, an apiserver
+What needs attention (plaintext, also where the rule writes identity; unreadable; stale; an apiserver
 on another configuration) is printed on stderr; the exit code is 0 whenever the
 evidence was written.`,
 		Args: cobra.NoArgs,

@@ -72,7 +72,8 @@ without decrypting or calling a plugin, the resources their rules name, classifi
 by the rules of the apiservers on the most common configuration; and the cluster's
 key-write totals (write key age; the share of an aesgcm key's 2^32-write budget used).
 
-A row needs attention when objects are in plaintext where a key writes, objects are
+A row needs attention when objects are stored in plaintext (where a key writes, or
+because the rule writes identity), objects are
 not on their write key (stale or unreadable, unless acknowledged), an apiserver runs
 another configuration or the apiservers have not converged, no apiserver publishes
 its keys, an aesgcm key used half its budget, or the cluster could not be read. Rows

@@ -258,13 +258,17 @@ func (p *Predicate) Digest() (string, error) {
 	return hex.EncodeToString(sum[:]), nil
 }
 
-// NeedsAttention lists what an auditor should look at: plaintext where a key writes,
+// NeedsAttention lists what an auditor should look at: plaintext (also where the rule
+// writes identity),
 // unreadable objects not acknowledged, objects not on the write key, apiservers on
 // another configuration. Empty when the store is wholly on its write keys.
 func (p *Predicate) NeedsAttention() []string {
 	var out []string
 	for _, r := range p.Resources {
-		if r.Plaintext > 0 && r.WriteKey != transformers.ProviderIdentity {
+		switch {
+		case r.Plaintext > 0 && r.WriteKey == transformers.ProviderIdentity:
+			out = append(out, fmt.Sprintf("%s: %d objects stored in plaintext (its rule writes identity)", r.Resource, r.Plaintext))
+		case r.Plaintext > 0:
 			out = append(out, fmt.Sprintf("%s: %d objects stored in plaintext", r.Resource, r.Plaintext))
 		}
 		if n := r.Unreadable - r.Acknowledged; n > 0 {

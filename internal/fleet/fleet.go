@@ -141,7 +141,7 @@ type Row struct {
 	WriteKeyAge time.Duration `json:"writeKeyAge,omitempty"`
 	Objects     int64         `json:"objects"`
 	// NotOnWriteKey counts objects not written with their resource's write key (stale
-	// and unreadable); Plaintext those stored in plaintext where a key writes.
+	// and unreadable); Plaintext those stored in plaintext, whatever the rule writes.
 	NotOnWriteKey int64 `json:"notOnWriteKey"`
 	Plaintext     int64 `json:"plaintext"`
 	Unreadable    int64 `json:"unreadable"`
@@ -199,8 +199,9 @@ func Summarize(name string, snap *cluster.Snapshot, inv *migrate.Inventory, tota
 		r.Objects += ri.Objects
 		r.NotOnWriteKey += ri.Stale + ri.Unreadable - ri.Acknowledged
 		r.Unreadable += ri.Unreadable - ri.Acknowledged
-		if ri.WritePrefix != "" {
-			r.Plaintext += ri.Plaintext
+		r.Plaintext += ri.Plaintext
+		if ri.WritePrefix == "" && ri.Plaintext > 0 && len(snap.Members) > 0 {
+			r.Attention = append(r.Attention, fmt.Sprintf("%s: written in plaintext (its rule writes identity)", ri.Resource))
 		}
 	}
 	if r.Plaintext > 0 {
