@@ -8,6 +8,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -91,10 +92,21 @@ func TestControllerRotatesDeclaredRotations(t *testing.T) {
 		t.Fatal(err)
 	}
 	l := b.startLoad()
+	var metricsAddr, probeAddr string
 	startCtrl := func(n int) *testbed.Process {
+		mp, err := testbed.FreePort()
+		if err != nil {
+			t.Fatal(err)
+		}
+		pp, err := testbed.FreePort()
+		if err != nil {
+			t.Fatal(err)
+		}
+		metricsAddr, probeAddr = fmt.Sprintf("127.0.0.1:%d", mp), fmt.Sprintf("127.0.0.1:%d", pp)
 		p, err := testbed.Start(fmt.Sprintf("controller-%d", n), dir, bin, "controller", "--kubeconfig", mgmt.Kubeconfig,
 			"--leader-election-namespace", "default", "--leader-election-lease-duration", "3s", "--leader-election-renew-deadline", "2s",
-			"--leader-election-retry-period", "500ms", "--metrics-bind-address", "0", "--health-probe-bind-address", "0", "--wait-interval", "200ms", "--resync-period", "2s")
+			"--leader-election-retry-period", "500ms", "--metrics-bind-address", metricsAddr, "--health-probe-bind-address", probeAddr,
+			"--wait-interval", "200ms", "--resync-period", "2s")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -177,6 +189,23 @@ func TestControllerRotatesDeclaredRotations(t *testing.T) {
 	}
 	if err := testbed.AllStoredUnder(ctx, b.cli, b.secretsKey, "k8s:enc:aesgcm:v1:"+mid[0]+":"); err != nil {
 		t.Fatal(err)
+	}
+	// The second controller's probes and metrics: ready, and its one rotation counted.
+	if code, body := httpGet(t, http.DefaultClient, "http://"+probeAddr+"/readyz"); code != http.StatusOK || strings.TrimSpace(body) != "ok" {
+		t.Errorf("/readyz: %d %q", code, body)
+	}
+	// (The gauge drops just after the status is written: a few tries.)
+	for try := 0; ; try++ {
+		code, body := httpGet(t, http.DefaultClient, "http://"+metricsAddr+"/metrics")
+		if code == http.StatusOK && strings.Contains(body, `rekey_controller_rotations_total{result="completed"} 1`) &&
+			strings.Contains(body, "rekey_controller_rotations_running 0") {
+			break
+		}
+		if try == 20 {
+			t.Errorf("/metrics does not count one rotation completed and none running:\n%s", body)
+			break
+		}
+		time.Sleep(250 * time.Millisecond)
 	}
 	// A write budget that is not due, then one that is (E2E_LONG: it adds 25 s).
 	if e2eLong() {
