@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -205,5 +207,49 @@ func TestFleetStatusUnreachableCluster(t *testing.T) {
 	}
 	if _, err := run(t, "fleet", "status", "-f", p); err == nil || !strings.Contains(err.Error(), "etcdServer") {
 		t.Fatalf("a misspelt field: %v", err)
+	}
+}
+
+// As a process: GODEBUG=fips140=on puts rekey in FIPS mode (crypto/fips140 read at the
+// edge), so check-config refuses secretbox without --fips; fleet status exits 3 when a
+// cluster needs attention.
+func TestProcessFIPSModeAndExitCode(t *testing.T) {
+	dir := t.TempDir()
+	next := filepath.Join(dir, "next.yaml")
+	body := "apiVersion: apiserver.config.k8s.io/v1\nkind: EncryptionConfiguration\nresources:\n  - resources: [secrets]\n    providers:\n" +
+		"      - secretbox:\n          keys:\n            - {name: sb1, secret: " + secret('7') + "}\n"
+	if err := os.WriteFile(next, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cur := writeConfig(t, "cur.yaml", "key1")
+	child := func(env string, args ...string) (string, int) {
+		cmd := exec.Command(os.Args[0], args...)
+		cmd.Env = append(os.Environ(), env)
+		out, err := cmd.CombinedOutput()
+		var exit *exec.ExitError
+		if err != nil && !errors.As(err, &exit) {
+			t.Fatal(err)
+		}
+		return string(out), cmd.ProcessState.ExitCode()
+	}
+	args := []string{"check-config", "--etcd-servers", "http://127.0.0.1:1", "--etcd-dial-timeout", "1s", "--encryption-provider-config", cur, "--new", next}
+	out, code := child("GODEBUG=fips140=on", args...)
+	if code != 1 || !strings.Contains(out, "FIPS 140-3 mode (on)") || !strings.Contains(out, `provider secretbox "sb1"`) {
+		t.Fatalf("check-config with GODEBUG=fips140=on: exit %d\n%s", code, out)
+	}
+	out, code = child("GODEBUG=fips140=off", args...)
+	if code != 1 || strings.Contains(out, "FIPS") || !strings.Contains(out, "etcd does not answer") {
+		t.Fatalf("check-config without FIPS mode gets past the rule to etcd: exit %d\n%s", code, out)
+	}
+
+	fleetFile := filepath.Join(dir, "fleet.yaml")
+	if err := os.WriteFile(fleetFile, []byte("clusters:\n  - name: gone\n    etcdServers: [http://127.0.0.1:1]\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out, code := child("GODEBUG=", "fleet", "status", "-f", fleetFile, "--cluster-timeout", "2s"); code != exitCodeAttention {
+		t.Fatalf("fleet status with an unreachable cluster: exit %d, want %d\n%s", code, exitCodeAttention, out)
+	}
+	if out, code := child("GODEBUG=", "fleet", "status"); code != 1 {
+		t.Fatalf("fleet status without -f: exit %d, want 1\n%s", code, out)
 	}
 }
