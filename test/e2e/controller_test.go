@@ -27,7 +27,6 @@ import (
 
 	"github.com/rekey-io/rekey/api/v1alpha1"
 	"github.com/rekey-io/rekey/internal/testbed"
-	"github.com/rekey-io/rekey/pkg/config"
 )
 
 // TestControllerRotatesDeclaredRotations: the CRD round-trips every field of the Go
@@ -148,7 +147,7 @@ func TestControllerRotatesDeclaredRotations(t *testing.T) {
 	if len(o.Status.History) != 1 || o.Status.History[0].Result != v1alpha1.ResultCompleted || o.Status.History[0].Generation != 2 {
 		t.Fatalf("history after two raises at once: %+v, want one completed rotation of generation 2", o.Status.History)
 	}
-	first := controllerSecretKeys(ctx, t, kube)
+	first := secretKeys(ctx, t, kube.CoreV1(), "kas-encryption")
 	if len(first) != 1 || first[0] == "key1" {
 		t.Fatalf("keys in the Secret after the rotation: %v, want one new key", first)
 	}
@@ -169,7 +168,7 @@ func TestControllerRotatesDeclaredRotations(t *testing.T) {
 	})
 	ctrl.Kill()
 	<-ctrl.Done()
-	mid := controllerSecretKeys(ctx, t, kube)
+	mid := secretKeys(ctx, t, kube.CoreV1(), "kas-encryption")
 	if len(mid) != 2 || mid[1] != first[0] {
 		t.Fatalf("keys in the Secret when the controller was killed: %v, want [<new> %s]", mid, first[0])
 	}
@@ -184,7 +183,7 @@ func TestControllerRotatesDeclaredRotations(t *testing.T) {
 	if h := o.Status.History[0]; !slices.Contains(h.Triggers, v1alpha1.TriggerAnnotation) || h.Key == nil || h.Key.Name != mid[0] {
 		t.Fatalf("latest history entry %+v, want the annotation's rotation of %s", h, mid[0])
 	}
-	if got := controllerSecretKeys(ctx, t, kube); len(got) != 1 || got[0] != mid[0] {
+	if got := secretKeys(ctx, t, kube.CoreV1(), "kas-encryption"); len(got) != 1 || got[0] != mid[0] {
 		t.Fatalf("keys in the Secret after the resumed rotation: %v, want only %s (no second new key)", got, mid[0])
 	}
 	if err := testbed.AllStoredUnder(ctx, b.cli, b.secretsKey, "k8s:enc:aesgcm:v1:"+mid[0]+":"); err != nil {
@@ -259,7 +258,7 @@ func controllerWriteBudget(ctx context.Context, t *testing.T, res dynamic.Resour
 		return o.Status.Phase == v1alpha1.PhaseCompleted && len(o.Status.History) == 3
 	})
 	t.Logf("rotateIfWritesOver exceeded → Completed: %v", time.Since(start).Round(time.Millisecond))
-	if got := controllerSecretKeys(ctx, t, kube); len(got) != 1 || got[0] == prev || o.Status.ActiveKey.Name != got[0] {
+	if got := secretKeys(ctx, t, kube.CoreV1(), "kas-encryption"); len(got) != 1 || got[0] == prev || o.Status.ActiveKey.Name != got[0] {
 		t.Fatalf("keys in the Secret after the write budget's rotation: %v (activeKey %s), want one new key", got, o.Status.ActiveKey.Name)
 	}
 }
@@ -367,21 +366,4 @@ func roundTripCRD(ctx context.Context, t *testing.T, res dynamic.ResourceInterfa
 	if err := res.Delete(ctx, "roundtrip", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-}
-
-// controllerSecretKeys are the aesgcm key names of the configuration in the Secret.
-func controllerSecretKeys(ctx context.Context, t *testing.T, kube kubernetes.Interface) []string {
-	t.Helper()
-	sec, err := kube.CoreV1().Secrets("default").Get(ctx, "kas-encryption", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := config.Parse(sec.Data["config.yaml"], "the Secret", config.Options{Reload: true}); err != nil {
-		t.Fatalf("the Secret holds no valid configuration: %v", err)
-	}
-	names, err := testbed.AESGCMKeyNames(sec.Data["config.yaml"])
-	if err != nil {
-		t.Fatal(err)
-	}
-	return names
 }

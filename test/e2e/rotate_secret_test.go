@@ -11,6 +11,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 
 	"github.com/rekey-io/rekey/internal/shimtest"
 	"github.com/rekey-io/rekey/internal/testbed"
@@ -55,7 +56,7 @@ func TestRotateWaitFromASecret(t *testing.T) {
 	if !strings.Contains(out, "stage 1/4") || !strings.Contains(out, stuckID) || !strings.Contains(out, "does not have the new key yet") {
 		t.Fatalf("the timed-out rotation does not name %s as the apiserver whose file lacks the new key", stuckID)
 	}
-	keys := secretKeys(t, ctx, api, "kas-encryption")
+	keys := secretKeys(ctx, t, api.Client.CoreV1(), "kas-encryption")
 	if len(keys) != 2 || keys[1] != "key1" {
 		t.Fatalf("keys in the Secret after the first edit: %v, want [<new> key1]", keys)
 	}
@@ -68,7 +69,7 @@ func TestRotateWaitFromASecret(t *testing.T) {
 	if !strings.Contains(out, "resuming the rotation in progress") {
 		t.Errorf("the second run does not say it resumes")
 	}
-	if got := secretKeys(t, ctx, api, "kas-encryption"); len(got) != 1 || got[0] != keys[0] {
+	if got := secretKeys(ctx, t, api.Client.CoreV1(), "kas-encryption"); len(got) != 1 || got[0] != keys[0] {
 		t.Fatalf("keys in the Secret after rotate --wait: %v, want only %s (no second new key)", got, keys[0])
 	}
 	if err := testbed.AllStoredUnder(ctx, b.cli, b.secretsKey, "k8s:enc:aesgcm:v1:"+keys[0]+":"); err != nil {
@@ -77,11 +78,11 @@ func TestRotateWaitFromASecret(t *testing.T) {
 	b.finishFollowing(ctx, cancel, follow, l)
 }
 
-// secretKeys reads the aesgcm key names of the configuration in the Secret's
-// config.yaml (never secrets).
-func secretKeys(t *testing.T, ctx context.Context, api *shimtest.API, name string) []string {
+// secretKeys reads the aesgcm key names of the configuration in the config.yaml key of
+// Secret default/name (never secrets), checking that it is a valid configuration.
+func secretKeys(ctx context.Context, t *testing.T, secrets corev1client.SecretsGetter, name string) []string {
 	t.Helper()
-	sec, err := api.Client.CoreV1().Secrets("default").Get(ctx, name, metav1.GetOptions{})
+	sec, err := secrets.Secrets("default").Get(ctx, name, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
