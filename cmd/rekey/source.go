@@ -26,6 +26,10 @@ type sourceFlags struct {
 	// set is a source given in code (rekey controller: the object's Secret), used
 	// instead of the flags.
 	set configsource.Source
+	// built is the source the flags named, built on first use: rotate --wait reads
+	// the configuration every --wait-interval, and a Secret's source is a kubeconfig
+	// load and a clientset.
+	built configsource.Source
 }
 
 func (f *sourceFlags) addFlags(fs *pflag.FlagSet) {
@@ -38,11 +42,23 @@ func (f *sourceFlags) addFlags(fs *pflag.FlagSet) {
 // given reports whether a source was named.
 func (f *sourceFlags) given() bool { return f.configPath != "" || f.secret != "" || f.set != nil }
 
-// source is the configuration's source the flags name.
+// source is the configuration's source the flags name, built once per command.
 func (f *sourceFlags) source() (configsource.Source, error) {
-	switch {
-	case f.set != nil:
+	if f.set != nil {
 		return f.set, nil
+	}
+	if f.built == nil {
+		src, err := f.build()
+		if err != nil {
+			return nil, err
+		}
+		f.built = src
+	}
+	return f.built, nil
+}
+
+func (f *sourceFlags) build() (configsource.Source, error) {
+	switch {
 	case f.configPath != "" && f.secret != "":
 		return nil, errors.New("--encryption-provider-config and --secret both name the configuration: give one")
 	case f.configPath != "":

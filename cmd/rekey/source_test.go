@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -66,5 +67,40 @@ func TestRotateEditsAConfigurationKeptInASecret(t *testing.T) {
 	}
 	if _, err := run(t, "rotate"); err == nil || !strings.Contains(err.Error(), "--encryption-provider-config (a file) or --secret") {
 		t.Fatalf("rotate without a source: %v", err)
+	}
+}
+
+// A Secret's source is built once per command: rotate --wait reads the configuration
+// every --wait-interval, and each build loaded the kubeconfig and made a clientset.
+// The second call must not read the kubeconfig again (it is gone by then).
+func TestSecretSourceIsBuiltOnce(t *testing.T) {
+	kubeconfig := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := os.WriteFile(kubeconfig, []byte(`apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	f := sourceFlags{secret: "kube-system/encryption:config.yaml", kubeconfig: kubeconfig}
+	first, err := f.source()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(kubeconfig); err != nil {
+		t.Fatal(err)
+	}
+	second, err := f.source()
+	if err != nil {
+		t.Fatalf("the second use built the source again: %v", err)
+	}
+	if first != second {
+		t.Fatalf("the second use returned another source: %v, then %v", first, second)
+	}
+	fresh := sourceFlags{secret: f.secret, kubeconfig: kubeconfig}
+	if _, err := fresh.source(); err == nil {
+		t.Fatal("a source built from a kubeconfig that is gone: want an error")
 	}
 }

@@ -289,9 +289,12 @@ func TestShimMigratesAfterWriteKeyChange(t *testing.T) {
 	w := startOwnedWriters(t, c, ns, writers, owned, last)
 	time.Sleep(500 * time.Millisecond)
 
-	// Step 1: key2 first, key1 second, for both resources.
+	// Step 1: key2 first, key1 second, for both resources. The migration's pace is the
+	// clients' (they are slower on a machine running other test groups, and so is the
+	// migration): the budgets below bound a stall, not the speed, which the benchmarks
+	// measure.
 	writeConfig(t, config, encryptionConfig([]string{aesgcm("key2", key2), aesgcm("key1", key1)}, []string{aesgcm("key2", key2), aesgcm("key1", key1)}))
-	eventually(t, 60*time.Second, 100*time.Millisecond, "migration to key2", func() error {
+	eventually(t, 120*time.Second, 100*time.Millisecond, "migration to key2", func() error {
 		d, _ := getStorageDoc(t, s)
 		if err := d.settled("secrets", k2); err != nil {
 			return err
@@ -307,7 +310,7 @@ func TestShimMigratesAfterWriteKeyChange(t *testing.T) {
 	// Step 2: configmaps move to KMS v2, key2 and key1 stay readable.
 	writeConfig(t, config, encryptionConfig([]string{aesgcm("key2", key2), aesgcm("key1", key1)},
 		[]string{kms("e2e-migrate", plugin.Endpoint), aesgcm("key2", key2), aesgcm("key1", key1)}))
-	eventually(t, 60*time.Second, 100*time.Millisecond, "migration of configmaps to KMS v2", func() error {
+	eventually(t, 120*time.Second, 100*time.Millisecond, "migration of configmaps to KMS v2", func() error {
 		d, _ := getStorageDoc(t, s)
 		if err := d.settled("configmaps", kmsPrefix); err != nil {
 			return err

@@ -68,10 +68,12 @@ const (
 	minSamples = 3
 	// externalRateFraction and externalWindows: when the clients are slower than the
 	// target in externalWindows judged windows in a row while the migration achieved at
-	// most externalRateFraction of a rate they were answered within target at, the
-	// migration is not what slows them (the cluster got slower by itself: an etcd
-	// member down, a node under other load). Halving again would only starve the
-	// migration; the clients' baseline is measured anew instead (see judge).
+	// most externalRateFraction of a rate they were answered within target at, or while
+	// it was held at its floor (MinRate, the least it ever takes), the migration is not
+	// what slows them (the cluster got slower by itself: an etcd member down, a node
+	// under other load, clients slower than their baseline from the first window on).
+	// Halving again would only starve the migration; the clients' baseline is measured
+	// anew instead (see judge).
 	externalRateFraction = 0.5
 	externalWindows      = 2
 	// maxRebaselineFactor bounds how far the clients' target can move from the one
@@ -373,6 +375,16 @@ func (p *pacer) SetServingBaseline(b servingBaselines) {
 	p.rate = min(p.rate, start)
 }
 
+// inheritServingTargets takes the clients' targets from another pacer of the same
+// migration: a target it re-measured (rebaseline) holds for this one too.
+func (p *pacer) inheritServingTargets(from *pacer) {
+	for c := range p.classes {
+		if from.classes[c].target > 0 {
+			p.classes[c].target, p.classes[c].first = from.classes[c].target, from.classes[c].first
+		}
+	}
+}
+
 // SustainedRate is the highest rate achieved in a window whose clients were judged
 // and answered within target (0: none was): evidence of what they bear, for the next
 // migration's start (Options.KnownRate).
@@ -579,12 +591,17 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 // slowerByItself reports whether a window in which classes of the clients were slower
 // than their targets shows the cluster slower by itself rather than slowed by the
 // migration: the migration achieved at most externalRateFraction of a rate the clients
-// were answered within target at. Such windows hold the rate instead of halving it.
-// Each slow class keeps its own p99s in a row; the classes judged within target start
-// theirs over.
+// were answered within target at, or it was held at its floor. Such windows hold the
+// rate instead of halving it. Each slow class keeps its own p99s in a row; the classes
+// judged within target start theirs over.
+//
+// The floor matters when the clients were never within target during the migration
+// (a busy machine from the first window on): there is no calm rate to compare with,
+// and without it the migration stayed at its floor to the end (200 objects took 44 s
+// on a CI machine running four test groups on two cores).
 func (p *pacer) slowerByItself(v pacerVerdict) bool {
 	over := p.overTarget(v)
-	external := p.calmRate > 0 && v.Achieved <= externalRateFraction*p.calmRate
+	external := (p.calmRate > 0 && v.Achieved <= externalRateFraction*p.calmRate) || p.atFloor()
 	for _, c := range over {
 		if p.servingTargetOf(v.Classes[c].P99) > maxRebaselineFactor*p.classes[c].first {
 			external = false
@@ -629,10 +646,17 @@ func (p *pacer) rebaseline(v pacerVerdict) (change, cause string) {
 	if p.opts.Ceiling > 0 {
 		p.rate = min(p.rate, p.opts.Ceiling)
 	}
-	p.slowedBy = fmt.Sprintf("the apiserver's clients are slower whatever the migration does (%s requests: p99 %s at %.0f objects/s, within target at %.0f/s): their targets are now %s",
-		v.ServingClass, v.ServingP99, v.Achieved, p.calmRate, p.servingTargets())
+	shown := fmt.Sprintf("within target at %.0f/s", p.calmRate)
+	if p.calmRate == 0 {
+		shown = fmt.Sprintf("at the floor of %.0f/s", p.opts.MinRate)
+	}
+	p.slowedBy = fmt.Sprintf("the apiserver's clients are slower whatever the migration does (%s requests: p99 %s at %.0f objects/s, %s): their targets are now %s",
+		v.ServingClass, v.ServingP99, v.Achieved, shown, p.servingTargets())
 	return "rebaseline", ""
 }
+
+// atFloor says whether the rate is held at MinRate: no decrease can take less.
+func (p *pacer) atFloor() bool { return p.rate <= p.opts.MinRate }
 
 // quantile is the q-quantile of ds (nearest rank); ds is reordered.
 func quantile(ds []time.Duration, q float64) time.Duration {

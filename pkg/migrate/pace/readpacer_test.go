@@ -46,3 +46,49 @@ func TestVerifyFinishesWithinTheBudget(t *testing.T) {
 		t.Errorf("no pacing waited: %v", err)
 	}
 }
+
+// TestVerifyIsSlowedOnlyWhileClientsAre: the re-scan starts at readCost × the writes'
+// rate, doubles while the clients are within the targets the writes ended with (a
+// re-measured one included), halves when they are not, and never goes below readCost ×
+// the writes' floor.
+func TestVerifyIsSlowedOnlyWhileClientsAre(t *testing.T) {
+	clk := clocktesting.NewFakeClock(t0)
+	g := &Writer{clock: clk, pacer: newPacer(Options{})}
+	g.servingBaselines = servingBaselines{RequestRead: 20 * time.Millisecond}
+	g.pacer.SetServingBaseline(g.servingBaselines)
+	g.pacer.rate = 100
+	// The writes re-measured the GETs' target: 30ms became 60ms.
+	g.pacer.classes[RequestRead].target = 60 * time.Millisecond
+	r := g.ReadPacer()
+	if got := r.pacer.Rate(); got != readCost*100 {
+		t.Fatalf("start %v/s, want readCost × the writes' rate %v/s", got, readCost*100.0)
+	}
+	now := t0
+	window := func(clients time.Duration) {
+		t.Helper()
+		for at := r.pacer.last.At; r.pacer.last.At == at; { // until the window ends
+			now = now.Add(100 * time.Millisecond)
+			for range 10 {
+				r.pacer.ObserveServing(RequestRead, clients)
+			}
+			r.pacer.Observe(now, 5*time.Millisecond, int(r.pacer.Rate()/10), nil)
+		}
+	}
+	window(10 * time.Millisecond) // the first window sets the etcd latency baseline
+	for _, want := range []float64{400, 800, 1600} {
+		window(45 * time.Millisecond) // within the inherited 60ms, above the first 30ms
+		if got := r.pacer.Rate(); got != want {
+			t.Fatalf("after a window within target: %v/s, want %v/s (%s)", got, want, r.pacer.last.Change)
+		}
+	}
+	window(200 * time.Millisecond)
+	if got := r.pacer.Rate(); got != 800 {
+		t.Fatalf("after a window of slowed clients: %v/s, want 800/s", got)
+	}
+	for range 12 {
+		window(300 * time.Millisecond)
+	}
+	if got := r.pacer.Rate(); got != readCost*DefaultMinRate {
+		t.Fatalf("after slowed clients throughout: %v/s, want the floor %v/s", got, readCost*DefaultMinRate)
+	}
+}

@@ -198,8 +198,12 @@ const verifyBudget = 4 * time.Minute
 // that has clients to protect: the re-scan of a million objects decrypts them all and
 // took the clients' p99 from tens to hundreds of milliseconds while it ran at full
 // speed. It is a pacer of its own (read latency is not transaction latency) that
-// resumes at readCost × the writes' last rate and judges the same clients' latency
-// against the same baseline. nil (no baseline: no clients) reads at full speed.
+// starts at readCost × the writes' last rate and judges the same clients against the
+// targets the writes ended with. It is slowed only while the clients are: it doubles
+// per window they were judged within target (slow start), where the writes' pacer,
+// resumed, only added a tenth (a 10,000-object re-scan took 22 s, as long as the
+// rewrite itself). Its floor is readCost × the writes' floor. nil (no baseline: no
+// clients) reads at full speed.
 type ReadPacer struct {
 	g       *Writer
 	pacer   *pacer
@@ -218,9 +222,11 @@ func (g *Writer) ReadPacer() *ReadPacer {
 		return nil
 	}
 	opts := g.pacer.opts
-	opts.Ceiling, opts.ResumeRate = 0, readCost*g.pacer.Rate()
+	opts.Ceiling, opts.ResumeRate, opts.MinRate = 0, readCost*g.pacer.Rate(), readCost*opts.MinRate
 	p := newPacer(opts)
 	p.SetServingBaseline(g.servingBaselines)
+	p.inheritServingTargets(g.pacer)
+	p.slowStart = true
 	return &ReadPacer{g: g, pacer: p, limiter: rate.NewLimiter(limitOf(p.Rate()), 1)}
 }
 
