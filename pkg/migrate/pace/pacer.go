@@ -434,6 +434,19 @@ func (p *pacer) pendingServing() (n int) {
 	return n
 }
 
+// pendingWithinTarget reports whether every client request waiting for a judgement
+// was answered within its class's target.
+func (p *pacer) pendingWithinTarget() bool {
+	for _, cl := range p.classes {
+		for _, d := range cl.pending {
+			if d > cl.target {
+				return false
+			}
+		}
+	}
+	return true
+}
+
 // dropServing forgets the client requests waiting for a judgement.
 func (p *pacer) dropServing() {
 	for c := range p.classes {
@@ -564,10 +577,14 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 	if baseline {
 		return "baseline", ""
 	}
-	if p.serving && v.ServingSamples == 0 && p.pendingServing() > 0 {
-		// The clients' requests of this window wait for enough others to be judged:
-		// until then there is no evidence that more is harmless. (With no clients at
-		// all, etcd alone decides.)
+	if p.serving && v.ServingSamples == 0 && p.pendingServing() > 0 && !p.pendingWithinTarget() {
+		// The clients' requests of this window wait for enough others to be judged,
+		// and some of them are already slower than their target: until the judgement
+		// there is no evidence that more is harmless. When none is, the rate may
+		// rise: a p99 above the target needs the slowest of them above it. (An
+		// apiserver that sees 60 requests of a class per second was judged every other
+		// window and rose half as fast; the judgement, when it comes, decides as before.
+		// With no clients at all, etcd alone decides.)
 		return "hold", ""
 	}
 	if math.IsInf(p.rate, 1) || v.Achieved < busyFraction*p.rate || (p.opts.Ceiling > 0 && p.rate >= p.opts.Ceiling) {
