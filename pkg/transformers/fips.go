@@ -22,7 +22,7 @@ const (
 	// FIPSOn: GODEBUG=fips140=on; providers outside the approved set are refused.
 	FIPSOn
 	// FIPSOnly: GODEBUG=fips140=only, where Go itself refuses non-approved uses at run
-	// time; KMS v2 is refused too (FIPSApprovedIn).
+	// time; KMS v2 seals with random nonces there (kmsv2.FactoryOptions.RandomNonces).
 	FIPSOnly
 )
 
@@ -47,16 +47,12 @@ func (m FIPSMode) String() string {
 	return "off"
 }
 
-// FIPSApprovedIn is FIPSApproved in a mode: under FIPSOnly, KMS v2 is refused as well,
-// because Go's enforcement refuses AES-GCM with nonces the caller builds
-// (cipher.NewGCM), which KMS v2 writes and reads with (a counter per DEK generation),
-// and it would fail at the first write instead of at validation.
+// FIPSApprovedIn is FIPSApproved in a mode (FIPSOff approves every provider). KMS v2
+// is approved under FIPSOnly too: its provider then seals with random nonces
+// (kmsv2.FactoryOptions.RandomNonces), the AES-GCM Go's enforcement allows.
 func FIPSApprovedIn(mode FIPSMode, provider string) (ok bool, why string) {
 	if mode == FIPSOff {
 		return true, ""
-	}
-	if mode == FIPSOnly && provider == ProviderKMSv2 {
-		return false, "under GODEBUG=fips140=only Go refuses the AES-GCM nonces KMS v2 seals with; run with GODEBUG=fips140=on"
 	}
 	return FIPSApproved(provider)
 }

@@ -47,7 +47,7 @@ func (e dekEntry) Format(f fmt.State, _ rune) {
 	fmt.Fprintf(f, "dekEntry{type: %v, seed: %v, aead: %t}", e.typ, e.seed, e.aead != nil)
 }
 
-func newDEKEntry(typ wire.SourceType, plaintext []byte) (*dekEntry, error) {
+func newDEKEntry(typ wire.SourceType, plaintext []byte, randomNonces bool) (*dekEntry, error) {
 	switch typ {
 	case wire.SourceHKDFSeed:
 		// Exactly 32 bytes: every seed kube-apiserver or rekey writes has that size, and a
@@ -58,7 +58,7 @@ func newDEKEntry(typ wire.SourceType, plaintext []byte) (*dekEntry, error) {
 		}
 		return &dekEntry{typ: typ, seed: append([]byte(nil), plaintext...), lastUsed: new(atomic.Int64)}, nil
 	case wire.SourceAESGCMKey:
-		a, err := newGCM(plaintext)
+		a, err := newGCM(plaintext, randomNonces)
 		if err != nil {
 			return nil, err
 		}
@@ -67,22 +67,29 @@ func newDEKEntry(typ wire.SourceType, plaintext []byte) (*dekEntry, error) {
 	return nil, fmt.Errorf("unknown encryptedDEKSourceType: %d", typ)
 }
 
-func newGCM(key []byte) (cipher.AEAD, error) {
+// newGCM is AES-GCM under key: with randomNonces, Go's NewGCMWithRandomNonce (its
+// NonceSize is 0: Seal draws the nonce and writes it first, Open reads it from there),
+// the one AES-GCM construction GODEBUG=fips140=only allows; otherwise cipher.NewGCM,
+// which seals under the nonce the caller gives (the write generation's counter).
+func newGCM(key []byte, randomNonces bool) (cipher.AEAD, error) {
 	block, err := aes.NewCipher(key)
 	if err != nil {
 		return nil, fmt.Errorf("the plugin returned a DEK of %d bytes, not an AES key: %w", len(key), err)
+	}
+	if randomNonces {
+		return cipher.NewGCMWithRandomNonce(block)
 	}
 	return cipher.NewGCM(block)
 }
 
 // deriveGCM is kube-apiserver's seed scheme: AES-256-GCM under the first 32 bytes of
 // HKDF-SHA256-Expand(PRK = seed, info). There is no Extract step.
-func deriveGCM(seed, info []byte) (cipher.AEAD, error) {
+func deriveGCM(seed, info []byte, randomNonces bool) (cipher.AEAD, error) {
 	key, err := hkdf.Expand(sha256.New, seed, string(info), keySize)
 	if err != nil {
 		return nil, fmt.Errorf("failed to derive a key from the DEK seed: %w", err)
 	}
-	return newGCM(key)
+	return newGCM(key, randomNonces)
 }
 
 // fifoCache is a map bounded in entries that evicts the oldest insertion first; nothing

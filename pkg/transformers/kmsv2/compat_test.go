@@ -13,6 +13,7 @@ import (
 
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/transformers"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2/wire"
 )
 
 var secrets = schema.GroupResource{Resource: "secrets"}
@@ -96,6 +97,42 @@ func TestUpstreamCompatibilitySeed(t *testing.T) {
 	roundTrip(t, "upstream → rekey", up, ours, false)
 	roundTrip(t, "rekey → upstream", ours, up, false)
 	roundTrip(t, "rekey → rekey", ours, ours, false)
+}
+
+// Under GODEBUG=fips140=only the provider seals with random nonces (Go refuses AES-GCM
+// with the caller's nonces there): the same bytes on the wire, read by kube-apiserver
+// and read back by a provider that seals with counter nonces, and the reverse.
+func TestUpstreamCompatibilitySeedRandomNonces(t *testing.T) {
+	tp := startPlugin(t, "key-1")
+	up := loadUpstream(t, tp, "compat-random")
+	random, p := loadOursWith(t, tp, "compat-random", transformers.Options{FIPS: transformers.FIPSOnly}, FactoryOptions{})
+	if !p.opts.RandomNonces {
+		t.Fatal("FIPSOnly did not turn on random nonces")
+	}
+	counter, _ := loadOurs(t, tp, "compat-random", FactoryOptions{})
+	roundTrip(t, "upstream → rekey (random nonces)", up, random, false)
+	roundTrip(t, "rekey (random nonces) → upstream", random, up, false)
+	roundTrip(t, "rekey (random nonces) → rekey (counter nonces)", random, counter, false)
+	roundTrip(t, "rekey (counter nonces) → rekey (random nonces)", counter, random, false)
+
+	// Two writes under one derived key carry unrelated nonces, not a counter's.
+	ctx := context.Background()
+	dc := value.DefaultContext("/registry/secrets/default/n")
+	var nonces [2][]byte
+	for i := range nonces {
+		out, err := random.TransformToStorage(ctx, []byte("same plaintext"), dc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var o wire.Object
+		if _, err := wire.Decode(out[len("k8s:enc:kms:v2:compat-random:"):], &o, nil); err != nil {
+			t.Fatal(err)
+		}
+		nonces[i] = o.Data[infoSize : infoSize+nonceSize]
+	}
+	if string(nonces[0][:4]) == string(nonces[1][:4]) {
+		t.Errorf("two random-nonce writes share the nonce's first 4 bytes (%x, %x): a counter's prefix", nonces[0], nonces[1])
+	}
 }
 
 func TestUpstreamCompatibilityAESGCMKey(t *testing.T) {

@@ -87,6 +87,14 @@ type FactoryOptions struct {
 	HealthyTTL, UnhealthyTTL time.Duration
 	// WritesPerGeneration bounds writes per derived key (default 2^32); for tests.
 	WritesPerGeneration uint64
+	// RandomNonces seals every value under a nonce drawn at random (Go's
+	// cipher.NewGCMWithRandomNonce) instead of the generation's counter, and opens with
+	// the same construction. The stored bytes have the same layout (info ‖ nonce ‖
+	// ciphertext ‖ tag), so either reads the other's values and kube-apiserver reads
+	// both. New turns it on under transformers.FIPSOnly, where Go refuses AES-GCM with
+	// a nonce the caller supplies (cipher.NewGCM); set here, it tests that path in any
+	// mode. See docs/kmsv2-crypto.md.
+	RandomNonces bool
 	// SeedMaxAge and SeedMaxWrites bound how long and for how many values one DEK seed
 	// writes while the plugin's key id is stable (DefaultSeedMaxAge,
 	// DefaultSeedMaxWrites); then a new seed is made off the request path, as for a key
@@ -236,6 +244,9 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 	}
 	if o.KeyIDConfirmations <= 0 {
 		o.KeyIDConfirmations = DefaultKeyIDConfirmations
+	}
+	if topts.FIPS == transformers.FIPSOnly {
+		o.RandomNonces = true
 	}
 	clk := topts.Clock
 	if clk == nil {
@@ -442,7 +453,7 @@ func (p *Provider) decrypt(e *dekEntry, data, aad []byte, ws *writeState, cacheA
 			k := aeadKey{e: e, info: [infoSize]byte(info)}
 			if a = p.aeads.get(k); a == nil {
 				var err error
-				if a, err = deriveGCM(e.seed, info); err != nil {
+				if a, err = deriveGCM(e.seed, info, p.opts.RandomNonces); err != nil {
 					return nil, err
 				}
 				if cacheAEAD {
@@ -454,7 +465,13 @@ func (p *Provider) decrypt(e *dekEntry, data, aad []byte, ws *writeState, cacheA
 	if len(data) < nonceSize+tagSize {
 		return nil, fmt.Errorf("kms v2: the stored data was shorter than the required size (%d bytes); the value is truncated", len(data))
 	}
-	out, err := a.Open(nil, data[:nonceSize], data[nonceSize:], aad)
+	var out []byte
+	var err error
+	if a.NonceSize() == 0 { // a random-nonce AEAD reads the nonce from the front itself
+		out, err = a.Open(nil, nil, data, aad)
+	} else {
+		out, err = a.Open(nil, data[:nonceSize], data[nonceSize:], aad)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("kms v2: %w: the value was modified, truncated, or moved from another etcd key", err)
 	}
@@ -488,7 +505,7 @@ func (p *Provider) unwrap(ctx context.Context, o *wire.Object, annotations []wir
 	if err != nil {
 		return nil, p.decryptFailed(err, state.KeyIDHash(string(o.KeyID)), uid)
 	}
-	e, err := newDEKEntry(o.SourceType, pt)
+	e, err := newDEKEntry(o.SourceType, pt, p.opts.RandomNonces)
 	if err != nil {
 		return nil, fmt.Errorf("kms v2 provider %q: %w", p.name, err)
 	}
@@ -603,7 +620,7 @@ func (p *Provider) publish(v state.View) {
 	if w := v.Write; w != nil {
 		cur := p.write.Load()
 		if cur == nil || cur.spec.Generation != w.Generation {
-			ws, err := newWriteState(w, p.opts.WritesPerGeneration, uint64(max(p.opts.SeedMaxWrites, 0)), p.signalSeedFull)
+			ws, err := newWriteState(w, p.opts.WritesPerGeneration, uint64(max(p.opts.SeedMaxWrites, 0)), p.opts.RandomNonces, p.signalSeedFull)
 			if err != nil {
 				p.log.Error(err, "Cannot use the new DEK seed; keeping the previous one")
 			} else {

@@ -14,7 +14,7 @@ import (
 // (or a value holding one) is formatted, e.g. by a debug log.
 func TestDEKEntryNeverPrints(t *testing.T) {
 	seed := bytes.Repeat([]byte{0xC3, 's', 0x5A, 0x01}, 8)
-	e, err := newDEKEntry(wire.SourceHKDFSeed, seed)
+	e, err := newDEKEntry(wire.SourceHKDFSeed, seed, false)
 	if err != nil {
 		t.Fatal(err)
 	}

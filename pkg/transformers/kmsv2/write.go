@@ -18,7 +18,9 @@ import (
 // info (so a new key) is drawn. See docs/kmsv2-crypto.md.
 const maxWritesPerGeneration = 1 << 32
 
-// generation is one derived write key: info ‖ nonce = prefix(4, random) ‖ counter(8, LE).
+// generation is one derived write key: info ‖ nonce = prefix(4, random) ‖ counter(8, LE),
+// or, when its AEAD draws random nonces (FactoryOptions.RandomNonces), info ‖ a random
+// nonce; the counter then only bounds the writes under the key.
 type generation struct {
 	info        [infoSize]byte
 	noncePrefix [4]byte
@@ -50,13 +52,15 @@ type writeState struct {
 	writes    atomic.Uint64
 	maxWrites uint64
 	full      func()
+	// random: the generations' AEADs draw their nonces (FactoryOptions.RandomNonces).
+	random bool
 }
 
-func newWriteState(spec *state.WriteState, limit, maxWrites uint64, full func()) (*writeState, error) {
+func newWriteState(spec *state.WriteState, limit, maxWrites uint64, randomNonces bool, full func()) (*writeState, error) {
 	if spec.Type != wire.SourceHKDFSeed {
 		return nil, fmt.Errorf("kms v2: writing DEK source type %s is not supported; rekey writes %s", spec.Type, wire.SourceHKDFSeed)
 	}
-	entry, err := newDEKEntry(spec.Type, spec.Source)
+	entry, err := newDEKEntry(spec.Type, spec.Source, randomNonces)
 	if err != nil {
 		return nil, err
 	}
@@ -72,6 +76,7 @@ func newWriteState(spec *state.WriteState, limit, maxWrites uint64, full func())
 		limit:     limit,
 		maxWrites: maxWrites,
 		full:      full,
+		random:    randomNonces,
 	}
 	ws.expiry.Store(spec.Expiry.UnixNano())
 	if _, err := ws.rotate(nil); err != nil {
@@ -94,7 +99,7 @@ func (ws *writeState) rotate(old *generation) (*generation, error) {
 	if _, err := rand.Read(g.noncePrefix[:]); err != nil {
 		return nil, fmt.Errorf("kms v2: cannot read random bytes for a nonce: %w", err)
 	}
-	a, err := deriveGCM(ws.entry.seed, g.info[:])
+	a, err := deriveGCM(ws.entry.seed, g.info[:], ws.random)
 	if err != nil {
 		return nil, err
 	}
@@ -133,10 +138,14 @@ func (ws *writeState) seal(prefix, plaintext, aad []byte) ([]byte, error) {
 	b := protowire.AppendTag(out[:len(prefix)], 1, protowire.BytesType)
 	b = protowire.AppendVarint(b, uint64(dataLen))
 	b = append(b, g.info[:]...)
-	b = append(b, g.noncePrefix[:]...)
-	b = binary.LittleEndian.AppendUint64(b, ctr)
-	nonce := b[len(b)-nonceSize:]
-	g.aead.Seal(b, nonce, plaintext, aad)
+	if ws.random {
+		g.aead.Seal(b, nil, plaintext, aad) // appends its nonce ‖ ciphertext ‖ tag
+	} else {
+		b = append(b, g.noncePrefix[:]...)
+		b = binary.LittleEndian.AppendUint64(b, ctr)
+		nonce := b[len(b)-nonceSize:]
+		g.aead.Seal(b, nonce, plaintext, aad)
+	}
 	copy(out[head+dataLen:], ws.tail)
 	return out, nil
 }
