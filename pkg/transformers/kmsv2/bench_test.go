@@ -24,18 +24,21 @@ var benchSizes = []struct {
 
 type benchImpls struct {
 	rekey, upstream value.Transformer
-	gcm             cipher.AEAD
+	// rekeyRandom seals with random nonces, as under GODEBUG=fips140=only.
+	rekeyRandom value.Transformer
+	gcm         cipher.AEAD
 }
 
 func setupBench(b *testing.B, name string) benchImpls {
 	tp := startPlugin(b, "key-1")
 	up := loadUpstream(b, tp, name)
 	ours, _ := loadOurs(b, tp, name, FactoryOptions{})
+	random, _ := loadOurs(b, tp, name, FactoryOptions{RandomNonces: true})
 	key := make([]byte, 32)
 	_, _ = rand.Read(key)
 	blk, _ := aes.NewCipher(key)
 	g, _ := cipher.NewGCM(blk)
-	return benchImpls{rekey: ours, upstream: up, gcm: g}
+	return benchImpls{rekey: ours, upstream: up, rekeyRandom: random, gcm: g}
 }
 
 // BenchmarkKMSv2Write: one stored value per op, rekey and kube-apiserver side by side,
@@ -58,7 +61,7 @@ func BenchmarkKMSv2Write(b *testing.B) {
 		for _, impl := range []struct {
 			name string
 			tr   value.Transformer
-		}{{"rekey", im.rekey}, {"upstream", im.upstream}} {
+		}{{"rekey", im.rekey}, {"rekey-random-nonces", im.rekeyRandom}, {"upstream", im.upstream}} {
 			b.Run("size="+sz.name+"/impl="+impl.name, func(b *testing.B) {
 				b.ReportAllocs()
 				b.SetBytes(int64(sz.n))
@@ -93,7 +96,7 @@ func BenchmarkKMSv2Read(b *testing.B) {
 		for _, impl := range []struct {
 			name string
 			tr   value.Transformer
-		}{{"rekey", im.rekey}, {"upstream", im.upstream}} {
+		}{{"rekey", im.rekey}, {"rekey-random-nonces", im.rekeyRandom}, {"upstream", im.upstream}} {
 			stored, err := impl.tr.TransformToStorage(ctx, pt, aad)
 			if err != nil {
 				b.Fatal(err)
