@@ -91,9 +91,10 @@ type FactoryOptions struct {
 	// cipher.NewGCMWithRandomNonce) instead of the generation's counter, and opens with
 	// the same construction. The stored bytes have the same layout (info ‖ nonce ‖
 	// ciphertext ‖ tag), so either reads the other's values and kube-apiserver reads
-	// both. New turns it on under transformers.FIPSOnly, where Go refuses AES-GCM with
-	// a nonce the caller supplies (cipher.NewGCM); set here, it tests that path in any
-	// mode. See docs/kmsv2-crypto.md.
+	// both. New turns it on in FIPS mode: under transformers.FIPSOnly Go refuses AES-GCM
+	// with a nonce the caller supplies (cipher.NewGCM), and under FIPSOn too only a
+	// nonce the module draws makes the encryption an approved service (SP 800-38D
+	// 8.2.2). Set here, it tests that path in any mode. See docs/kmsv2-crypto.md.
 	RandomNonces bool
 	// SeedMaxAge and SeedMaxWrites bound how long and for how many values one DEK seed
 	// writes while the plugin's key id is stable (DefaultSeedMaxAge,
@@ -245,7 +246,7 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 	if o.KeyIDConfirmations <= 0 {
 		o.KeyIDConfirmations = DefaultKeyIDConfirmations
 	}
-	if topts.FIPS == transformers.FIPSOnly {
+	if topts.FIPS != transformers.FIPSOff {
 		o.RandomNonces = true
 	}
 	clk := topts.Clock
