@@ -9,7 +9,7 @@ STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(BIN)/tools/staticcheck-$(STATICCHECK_VERSION)/staticcheck
 VERSION_LDFLAGS := -X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 
-.PHONY: test-fips kms-pkcs11 test-kms-pkcs11 all build test lint docs-check fmt vet staticcheck tidy-check openapi-check tools run e2e e2e-long bench bench-rotation bench-scale charts bench-go fuzz sim clean kube-apiserver run-kube-apiserver
+.PHONY: test-fips kms-pkcs11 test-kms-pkcs11 upstream-mock-kms all build test lint docs-check fmt vet staticcheck tidy-check openapi-check tools run e2e e2e-long bench bench-rotation bench-scale charts bench-go fuzz sim clean kube-apiserver run-kube-apiserver
 
 # dist/kube-apiserver: upstream's kube-apiserver with rekey inside, a Go module of its own.
 KUBE_VERSION := v1.37.2
@@ -152,6 +152,13 @@ run-kube-apiserver: kube-apiserver
 ## its own: it needs cgo and the PKCS#11 headers crypto11 carries; no library to link).
 kms-pkcs11:
 	cd plugins/kms-pkcs11 && CGO_ENABLED=1 $(GO) build -o $(abspath $(BIN))/rekey-kms-pkcs11 .
+
+## upstream-mock-kms: bin/upstream-mock-kms-plugin, upstream's mock KMS v2 plugin on PKCS#11
+## (k8s.io/kms/plugins/mock), built from upstream's own source at a pinned commit of
+## github.com/kubernetes/kms (KMS_SRC: a local git directory of it instead of a clone; KMS_COMMIT)
+## against the k8s.io/kms version of go.mod; none of its code is kept here.
+upstream-mock-kms:
+	bash hack/build-upstream-mock-kms.sh $(BIN)/upstream-mock-kms-plugin
 
 ## test-kms-pkcs11: the plugin's tests alone (SoftHSM2 tokens in temporary directories; they fail,
 ## never skip, without softhsm2: apt-get install -y softhsm2 opensc).
