@@ -9,7 +9,7 @@ STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(BIN)/tools/staticcheck-$(STATICCHECK_VERSION)/staticcheck
 VERSION_LDFLAGS := -X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 
-.PHONY: test-fips kms-pkcs11 test-kms-pkcs11 upstream-mock-kms all build test lint docs-check fmt vet staticcheck tidy-check openapi-check tools run e2e e2e-long bench bench-rotation bench-scale charts bench-go fuzz sim clean kube-apiserver run-kube-apiserver
+.PHONY: test-fips kms-pkcs11 test-kms-pkcs11 upstream-mock-kms bench-kms-pkcs11-rotation all build test lint docs-check fmt vet staticcheck tidy-check openapi-check tools run e2e e2e-long bench bench-rotation bench-scale charts bench-go fuzz sim clean kube-apiserver run-kube-apiserver
 
 # dist/kube-apiserver: upstream's kube-apiserver with rekey inside, a Go module of its own.
 KUBE_VERSION := v1.37.2
@@ -159,6 +159,18 @@ kms-pkcs11:
 ## against the k8s.io/kms version of go.mod; none of its code is kept here.
 upstream-mock-kms:
 	bash hack/build-upstream-mock-kms.sh $(BIN)/upstream-mock-kms-plugin
+
+## bench-kms-pkcs11-rotation: the same KMS v2 rotation of BENCH_SECRETS Secrets (default 2,000) on
+## three shims, in one run: rekey-kms-pkcs11 (one process, `rotate`) and upstream's mock plugin
+## (two processes, the two-plugin procedure through rekey rotate --wait --provider kms); the
+## config files follow one source file after 0-BENCH_SYNC_DELAY (default 10s) each. Logs the
+## table docs/bench/appendix.md keeps. Needs SoftHSM2 and OpenSC (hack/softhsm.sh).
+BENCH_SECRETS ?= 2000
+BENCH_SYNC_DELAY ?= 10s
+bench-kms-pkcs11-rotation: upstream-mock-kms
+	cd plugins/kms-pkcs11 && REKEY_BENCH_UPSTREAM_MOCK=1 REKEY_BENCH_SECRETS=$(BENCH_SECRETS) REKEY_BENCH_SYNC_DELAY=$(BENCH_SYNC_DELAY) \
+		UPSTREAM_MOCK_KMS_PLUGIN=$(abspath $(BIN))/upstream-mock-kms-plugin \
+		$(GO) test -p 1 -count=1 -v -timeout 30m -run '^TestRotationAgainstUpstreamMock$$' .
 
 ## test-kms-pkcs11: the plugin's tests alone (SoftHSM2 tokens in temporary directories; they fail,
 ## never skip, without softhsm2: apt-get install -y softhsm2 opensc).
