@@ -23,6 +23,7 @@ trap 'rm -rf "$TMP"' EXIT
 
 PKGS=(
   k8s.io/api/core/v1
+  ./api/v1alpha1
   k8s.io/apimachinery/pkg/apis/meta/v1
   k8s.io/apimachinery/pkg/runtime
   k8s.io/apimachinery/pkg/version
@@ -30,7 +31,7 @@ PKGS=(
   k8s.io/apimachinery/pkg/api/resource
 )
 readonly_args=()
-for p in "${PKGS[@]}"; do readonly_args+=(--readonly-pkg "$p"); done
+for p in "${PKGS[@]}"; do [[ $p == ./* ]] || readonly_args+=(--readonly-pkg "$p"); done
 
 dest="./$OUT_DIR"
 $verify && dest="$TMP/out"

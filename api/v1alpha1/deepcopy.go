@@ -142,3 +142,74 @@ func copyKey(k *KeyRef) *KeyRef {
 	c := *k
 	return &c
 }
+
+func (in *EncryptionState) DeepCopyInto(out *EncryptionState) {
+	*out = *in
+	out.TypeMeta = in.TypeMeta
+	in.ObjectMeta.DeepCopyInto(&out.ObjectMeta)
+	in.Status.DeepCopyInto(&out.Status)
+}
+
+func (in *EncryptionState) DeepCopy() *EncryptionState {
+	if in == nil {
+		return nil
+	}
+	out := new(EncryptionState)
+	in.DeepCopyInto(out)
+	return out
+}
+
+func (in *EncryptionState) DeepCopyObject() runtime.Object { return in.DeepCopy() }
+
+func (in *EncryptionStateList) DeepCopyInto(out *EncryptionStateList) {
+	*out = *in
+	in.ListMeta.DeepCopyInto(&out.ListMeta)
+	if in.Items != nil {
+		out.Items = make([]EncryptionState, len(in.Items))
+		for i := range in.Items {
+			in.Items[i].DeepCopyInto(&out.Items[i])
+		}
+	}
+}
+
+func (in *EncryptionStateList) DeepCopy() *EncryptionStateList {
+	if in == nil {
+		return nil
+	}
+	out := new(EncryptionStateList)
+	in.DeepCopyInto(out)
+	return out
+}
+
+func (in *EncryptionStateList) DeepCopyObject() runtime.Object { return in.DeepCopy() }
+
+func (in *EncryptionStateStatus) DeepCopyInto(out *EncryptionStateStatus) {
+	*out = *in
+	if in.Resources != nil {
+		out.Resources = make([]ResourceEncryptionState, len(in.Resources))
+		for i := range in.Resources {
+			in.Resources[i].DeepCopyInto(&out.Resources[i])
+		}
+	}
+	out.APIServers = slices.Clone(in.APIServers)
+	out.Attention = slices.Clone(in.Attention)
+}
+
+func (in *ResourceEncryptionState) DeepCopyInto(out *ResourceEncryptionState) {
+	*out = *in
+	in.InventoryTime.DeepCopyInto(&out.InventoryTime)
+	out.ReadKeys = slices.Clone(in.ReadKeys)
+	if in.Keys != nil {
+		out.Keys = make([]StoredKey, len(in.Keys))
+		for i := range in.Keys {
+			in.Keys[i].DeepCopyInto(&out.Keys[i])
+		}
+	}
+}
+
+func (in *StoredKey) DeepCopyInto(out *StoredKey) {
+	*out = *in
+	out.FirstUse = copyTime(in.FirstUse)
+	out.Age = copyDuration(in.Age)
+	out.Retired = copyTime(in.Retired)
+}

@@ -10,4 +10,10 @@
 //
 // Nothing here registers itself anywhere: AddToScheme adds the types to the scheme the
 // caller builds.
+//
+// EncryptionState (encryptionstate.go) is what the apiservers report of etcd; the
+// apiserver shim serves it with OpenAPI definitions generated from these types
+// (hack/update-openapi.sh).
+//
+// +k8s:openapi-gen=true
 package v1alpha1

@@ -10,7 +10,7 @@ import (
 const (
 	Group   = "rekey.io"
 	Version = "v1alpha1"
-	// Kind and Resource of the one object of this version.
+	// Kind and Resource of the controller's object (encryptionstate.go: the other).
 	Kind     = "ControlPlaneEncryption"
 	ListKind = "ControlPlaneEncryptionList"
 	Resource = "controlplaneencryptions"
@@ -27,7 +27,8 @@ func GroupVersionResource() schema.GroupVersionResource {
 // AddToScheme adds the types of this version to s (the caller's own scheme: nothing
 // is registered globally).
 func AddToScheme(s *runtime.Scheme) error {
-	s.AddKnownTypes(SchemeGroupVersion, &ControlPlaneEncryption{}, &ControlPlaneEncryptionList{})
+	s.AddKnownTypes(SchemeGroupVersion, &ControlPlaneEncryption{}, &ControlPlaneEncryptionList{},
+		&EncryptionState{}, &EncryptionStateList{})
 	metav1.AddToGroupVersion(s, SchemeGroupVersion)
 	return nil
 }

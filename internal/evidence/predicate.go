@@ -21,6 +21,7 @@ import (
 
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/encryptionstate"
 	"github.com/rekey-io/rekey/pkg/keyledger"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
@@ -162,7 +163,7 @@ func Build(in Input) (*Predicate, error) {
 		for _, b := range ri.Buckets {
 			k := bucketKey(keys, b)
 			if !k.InConfiguration {
-				k.LedgerCheck, k.Retired = fromLedger(in.Ledger, b)
+				k.LedgerCheck, k.Retired = encryptionstate.FromLedger(in.Ledger, b)
 			}
 			k.Objects, k.Unreadable = b.Objects, b.Unreadable
 			if !in.Inventory.DecryptChecked && !b.KnownKey {
@@ -183,58 +184,19 @@ func Build(in Input) (*Predicate, error) {
 	return p, nil
 }
 
-// fromLedger is what the key ledger says of a key the configuration lacks: the check
-// value when exactly one local key of that provider and name is recorded (a KMS v2
-// bucket is already named by its key id hash), and its retirement.
-func fromLedger(l *keyledger.Ledger, b migrate.Count) (check string, retired *time.Time) {
-	if l == nil || b.Provider == transformers.ProviderKMSv2 {
-		return "", nil
-	}
-	var found []keyledger.Entry
-	for _, e := range l.Entries {
-		if e.Provider == b.Provider && e.Name == b.Key && !e.IsHistory() {
-			found = append(found, e)
-		}
-	}
-	if len(found) != 1 {
-		return "", nil
-	}
-	if r := found[0].Retired; r != nil {
-		at := r.At.UTC()
-		retired = &at
-	}
-	return found[0].Check, retired
-}
-
 // writeFingerprint names the key the configuration writes ri with.
 func writeFingerprint(keys []transformers.ConfigKey, ri migrate.ResourceInventory) string {
-	if len(keys) == 0 {
-		return transformers.ProviderIdentity
-	}
-	k := keys[0].Info()
-	if k.Provider == transformers.ProviderKMSv2 {
-		k.KeyIDHash = ri.WriteKeyIDHash
-	}
-	return fingerprint(k)
+	return fingerprint(encryptionstate.WriteKey(keys, ri))
 }
 
-// bucketKey names the key of a bucket: a key of the configuration by its check value,
-// a KMS v2 key by its key id hash, a key the configuration lacks by what is stored.
+// bucketKey names the key of a bucket (encryptionstate.BucketKey) as evidence prints it.
 func bucketKey(keys []transformers.ConfigKey, b migrate.Count) Key {
-	k := transformers.KeyInfo{Provider: b.Provider, Key: b.Key, KeyIDHash: b.KeyIDHash}
-	if b.KnownKey {
-		for _, ck := range keys {
-			if ck.Prefix == b.Prefix && ck.Provider == b.Provider {
-				k.Check = ck.Info().Check
-				break
-			}
-		}
-	}
-	fp := fingerprint(k)
-	if !b.KnownKey {
+	nk := encryptionstate.BucketKey(keys, b)
+	fp := fingerprint(nk.KeyInfo)
+	if !nk.InConfiguration {
 		fp += " (not in configuration)"
 	}
-	return Key{Fingerprint: fp, Provider: k.Provider, Name: k.Key, Check: k.Check, KeyIDHash: k.KeyIDHash, InConfiguration: b.KnownKey, Current: !b.Stale && b.KnownKey}
+	return Key{Fingerprint: fp, Provider: nk.Provider, Name: nk.Key, Check: nk.Check, KeyIDHash: nk.KeyIDHash, InConfiguration: nk.InConfiguration, Current: nk.Current}
 }
 
 // fingerprint is "provider/name check:<hex>", "kms/name sha256:<hex>" or "identity".

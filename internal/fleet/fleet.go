@@ -13,6 +13,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/rekey-io/rekey/pkg/cluster"
+	"github.com/rekey-io/rekey/pkg/encryptionstate"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
@@ -123,9 +124,9 @@ func majority(members []cluster.MemberState) (cluster.MemberState, bool) {
 	return best, true
 }
 
-// AESGCMWriteBudget is how many values one aesgcm key may seal with random 96-bit
-// nonces (NIST SP 800-38D, 8.3: 2^32 invocations).
-const AESGCMWriteBudget = 1 << 32
+// AESGCMWriteBudget is how many values one aesgcm key may seal (its owner is
+// pkg/encryptionstate, whose API reports it per key).
+const AESGCMWriteBudget = encryptionstate.AESGCMWriteBudget
 
 // Row is one cluster of the fleet view.
 type Row struct {

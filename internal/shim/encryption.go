@@ -11,6 +11,7 @@ import (
 	"k8s.io/component-base/metrics"
 	"k8s.io/component-base/metrics/legacyregistry"
 
+	"github.com/rekey-io/rekey/pkg/encryptionstate"
 	"github.com/rekey-io/rekey/pkg/layer"
 	"github.com/rekey-io/rekey/pkg/migrate"
 )
@@ -40,6 +41,9 @@ type encryptionLayer interface {
 	// statusPath and statusHandler describe the layer's status document ("" when none).
 	statusPath() string
 	statusHandler() http.Handler
+	// publishEncryptionState has the layer keep the EncryptionState current through p
+	// (a no-op on upstream's layer, which has no inventories).
+	publishEncryptionState(p encryptionstate.Publisher)
 	close()
 }
 
@@ -99,10 +103,11 @@ func (u *upstreamLayer) install(c *genericapiserver.Config, etcd *genericoptions
 	return applyEtcd(etcd)(c)
 }
 
-func (u *upstreamLayer) checkStart(context.Context) error { return nil }
-func (u *upstreamLayer) statusPath() string               { return "" }
-func (u *upstreamLayer) statusHandler() http.Handler      { return nil }
-func (u *upstreamLayer) close()                           {}
+func (u *upstreamLayer) checkStart(context.Context) error                 { return nil }
+func (u *upstreamLayer) statusPath() string                               { return "" }
+func (u *upstreamLayer) statusHandler() http.Handler                      { return nil }
+func (u *upstreamLayer) close()                                           {}
+func (u *upstreamLayer) publishEncryptionState(encryptionstate.Publisher) {}
 
 // rekeyLayer is pkg/layer: the agent, the start-up check, the storage migration
 // controller and, with --cluster-coordination, the cluster node.
@@ -117,6 +122,9 @@ func (r rekeyLayer) checkStart(ctx context.Context) error { return r.l.CheckStar
 func (r rekeyLayer) statusPath() string                   { return r.l.StatusPath() }
 func (r rekeyLayer) statusHandler() http.Handler          { return r.l.StatusHandler() }
 func (r rekeyLayer) close()                               { r.l.Close() }
+func (r rekeyLayer) publishEncryptionState(p encryptionstate.Publisher) {
+	r.l.SetEncryptionStatePublisher(p)
+}
 
 // applyEtcd builds the storage of c from etcd: c.ResourceTransformers, when set, wraps
 // every resource's storage config (EtcdOptions keeps a non-nil value).

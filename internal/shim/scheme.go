@@ -8,6 +8,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
+
+	"github.com/rekey-io/rekey/api/v1alpha1"
 )
 
 // internalVersion is the hub version the generic handlers decode into.
@@ -38,6 +40,16 @@ func newAPIScheme() (*apiScheme, error) {
 		&metav1.Status{}, &metav1.APIVersions{}, &metav1.APIGroupList{},
 		&metav1.APIGroup{}, &metav1.APIResourceList{},
 	)
+	// rekey.io/v1alpha1 (the EncryptionState the layer publishes), its Go types as
+	// its internal version too, as for core/v1.
+	if err := v1alpha1.AddToScheme(s); err != nil {
+		return nil, err
+	}
+	s.AddKnownTypes(schema.GroupVersion{Group: v1alpha1.Group, Version: runtime.APIVersionInternal},
+		&v1alpha1.EncryptionState{}, &v1alpha1.EncryptionStateList{})
+	if err := s.SetVersionPriority(v1alpha1.SchemeGroupVersion); err != nil {
+		return nil, err
+	}
 	s.AddTypeDefaultingFunc(&corev1.Secret{}, func(obj any) { defaultSecret(obj.(*corev1.Secret)) })
 	// Field selectors kube-apiserver accepts for secrets: the metadata ones and type.
 	if err := s.AddFieldLabelConversionFunc(corev1.SchemeGroupVersion.WithKind("Secret"), func(label, value string) (string, string, error) {

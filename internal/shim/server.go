@@ -22,8 +22,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/authentication/user"
 	openapinamer "k8s.io/apiserver/pkg/endpoints/openapi"
+	"k8s.io/apiserver/pkg/registry/generic"
+	"k8s.io/apiserver/pkg/registry/rest"
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	genericoptions "k8s.io/apiserver/pkg/server/options"
 	serverstorage "k8s.io/apiserver/pkg/server/storage"
@@ -34,7 +37,9 @@ import (
 	"k8s.io/component-base/metrics/legacyregistry"
 	"k8s.io/klog/v2"
 
+	"github.com/rekey-io/rekey/api/v1alpha1"
 	"github.com/rekey-io/rekey/internal/shim/openapi"
+	"github.com/rekey-io/rekey/pkg/encryptionstate"
 	"github.com/rekey-io/rekey/pkg/layer"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
@@ -268,7 +273,9 @@ func Run(ctx context.Context, o Options) error {
 	c.ExternalAddress = net.JoinHostPort(c.PublicAddress.String(), strconv.Itoa(port))
 
 	c.BuildHandlerChainFunc = func(h http.Handler, c *genericapiserver.Config) http.Handler {
-		return genericapiserver.DefaultBuildHandlerChain(withMetrics(h, reg), c)
+		// Inside authentication, so that a user's write of the read-only
+		// encryptionstates is answered with what to do instead.
+		return genericapiserver.DefaultBuildHandlerChain(encryptionstate.RefuseWrites(withMetrics(h, reg), sch.codecs, nil), c)
 	}
 	c.Authentication.Authenticator = authn
 	c.Authorization.Authorizer = authenticatedOnly()
@@ -331,6 +338,11 @@ func Run(ctx context.Context, o Options) error {
 	if err := server.InstallLegacyAPIGroup(genericapiserver.DefaultLegacyAPIPrefix, &group); err != nil {
 		return fmt.Errorf("installing core/v1: %w", err)
 	}
+	if o.Rekey.Rekey() && o.EncryptionConfig != "" {
+		if err := installEncryptionState(server, sch, c.RESTOptionsGetter, enc); err != nil {
+			return err
+		}
+	}
 	if p, h := enc.statusPath(), enc.statusHandler(); p != "" && h != nil {
 		server.Handler.NonGoRestfulMux.Handle(p, h)
 	}
@@ -351,4 +363,49 @@ func withMetrics(next http.Handler, reg metrics.KubeRegistry) http.Handler {
 		}
 		next.ServeHTTP(w, r)
 	})
+}
+
+// installEncryptionState serves rekey.io/v1alpha1 encryptionstates as a built-in,
+// read-only group, stored in etcd as JSON beside the Secrets (the layer's transformers
+// apply to it as to any resource), and has the layer publish into it.
+func installEncryptionState(server *genericapiserver.GenericAPIServer, sch *apiScheme, getter generic.RESTOptionsGetter, enc encryptionLayer) error {
+	codec, versioner, err := serverstorage.NewStorageCodec(serverstorage.StorageCodecConfig{
+		StorageMediaType:  runtime.ContentTypeJSON,
+		StorageSerializer: sch.codecs,
+		StorageVersion:    v1alpha1.SchemeGroupVersion,
+		MemoryVersion:     schema.GroupVersion{Group: v1alpha1.Group, Version: runtime.APIVersionInternal},
+	})
+	if err != nil {
+		return fmt.Errorf("encryptionstates storage codec: %w", err)
+	}
+	state, err := encryptionstate.NewREST(sch.scheme, codecGetter{RESTOptionsGetter: getter, codec: codec, versioner: versioner})
+	if err != nil {
+		return err
+	}
+	group := genericapiserver.NewDefaultAPIGroupInfo(v1alpha1.Group, sch.scheme, metav1.ParameterCodec, sch.codecs)
+	group.VersionedResourcesStorageMap[v1alpha1.Version] = map[string]rest.Storage{v1alpha1.EncryptionStateResource: state}
+	if err := server.InstallAPIGroup(&group); err != nil {
+		return fmt.Errorf("installing %s: %w", v1alpha1.SchemeGroupVersion, err)
+	}
+	enc.publishEncryptionState(state)
+	return nil
+}
+
+// codecGetter is a REST options getter whose storage encodes with codec: the server's
+// storage codec stores core/v1 only.
+type codecGetter struct {
+	generic.RESTOptionsGetter
+	codec     runtime.Codec
+	versioner runtime.GroupVersioner
+}
+
+func (g codecGetter) GetRESTOptions(resource schema.GroupResource, example runtime.Object) (generic.RESTOptions, error) {
+	o, err := g.RESTOptionsGetter.GetRESTOptions(resource, example)
+	if err != nil {
+		return o, err
+	}
+	sc := *o.StorageConfig
+	sc.Codec, sc.EncodeVersioner = g.codec, g.versioner
+	o.StorageConfig = &sc
+	return o, nil
 }

@@ -43,8 +43,10 @@ import (
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/coordination"
+	"github.com/rekey-io/rekey/pkg/encryptionstate"
 	"github.com/rekey-io/rekey/pkg/events"
 	"github.com/rekey-io/rekey/pkg/guard"
+	"github.com/rekey-io/rekey/pkg/keyledger"
 	"github.com/rekey-io/rekey/pkg/migrate"
 	"github.com/rekey-io/rekey/pkg/migrate/pace"
 	"github.com/rekey-io/rekey/pkg/reload"
@@ -252,8 +254,15 @@ type Layer struct {
 	state    guard.AppliedStateStore
 	ctrl     *migrate.Controller
 	migrator *cluster.Migrator
-	cancel   context.CancelFunc
-	done     chan struct{}
+	// statePublisher stores the EncryptionState (nil: none); stateKeeper keeps it
+	// current once the storage hook runs.
+	statePublisher encryptionstate.Publisher
+	stateKeeper    *encryptionstate.Keeper
+	// ledger is the key ledger as the recorder last read it (nil before): it names
+	// retired keys in the EncryptionState.
+	ledger atomic.Pointer[keyledger.Ledger]
+	cancel context.CancelFunc
+	done   chan struct{}
 }
 
 // pacing is how migrations adapt their rate: to etcd, and with the clients' latency
@@ -683,8 +692,9 @@ func (l *Layer) addStorageHook(c *genericapiserver.Config) error {
 			})
 			l.node.SetMigrator(mig)
 		}
+		keeper := l.newStateKeeper(mig)
 		l.mu.Lock()
-		l.ctrl, l.migrator, l.cancel, l.done = ctrl, mig, cancel, done
+		l.ctrl, l.migrator, l.cancel, l.done, l.stateKeeper = ctrl, mig, cancel, done, keeper
 		l.mu.Unlock()
 		go func() {
 			defer close(done)
@@ -695,6 +705,10 @@ func (l *Layer) addStorageHook(c *genericapiserver.Config) error {
 			}
 			wg.Add(1)
 			go func() { defer wg.Done(); l.ledgerRecorder().Run(ctx, ledgerRecordInterval) }()
+			if keeper != nil {
+				wg.Add(1)
+				go func() { defer wg.Done(); keeper.Run(ctx) }()
+			}
 			if l.probeMetrics != nil {
 				probe := &kmsProbe{inventory: l.store, client: l.etcdClient, config: agent.ActiveConfig, tr: agent,
 					events: l.events, log: l.log.WithName("kms-decrypt-probe"), m: l.probeMetrics}

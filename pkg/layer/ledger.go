@@ -26,6 +26,7 @@ func (l *Layer) ledgerRecorder() *keyledger.Recorder {
 	return &keyledger.Recorder{Store: l.ledgerStore(), Rules: l.agent.Rules, Inventory: l.store.Latest, Retention: l.largestRetention, Logger: l.log,
 		Wake: l.ledgerWake,
 		Seen: func(led *keyledger.Ledger) {
+			l.ledger.Store(led)
 			m := led.SupersededKMSKeyIDs()
 			l.superseded.Store(&m)
 		}}
