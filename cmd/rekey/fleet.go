@@ -12,9 +12,15 @@ import (
 
 	"github.com/spf13/cobra"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/rekey-io/rekey/api/v1alpha1"
 	"github.com/rekey-io/rekey/internal/errtext"
 	"github.com/rekey-io/rekey/internal/fleet"
 	"github.com/rekey-io/rekey/internal/progress"
@@ -65,6 +71,9 @@ share one client:
       etcdKeyFile: client.key
       etcdPrefix: /tenant-a/registry        # default /registry
       coordinationPrefix: /tenant-a/rekey   # default: derived from etcdPrefix
+    - name: prod-eu                         # through its apiservers, no etcd access:
+      kubeconfig: prod-eu.kubeconfig        # reads rekey.io/v1alpha1 encryptionstates/cluster
+      context: admin                        # default: the kubeconfig's current context
 
 For each cluster it reads the live apiservers' member records (the keys they write
 and read, configuration hash, FIPS mode), then inventories, at one etcd revision and
@@ -176,8 +185,12 @@ func readFleet(ctx context.Context, f *fleet.File, timeout, alarm time.Duration,
 	return rows
 }
 
-// readCluster reads one cluster's members, inventory and key-write totals.
+// readCluster reads one cluster's members, inventory and key-write totals from its
+// etcd, or its EncryptionState through its apiservers (an entry with a kubeconfig).
 func readCluster(ctx context.Context, clients *clientPool, c fleet.Cluster, alarm time.Duration) (fleet.Row, error) {
+	if c.Kubeconfig != "" {
+		return readClusterAPI(ctx, c)
+	}
 	cli, err := clients.get(ctx, layer.Etcd{Servers: c.EtcdServers, CAFile: c.EtcdCAFile, CertFile: c.EtcdCertFile, KeyFile: c.EtcdKeyFile})
 	if err != nil {
 		return fleet.Row{}, err
@@ -284,4 +297,31 @@ func writeFleetTable(w io.Writer, rows []fleet.Row) {
 			fmt.Sprint(r.Plaintext), fmt.Sprint(r.Stragglers), budget, dash(r.FIPS), dash(strings.Join(r.Attention, "; ")))
 	}
 	_ = tw.Flush()
+}
+
+// readClusterAPI reads a cluster's rekey.io/v1alpha1 EncryptionState with the entry's
+// kubeconfig and context: one GET, no etcd access (docs/encryption-state.md).
+func readClusterAPI(ctx context.Context, c fleet.Cluster) (fleet.Row, error) {
+	rules := &clientcmd.ClientConfigLoadingRules{ExplicitPath: c.Kubeconfig}
+	rc, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{CurrentContext: c.Context}).ClientConfig()
+	if err != nil {
+		return fleet.Row{}, fmt.Errorf("kubeconfig %s: %w", c.Kubeconfig, err)
+	}
+	dyn, err := dynamic.NewForConfig(rc)
+	if err != nil {
+		return fleet.Row{}, fmt.Errorf("kubeconfig %s: %w", c.Kubeconfig, err)
+	}
+	u, err := dyn.Resource(v1alpha1.EncryptionStateGroupVersionResource()).Get(ctx, v1alpha1.EncryptionStateName, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		return fleet.Row{}, fmt.Errorf("%s has no %s/%s: are its apiservers rekey's (a distribution or the shim) with a migration leader?",
+			rc.Host, v1alpha1.EncryptionStateResource, v1alpha1.EncryptionStateName)
+	case err != nil:
+		return fleet.Row{}, fmt.Errorf("reading %s/%s from %s: %w", v1alpha1.EncryptionStateResource, v1alpha1.EncryptionStateName, rc.Host, err)
+	}
+	var st v1alpha1.EncryptionState
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, &st); err != nil {
+		return fleet.Row{}, fmt.Errorf("%s/%s from %s does not decode: %w", v1alpha1.EncryptionStateResource, v1alpha1.EncryptionStateName, rc.Host, err)
+	}
+	return fleet.SummarizeState(c.Name, &st, time.Now()), nil
 }

@@ -142,6 +142,15 @@ func (l *layer) install(c *genericapiserver.Config, factory *serverstorage.Defau
 		return err
 	}
 	l.rekey = rl
+	// The EncryptionState, a custom resource the migration leader writes through the
+	// loopback client (encryptionstate.go).
+	if c.LoopbackClientConfig != nil {
+		p, err := newCRDStatePublisher(c.LoopbackClientConfig)
+		if err != nil {
+			return err
+		}
+		rl.SetEncryptionStatePublisher(p)
+	}
 	go func() {
 		<-c.DrainedNotify()
 		l.close()
@@ -179,8 +188,9 @@ func (l *layer) answerRefusedWrites(getters ...*generic.RESTOptionsGetter) {
 
 // wrapOutermost is the layer's part of the outermost server's (the aggregator's)
 // handler chain, the only one every client request goes through: GET /metrics serves
-// the legacy registry and rekey's registry as one, each name once, and every request
-// is timed for the storage migration's pacing (AddServingLatency).
+// the legacy registry and rekey's registry as one, each name once, every request
+// is timed for the storage migration's pacing (AddServingLatency), and users' writes of
+// the EncryptionState are refused (refuseStateWrites).
 func (l *layer) wrapOutermost(c *genericapiserver.Config) {
 	if l.rekey == nil || !l.rekey.Active() {
 		return
@@ -190,12 +200,13 @@ func (l *layer) wrapOutermost(c *genericapiserver.Config) {
 		promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError})
 	next := c.BuildHandlerChainFunc
 	c.BuildHandlerChainFunc = func(apiHandler http.Handler, c *genericapiserver.Config) http.Handler {
+		api := refuseStateWrites(apiHandler)
 		return next(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			if r.URL.Path == "/metrics" && r.Method == http.MethodGet {
 				h.ServeHTTP(w, r)
 				return
 			}
-			apiHandler.ServeHTTP(w, r)
+			api.ServeHTTP(w, r)
 		}), c)
 	}
 }

@@ -12,6 +12,7 @@ import (
 
 	"sigs.k8s.io/yaml"
 
+	"github.com/rekey-io/rekey/api/v1alpha1"
 	"github.com/rekey-io/rekey/pkg/cluster"
 	"github.com/rekey-io/rekey/pkg/encryptionstate"
 	"github.com/rekey-io/rekey/pkg/migrate"
@@ -39,6 +40,12 @@ type Cluster struct {
 	// CoordinationPrefix is its apiservers' --coordination-prefix (default: derived
 	// from EtcdPrefix as the apiservers derive it).
 	CoordinationPrefix string `json:"coordinationPrefix,omitempty"`
+	// Kubeconfig, instead of etcd, reads the cluster's rekey.io/v1alpha1
+	// EncryptionState through its apiservers (a distribution with rekey inside, or
+	// the shim): what the migration leader last counted, with no etcd access. Context
+	// picks the kubeconfig's context (default: its current one).
+	Kubeconfig string `json:"kubeconfig,omitempty"`
+	Context    string `json:"context,omitempty"`
 }
 
 // DefaultConcurrency is how many clusters are read at once unless the file says.
@@ -55,7 +62,7 @@ func Load(path string) (*File, error) {
 		return nil, fmt.Errorf("fleet file %s: %v", path, err)
 	}
 	if len(f.Clusters) == 0 {
-		return nil, fmt.Errorf("fleet file %s names no clusters (clusters: [{name, etcdServers, etcdPrefix}, ...])", path)
+		return nil, fmt.Errorf("fleet file %s names no clusters (clusters: [{name, etcdServers, etcdPrefix} or {name, kubeconfig, context}, ...])", path)
 	}
 	if f.Concurrency <= 0 {
 		f.Concurrency = DefaultConcurrency
@@ -69,8 +76,15 @@ func Load(path string) (*File, error) {
 			return nil, fmt.Errorf("fleet file %s: two clusters are named %q", path, c.Name)
 		}
 		seen[c.Name] = true
-		if len(c.EtcdServers) == 0 {
-			return nil, fmt.Errorf("fleet file %s: cluster %q has no etcdServers", path, c.Name)
+		switch {
+		case c.Kubeconfig != "" && (len(c.EtcdServers) > 0 || c.EtcdPrefix != "" || c.CoordinationPrefix != ""):
+			return nil, fmt.Errorf("fleet file %s: cluster %q names both a kubeconfig and etcd: keep one (kubeconfig reads its EncryptionState API, etcdServers its etcd)", path, c.Name)
+		case c.Kubeconfig != "":
+			continue
+		case c.Context != "":
+			return nil, fmt.Errorf("fleet file %s: cluster %q has a context but no kubeconfig", path, c.Name)
+		case len(c.EtcdServers) == 0:
+			return nil, fmt.Errorf("fleet file %s: cluster %q has neither etcdServers nor a kubeconfig", path, c.Name)
 		}
 		if c.EtcdPrefix == "" {
 			f.Clusters[i].EtcdPrefix = migrate.DefaultEtcdPrefix
@@ -223,6 +237,83 @@ func Summarize(name string, snap *cluster.Snapshot, inv *migrate.Inventory, tota
 	return r
 }
 
+// StateMaxAge is how old an EncryptionState's newest inventory may be before its row
+// says the state is not kept current (the layer takes one every few minutes).
+const StateMaxAge = time.Hour
+
+// SummarizeState makes a cluster's row from its EncryptionState, read through the
+// apiservers (an entry with a kubeconfig): the same row Summarize makes from etcd, from
+// what the migration leader counted. Stragglers are apiservers that do not agree with
+// the writer's configuration; the verdict is the writer's.
+func SummarizeState(name string, st *v1alpha1.EncryptionState, now time.Time) Row {
+	s := st.Status
+	r := Row{Name: name, ClusterID: s.ClusterID, APIServers: len(s.APIServers), BudgetUsed: -1,
+		Objects: s.Totals.Objects, Plaintext: s.Totals.Plaintext, Unreadable: s.Totals.Unreadable - s.Totals.Acknowledged,
+		NotOnWriteKey: s.Totals.Stale + s.Totals.Unreadable - s.Totals.Acknowledged}
+	var on, off int
+	for _, a := range s.APIServers {
+		if !a.Agrees {
+			r.Stragglers++
+		}
+		switch a.FIPS {
+		case "on", "only":
+			on++
+		case "off":
+			off++
+		}
+	}
+	r.FIPS = fipsName(on, off)
+	r.Verdict = "written by " + s.ObservedBy
+	if r.Stragglers > 0 {
+		r.Attention = append(r.Attention, fmt.Sprintf("apiservers: %d do not run the configuration of %s", r.Stragglers, s.ObservedBy))
+	}
+	var newest time.Time
+	for _, res := range s.Resources {
+		r.Revision = max(r.Revision, res.Revision)
+		if t := res.InventoryTime.Time; t.After(newest) {
+			newest = t
+		}
+		if res.WriteKey.Provider == transformers.ProviderIdentity && res.Plaintext > 0 && len(s.APIServers) > 0 {
+			r.Attention = append(r.Attention, fmt.Sprintf("%s: written in plaintext (its rule writes identity)", res.Resource))
+		}
+		if r.WriteKey == "" && res.WriteKey.Provider != transformers.ProviderIdentity {
+			r.WriteKey = keyName(res.WriteKey.Provider, res.WriteKey.Name)
+		}
+		for _, k := range res.Keys {
+			if k.Current && k.Age != nil && k.Age.Duration > r.WriteKeyAge {
+				r.WriteKey, r.WriteKeyAge = keyName(k.Provider, k.Name), k.Age.Duration
+			}
+			if k.WriteBudget > 0 {
+				r.BudgetUsed = max(r.BudgetUsed, float64(k.Writes)/float64(k.WriteBudget))
+			}
+		}
+	}
+	if r.Plaintext > 0 {
+		r.Attention = append(r.Attention, fmt.Sprintf("%d objects in plaintext", r.Plaintext))
+	}
+	if n := r.NotOnWriteKey - r.Plaintext; n > 0 {
+		r.Attention = append(r.Attention, fmt.Sprintf("%d objects not on their write key", n))
+	}
+	if r.Stragglers > 0 {
+		r.Attention = append(r.Attention, fmt.Sprintf("%d stragglers", r.Stragglers))
+	}
+	if r.BudgetUsed >= 0.5 {
+		r.Attention = append(r.Attention, fmt.Sprintf("an aesgcm key used %.0f%% of its write budget: rotate", 100*r.BudgetUsed))
+	}
+	if newest.IsZero() || now.Sub(newest) > StateMaxAge {
+		r.Attention = append(r.Attention, fmt.Sprintf("the EncryptionState holds no inventory newer than %s: is a migration leader running?", StateMaxAge))
+	}
+	return r
+}
+
+// keyName is "aesgcm/key1", as KeyInfo.String names a key without its key id.
+func keyName(provider, name string) string {
+	if name == "" {
+		return provider
+	}
+	return provider + "/" + name
+}
+
 // oldestWriteKey is the write key of m's rules whose key-write total is oldest.
 func oldestWriteKey(m cluster.MemberState, totals []cluster.KeyTotal, now time.Time) (string, time.Duration) {
 	var name string
@@ -256,6 +347,11 @@ func fipsOf(members []cluster.MemberState) string {
 			off++
 		}
 	}
+	return fipsName(on, off)
+}
+
+// fipsName is "on", "off", "mixed" or "" (no apiserver says).
+func fipsName(on, off int) string {
 	switch {
 	case on > 0 && off > 0:
 		return "mixed"

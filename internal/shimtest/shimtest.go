@@ -29,6 +29,10 @@ type API struct {
 	Client kubernetes.Interface
 	// Kubeconfig is a kubeconfig file for Config (its token is an administrator's).
 	Kubeconfig string
+	// EtcdServers and EtcdPrefix are where it stores (its embedded etcd), for tests
+	// that write behind its back.
+	EtcdServers []string
+	EtcdPrefix  string
 }
 
 const token = "shimtest-admin-token"
@@ -46,6 +50,12 @@ resources:
 // Start runs a shim until the test ends and returns once it is ready.
 func Start(t testing.TB) *API {
 	t.Helper()
+	return StartWithFlags(t, layer.Flags{})
+}
+
+// StartWithFlags is Start with the layer's flags (a short inventory interval, say).
+func StartWithFlags(t testing.TB, flags layer.Flags) *API {
+	t.Helper()
 	dir := t.TempDir()
 	cfgPath := filepath.Join(dir, "encryption.yaml")
 	if err := os.WriteFile(cfgPath, []byte(identityConfig), 0o600); err != nil {
@@ -57,7 +67,7 @@ func Start(t testing.TB) *API {
 	go func() {
 		done <- shim.Run(ctx, shim.Options{
 			EncryptionConfig:  cfgPath,
-			Rekey:             layer.Flags{},
+			Rekey:             flags,
 			DataDir:           filepath.Join(dir, "etcd"),
 			EtcdUnsafeNoFsync: true,
 			CertDir:           filepath.Join(dir, "certs"),
@@ -101,5 +111,5 @@ func Start(t testing.TB) *API {
 	if err := clientcmd.WriteToFile(*kc, kubeconfig); err != nil {
 		t.Fatal(fmt.Errorf("writing the kubeconfig: %w", err))
 	}
-	return &API{Config: rc, Client: cs, Kubeconfig: kubeconfig}
+	return &API{Config: rc, Client: cs, Kubeconfig: kubeconfig, EtcdServers: info.EtcdServers, EtcdPrefix: info.EtcdPrefix}
 }

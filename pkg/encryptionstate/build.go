@@ -83,6 +83,11 @@ func Build(in Input) v1alpha1.EncryptionStateStatus {
 			st.Attention = append(st.Attention, fmt.Sprintf("apiserver %s runs configuration %s, not %s", a.ID, a.ConfigHash, st.ConfigHash))
 		}
 	}
+	if len(in.Members) == 0 {
+		// Without coordination no apiserver publishes a record: the writer, which
+		// knows its own, is the one listed.
+		st.APIServers = append(st.APIServers, v1alpha1.APIServerEncryptionState{ID: in.ObservedBy, ConfigHash: st.ConfigHash, Agrees: true, FIPS: st.FIPS})
+	}
 	slices.SortFunc(st.APIServers, func(a, b v1alpha1.APIServerEncryptionState) int { return strings.Compare(a.ID, b.ID) })
 	if in.Inventory == nil || in.Config == nil {
 		return st
