@@ -159,6 +159,13 @@ func keyOf(r *v1alpha1.ResourceEncryptionState, provider, name string) *v1alpha1
 	return nil
 }
 
+// runPrefixes are an etcd prefix and a coordination prefix of this run's own on the
+// shared etcd (a test run again with -count finds an empty cluster).
+func runPrefixes(name string) (etcdPrefix, coordinationPrefix string) {
+	id := fmt.Sprintf("%s-%d", name, time.Now().UnixNano())
+	return "/" + id + "-registry", "/rekey-" + id
+}
+
 // plant writes, behind the apiserver's back, a Secret in plaintext and one under a
 // key the configuration no longer has.
 func plant(t *testing.T, cli *clientv3.Client, etcdPrefix string) {
@@ -185,8 +192,8 @@ func plant(t *testing.T, cli *clientv3.Client, etcdPrefix string) {
 // encryptionstates, read by client-go as any resource; a watch sees the next
 // inventory's update; users' creates, updates and deletes are refused with what to do.
 func TestEncryptionStateAPI(t *testing.T) {
-	const prefix = "/state-api-registry"
-	s := startStateShim(t, prefix, layer.Flags{ClusterCoordination: true, CoordinationPrefix: "/rekey-state-api", APIServerID: "state-1",
+	prefix, coord := runPrefixes("state-api")
+	s := startStateShim(t, prefix, layer.Flags{ClusterCoordination: true, CoordinationPrefix: coord, APIServerID: "state-1",
 		ClusterLeaseTTL: 2 * time.Second, StorageInventoryInterval: 500 * time.Millisecond}, nil)
 	ctx := context.Background()
 	plant(t, s.etcd, prefix)
@@ -255,7 +262,7 @@ func TestEncryptionStateAPI(t *testing.T) {
 				t.Fatal("the watch ended")
 			}
 			if ev.Type != watch.Modified {
-				t.Fatalf("watch event %s", ev.Type)
+				t.Fatalf("watch event %s: %v", ev.Type, ev.Object)
 			}
 			got, _ := toState(t, ev.Object.(*unstructured.Unstructured))
 			r := resourceOf(got, "secrets")
@@ -316,12 +323,12 @@ func TestEncryptionStateAPI(t *testing.T) {
 // the state shows none left. It logs what keeping the state current cost (updates a
 // watch saw, time spent building and publishing) for the benchmark notes.
 func TestEncryptionStateDuringMigration(t *testing.T) {
-	const prefix = "/state-migration-registry"
+	prefix, coord := runPrefixes("state-migration")
 	n := 2000
 	if testing.Short() {
 		n = 200
 	}
-	s := startStateShim(t, prefix, layer.Flags{StorageMigration: true, ClusterCoordination: true, CoordinationPrefix: "/rekey-state-migration",
+	s := startStateShim(t, prefix, layer.Flags{StorageMigration: true, ClusterCoordination: true, CoordinationPrefix: coord,
 		APIServerID: "state-m1", ClusterLeaseTTL: 2 * time.Second, StorageCheckInterval: 500 * time.Millisecond, StorageInventoryInterval: 2 * time.Second,
 		// Paced so that the migration spans several inventories, as a large one does.
 		StorageMigrationRate: 250},
@@ -358,6 +365,9 @@ func TestEncryptionStateDuringMigration(t *testing.T) {
 		case ev, ok := <-w.ResultChan():
 			if !ok {
 				t.Fatal("the watch ended")
+			}
+			if ev.Type != watch.Modified {
+				t.Fatalf("watch event %s: %v", ev.Type, ev.Object)
 			}
 			updates++
 			last, _ = toState(t, ev.Object.(*unstructured.Unstructured))
