@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"sync"
+	"time"
 
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset/typed/apiextensions/v1"
@@ -13,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apiserver/pkg/authentication/user"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/rest"
@@ -106,9 +108,32 @@ func (p *crdStatePublisher) ensureCRD(ctx context.Context) error {
 	if err != nil && !apierrors.IsAlreadyExists(err) {
 		return fmt.Errorf("encryption state: creating CustomResourceDefinition %s: %w", crd.Name, err)
 	}
+	// The object's endpoint is served once the definition is established (a second
+	// or so after it is created): wait for it here rather than fail the first publish.
+	err = wait.PollUntilContextTimeout(ctx, crdPollInterval, crdEstablishTimeout, true, func(ctx context.Context) (bool, error) {
+		got, err := p.crds.Get(ctx, crd.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, nil
+		}
+		for _, c := range got.Status.Conditions {
+			if c.Type == apiextensionsv1.Established && c.Status == apiextensionsv1.ConditionTrue {
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+	if err != nil {
+		return fmt.Errorf("encryption state: CustomResourceDefinition %s is not established after %v; the next check retries", crd.Name, crdEstablishTimeout)
+	}
 	p.installed = true
 	return nil
 }
+
+// How long ensureCRD waits for the definition to be established, and how often it looks.
+const (
+	crdEstablishTimeout = 5 * time.Second
+	crdPollInterval     = 100 * time.Millisecond
+)
 
 // forgetCRDIfGone makes the next Publish look for the definition again after a NotFound.
 func (p *crdStatePublisher) forgetCRDIfGone(err error) {

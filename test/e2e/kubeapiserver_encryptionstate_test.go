@@ -154,4 +154,9 @@ func TestKubeAPIServerEncryptionState(t *testing.T) {
 	if st2, raw2, err := read(); err != nil || secretsOf(st2).Plaintext != 1 {
 		t.Errorf("after the refused writes: %v %s", err, raw2)
 	}
+	// The definition is installed and waited for before the first publish: no failed
+	// publish in the log.
+	if log := s.Log(1 << 22); strings.Contains(log, "Could not publish the encryption state") {
+		t.Errorf("a publish failed:\n%s", log[max(0, strings.Index(log, "Could not publish the encryption state")-200):][:600])
+	}
 }
