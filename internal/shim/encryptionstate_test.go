@@ -298,6 +298,18 @@ func TestEncryptionStateAPI(t *testing.T) {
 		t.Error("a refused write changed the state")
 	}
 
+	// kubectl get prints the distribution's columns.
+	body, err := s.cs.Discovery().RESTClient().Get().AbsPath("/apis/rekey.io/v1alpha1/encryptionstates").
+		SetHeader("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io").DoRaw(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var table metav1.Table
+	if err := json.Unmarshal(body, &table); err != nil || len(table.Rows) != 1 || len(table.ColumnDefinitions) != 8 ||
+		table.ColumnDefinitions[2].Name != "Plaintext" || table.Rows[0].Cells[2] != float64(1) {
+		t.Errorf("table: %v %s", err, body)
+	}
+
 	// Discovery says what a client may do: read.
 	res, err := s.cs.Discovery().ServerResourcesForGroupVersion(v1alpha1.SchemeGroupVersion.String())
 	if err != nil {

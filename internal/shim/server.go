@@ -378,7 +378,7 @@ func installEncryptionState(server *genericapiserver.GenericAPIServer, sch *apiS
 	if err != nil {
 		return fmt.Errorf("encryptionstates storage codec: %w", err)
 	}
-	state, err := encryptionstate.NewREST(sch.scheme, codecGetter{RESTOptionsGetter: getter, codec: codec, versioner: versioner})
+	state, err := encryptionstate.NewREST(sch.scheme, codecGetter{RESTOptionsGetter: getter, codec: codec, versioner: versioner}, encryptionStateTable)
 	if err != nil {
 		return err
 	}

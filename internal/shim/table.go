@@ -10,6 +10,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/duration"
+
+	"github.com/rekey-io/rekey/api/v1alpha1"
 )
 
 // tableConvertor renders `kubectl get` output with kube-apiserver's columns.
@@ -49,6 +51,28 @@ var (
 		},
 	}
 )
+
+// encryptionStateTable has the columns of the distribution's CustomResourceDefinition
+// (api/v1alpha1/encryptionstate-crd.yaml), so `kubectl get encryptionstates` reads the
+// same on both.
+var encryptionStateTable = tableConvertor{
+	columns: []metav1.TableColumnDefinition{nameColumn,
+		{Name: "Objects", Type: "integer", Description: "Stored objects of every resource counted."},
+		{Name: "Plaintext", Type: "integer", Description: "Objects stored without encryption."},
+		{Name: "Stale", Type: "integer", Description: "Readable objects not on their resource's write key."},
+		{Name: "Unreadable", Type: "integer", Description: "Objects the configuration cannot read."},
+		{Name: "FIPS", Type: "string", Description: "The writer's FIPS 140-3 mode."},
+		{Name: "Observed-By", Type: "string", Description: "The apiserver that wrote the state."},
+		ageColumn},
+	cells: func(obj runtime.Object) ([]any, error) {
+		e, ok := obj.(*v1alpha1.EncryptionState)
+		if !ok {
+			return nil, fmt.Errorf("not an encryptionstate: %T", obj)
+		}
+		t := e.Status.Totals
+		return []any{e.Name, t.Objects, t.Plaintext, t.Stale, t.Unreadable, e.Status.FIPS, e.Status.ObservedBy, age(e.CreationTimestamp)}, nil
+	},
+}
 
 func age(t metav1.Time) string {
 	if t.IsZero() {

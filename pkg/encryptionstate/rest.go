@@ -46,8 +46,8 @@ var (
 )
 
 // NewREST builds the storage on getter (whose codec must store rekey.io/v1alpha1);
-// typer is the server's scheme.
-func NewREST(typer runtime.ObjectTyper, getter generic.RESTOptionsGetter) (*REST, error) {
+// typer is the server's scheme, table renders `kubectl get` (nil: name and age).
+func NewREST(typer runtime.ObjectTyper, getter generic.RESTOptionsGetter, table rest.TableConvertor) (*REST, error) {
 	s := strategy{ObjectTyper: typer, NameGenerator: names.SimpleNameGenerator}
 	gr := v1alpha1.SchemeGroupVersion.WithResource(v1alpha1.EncryptionStateResource).GroupResource()
 	store := &registry.Store{
@@ -58,7 +58,10 @@ func NewREST(typer runtime.ObjectTyper, getter generic.RESTOptionsGetter) (*REST
 		CreateStrategy:            s,
 		UpdateStrategy:            s,
 		DeleteStrategy:            s,
-		TableConvertor:            rest.NewDefaultTableConvertor(gr),
+		TableConvertor:            table,
+	}
+	if table == nil {
+		store.TableConvertor = rest.NewDefaultTableConvertor(gr)
 	}
 	if err := store.CompleteWithOptions(&generic.StoreOptions{RESTOptions: getter}); err != nil {
 		return nil, fmt.Errorf("encryptionstates storage: %w", err)
