@@ -272,8 +272,11 @@ func TestShimMigratesAfterWriteKeyChange(t *testing.T) {
 	ns := "migrate"
 
 	names := createObjects(t, c, ns, n)
-	if got := rawPrefixes(t, ctx, prefix+"/"); got[k1] != 2*n || len(got) != 1 {
-		t.Fatalf("before rotation, stored: %v", got)
+	// The resources the test writes (the apiserver stores its EncryptionState beside them).
+	for _, r := range []string{"/secrets/", "/configmaps/"} {
+		if got := rawPrefixes(t, ctx, prefix+r); got[k1] != n || len(got) != 1 {
+			t.Fatalf("before rotation, stored under %s: %v", r, got)
+		}
 	}
 	created := time.Now()
 
