@@ -1,5 +1,6 @@
 // Package etcdtest starts a real, embedded etcd server (go.etcd.io/etcd/server/v3/embed)
-// for tests and benchmarks: one member on free 127.0.0.1 ports in a temporary
+// for tests and benchmarks (under GODEBUG=fips140=only, where etcd cannot run in the
+// test's process, a child process of the same etcd): one member on free 127.0.0.1 ports in a temporary
 // directory, fsync off, logs quiet. It is real etcd — transactions, revisions,
 // compaction and leases behave as in production — not a mock.
 //
@@ -10,6 +11,7 @@ package etcdtest
 
 import (
 	"context"
+	"crypto/fips140"
 	"fmt"
 	"net"
 	"net/url"
@@ -31,9 +33,11 @@ import (
 // startTimeout bounds how long the member may take to elect itself.
 const startTimeout = 30 * time.Second
 
-// Server is a running embedded etcd member.
+// Server is a running etcd member: embedded, or a child process under
+// GODEBUG=fips140=only (see process.go).
 type Server struct {
 	etcd *embed.Etcd
+	proc *process
 	// Endpoint is the client URL, e.g. "http://127.0.0.1:40123" ("https://" with TLS).
 	Endpoint string
 	// TLS holds the CA and certificate files when the member serves TLS (Options.TLS),
@@ -92,6 +96,9 @@ func start(dir string, opts Options) (*Server, error) {
 	peerURL, err := freeURL()
 	if err != nil {
 		return nil, err
+	}
+	if fips140.Enforced() {
+		return startProcess(dir, opts, clientURL, peerURL, tlsFiles)
 	}
 	cfg := embed.NewConfig()
 	cfg.Name = "etcdtest"
@@ -187,4 +194,10 @@ func (s *Server) Compact(ctx context.Context, cli *clientv3.Client, rev int64) e
 }
 
 // Close stops the member.
-func (s *Server) Close() { s.etcd.Close() }
+func (s *Server) Close() {
+	if s.proc != nil {
+		s.proc.close()
+		return
+	}
+	s.etcd.Close()
+}

@@ -13,7 +13,6 @@ import (
 	"context"
 	"crypto/aes"
 	"crypto/cipher"
-	"crypto/rand"
 	"encoding/base64"
 	"errors"
 	"fmt"
@@ -239,9 +238,11 @@ func parseKeys(raw []byte) (*keyring, error) {
 			return nil, fmt.Errorf("keys[%d] (%q): secret must be the base64 of 32 bytes", i, k.Name)
 		}
 		b, _ := aes.NewCipher(secret)
-		a, err := cipher.NewGCM(b)
+		// The module draws the nonce and prepends it (nonce(12) ‖ GCM), the layout this
+		// plugin always wrote; GCM with nonces the caller draws (cipher.NewGCM) is
+		// refused under GODEBUG=fips140=only, this one is approved there.
+		a, err := cipher.NewGCMWithRandomNonce(b)
 		if err != nil {
-			// Under GODEBUG=fips140=only Go refuses GCM with nonces the caller draws.
 			return nil, fmt.Errorf("keys[%d] (%q): %w", i, k.Name, err)
 		}
 		r.aeads[k.Name] = a
@@ -334,13 +335,10 @@ func (p *Plugin) Encrypt(ctx context.Context, _ string, plaintext []byte) (*serv
 		return nil, err
 	}
 	a := ring.aeads[active]
-	nonce := make([]byte, 12, 12+len(plaintext)+16)
-	if _, err := rand.Read(nonce); err != nil {
-		return nil, status.Errorf(codes.Internal, "kms-plugin: %v", err)
-	}
 	// The key's own name is the authenticated data even under FixedKeyID: Decrypt
-	// finds the key that sealed the ciphertext by it.
-	r := &service.EncryptResponse{Ciphertext: a.Seal(nonce, nonce, plaintext, []byte(active)), KeyID: reportedKeyID(active, f)}
+	// finds the key that sealed the ciphertext by it. Seal draws the nonce and
+	// writes nonce(12) ‖ ciphertext ‖ tag.
+	r := &service.EncryptResponse{Ciphertext: a.Seal(make([]byte, 0, 12+len(plaintext)+16), nil, plaintext, []byte(active)), KeyID: reportedKeyID(active, f)}
 	if f.EncryptKeyID != "" {
 		r.KeyID = f.EncryptKeyID
 	}
@@ -415,7 +413,7 @@ func openWithKey(ring *keyring, keyID string, ciphertext []byte) ([]byte, error)
 	if !ok {
 		return nil, status.Errorf(codes.NotFound, "kms-plugin: unknown key id %q; it is not in the keys file", keyID)
 	}
-	pt, err := a.Open(nil, ciphertext[:12], ciphertext[12:], []byte(keyID))
+	pt, err := a.Open(nil, nil, ciphertext, []byte(keyID))
 	if err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "kms-plugin: ciphertext does not decrypt under key %q", keyID)
 	}
@@ -427,7 +425,7 @@ func openWithKey(ring *keyring, keyID string, ciphertext []byte) ([]byte, error)
 // the one that sealed it.
 func openWithAnyKey(ring *keyring, ciphertext []byte) ([]byte, error) {
 	for name, a := range ring.aeads {
-		if pt, err := a.Open(nil, ciphertext[:12], ciphertext[12:], []byte(name)); err == nil {
+		if pt, err := a.Open(nil, nil, ciphertext, []byte(name)); err == nil {
 			return pt, nil
 		}
 	}

@@ -5,7 +5,6 @@ package kmsplugin
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -46,13 +45,10 @@ func (s v1Service) Encrypt(ctx context.Context, req *kmsv1api.EncryptRequest) (*
 		return nil, err
 	}
 	head := ring.active + ":"
-	out := make([]byte, len(head)+12, len(head)+12+len(req.Plain)+16)
+	out := make([]byte, len(head), len(head)+12+len(req.Plain)+16)
 	copy(out, head)
-	nonce := out[len(head):]
-	if _, err := rand.Read(nonce); err != nil {
-		return nil, status.Errorf(codes.Internal, "kms-plugin: %v", err)
-	}
-	return &kmsv1api.EncryptResponse{Cipher: ring.aeads[ring.active].Seal(out, nonce, req.Plain, []byte(ring.active))}, nil
+	// Seal draws the nonce: name ":" nonce(12) ‖ ciphertext ‖ tag.
+	return &kmsv1api.EncryptResponse{Cipher: ring.aeads[ring.active].Seal(out, nil, req.Plain, []byte(ring.active))}, nil
 }
 
 func (s v1Service) Decrypt(ctx context.Context, req *kmsv1api.DecryptRequest) (*kmsv1api.DecryptResponse, error) {
@@ -73,7 +69,7 @@ func (s v1Service) Decrypt(ctx context.Context, req *kmsv1api.DecryptRequest) (*
 	if len(sealed) < 12+16 {
 		return nil, status.Error(codes.InvalidArgument, "kms-plugin: ciphertext is too short")
 	}
-	pt, err := a.Open(nil, sealed[:12], sealed[12:], []byte(name))
+	pt, err := a.Open(nil, nil, sealed, []byte(name))
 	if err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "kms-plugin: ciphertext does not decrypt under key %q", name)
 	}

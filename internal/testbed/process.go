@@ -37,18 +37,27 @@ func ModuleRoot() (string, error) {
 	return filepath.Dir(mod), nil
 }
 
-// Build compiles the shim, the etcd wrapper and the KMS plugin into dir in one go
-// invocation (the links run in parallel) with VersionLDFlags.
+// Build compiles the shim, the etcd wrapper and the KMS plugin into dir with
+// VersionLDFlags: in one go invocation (the links run in parallel), or, in FIPS mode
+// (FIPS), the shim and the plugin with the FIPS module (BuildEnv) and etcd without.
 func Build(ctx context.Context, dir string) (Binaries, error) {
 	root, err := ModuleRoot()
 	if err != nil {
 		return Binaries{}, err
 	}
-	cmd := exec.CommandContext(ctx, "go", "build", "-ldflags", VersionLDFlags, "-o", dir+string(filepath.Separator),
-		"./cmd/apiserver-shim", "./hack/tools/etcd", "./cmd/kms-plugin")
-	cmd.Dir = root
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return Binaries{}, fmt.Errorf("go build: %w\n%s", err, out)
+	builds := [][]string{{"./cmd/apiserver-shim", "./hack/tools/etcd", "./cmd/kms-plugin"}}
+	envs := [][]string{os.Environ()}
+	if FIPS() {
+		builds = [][]string{{"./cmd/apiserver-shim", "./cmd/kms-plugin"}, {"./hack/tools/etcd"}}
+		envs = [][]string{BuildEnv(), fixtureBuildEnv()}
+	}
+	for i, pkgs := range builds {
+		cmd := exec.CommandContext(ctx, "go", append([]string{"build", "-ldflags", VersionLDFlags, "-o", dir + string(filepath.Separator)}, pkgs...)...)
+		cmd.Dir = root
+		cmd.Env = envs[i]
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return Binaries{}, fmt.Errorf("go build: %w\n%s", err, out)
+		}
 	}
 	return Binaries{
 		Shim:   filepath.Join(dir, "apiserver-shim"),
@@ -71,9 +80,14 @@ type Process struct {
 // who wants to read the logs of a passing run.
 const keepLogsEnv = "REKEY_TESTBED_KEEP_LOGS"
 
-// Start runs bin with args; stdout and stderr go to <logDir>/<name>.log, or to
+// Start runs bin with args in RunEnv (FIPS mode, enforced, when the testbed is in it);
+// stdout and stderr go to <logDir>/<name>.log, or to
 // $REKEY_TESTBED_KEEP_LOGS/<name>-<time>.log when that is set.
 func Start(name, logDir, bin string, args ...string) (*Process, error) {
+	return startEnv(name, logDir, bin, RunEnv(), args...)
+}
+
+func startEnv(name, logDir, bin string, env []string, args ...string) (*Process, error) {
 	logPath := filepath.Join(logDir, name+".log")
 	if keep := os.Getenv(keepLogsEnv); keep != "" {
 		logPath = filepath.Join(keep, fmt.Sprintf("%s-%s.log", name, time.Now().Format("150405.000000")))
@@ -86,7 +100,7 @@ func Start(name, logDir, bin string, args ...string) (*Process, error) {
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	// The owner mark lets Leaked find this process and everything it starts, even
 	// after the test process lost track of it.
-	cmd.Env = append(os.Environ(), ownerEnv+"="+strconv.Itoa(os.Getpid()))
+	cmd.Env = append(env, ownerEnv+"="+strconv.Itoa(os.Getpid()))
 	// Own process group: a Ctrl-C in the test's terminal does not reach it first, and
 	// Stop can signal whatever it started along with it.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}

@@ -180,6 +180,7 @@ func rekeyBin(t testing.TB) string {
 		rekeyCLI.path = filepath.Join(workDir, "bin", "rekey")
 		cmd := exec.Command("go", "build", "-o", rekeyCLI.path, "./cmd/rekey")
 		cmd.Dir = root
+		cmd.Env = testbed.BuildEnv() // with the FIPS module in FIPS mode
 		if out, err := cmd.CombinedOutput(); err != nil {
 			rekeyCLI.err = fmt.Errorf("go build ./cmd/rekey: %w\n%s", err, out)
 		}

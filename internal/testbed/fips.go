@@ -1,0 +1,73 @@
+package testbed
+
+import (
+	"crypto/fips140"
+	"os"
+	"strings"
+)
+
+// FIPSModule is the Go FIPS 140-3 module version the testbed builds its programs with in
+// FIPS mode: $GOFIPS140 when it names one, else v1.0.0.
+func FIPSModule() string {
+	if v := os.Getenv("GOFIPS140"); v != "" && v != "off" {
+		return v
+	}
+	return "v1.0.0"
+}
+
+// FIPS reports whether the testbed runs in FIPS 140-3 mode, enforced: the test process
+// itself runs under GODEBUG=fips140=only (make test-fips). Then rekey's programs (the
+// shim, the KMS plugin, the rekey CLI) are built with GOFIPS140=FIPSModule() and run
+// with GODEBUG=fips140=only, and etcd, a fixture that cannot run in that mode (it
+// computes member ids with SHA-1), is built without the module and runs with
+// fips140=off.
+func FIPS() bool { return fips140.Enforced() }
+
+// withGODEBUG returns env with GODEBUG's fips140 setting replaced by fips140 (the other
+// settings kept).
+func withGODEBUG(env []string, fips140 string) []string {
+	out := make([]string, 0, len(env)+1)
+	godebug := []string{"fips140=" + fips140}
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, "GODEBUG="); ok {
+			for _, s := range strings.Split(v, ",") {
+				if s != "" && !strings.HasPrefix(s, "fips140=") {
+					godebug = append(godebug, s)
+				}
+			}
+			continue
+		}
+		out = append(out, kv)
+	}
+	return append(out, "GODEBUG="+strings.Join(godebug, ","))
+}
+
+// BuildEnv is the environment of `go build` for rekey's programs: GOFIPS140=FIPSModule()
+// in FIPS mode, the test's environment otherwise.
+func BuildEnv() []string {
+	if FIPS() {
+		return append(os.Environ(), "GOFIPS140="+FIPSModule())
+	}
+	return os.Environ()
+}
+
+// fixtureBuildEnv is the environment of `go build` for a fixture that runs outside FIPS
+// mode (etcd): no FIPS module.
+func fixtureBuildEnv() []string { return append(os.Environ(), "GOFIPS140=off") }
+
+// RunEnv is the environment rekey's programs run with: GODEBUG=fips140=only in FIPS
+// mode, the test's environment otherwise.
+func RunEnv() []string {
+	if FIPS() {
+		return withGODEBUG(os.Environ(), "only")
+	}
+	return os.Environ()
+}
+
+// fixtureRunEnv is the environment of etcd: fips140=off in FIPS mode.
+func fixtureRunEnv() []string {
+	if FIPS() {
+		return withGODEBUG(os.Environ(), "off")
+	}
+	return os.Environ()
+}
