@@ -193,7 +193,16 @@ func TestCheckConfigFIPS(t *testing.T) {
 	if strings.Contains(err.Error(), secret('7')) {
 		t.Fatal("the refusal quotes key material")
 	}
-	if out, err := run(t, args...); err != nil || !strings.Contains(out, "OK:") {
+	out, err = run(t, args...)
+	if processFIPSMode() != transformers.FIPSOff {
+		// The test runs in FIPS mode (make test-fips): the process's mode refuses
+		// without the flag, with the same words.
+		if err == nil || !strings.Contains(err.Error(), "FIPS 140-3 mode ("+processFIPSMode().String()+")") || !strings.Contains(err.Error(), `provider secretbox "sb1"`) {
+			t.Fatalf("check-config without --fips in FIPS mode %s: err = %v\n%s", processFIPSMode(), err, out)
+		}
+		return
+	}
+	if err != nil || !strings.Contains(out, "OK:") {
 		t.Fatalf("check-config without --fips: %v\n%s", err, out)
 	}
 }

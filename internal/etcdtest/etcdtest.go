@@ -77,6 +77,23 @@ func StartWith(tb testing.TB, opts Options) *Server {
 	return nil
 }
 
+// New starts a member with its data in dir, for a TestMain (which has no testing.TB);
+// the caller closes it.
+func New(dir string, opts Options) (*Server, error) {
+	var err error
+	for attempt := 0; attempt < 3; attempt++ {
+		var srv *Server
+		d := filepath.Join(dir, "attempt-"+strconv.Itoa(attempt))
+		if err = os.MkdirAll(d, 0o700); err != nil {
+			return nil, fmt.Errorf("etcdtest: %w", err)
+		}
+		if srv, err = start(d, opts); err == nil {
+			return srv, nil
+		}
+	}
+	return nil, fmt.Errorf("etcdtest: starting etcd failed three times: %w", err)
+}
+
 func start(dir string, opts Options) (*Server, error) {
 	clientURL, err := freeURL()
 	if err != nil {

@@ -2,6 +2,8 @@ package shim
 
 import (
 	"context"
+	"crypto/fips140"
+	"errors"
 	"fmt"
 	"net"
 	"net/url"
@@ -25,6 +27,12 @@ type embeddedEtcd struct {
 // startEmbeddedEtcd starts etcd with its data in dir on two free loopback ports and
 // waits until it serves.
 func startEmbeddedEtcd(ctx context.Context, dir string, noFsync bool, logLevel string) (*embeddedEtcd, error) {
+	if fips140.Enforced() {
+		// etcd computes its member ids with SHA-1 (membership.computeMemberID), which
+		// Go refuses under fips140=only with a panic: say so before starting it.
+		return nil, errors.New("embedded etcd cannot run in FIPS 140-3 mode enforced (GODEBUG=fips140=only): etcd computes member ids with SHA-1, which Go refuses in that mode; " +
+			"run etcd as its own process and pass --etcd-servers, or run with GODEBUG=fips140=on")
+	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("embedded etcd: cannot create --data-dir %q: %w", dir, err)
 	}

@@ -2,11 +2,13 @@ package shim_test
 
 import (
 	"context"
+	"crypto/fips140"
 	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -19,12 +21,26 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/component-base/metrics"
 
+	"github.com/rekey-io/rekey/internal/etcdtest"
 	"github.com/rekey-io/rekey/internal/kmsplugin"
 	"github.com/rekey-io/rekey/internal/shim"
 	"github.com/rekey-io/rekey/internal/testbed"
 	"github.com/rekey-io/rekey/pkg/guard"
 	"github.com/rekey-io/rekey/pkg/layer"
 )
+
+var fipsEtcds sync.Map // dir → endpoint of its etcdtest member
+
+// fipsEtcd returns the endpoint of dir's etcdtest member, started on first use; it
+// stops when the test that started it ends.
+func fipsEtcd(t *testing.T, dir string) string {
+	if e, ok := fipsEtcds.Load(dir); ok {
+		return e.(string)
+	}
+	e := etcdtest.Start(t).Endpoint
+	fipsEtcds.Store(dir, e)
+	return e
+}
 
 // startShim runs a shim on dir's embedded etcd. It returns its client and a stop
 // function, or the error Run returned before the shim started.
@@ -43,6 +59,11 @@ func startShim(t *testing.T, dir, cfgPath string, override bool, mutate ...func(
 		Tokens:            map[string]*user.DefaultInfo{token: {Name: "admin", Groups: []string{"system:masters"}}},
 		MetricsRegistry:   metrics.NewKubeRegistry(),
 		Started:           func(i shim.Info) { started <- i },
+	}
+	if fips140.Enforced() {
+		// The embedded etcd cannot start under GODEBUG=fips140=only (SHA-1 member
+		// ids): one etcdtest member (a process) per dir, kept across restarts.
+		opts.EtcdServers = []string{fipsEtcd(t, dir)}
 	}
 	for _, m := range mutate {
 		m(&opts)

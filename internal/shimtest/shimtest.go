@@ -1,11 +1,12 @@
 // Package shimtest starts the apiserver shim in the test's own process, on an embedded
-// etcd, for tests that need a real Kubernetes API (a Secret read and updated with
+// etcd (an etcdtest member under GODEBUG=fips140=only), for tests that need a real Kubernetes API (a Secret read and updated with
 // resourceVersion compare-and-swap, as a platform's management cluster serves it)
 // without the process harness of internal/testbed.
 package shimtest
 
 import (
 	"context"
+	"crypto/fips140"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -19,6 +20,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"k8s.io/component-base/metrics"
 
+	"github.com/rekey-io/rekey/internal/etcdtest"
 	"github.com/rekey-io/rekey/internal/shim"
 	"github.com/rekey-io/rekey/pkg/layer"
 )
@@ -61,6 +63,12 @@ func StartWithFlags(t testing.TB, flags layer.Flags) *API {
 	if err := os.WriteFile(cfgPath, []byte(identityConfig), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	var etcdServers []string
+	if fips140.Enforced() {
+		// The shim's embedded etcd cannot run under GODEBUG=fips140=only (SHA-1 member
+		// ids); etcdtest runs one as a process there.
+		etcdServers = []string{etcdtest.Start(t).Endpoint}
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	started := make(chan shim.Info, 1)
 	done := make(chan error, 1)
@@ -68,6 +76,7 @@ func StartWithFlags(t testing.TB, flags layer.Flags) *API {
 		done <- shim.Run(ctx, shim.Options{
 			EncryptionConfig:  cfgPath,
 			Rekey:             flags,
+			EtcdServers:       etcdServers,
 			DataDir:           filepath.Join(dir, "etcd"),
 			EtcdUnsafeNoFsync: true,
 			CertDir:           filepath.Join(dir, "certs"),

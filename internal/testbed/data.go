@@ -14,6 +14,7 @@ package testbed
 
 import (
 	"context"
+	"crypto/fips140"
 	"crypto/rand"
 	"encoding/base64"
 	"fmt"
@@ -29,6 +30,10 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/apiserver/pkg/server/options/encryptionconfig"
 	"k8s.io/apiserver/pkg/storage/value"
+
+	"github.com/rekey-io/rekey/pkg/config"
+	"github.com/rekey-io/rekey/pkg/transformers"
+	"github.com/rekey-io/rekey/pkg/transformers/kmsv2"
 )
 
 // RandomKey returns a base64 AES-256 key for an EncryptionConfiguration.
@@ -67,7 +72,16 @@ func EtcdClient(endpoints []string) (*clientv3.Client, error) {
 // Upstream builds kube-apiserver's own transformers from an EncryptionConfiguration
 // file with k8s.io/apiserver's encryptionconfig package: an independent implementation
 // to check stored bytes against. Cancel ctx to stop its KMS clients.
+//
+// In a test process under GODEBUG=fips140=only upstream cannot build its aesgcm and
+// KMS v2 transformers (cipher.NewGCM is refused there): Upstream then returns a Set
+// rekey builds from the file afresh, independent of the process under test but not of
+// rekey's code. The default build checks rekey against upstream; the e2e suite in FIPS
+// mode runs its test process outside FIPS mode (REKEY_TESTBED_FIPS), with upstream.
 func Upstream(ctx context.Context, configPath string) (value.ResourceTransformers, error) {
+	if fips140.Enforced() {
+		return rekeyTransformers(ctx, configPath)
+	}
 	cfg, err := encryptionconfig.LoadEncryptionConfig(ctx, configPath, false, "testbed")
 	if err != nil {
 		return nil, err
@@ -140,4 +154,32 @@ func WriteStored(ctx context.Context, cli *clientv3.Client, t value.ResourceTran
 	}
 	_, err = cli.Put(ctx, key, string(sealed))
 	return err
+}
+
+// setTransformers is a rekey Set as value.ResourceTransformers.
+type setTransformers struct{ set *transformers.Set }
+
+func (s setTransformers) TransformerForResource(gr schema.GroupResource) value.Transformer {
+	return s.set.TransformerFor(gr)
+}
+
+// rekeyTransformers builds a Set from configPath (Upstream under fips140=only); it is
+// closed when ctx ends.
+func rekeyTransformers(ctx context.Context, configPath string) (value.ResourceTransformers, error) {
+	cfg, err := config.Load(configPath, config.Options{})
+	if err != nil {
+		return nil, err
+	}
+	set, err := transformers.Build(ctx, cfg, transformers.Options{KMS: kmsv2.NewFactory(kmsv2.FactoryOptions{})})
+	if err != nil {
+		return nil, err
+	}
+	for _, k := range set.KMSProviders() {
+		if err := k.WaitReady(ctx); err != nil {
+			set.Close()
+			return nil, err
+		}
+	}
+	context.AfterFunc(ctx, set.Close)
+	return setTransformers{set}, nil
 }

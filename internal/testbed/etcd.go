@@ -54,7 +54,7 @@ func startEtcd(ctx context.Context, bin, dir, data string, extra []string) (*Etc
 		"--initial-cluster", "testbed=" + peer,
 		"--unsafe-no-fsync", "--log-level", "warn"}, extra...)
 	// etcd runs outside FIPS mode (fixtureRunEnv): it computes member ids with SHA-1.
-	p, err := startEnv("etcd", dir, bin, fixtureRunEnv(), args...)
+	p, err := StartEnv("etcd", dir, bin, fixtureRunEnv(), args...)
 	if err != nil {
 		return nil, err
 	}

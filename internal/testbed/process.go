@@ -84,10 +84,11 @@ const keepLogsEnv = "REKEY_TESTBED_KEEP_LOGS"
 // stdout and stderr go to <logDir>/<name>.log, or to
 // $REKEY_TESTBED_KEEP_LOGS/<name>-<time>.log when that is set.
 func Start(name, logDir, bin string, args ...string) (*Process, error) {
-	return startEnv(name, logDir, bin, RunEnv(), args...)
+	return StartEnv(name, logDir, bin, RunEnv(), args...)
 }
 
-func startEnv(name, logDir, bin string, env []string, args ...string) (*Process, error) {
+// StartEnv is Start with the environment env (RunEnv plus entries, for instance).
+func StartEnv(name, logDir, bin string, env []string, args ...string) (*Process, error) {
 	logPath := filepath.Join(logDir, name+".log")
 	if keep := os.Getenv(keepLogsEnv); keep != "" {
 		logPath = filepath.Join(keep, fmt.Sprintf("%s-%s.log", name, time.Now().Format("150405.000000")))

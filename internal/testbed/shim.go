@@ -40,6 +40,9 @@ type ShimConfig struct {
 	// Args are appended to the command line as they are, so flags the testbed does
 	// not model (the cluster coordination flags, for instance) pass through.
 	Args []string
+	// Env are environment entries added to RunEnv's (a later entry of a name wins):
+	// GODEBUG=fips140=on runs a default build in FIPS mode.
+	Env []string
 }
 
 // Shim is a running shim process.
@@ -127,7 +130,7 @@ func LaunchShim(ctx context.Context, bin string, c ShimConfig) (*Shim, error) {
 	portFile := filepath.Join(c.Dir, "port")
 	_ = os.Remove(portFile)
 	start := time.Now()
-	p, err := Start(c.Name, c.Dir, bin, args...)
+	p, err := StartEnv(c.Name, c.Dir, bin, append(RunEnv(), c.Env...), args...)
 	if err != nil {
 		return nil, err
 	}
