@@ -2,6 +2,7 @@ package config_test
 
 import (
 	"context"
+	"crypto/fips140"
 	"os"
 	"path/filepath"
 	"strings"
@@ -159,6 +160,14 @@ func TestValidationMatchesUpstream(t *testing.T) {
 			}
 
 			if tc.wantErr == "" {
+				if upErr != nil && fips140.Enforced() && strings.Contains(upErr.Error(), "FIPS 140-only mode") {
+					// Upstream builds its aesgcm (and KMS v1) with cipher.NewGCM, which Go
+					// refuses under GODEBUG=fips140=only: it cannot load this case there.
+					if ourErr != nil {
+						t.Fatalf("we rejected a valid config: %v", ourErr)
+					}
+					t.Skipf("upstream cannot load this case under fips140=only (%v); rekey accepts it; the comparison runs in the default build", upErr)
+				}
 				if upErr != nil {
 					t.Fatalf("upstream rejected a case the table says is valid: %v", upErr)
 				}

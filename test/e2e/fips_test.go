@@ -50,7 +50,8 @@ func TestFIPSRefusesSecretbox(t *testing.T) {
 	ctx := t.Context()
 	env, mode := fipsEnv()
 	sb := base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{7}, 32))
-	withSecretbox := encryptionConfig([]string{aesgcm("key1", testbed.RandomKey()), secretbox("sb1", sb)}, []string{identity})
+	key1 := testbed.RandomKey()
+	withSecretbox := encryptionConfig([]string{aesgcm("key1", key1), secretbox("sb1", sb)}, []string{identity})
 
 	t.Run("start-up", func(t *testing.T) {
 		dir := t.TempDir()
@@ -83,7 +84,7 @@ func TestFIPSRefusesSecretbox(t *testing.T) {
 	t.Run("reload", func(t *testing.T) {
 		dir := t.TempDir()
 		config := filepath.Join(dir, "encryption.yaml")
-		writeConfig(t, config, encryptionConfig([]string{aesgcm("key1", testbed.RandomKey()), identity}, []string{identity}))
+		writeConfig(t, config, encryptionConfig([]string{aesgcm("key1", key1), identity}, []string{identity}))
 		s := startShim(t, testbed.ShimConfig{Dir: dir, EncryptionConfig: config, Env: env, Args: []string{"--storage-migration=false"}})
 		st, raw := statusDoc[struct {
 			reloadStatus
