@@ -3,20 +3,17 @@ package layer_test
 import (
 	"context"
 	"fmt"
-	"net/url"
 	"os"
 	"path/filepath"
-	"strconv"
 
 	"github.com/spf13/pflag"
-	"go.etcd.io/etcd/server/v3/embed"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	genericoptions "k8s.io/apiserver/pkg/server/options"
 	"k8s.io/apiserver/pkg/storage/storagebackend"
 
-	"github.com/rekey-io/rekey/internal/freeport"
+	"github.com/rekey-io/rekey/internal/etcdtest"
 	"github.com/rekey-io/rekey/pkg/layer"
 )
 
@@ -105,24 +102,12 @@ resources:
       keys: [{name: key1, secret: c2VjcmV0IGlzIHNlY3VyZSwgb3IgaXMgaXQ/Pz8/Pz8=}]
 `
 
-// startEtcd runs a single-member etcd in dir for the example.
+// startEtcd runs a single-member etcd in dir for the example (etcdtest: embedded, or a
+// process under GODEBUG=fips140=only, where etcd cannot run in this process).
 func startEtcd(dir string) (clientURL string, stop func()) {
-	ports, err := freeport.PickN(2)
+	srv, err := etcdtest.New(filepath.Join(dir, "etcd"), etcdtest.Options{})
 	if err != nil {
 		panic(err)
 	}
-	cfg := embed.NewConfig()
-	cfg.Dir = filepath.Join(dir, "etcd")
-	cfg.LogLevel = "error"
-	client := url.URL{Scheme: "http", Host: "127.0.0.1:" + strconv.Itoa(ports[0])}
-	peer := url.URL{Scheme: "http", Host: "127.0.0.1:" + strconv.Itoa(ports[1])}
-	cfg.ListenClientUrls, cfg.AdvertiseClientUrls = []url.URL{client}, []url.URL{client}
-	cfg.ListenPeerUrls, cfg.AdvertisePeerUrls = []url.URL{peer}, []url.URL{peer}
-	cfg.InitialCluster = cfg.InitialClusterFromName(cfg.Name)
-	e, err := embed.StartEtcd(cfg)
-	if err != nil {
-		panic(err)
-	}
-	<-e.Server.ReadyNotify()
-	return client.String(), e.Close
+	return srv.Endpoint, srv.Close
 }

@@ -13,6 +13,7 @@ import (
 // an error, and what reads as AES-GCM (not stale) is a genuine plaintext: GCM data is
 // authenticated, so anything else would be a forgery. CBC data is not, as upstream.
 func FuzzOpen(f *testing.F) {
+	skipUnderFIPSOnly(f)
 	ctx := context.Background()
 	kms := newFakeKMS()
 	p := kmsv1.NewWithDecrypter("fuzz", 100, asDecrypter{kms})
