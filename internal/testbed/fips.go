@@ -7,8 +7,11 @@ import (
 )
 
 // FIPSModule is the Go FIPS 140-3 module version the testbed builds its programs with in
-// FIPS mode: $GOFIPS140 when it names one, else v1.0.0.
+// FIPS mode: $REKEY_TESTBED_GOFIPS140, else $GOFIPS140 when it names one, else v1.0.0.
 func FIPSModule() string {
+	if v := os.Getenv("REKEY_TESTBED_GOFIPS140"); v != "" {
+		return v
+	}
 	if v := os.Getenv("GOFIPS140"); v != "" && v != "off" {
 		return v
 	}

@@ -46,6 +46,7 @@ func BuildKubeAPIServer(ctx context.Context, dir string, upstream bool) (KubeAPI
 	for _, bl := range builds {
 		cmd := exec.CommandContext(ctx, "go", "build", "-ldflags", VersionLDFlags+" -X main.rekeyVersion=testbed", "-o", bl[0], bl[1])
 		cmd.Dir = filepath.Join(root, KubeAPIServerDir)
+		cmd.Env = BuildEnv() // with the FIPS module in FIPS mode
 		if out, err := cmd.CombinedOutput(); err != nil {
 			return KubeAPIServerBinaries{}, fmt.Errorf("go build %s in %s: %w\n%s", bl[1], cmd.Dir, err, out)
 		}

@@ -126,7 +126,13 @@ func TestInteropWithUpstreamLayer(t *testing.T) {
 		[]string{kms("local", plugin.Endpoint), identity},
 		[]string{aesgcm("key1", testbed.RandomKey())}))
 	ours := startShim(t, testbed.ShimConfig{Name: "shim-rekey", Dir: filepath.Join(dir, "rekey"), EncryptionConfig: config})
-	theirs := startShim(t, testbed.ShimConfig{Name: "shim-upstream", Dir: filepath.Join(dir, "upstream"), EncryptionConfig: config, Layer: "upstream"})
+	var upstreamEnv []string
+	if testbed.FIPS() {
+		// Upstream's layer cannot run under fips140=only (its aesgcm and KMS v2 use
+		// cipher.NewGCM): the reference shim runs outside FIPS mode, rekey's in it.
+		upstreamEnv = []string{"GODEBUG=fips140=off"}
+	}
+	theirs := startShim(t, testbed.ShimConfig{Name: "shim-upstream", Dir: filepath.Join(dir, "upstream"), EncryptionConfig: config, Layer: "upstream", Env: upstreamEnv})
 	oc, uc := clientFor(t, ours), clientFor(t, theirs)
 
 	ns := "interop-e2e"
@@ -378,6 +384,29 @@ func TestEmbeddedEtcdReadyAndIdleRSS(t *testing.T) {
 	dir := t.TempDir()
 	config := filepath.Join(dir, "encryption.yaml")
 	writeConfig(t, config, encryptionConfig([]string{aesgcm("key1", testbed.RandomKey())}, []string{identity}))
+	if testbed.FIPS() {
+		// Under GODEBUG=fips140=only etcd cannot run inside the shim (SHA-1 member
+		// ids): the shim says so and exits, instead of etcd's panic.
+		args, err := testbed.ShimArgs(testbed.ShimConfig{Dir: dir, EncryptionConfig: config})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, err := testbed.Start("shim", dir, bins.Shim, args...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-p.Done():
+		case <-time.After(60 * time.Second):
+			p.Kill()
+			t.Fatalf("still running with embedded etcd under fips140=only; log:\n%s", p.Log(4000))
+		}
+		log := p.Log(8000)
+		if p.ExitErr() == nil || !strings.Contains(log, "embedded etcd cannot run in FIPS 140-3 mode enforced") || !strings.Contains(log, "--etcd-servers") || strings.Contains(log, "panic") {
+			t.Fatalf("exit %v; want the embedded etcd refused in FIPS mode; log:\n%s", p.ExitErr(), log)
+		}
+		return
+	}
 	s := startShim(t, testbed.ShimConfig{Dir: dir, EncryptionConfig: config, EtcdServers: []string{}})
 	t.Logf("embedded etcd: ready %v after start (target < 2s)", s.Ready.Round(time.Millisecond))
 	if s.Ready > 10*time.Second {

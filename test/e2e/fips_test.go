@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bytes"
+	"debug/buildinfo"
 	"encoding/base64"
 	"fmt"
 	"path/filepath"
@@ -52,6 +53,26 @@ func TestFIPSRefusesSecretbox(t *testing.T) {
 	sb := base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{7}, 32))
 	key1 := testbed.RandomKey()
 	withSecretbox := encryptionConfig([]string{aesgcm("key1", key1), secretbox("sb1", sb)}, []string{identity})
+
+	if testbed.FIPS() {
+		// make test-fips: the programs are GOFIPS140 builds.
+		for _, bin := range []string{bins.Shim, bins.Plugin} {
+			bi, err := buildinfo.ReadFile(bin)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var fipsModule string
+			for _, s := range bi.Settings {
+				if s.Key == "GOFIPS140" {
+					fipsModule = s.Value
+				}
+			}
+			// The setting names the module's version and hash: v1.0.0-c2097c7c.
+			if !strings.HasPrefix(fipsModule, testbed.FIPSModule()) {
+				t.Fatalf("%s is built with GOFIPS140=%q, want %s", bin, fipsModule, testbed.FIPSModule())
+			}
+		}
+	}
 
 	t.Run("start-up", func(t *testing.T) {
 		dir := t.TempDir()
