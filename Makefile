@@ -48,13 +48,18 @@ FIPS_E2E_SKIP ?= KubeAPIServer
 test-fips:
 	@mkdir -p $(BIN)/test-logs $(BIN)/fips
 	GOFIPS140=off $(GO) build -o $(BIN)/fips/etcd ./hack/tools/etcd
+	@start=$$(date +%s); \
 	REKEY_ETCDTEST_BIN=$(CURDIR)/$(BIN)/fips/etcd GOFIPS140=$(FIPS_MODULE) GODEBUG=$(FIPS_GODEBUG) \
-		$(GO) test -p 1 -count=1 -timeout 30m $(FIPS_UNIT_PKGS) 2>&1 | tee $(BIN)/test-logs/fips-unit.log; \
-		unit=$${PIPESTATUS[0]}; \
-	REKEY_TESTBED_FIPS=1 REKEY_TESTBED_GOFIPS140=$(FIPS_MODULE) $(GO) test -p 1 -count=1 -timeout 40m -v \
+		$(GO) test -v -p 1 -count=1 -timeout 30m $(FIPS_UNIT_PKGS) > $(BIN)/test-logs/fips-unit.log 2>&1; \
+		unit=$$?; mid=$$(date +%s); \
+	REKEY_TESTBED_FIPS=1 REKEY_TESTBED_GOFIPS140=$(FIPS_MODULE) $(GO) test -v -p 1 -count=1 -timeout 40m \
 		-run '$(FIPS_E2E_RUN)' -skip '$(FIPS_E2E_SKIP)' ./test/e2e > $(BIN)/test-logs/fips-e2e.log 2>&1; \
-		e2e=$$?; grep -E '^(--- |ok|FAIL|PASS)' $(BIN)/test-logs/fips-e2e.log; \
-	echo "test-fips: unit exit $$unit, e2e exit $$e2e (logs in $(BIN)/test-logs/fips-*.log)"; \
+		e2e=$$?; end=$$(date +%s); \
+	for s in unit e2e; do l=$(BIN)/test-logs/fips-$$s.log; \
+		grep -E '^(ok|FAIL|panic:)|^\s*--- FAIL' $$l; \
+		echo "test-fips $$s: tests (subtests included) passed $$(grep -cE '^\s*--- PASS' $$l), failed $$(grep -cE '^\s*--- FAIL' $$l), skipped $$(grep -cE '^\s*--- SKIP' $$l); top-level passed $$(grep -cE '^--- PASS' $$l), skipped $$(grep -cE '^--- SKIP' $$l); log $$l"; \
+	done; \
+	echo "test-fips: unit exit $$unit in $$((mid-start)) s, e2e exit $$e2e in $$((end-mid)) s"; \
 	test $$unit = 0 -a $$e2e = 0
 
 ## lint: gofmt, go vet, staticcheck, `go mod tidy` leaves no diff (here, in deploy/monitoring and in

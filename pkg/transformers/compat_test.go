@@ -37,6 +37,25 @@ func (p pair) up(gr schema.GroupResource) value.Transformer {
 }
 func (p pair) our(gr schema.GroupResource) value.Transformer { return p.ours.TransformerFor(gr) }
 
+// loadOurs builds yaml with rekey alone, for tests whose subject is rekey's Set only.
+func loadOurs(t testing.TB, name, yaml string) *transformers.Set {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "config.yaml")
+	if err := os.WriteFile(path, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := config.Load(path, config.Options{})
+	if err != nil {
+		t.Fatalf("%s: config: %v", name, err)
+	}
+	set, err := transformers.Build(context.Background(), cfg, transformers.Options{})
+	if err != nil {
+		t.Fatalf("%s: build: %v", name, err)
+	}
+	t.Cleanup(set.Close)
+	return set
+}
+
 func loadPair(t testing.TB, name, yaml string) pair {
 	t.Helper()
 	path, up := loadUpstreamFile(t, name, yaml)
@@ -273,8 +292,7 @@ func TestCorruptValuesNeverPanic(t *testing.T) {
 	ctx := context.Background()
 	aad := value.DefaultContext("/registry/secrets/a/b")
 	for _, prov := range []string{"aesgcm", "aescbc", "secretbox"} {
-		p := loadPair(t, prov, configFor("secrets", prov))
-		tr := p.our(secrets)
+		tr := loadOurs(t, prov, configFor("secrets", prov)).TransformerFor(secrets)
 		v, err := tr.TransformToStorage(ctx, bytes.Repeat([]byte("p"), 33), aad)
 		if err != nil {
 			t.Fatal(err)
@@ -298,9 +316,9 @@ func TestCorruptValuesNeverPanic(t *testing.T) {
 		}
 	}
 	// The exact upstream panic: aescbc prefix + a 16-byte IV and nothing else.
-	p := loadPair(t, "cbc-iv-only", configFor("secrets", "aescbc"))
+	cbc := loadOurs(t, "cbc-iv-only", configFor("secrets", "aescbc"))
 	ivOnly := append([]byte("k8s:enc:aescbc:v1:key1:"), make([]byte, 16)...)
-	if _, _, err := p.our(secrets).TransformFromStorage(ctx, ivOnly, aad); err == nil {
+	if _, _, err := cbc.TransformerFor(secrets).TransformFromStorage(ctx, ivOnly, aad); err == nil {
 		t.Fatal("an IV-only aescbc value must be an error")
 	}
 }
@@ -308,20 +326,20 @@ func TestCorruptValuesNeverPanic(t *testing.T) {
 func TestUnknownPrefixAndIdentityRefusal(t *testing.T) {
 	ctx := context.Background()
 	aad := value.DefaultContext("/registry/secrets/a/b")
-	p := loadPair(t, "gcm", configFor("secrets", "aesgcm"))
-	_, _, err := p.our(secrets).TransformFromStorage(ctx, []byte("plain"), aad)
+	gcm := loadOurs(t, "gcm", configFor("secrets", "aesgcm"))
+	_, _, err := gcm.TransformerFor(secrets).TransformFromStorage(ctx, []byte("plain"), aad)
 	if err == nil || !strings.Contains(err.Error(), "no matching prefix found") {
 		t.Fatalf("plaintext under an aesgcm-only config: %v", err)
 	}
 	id := loadPair(t, "identity", configFor("secrets", "identity"))
-	enc, _ := p.our(secrets).TransformToStorage(ctx, []byte("x"), aad)
+	enc, _ := gcm.TransformerFor(secrets).TransformToStorage(ctx, []byte("x"), aad)
 	_, _, ourErr := id.our(secrets).TransformFromStorage(ctx, enc, aad)
 	_, _, upErr := id.up(secrets).TransformFromStorage(ctx, enc, aad)
 	if ourErr == nil || upErr == nil {
 		t.Fatalf("identity must refuse encrypted data: ours=%v upstream=%v", ourErr, upErr)
 	}
 	// Resources with no rule fall back to identity that refuses encrypted data.
-	_, _, err = p.our(schema.GroupResource{Resource: "pods"}).TransformFromStorage(ctx, enc, aad)
+	_, _, err = gcm.TransformerFor(schema.GroupResource{Resource: "pods"}).TransformFromStorage(ctx, enc, aad)
 	if err == nil {
 		t.Fatal("fallback identity read encrypted data")
 	}

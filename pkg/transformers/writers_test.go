@@ -21,7 +21,7 @@ import (
 // its second key: new values carry that key's prefix, both Sets read each other's
 // values, and the stale flag stays relative to the configuration's first key.
 func TestWithWritersWritesWithTheChosenEntry(t *testing.T) {
-	base := loadPair(t, "aesgcm", configFor(`"secrets"`, "aesgcm")).ours
+	base := loadOurs(t, "aesgcm", configFor(`"secrets"`, "aesgcm"))
 	held, err := base.WithWriters(map[string]transformers.Writer{"secrets": {Index: 1}})
 	if err != nil {
 		t.Fatal(err)
@@ -62,7 +62,7 @@ func TestWithWritersWritesWithTheChosenEntry(t *testing.T) {
 }
 
 func TestWithWritersRefusesUnknownRuleOrIndex(t *testing.T) {
-	base := loadPair(t, "aesgcm", configFor(`"secrets"`, "aesgcm")).ours
+	base := loadOurs(t, "aesgcm", configFor(`"secrets"`, "aesgcm"))
 	for _, w := range []map[string]transformers.Writer{{"configmaps": {Index: 1}}, {"secrets": {Index: 2}}, {"secrets": {Index: -1}}} {
 		if s, err := base.WithWriters(w); err == nil {
 			s.Close()
@@ -79,7 +79,7 @@ func TestWithWritersRefusesUnknownRuleOrIndex(t *testing.T) {
 // with a ServiceUnavailable status naming why, reads still work, and the rule reports
 // no writer.
 func TestWithWritersRefusal(t *testing.T) {
-	base := loadPair(t, "aesgcm", configFor(`"secrets"`, "aesgcm")).ours
+	base := loadOurs(t, "aesgcm", configFor(`"secrets"`, "aesgcm"))
 	ctx := context.Background()
 	dataCtx := value.DefaultContext("/registry/secrets/ns/s1")
 	stored, err := base.TransformerFor(secrets).TransformToStorage(ctx, []byte("v"), dataCtx)
