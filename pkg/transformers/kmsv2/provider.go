@@ -25,6 +25,7 @@ package kmsv2
 import (
 	"context"
 	"crypto/cipher"
+	"crypto/fips140"
 	"errors"
 	"fmt"
 	"sync"
@@ -91,7 +92,8 @@ type FactoryOptions struct {
 	// cipher.NewGCMWithRandomNonce) instead of the generation's counter, and opens with
 	// the same construction. The stored bytes have the same layout (info ‖ nonce ‖
 	// ciphertext ‖ tag), so either reads the other's values and kube-apiserver reads
-	// both. New turns it on in FIPS mode: under transformers.FIPSOnly Go refuses AES-GCM
+	// both. New turns it on in FIPS mode (transformers.Options.FIPS, or the process's
+	// crypto/fips140.Enabled()): under transformers.FIPSOnly Go refuses AES-GCM
 	// with a nonce the caller supplies (cipher.NewGCM), and under FIPSOn too only a
 	// nonce the module draws makes the encryption an approved service (SP 800-38D
 	// 8.2.2). Set here, it tests that path in any mode. See docs/kmsv2-crypto.md.
@@ -246,7 +248,10 @@ func New(cfg *apiserver.KMSConfiguration, topts transformers.Options, o FactoryO
 	if o.KeyIDConfirmations <= 0 {
 		o.KeyIDConfirmations = DefaultKeyIDConfirmations
 	}
-	if topts.FIPS != transformers.FIPSOff {
+	// The process's own mode too: under GODEBUG=fips140=only Go refuses the counter's
+	// cipher.NewGCM whatever the caller passed, and a Set built with Options{} (a test, a
+	// tool) must not fail its first write there.
+	if topts.FIPS != transformers.FIPSOff || fips140.Enabled() {
 		o.RandomNonces = true
 	}
 	clk := topts.Clock
