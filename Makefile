@@ -9,7 +9,7 @@ STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(BIN)/tools/staticcheck-$(STATICCHECK_VERSION)/staticcheck
 VERSION_LDFLAGS := -X k8s.io/component-base/version.gitVersion=v1.37.2 -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37
 
-.PHONY: test-fips kms-pkcs11 test-kms-pkcs11 upstream-mock-kms bench-kms-pkcs11-rotation all build test lint docs-check fmt vet staticcheck tidy-check openapi-check tools run e2e e2e-long bench bench-rotation bench-scale charts bench-go fuzz sim clean kube-apiserver run-kube-apiserver
+.PHONY: test-fips kms-pkcs11 test-kms-pkcs11 upstream-mock-kms bench-kms-pkcs11-rotation all build test lint docs-check fmt vet staticcheck tidy-check openapi-check tools run e2e e2e-long bench bench-rotation bench-controller bench-scale charts bench-go fuzz sim clean kube-apiserver run-kube-apiserver
 
 # dist/kube-apiserver: upstream's kube-apiserver with rekey inside, a Go module of its own.
 KUBE_VERSION := v1.37.2
@@ -136,6 +136,16 @@ bench:
 ## section of BENCHMARKS.md and results.json and keeps every other one.
 bench-rotation:
 	$(GO) run ./cmd/rekey-bench -scenarios rotation $(BENCH_FLAGS) $(BENCH_OUT)
+
+## bench-controller: the controller scenario alone: a rotation declared on a
+## ControlPlaneEncryption object (rekey controller, a management kube-apiserver with the
+## CRD) vs a Gardener-style procedure (the same Secret edits, rolling restarts, a rewrite
+## of every object), CONTROLLER_N Secrets (default 10,000), projection delays
+## CONTROLLER_DELAYS (default 0s-60s). BENCH_FLAGS=-short: 300 Secrets, 0s-5s, about 2 minutes.
+CONTROLLER_N ?=
+CONTROLLER_DELAYS ?=
+bench-controller:
+	$(GO) run ./cmd/rekey-bench -scenarios controller $(if $(CONTROLLER_N),-controller-objects $(CONTROLLER_N)) $(if $(CONTROLLER_DELAYS),-controller-delays $(CONTROLLER_DELAYS)) $(BENCH_FLAGS) $(BENCH_OUT)
 
 ## bench-scale: the scale scenario alone: N Secrets of 1–10 KiB (SCALE_N, default
 ## 1,000,000) in an etcd process with a 2 GiB quota rotated on one apiserver under a

@@ -36,6 +36,10 @@ func main() {
 		rotSides   = flag.String("rotation-sides", "", "comma-separated sides of the rotation scenario to run: rekey, upstream (default both)")
 		rotRekey   = flag.String("rotation-rekey-bin", "", "the rekey binary the rotation scenario runs (default: cmd/rekey built from this tree)")
 		rotShim    = flag.String("rotation-shim-flags", "", "the rotation scenario's rekey side: more flags for its shims, space-separated (e.g. --storage-migration-priority=fast)")
+		ctlObjects = flag.Int("controller-objects", 0, "Secrets the controller scenario rotates (default 10,000; short 300)")
+		ctlDelays  = flag.String("controller-delays", "", "the controller scenario's projection delay range per hosted apiserver, MIN-MAX as durations (default 0s-60s; short 0s-5s)")
+		ctlSeed    = flag.Uint64("controller-seed", 0, "seed of the controller scenario's projection delays (default: from the clock; reported)")
+		ctlSides   = flag.String("controller-sides", "", "comma-separated sides of the controller scenario to run: rekey, gardener (default both)")
 		scaleN     = flag.Int("scale-objects", 0, "Secrets the scale scenario stores and rotates (default $REKEY_BENCH_SCALE_N, else 1,000,000; short 20,000)")
 		scaleSides = flag.String("scale-sides", "", "comma-separated sides of the scale scenario to run: rekey, upstream (default both)")
 		scaleBase  = flag.Duration("scale-baseline", 0, "the scale scenario's client-load window before the rotation (default 1m, 5m from 500,000 Secrets; short 10s)")
@@ -70,6 +74,18 @@ func main() {
 	settings.RotationObjects, settings.RotationRekeyBin, settings.RotationShimFlags = *rotObjects, *rotRekey, strings.Fields(*rotShim)
 	if *rotSides != "" {
 		settings.RotationSides = strings.Split(*rotSides, ",")
+	}
+	settings.ControllerObjects, settings.ControllerSeed = *ctlObjects, *ctlSeed
+	if *ctlDelays != "" {
+		lo, hi, err := parseDelayRange(*ctlDelays)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "rekey-bench: -controller-delays:", err)
+			os.Exit(2)
+		}
+		settings.ControllerMinDelay, settings.ControllerMaxDelay = lo, hi
+	}
+	if *ctlSides != "" {
+		settings.ControllerSides = strings.Split(*ctlSides, ",")
 	}
 	settings.ScaleObjects, settings.ScaleBaseline, settings.ScaleUpstreamLimit, settings.ScaleMigrationRate = *scaleN, *scaleBase, *scaleLimit, *scaleRate
 	settings.ScaleQuotaBytes, settings.ScaleIdle, settings.ScaleShimFlags = *scaleQuota, *scaleIdle, strings.Fields(*scaleShim)
@@ -183,6 +199,24 @@ func main() {
 			os.Exit(1)
 		}
 	}
+}
+
+// parseDelayRange parses "MIN-MAX" of two durations ("0s-60s", "500ms-5s").
+func parseDelayRange(v string) (lo, hi time.Duration, err error) {
+	a, b, ok := strings.Cut(v, "-")
+	if !ok {
+		return 0, 0, fmt.Errorf("%q: want MIN-MAX, e.g. 0s-60s", v)
+	}
+	if lo, err = time.ParseDuration(a); err != nil {
+		return 0, 0, err
+	}
+	if hi, err = time.ParseDuration(b); err != nil {
+		return 0, 0, err
+	}
+	if lo < 0 || hi <= 0 || lo > hi {
+		return 0, 0, fmt.Errorf("%q: want 0 <= MIN <= MAX and MAX > 0", v)
+	}
+	return lo, hi, nil
 }
 
 // readReport reads results JSON written by -results.

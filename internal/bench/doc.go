@@ -9,10 +9,12 @@
 //     result rows and targets (results.go, targets.go), number formatting (format.go),
 //     and what several scenarios share to set up (configs.go, pairs.go, rawgcm.go,
 //     kmsplugin.go, load.go, plots.go, confighash.go, rewrite.go; processrun.go: the
-//     build, etcd process, client and plugin process of a scenario's bed, startBed);
-//   - scenarios: one file per scenario (rotation and scale: one per side or part, plus
-//     their testbeds), each returning rows and depending only on helpers; scenarios.go
-//     lists them;
+//     build, etcd process, client and plugin process of a scenario's bed, startBed;
+//     hostedbed.go and rotation_clients.go: the three-apiserver testbed, its clients'
+//     latencies and their rows, shared by the rotation and controller scenarios);
+//   - scenarios: one file per scenario (rotation, controller and scale: one per side or
+//     part, plus their testbeds), each returning rows and depending only on helpers;
+//     scenarios.go lists them;
 //   - rendering: report.go (the run's record, JSON and markdown) and chart.go (SVG and
 //     PNG charts), which read rows and never measure.
 //

@@ -29,31 +29,12 @@ import (
 // Both sides edit one source file, which a kubelet-like syncer copies to each
 // apiserver's own file after its own random delay (0–10 s, random order), while
 // writers update Secrets through every apiserver and a sampler reads every Secret
-// through every apiserver (rotation_testbed.go). This file runs the sides one after the
+// through every apiserver (hostedbed.go). This file runs the sides one after the
 // other and turns what they measured into rows.
 const rotationScenario = "rotation (10,000 Secrets, 3 apiservers, 3-member etcd)"
 
 // RotationSides are the sides the rotation scenario can run.
 var rotationSides = []string{"rekey", "upstream"}
-
-// rotationResult is what one side measured.
-type rotationResult struct {
-	side string
-	// total is from the first edit of the source file to "old key removed everywhere";
-	// afterLastFile is from the last per-apiserver file update of the first edit.
-	total, afterLastFile time.Duration
-	edits                int
-	writes               testbed.WriteReport
-	reads                testbed.SampleReport
-	// underNew of stored Secrets are under the new key at the end (etcd scan).
-	underNew, stored int
-	newKey           string
-	// rewritten and rewriteConflicts are the upstream script's no-op updates.
-	rewritten, rewriteConflicts int64
-	// clients are the writers' and the sampler's latencies before and during the
-	// rotation.
-	clients []latencySummary
-}
 
 // runRotation runs each side on its own fresh testbed, one after the other.
 func runRotation(s Settings) ([]Row, error) {
@@ -251,79 +232,12 @@ func rotationRows(res map[string]*rotationResult, objects int) []Row {
 		under.Checks = append(under.Checks, Check{Desc: "upstream's rewrite", Met: true,
 			Got: fmt.Sprintf("%d no-op updates, %d conflicts retried", r.rewritten, r.rewriteConflicts)})
 	}
-	return append([]Row{total, after, edits, failed, unreadable, under}, clientLatencyRows(res, row)...)
+	return append([]Row{total, after, edits, failed, unreadable, under}, clientLatencyRows(res, rotationSides, row)...)
 }
 
-// clientLatencyRows are the clients' p50 and p99 per kind of request, before and
-// during the rotation, on both sides; the rows of p99 during the rotation check
-// rekey's against 1.5 × its p99 before (issue 34's target), and say upstream's.
-func clientLatencyRows(res map[string]*rotationResult, row func(c, unit string, value func(*rotationResult) float64) Row) []Row {
-	find := func(r *rotationResult, window, kind string) (latencySummary, bool) {
-		for _, s := range r.clients {
-			if s.Window == window && s.Requests == kind {
-				return s, true
-			}
-		}
-		return latencySummary{}, false
-	}
-	kinds := map[string]bool{}
-	for _, r := range res {
-		for _, s := range r.clients {
-			kinds[s.Requests] = true
-		}
-	}
-	var rows []Row
-	for _, kind := range slices.Sorted(maps.Keys(kinds)) {
-		for _, window := range []string{windowBefore, windowDuring} {
-			for _, q := range []string{"p50", "p99"} {
-				r := row(fmt.Sprintf("clients' %s, %s, %s the rotation", q, kind, window), "ms", func(r *rotationResult) float64 {
-					s, _ := find(r, window, kind)
-					if q == "p50" {
-						return s.P50ms
-					}
-					return s.P99ms
-				})
-				for i, side := range rotationSides {
-					if r.Figures[i].Note == "" && res[side] != nil {
-						if _, ok := find(res[side], window, kind); !ok {
-							r.Figures[i].Note = "no such request"
-						}
-					}
-				}
-				if window == windowDuring && q == "p99" {
-					r.Checks = clientLatencyChecks(res, kind, find)
-				}
-				rows = append(rows, r)
-			}
-		}
-	}
-	return rows
-}
-
-// maxClientP99Factor is issue 34's bound on rekey's side: the clients' p99 during the
-// rotation at most this many times their p99 before it.
-const maxClientP99Factor = 1.5
-
-func clientLatencyChecks(res map[string]*rotationResult, kind string, find func(*rotationResult, string, string) (latencySummary, bool)) []Check {
-	ratio := func(side string) (float64, string, bool) {
-		r := res[side]
-		if r == nil {
-			return 0, "", false
-		}
-		b, okB := find(r, windowBefore, kind)
-		d, okD := find(r, windowDuring, kind)
-		if !okB || !okD || b.P99ms <= 0 {
-			return 0, "", false
-		}
-		x := d.P99ms / b.P99ms
-		return x, fmt.Sprintf("%.1f → %.1f ms, ×%.2f", b.P99ms, d.P99ms, x), true
-	}
-	var checks []Check
-	if x, text, ok := ratio("rekey"); ok {
-		if _, up, ok := ratio("upstream"); ok {
-			text += "; upstream " + up
-		}
-		checks = append(checks, Check{Desc: fmt.Sprintf("rekey: p99 during ≤ %.1f× before", maxClientP99Factor), Met: x <= maxClientP99Factor, Got: text})
-	}
-	return checks
+// startRotationBed starts a fresh testbed in dir whose shims run layer side with
+// shimFlags, seeds objects Secrets under a new key key1 and starts the writers and the
+// sampler.
+func startRotationBed(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, side string, objects int, shimFlags []string) (b *hostedBed, err error) {
+	return startHostedBed(ctx, progress, dir, bins, hostedBedConfig{scenario: "rotation", side: side, layer: side, objects: objects, shimFlags: shimFlags})
 }

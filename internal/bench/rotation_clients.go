@@ -120,3 +120,78 @@ func latencyText(ss []latencySummary) string {
 	}
 	return strings.Join(lines, "\n")
 }
+
+// clientLatencyRows are the clients' p50 and p99 per kind of request, before and
+// during the rotation, on both sides (sides: rekey's first, the baseline's second, in
+// the order of the rows' figures); the rows of p99 during the rotation check rekey's
+// against 1.5 × its p99 before (issue 34's target), and say the baseline's.
+func clientLatencyRows(res map[string]*rotationResult, sides []string, row func(c, unit string, value func(*rotationResult) float64) Row) []Row {
+	find := func(r *rotationResult, window, kind string) (latencySummary, bool) {
+		for _, s := range r.clients {
+			if s.Window == window && s.Requests == kind {
+				return s, true
+			}
+		}
+		return latencySummary{}, false
+	}
+	kinds := map[string]bool{}
+	for _, r := range res {
+		for _, s := range r.clients {
+			kinds[s.Requests] = true
+		}
+	}
+	var rows []Row
+	for _, kind := range slices.Sorted(maps.Keys(kinds)) {
+		for _, window := range []string{windowBefore, windowDuring} {
+			for _, q := range []string{"p50", "p99"} {
+				r := row(fmt.Sprintf("clients' %s, %s, %s the rotation", q, kind, window), "ms", func(r *rotationResult) float64 {
+					s, _ := find(r, window, kind)
+					if q == "p50" {
+						return s.P50ms
+					}
+					return s.P99ms
+				})
+				for i, side := range sides {
+					if r.Figures[i].Note == "" && res[side] != nil {
+						if _, ok := find(res[side], window, kind); !ok {
+							r.Figures[i].Note = "no such request"
+						}
+					}
+				}
+				if window == windowDuring && q == "p99" {
+					r.Checks = clientLatencyChecks(res, sides, kind, find)
+				}
+				rows = append(rows, r)
+			}
+		}
+	}
+	return rows
+}
+
+// maxClientP99Factor is issue 34's bound on rekey's side: the clients' p99 during the
+// rotation at most this many times their p99 before it.
+const maxClientP99Factor = 1.5
+
+func clientLatencyChecks(res map[string]*rotationResult, sides []string, kind string, find func(*rotationResult, string, string) (latencySummary, bool)) []Check {
+	ratio := func(side string) (float64, string, bool) {
+		r := res[side]
+		if r == nil {
+			return 0, "", false
+		}
+		b, okB := find(r, windowBefore, kind)
+		d, okD := find(r, windowDuring, kind)
+		if !okB || !okD || b.P99ms <= 0 {
+			return 0, "", false
+		}
+		x := d.P99ms / b.P99ms
+		return x, fmt.Sprintf("%.1f → %.1f ms, ×%.2f", b.P99ms, d.P99ms, x), true
+	}
+	var checks []Check
+	if x, text, ok := ratio(sides[0]); ok {
+		if _, up, ok := ratio(sides[1]); ok {
+			text += "; " + sides[1] + " " + up
+		}
+		checks = append(checks, Check{Desc: fmt.Sprintf("%s: p99 during ≤ %.1f× before", sides[0], maxClientP99Factor), Met: x <= maxClientP99Factor, Got: text})
+	}
+	return checks
+}

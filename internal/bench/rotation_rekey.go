@@ -8,12 +8,9 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"sync"
 	"time"
-
-	"github.com/rekey-io/rekey/internal/testbed"
 )
 
 // The rotation scenario's rekey side: `rekey rotate --wait`, built from this tree or
@@ -21,21 +18,6 @@ import (
 
 // errNoWait is what the rekey side reports when the rekey binary predates rotate --wait.
 var errNoWait = errors.New("rotate --wait not supported by this rekey binary: build cmd/rekey from a commit that has it")
-
-// buildRekey compiles cmd/rekey into dir.
-func buildRekey(ctx context.Context, dir string) (string, error) {
-	root, err := testbed.ModuleRoot()
-	if err != nil {
-		return "", err
-	}
-	bin := filepath.Join(dir, "rekey")
-	cmd := exec.CommandContext(ctx, "go", "build", "-ldflags", testbed.VersionLDFlags, "-o", bin, "./cmd/rekey")
-	cmd.Dir = root
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("go build ./cmd/rekey: %w\n%s", err, out)
-	}
-	return bin, nil
-}
 
 // checkRotateWait returns errNoWait when `rekey rotate --help` lists no --wait.
 func checkRotateWait(ctx context.Context, bin string) error {
@@ -63,7 +45,7 @@ func rotateHelpHasWait(help string) bool {
 
 // rotateRekey runs `rekey rotate --wait` on the source file and returns when it exited
 // 0 and every apiserver reports the final config's hash.
-func rotateRekey(ctx context.Context, progress io.Writer, b *rotationBed, bin, source string) (time.Time, []byte, error) {
+func rotateRekey(ctx context.Context, progress io.Writer, b *hostedBed, bin, source string) (time.Time, []byte, error) {
 	cmd := exec.CommandContext(ctx, bin, "rotate", "--encryption-provider-config", source, "--wait",
 		"--etcd-servers", strings.Join(b.etcd.Endpoints(), ","), "--progress", "plain")
 	pr, pw := io.Pipe()

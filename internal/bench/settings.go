@@ -55,4 +55,15 @@ type Settings struct {
 	// <side>-client-ops.csv (start, latency, failed) with the rotation's moments, to
 	// line the clients' latency up with what else was measured at the time.
 	ScaleOpsDir string
+	// ControllerObjects is the number of Secrets the controller scenario rotates
+	// (default 10,000; 300 in short mode).
+	ControllerObjects int
+	// ControllerMinDelay and ControllerMaxDelay bound each hosted apiserver's
+	// projection delay of the configuration Secret (default 0–60 s; 0–5 s in short
+	// mode); ControllerSeed seeds them (0: from the clock, reported either way).
+	ControllerMinDelay, ControllerMaxDelay time.Duration
+	ControllerSeed                         uint64
+	// ControllerSides are the controller scenario's sides to run: rekey, gardener
+	// (default both).
+	ControllerSides []string
 }

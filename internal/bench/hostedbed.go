@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"time"
@@ -14,9 +15,11 @@ import (
 	"github.com/rekey-io/rekey/internal/testbed"
 )
 
-// The rotation scenario's testbed, the same for both sides: a 3-member etcd, three
-// shims running the side's layer, a source file a kubelet-like syncer copies to each
-// shim, seeded Secrets under the old key, writers and a sampler.
+// The testbed of the rotation and controller scenarios, the same for both sides of
+// each: a 3-member etcd, three shims running the side's layer, a kubelet-like syncer
+// that copies a source (a file, a Secret) to each shim's file, seeded Secrets under the
+// old key, writers and a sampler; what one side of a rotation measured; the rekey
+// binary they run.
 const (
 	// rotationPrefix is the shims' --etcd-prefix: rekey rotate's default.
 	rotationPrefix = "/registry"
@@ -24,8 +27,8 @@ const (
 	rotationTimeout = 15 * time.Minute
 )
 
-// rotationBed is one side's fresh testbed.
-type rotationBed struct {
+// hostedBed is one side's fresh testbed.
+type hostedBed struct {
 	etcd   *testbed.EtcdCluster
 	cli    *clientv3.Client
 	fleet  *testbed.Fleet
@@ -42,11 +45,30 @@ type rotationBed struct {
 	clients *clientLatencies
 }
 
-// startRotationBed starts a fresh testbed in dir whose shims run layer side with
-// shimFlags, seeds objects Secrets under a new key key1 and starts the writers and the
-// sampler.
-func startRotationBed(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, side string, objects int, shimFlags []string) (b *rotationBed, err error) {
-	b = &rotationBed{}
+// hostedBedConfig is what differs between the testbeds of the rotation and the
+// controller scenarios and between their sides.
+type hostedBedConfig struct {
+	// scenario and side start every progress line ("rotation: rekey: ...").
+	scenario, side string
+	// layer is the shims' --encryption-layer (rekey, upstream).
+	layer   string
+	objects int
+	// shimFlags are more flags for every shim.
+	shimFlags []string
+	// minDelay and maxDelay bound each shim's file update delay (default 0–10 s);
+	// seed seeds them (0: from the clock; logged either way).
+	minDelay, maxDelay time.Duration
+	seed               uint64
+}
+
+// startHostedBed starts a fresh testbed in dir as c says, seeds c.objects Secrets under a
+// new key key1 and starts the writers and the sampler.
+func startHostedBed(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, c hostedBedConfig) (b *hostedBed, err error) {
+	side, objects := c.side, c.objects
+	if c.maxDelay == 0 && c.minDelay == 0 {
+		c.maxDelay = 10 * time.Second
+	}
+	b = &hostedBed{}
 	defer func() {
 		if err != nil {
 			b.stop()
@@ -63,14 +85,14 @@ func startRotationBed(ctx context.Context, progress io.Writer, dir string, bins 
 	b.fleet, err = testbed.StartFleet(ctx, testbed.FleetConfig{
 		ShimBin: bins.Shim, Dir: filepath.Join(dir, "shims"), N: 3,
 		EtcdServers: b.etcd.Endpoints(), EtcdPrefix: rotationPrefix,
-		Layer: side, Config: b.initial, Args: shimFlags,
+		Layer: c.layer, Config: b.initial, Args: c.shimFlags,
 	})
 	if err != nil {
 		return nil, err
 	}
-	b.syncer, err = b.fleet.NewSyncer(testbed.SyncerConfig{MaxDelay: 10 * time.Second,
+	b.syncer, err = b.fleet.NewSyncer(testbed.SyncerConfig{MinDelay: c.minDelay, MaxDelay: c.maxDelay, Seed: c.seed,
 		Logf: func(format string, args ...any) {
-			fmt.Fprintf(progress, "rotation: %s: "+format+"\n", append([]any{side}, args...)...)
+			fmt.Fprintf(progress, "%s: %s: "+format+"\n", append([]any{c.scenario, side}, args...)...)
 		}})
 	if err != nil {
 		return nil, err
@@ -82,12 +104,12 @@ func startRotationBed(ctx context.Context, progress io.Writer, dir string, bins 
 	if err := os.WriteFile(b.sourcePath, b.initial, 0o600); err != nil {
 		return nil, err
 	}
-	b.load = testbed.NewWorkload("rotation", b.fleet.Endpoints())
+	b.load = testbed.NewWorkload(c.scenario, b.fleet.Endpoints())
 	seedStart := time.Now()
 	if err := b.load.Seed(ctx, "s", objects, 8); err != nil {
 		return nil, err
 	}
-	fmt.Fprintf(progress, "rotation: %s: %d Secrets under key1 in %v\n", side, objects, time.Since(seedStart).Round(time.Millisecond))
+	fmt.Fprintf(progress, "%s: %s: %d Secrets under key1 in %v\n", c.scenario, side, objects, time.Since(seedStart).Round(time.Millisecond))
 	b.clients = newClientLatencies()
 	b.writers = b.load.StartWriters(ctx, testbed.WritersConfig{PerEndpoint: 2, Pause: 20 * time.Millisecond, CreateEvery: 50,
 		Latency: b.clients.observer("writers")})
@@ -96,11 +118,11 @@ func startRotationBed(ctx context.Context, progress io.Writer, dir string, bins 
 }
 
 // stopLoad stops the writers and the sampler and returns what they saw.
-func (b *rotationBed) stopLoad() (testbed.WriteReport, testbed.SampleReport) {
+func (b *hostedBed) stopLoad() (testbed.WriteReport, testbed.SampleReport) {
 	return b.writers.Stop(), b.sampler.Stop()
 }
 
-func (b *rotationBed) stop() {
+func (b *hostedBed) stop() {
 	if b.cli != nil {
 		b.cli.Close()
 	}
@@ -112,9 +134,9 @@ func (b *rotationBed) stop() {
 	}
 }
 
-// rotationEnd is the end state of a rotation, checked independently of the procedure
+// hostedEnd is the end state of a rotation, checked independently of the procedure
 // that claimed it.
-type rotationEnd struct {
+type hostedEnd struct {
 	newKey string
 	// underNew of stored Secrets are under newKey (etcd scan).
 	underNew, stored int
@@ -123,8 +145,8 @@ type rotationEnd struct {
 // checkEnd reads the end state: final (the source file's last content) must have
 // dropped the old key, every stored Secret is counted by its key, and every write the
 // writers had acknowledged must still be readable through every apiserver.
-func (b *rotationBed) checkEnd(ctx context.Context, final []byte) (rotationEnd, error) {
-	var end rotationEnd
+func (b *hostedBed) checkEnd(ctx context.Context, final []byte) (hostedEnd, error) {
+	var end hostedEnd
 	keys, err := testbed.AESGCMKeyNames(final)
 	if err != nil {
 		return end, err
@@ -154,4 +176,39 @@ func (b *rotationBed) checkEnd(ctx context.Context, final []byte) (rotationEnd, 
 		}
 	}
 	return end, nil
+}
+
+// rotationResult is what one side of a rotation measured (the rotation scenario's
+// result; the controller scenario's embeds it).
+type rotationResult struct {
+	side string
+	// total is from the first edit of the source file to "old key removed everywhere";
+	// afterLastFile is from the last per-apiserver file update of the first edit.
+	total, afterLastFile time.Duration
+	edits                int
+	writes               testbed.WriteReport
+	reads                testbed.SampleReport
+	// underNew of stored Secrets are under the new key at the end (etcd scan).
+	underNew, stored int
+	newKey           string
+	// rewritten and rewriteConflicts are the upstream script's no-op updates.
+	rewritten, rewriteConflicts int64
+	// clients are the writers' and the sampler's latencies before and during the
+	// rotation.
+	clients []latencySummary
+}
+
+// buildRekey compiles cmd/rekey into dir.
+func buildRekey(ctx context.Context, dir string) (string, error) {
+	root, err := testbed.ModuleRoot()
+	if err != nil {
+		return "", err
+	}
+	bin := filepath.Join(dir, "rekey")
+	cmd := exec.CommandContext(ctx, "go", "build", "-ldflags", testbed.VersionLDFlags, "-o", bin, "./cmd/rekey")
+	cmd.Dir = root
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("go build ./cmd/rekey: %w\n%s", err, out)
+	}
+	return bin, nil
 }
