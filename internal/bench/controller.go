@@ -325,7 +325,7 @@ func delayRangeText(lo, hi time.Duration) string {
 // second, a side that did not run noted as such.
 func controllerRows(res map[string]*controllerResult, cfg controllerConfig) []Row {
 	scenario := controllerScenario(cfg)
-	impls := []string{"rekey controller", "Gardener-style procedure"}
+	impls := []string{"rekey controller", "Gardener-style"}
 	row := func(c string, unit string, value func(*controllerResult) float64) Row {
 		r := Row{Scenario: scenario, Case: c}
 		for i, side := range controllerSides {
