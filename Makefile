@@ -141,7 +141,7 @@ bench-rotation:
 ## ControlPlaneEncryption object (rekey controller, a management kube-apiserver with the
 ## CRD) vs a Gardener-style procedure (the same Secret edits, rolling restarts, a rewrite
 ## of every object), CONTROLLER_N Secrets (default 10,000), projection delays
-## CONTROLLER_DELAYS (default 0s-60s). BENCH_FLAGS=-short: 300 Secrets, 0s-5s, 2–2½ minutes on a busy 2-core machine.
+## CONTROLLER_DELAYS (default 0s-60s). BENCH_FLAGS=-short: 300 Secrets, 0s-5s, under 2 minutes.
 CONTROLLER_N ?=
 CONTROLLER_DELAYS ?=
 bench-controller:

@@ -119,11 +119,27 @@ func runController(s Settings) ([]Row, error) {
 	}
 	defer run.close()
 	ctx, dir, progress, bins := run.ctx, run.dir, run.progress, run.bins
+	// dist/kube-apiserver links while cmd/rekey builds.
+	type built struct {
+		bin string
+		err error
+	}
+	kapiBuilt := make(chan built, 1)
+	go func() {
+		start := time.Now()
+		kapi, err := testbed.BuildKubeAPIServer(ctx, filepath.Join(dir, "bin"), false)
+		fmt.Fprintf(progress, "controller: dist/kube-apiserver built in %v\n", time.Since(start).Round(time.Millisecond))
+		kapiBuilt <- built{kapi.Rekey, err}
+	}()
 	rekeyBin, err := buildRekey(ctx, filepath.Join(dir, "bin"))
+	kapi := <-kapiBuilt
 	if err != nil {
 		return nil, err
 	}
-	mgmt, err := startMgmtAPI(ctx, progress, dir, bins)
+	if kapi.err != nil {
+		return nil, kapi.err
+	}
+	mgmt, err := startMgmtAPI(ctx, progress, dir, bins, kapi.bin)
 	if err != nil {
 		return nil, err
 	}

@@ -40,9 +40,9 @@ type mgmtAPI struct {
 	cpes   dynamic.ResourceInterface
 }
 
-// startMgmtAPI builds dist/kube-apiserver, starts it on its own etcd and installs the
+// startMgmtAPI starts kapiBin (dist/kube-apiserver) on its own etcd and installs the
 // CRD.
-func startMgmtAPI(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries) (m *mgmtAPI, err error) {
+func startMgmtAPI(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, kapiBin string) (m *mgmtAPI, err error) {
 	m = &mgmtAPI{}
 	defer func() {
 		if err != nil {
@@ -50,15 +50,10 @@ func startMgmtAPI(ctx context.Context, progress io.Writer, dir string, bins test
 		}
 	}()
 	start := time.Now()
-	kapi, err := testbed.BuildKubeAPIServer(ctx, filepath.Join(dir, "bin"), false)
-	if err != nil {
-		return nil, err
-	}
-	fmt.Fprintf(progress, "controller: management API: dist/kube-apiserver built in %v\n", time.Since(start).Round(time.Millisecond))
 	if m.etcd, err = testbed.StartEtcd(ctx, bins.Etcd, filepath.Join(dir, "mgmt-etcd")); err != nil {
 		return nil, err
 	}
-	if m.server, err = testbed.StartKubeAPIServer(ctx, kapi.Rekey, testbed.KubeAPIServerConfig{Name: "management", Dir: filepath.Join(dir, "mgmt"),
+	if m.server, err = testbed.StartKubeAPIServer(ctx, kapiBin, testbed.KubeAPIServerConfig{Name: "management", Dir: filepath.Join(dir, "mgmt"),
 		EtcdServers: []string{m.etcd.Endpoint}, EtcdPrefix: "/management"}); err != nil {
 		return nil, err
 	}
@@ -73,7 +68,7 @@ func startMgmtAPI(ctx context.Context, progress io.Writer, dir string, bins test
 		return nil, err
 	}
 	m.cpes = dyn.Resource(v1alpha1.GroupVersionResource()).Namespace(mgmtNamespace)
-	fmt.Fprintf(progress, "controller: management API ready with the CRD (%v in all)\n", time.Since(start).Round(time.Millisecond))
+	fmt.Fprintf(progress, "controller: management API ready with the CRD in %v\n", time.Since(start).Round(time.Millisecond))
 	return m, nil
 }
 
