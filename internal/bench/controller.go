@@ -157,6 +157,9 @@ func runController(s Settings) ([]Row, error) {
 		for _, l := range strings.Split(latencyText(r.clients), "\n") {
 			fmt.Fprintf(progress, "controller: %s: clients: %s\n", side, l)
 		}
+		for _, e := range append(slices.Clone(r.writes.Errors), r.reads.Examples...) {
+			fmt.Fprintf(progress, "controller: %s: failed: %s\n", side, e)
+		}
 		results[side] = r
 	}
 	return controllerRows(results, cfg), nil
