@@ -1,14 +1,12 @@
 package v1alpha1
 
 import (
-	"os"
 	"reflect"
 	"testing"
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
-	"sigs.k8s.io/yaml"
 )
 
 // fullState is an EncryptionState with every field filled in.
@@ -84,27 +82,7 @@ func TestFullStateFillsEveryField(t *testing.T) {
 // TestEncryptionStateCRDMatchesTypes checks the CRD dist/kube-apiserver installs
 // (encryptionstate-crd.yaml, embedded as EncryptionStateCRD) against the Go types.
 func TestEncryptionStateCRDMatchesTypes(t *testing.T) {
-	data, err := os.ReadFile("encryptionstate-crd.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var crd map[string]any
-	if err := yaml.Unmarshal(data, &crd); err != nil {
-		t.Fatal(err)
-	}
-	spec := crd["spec"].(map[string]any)
-	if spec["group"] != Group || spec["scope"] != "Cluster" {
-		t.Fatalf("group %v scope %v, want %s Cluster", spec["group"], spec["scope"], Group)
-	}
-	names := spec["names"].(map[string]any)
-	if names["kind"] != EncryptionStateKind || names["plural"] != EncryptionStateResource || names["listKind"] != EncryptionStateListKind {
-		t.Fatalf("names %v do not match the Go constants", names)
-	}
-	v := spec["versions"].([]any)[0].(map[string]any)
-	if v["name"] != Version {
-		t.Fatalf("version %v, want %s", v["name"], Version)
-	}
-	root := v["schema"].(map[string]any)["openAPIV3Schema"].(map[string]any)
-	props := root["properties"].(map[string]any)
+	v := crdVersion(t, "encryptionstate-crd.yaml", "Cluster", EncryptionStateKind, EncryptionStateResource, EncryptionStateListKind)
+	props := v["schema"].(map[string]any)["openAPIV3Schema"].(map[string]any)["properties"].(map[string]any)
 	check(t, "status", reflect.TypeFor[EncryptionStateStatus](), props["status"].(map[string]any))
 }

@@ -16,7 +16,20 @@ import (
 // and every property of the schema is a field. (test/e2e's controller test also
 // round-trips an object through an API server with the CRD installed.)
 func TestCRDSchemaMatchesTypes(t *testing.T) {
-	data, err := os.ReadFile("../../deploy/controller/crd.yaml")
+	v := crdVersion(t, "../../deploy/controller/crd.yaml", "Namespaced", Kind, Resource, ListKind)
+	if _, ok := v["subresources"].(map[string]any)["status"]; !ok {
+		t.Fatal("the CRD has no status subresource")
+	}
+	props := v["schema"].(map[string]any)["openAPIV3Schema"].(map[string]any)["properties"].(map[string]any)
+	check(t, "spec", reflect.TypeFor[ControlPlaneEncryptionSpec](), props["spec"].(map[string]any))
+	check(t, "status", reflect.TypeFor[ControlPlaneEncryptionStatus](), props["status"].(map[string]any))
+}
+
+// crdVersion reads the CustomResourceDefinition at path, checks its group, scope and
+// names against the Go constants and returns its one version.
+func crdVersion(t *testing.T, path, scope, kind, plural, listKind string) map[string]any {
+	t.Helper()
+	data, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -25,24 +38,18 @@ func TestCRDSchemaMatchesTypes(t *testing.T) {
 		t.Fatal(err)
 	}
 	spec := crd["spec"].(map[string]any)
-	if spec["group"] != Group || spec["scope"] != "Namespaced" {
-		t.Fatalf("group %v scope %v, want %s Namespaced", spec["group"], spec["scope"], Group)
+	if spec["group"] != Group || spec["scope"] != scope {
+		t.Fatalf("%s: group %v scope %v, want %s %s", path, spec["group"], spec["scope"], Group, scope)
 	}
 	names := spec["names"].(map[string]any)
-	if names["kind"] != Kind || names["plural"] != Resource || names["listKind"] != ListKind {
-		t.Fatalf("names %v do not match the Go constants", names)
+	if names["kind"] != kind || names["plural"] != plural || names["listKind"] != listKind {
+		t.Fatalf("%s: names %v do not match the Go constants", path, names)
 	}
 	v := spec["versions"].([]any)[0].(map[string]any)
 	if v["name"] != Version {
-		t.Fatalf("version %v, want %s", v["name"], Version)
+		t.Fatalf("%s: version %v, want %s", path, v["name"], Version)
 	}
-	if _, ok := v["subresources"].(map[string]any)["status"]; !ok {
-		t.Fatal("the CRD has no status subresource")
-	}
-	root := v["schema"].(map[string]any)["openAPIV3Schema"].(map[string]any)
-	props := root["properties"].(map[string]any)
-	check(t, "spec", reflect.TypeFor[ControlPlaneEncryptionSpec](), props["spec"].(map[string]any))
-	check(t, "status", reflect.TypeFor[ControlPlaneEncryptionStatus](), props["status"].(map[string]any))
+	return v
 }
 
 var (
