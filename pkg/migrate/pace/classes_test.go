@@ -1,6 +1,7 @@
 package pace
 
 import (
+	"math"
 	"testing"
 	"time"
 
@@ -42,19 +43,18 @@ func TestRequestClassesAreJudgedApart(t *testing.T) {
 			t.Errorf("rate %v after the GETs slowed, was %v", b.p.Rate(), rate)
 		}
 	})
-	// LISTs slowed past their own target (300ms) are congestion too, once judged (in
-	// the fifth window, with the first's).
+	// LISTs slowed past their own target (300ms) are congestion too, as soon as the
+	// count of them over it is evidence of a slowdown: here the first window's 20, all
+	// over, judged with the first window's LISTs as slow as before that were waiting
+	// (alone, they were too few for a judgement: see above).
 	t.Run("slowed LISTs", func(t *testing.T) {
 		b := newClassesBed(t)
-		var v pacerVerdict
-		for i := range 3 {
-			if v = b.window(5*time.Millisecond, 400*time.Millisecond); v.Change != "double" {
-				t.Fatalf("window %d: %s before the slow LISTs were judged", i+2, v.Change)
-			}
-		}
-		v = b.window(5*time.Millisecond, 400*time.Millisecond)
+		v := b.window(5*time.Millisecond, 400*time.Millisecond)
 		if v.Change != "decrease" || v.ServingClass != RequestList || v.ServingP99 != 400*time.Millisecond {
 			t.Fatalf("slowed LISTs: %s (%s: %s p99 %s), want a decrease for the LISTs' 400ms", v.Change, v.Cause, v.ServingClass, v.ServingP99)
+		}
+		if got := v.Classes[RequestList]; got.Over != 20 || !got.Slowed {
+			t.Errorf("LISTs judged %+v, want the 20 slow ones over", got)
 		}
 		if want := "the apiserver's clients answered slower (list requests: p99 400ms, target 300ms)"; b.p.SlowedBy() != want {
 			t.Errorf("slowed by %q, want %q", b.p.SlowedBy(), want)
@@ -170,5 +170,29 @@ func TestAClassWithoutABaselineIsNotJudged(t *testing.T) {
 		if got := ClassOf(c.resource, c.verb); got != c.want {
 			t.Errorf("ClassOf(%v, %q) = %s, want %s", c.resource, c.verb, got, c.want)
 		}
+	}
+}
+
+// The count of requests over their target that makes a slowdown, at a few sample
+// sizes, and the binomial tail it rests on against values computed by hand.
+func TestSignificantlyOver(t *testing.T) {
+	for _, c := range []struct{ n, slowest, notSlowed int }{
+		{10, 2, 1}, {20, 2, 1}, {30, 2, 1}, {100, 4, 3}, {113, 4, 3}, {1000, 16, 15},
+	} {
+		if !significantlyOver(c.slowest, c.n) || significantlyOver(c.notSlowed, c.n) {
+			t.Errorf("of %d: %d over slowed %v, %d over slowed %v; want true, false", c.n, c.slowest,
+				significantlyOver(c.slowest, c.n), c.notSlowed, significantlyOver(c.notSlowed, c.n))
+		}
+	}
+	if significantlyOver(0, 5) {
+		t.Error("none over is a slowdown")
+	}
+	// P(X ≥ 2) for X ~ Binomial(113, 0.01) = 1 − 0.99^113 − 113 · 0.01 · 0.99^112.
+	want := 1 - math.Pow(0.99, 113) - 113*0.01*math.Pow(0.99, 112)
+	if got := binomialUpperTail(113, 2, 0.01); math.Abs(got-want) > 1e-12 {
+		t.Errorf("P(X ≥ 2 of 113) = %v, want %v", got, want)
+	}
+	if got := binomialUpperTail(5, 6, 0.01); got != 0 {
+		t.Errorf("P(X ≥ 6 of 5) = %v", got)
 	}
 }

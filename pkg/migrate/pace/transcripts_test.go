@@ -252,18 +252,30 @@ func targetsText(p *pacer, what string) string {
 }
 
 // classesText is "p99=D samples=N" when only GETs were judged, else each judged
-// class's "get p99=D samples=N" and which decided.
+// class's "get p99=D samples=N"; " over=K" follows when K of them were above
+// the target, and " (slowed)" when that many are a slowdown.
 func classesText(v pacerVerdict) string {
 	var parts []string
 	for c, cv := range v.Classes {
 		if cv.Samples > 0 {
-			parts = append(parts, fmt.Sprintf("%s p99=%s samples=%d", RequestClass(c), cv.P99, cv.Samples))
+			parts = append(parts, fmt.Sprintf("%s %s", RequestClass(c), classText(cv)))
 		}
 	}
 	if len(parts) == 1 && v.ServingClass == RequestRead {
-		return fmt.Sprintf("p99=%s samples=%d", v.ServingP99, v.ServingSamples)
+		return classText(v.Classes[RequestRead])
 	}
 	return strings.Join(parts, ", ")
+}
+
+func classText(cv classVerdict) string {
+	s := fmt.Sprintf("p99=%s samples=%d", cv.P99, cv.Samples)
+	if cv.Over > 0 {
+		s += fmt.Sprintf(" over=%d", cv.Over)
+	}
+	if cv.Slowed {
+		s += " (slowed)"
+	}
+	return s
 }
 
 func alarmText(s etcdSpace) string {
