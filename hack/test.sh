@@ -9,10 +9,11 @@
 #
 #   race:    go test -race ./pkg/... (the heap-bound test skips itself under -race)
 #   cluster: go test -run "$cluster_tests" ./test/e2e
-#   e2e:     go test -skip "$cluster_tests" ./test/e2e
+#   e2e:     go test -skip "$cluster_tests|$controller_test" ./test/e2e
 #   other:   every other package of the module, pkg/migrate's heap-bound test without
-#            -race, then dist/kube-apiserver's, deploy/monitoring's and plugins/kms-pkcs11's
-#            own modules (the last needs SoftHSM2: .ci/run installs it)
+#            -race, the e2e package's controller scenario ($controller_test, ~180 s: it
+#            balances the groups), then dist/kube-apiserver's, deploy/monitoring's and
+#            plugins/kms-pkcs11's own modules (the last needs SoftHSM2: .ci/run installs it)
 #
 # Tests must hold under this load: one that fails only beside the others is a bug to
 # find (a starved goroutine taken for a paused process, a command started before its
@@ -31,16 +32,19 @@ mkdir -p "$logs"
 others=$($GO list ./... | grep -v -e '/pkg/' -e '/test/e2e$')
 
 group_race() { $GO test -race -count=1 -v -timeout 20m ./pkg/...; }
-# The TestCluster scenarios (~540 s) and two other scenarios on a 3-member etcd (~70 s),
-# which balance the groups: the rest of the package is ~550 s.
-cluster_tests='^(TestCluster|TestKubeAPIServersFenceOnEtcdCluster$|TestRotateWaitFromASecret$)'
+# The TestCluster scenarios (~540 s under the suite's load) and a scenario on a 3-member
+# etcd from a Secret (~40 s); the rest of the package but the controller scenario is
+# ~550 s.
+cluster_tests='^(TestCluster|TestRotateWaitFromASecret$)'
+controller_test='^TestControllerRotatesDeclaredRotations$'
 group_cluster() { $GO test -count=1 -v -timeout 45m -run "$cluster_tests" ./test/e2e; }
-group_e2e() { $GO test -count=1 -v -timeout 45m -skip "$cluster_tests" ./test/e2e; }
+group_e2e() { $GO test -count=1 -v -timeout 45m -skip "$cluster_tests|$controller_test" ./test/e2e; }
 group_other() {
 	local rc=0
 	# shellcheck disable=SC2086 # one argument per package
 	$GO test -count=1 -v -timeout 30m $others || rc=1
 	$GO test -count=1 -v -timeout 10m -run '^TestLargeObjectsStayWithinMemoryBound$' ./pkg/migrate || rc=1
+	$GO test -count=1 -v -timeout 15m -run "$controller_test" ./test/e2e || rc=1
 	if [ "${REKEY_SKIP_KUBE_APISERVER:-}" != 1 ]; then
 		(cd dist/kube-apiserver && $GO test -count=1 -v .) || rc=1
 	fi

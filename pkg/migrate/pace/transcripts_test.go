@@ -39,6 +39,11 @@ var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 //
 // Space gate commands:
 //
+//	paused n=N every=D clients=C clientlatency=D [class=K]
+//	                      while the migration is paused to measure its clients: N
+//	                      steps of D, C client requests answered in clientlatency
+//	                      each; prints the pause's measurement when it ends
+//
 //	gate [quota=SIZE] [fraction=F] [interval=D]
 //	                      a new gate at +0s (sizes as 32Mi)
 //	etcd size=SIZE inuse=SIZE [nospace] [error]
@@ -92,6 +97,7 @@ func (h *pacingHarness) run(t *testing.T, d *datadriven.TestData) string {
 		d.MaybeScanArgs(t, "window", &window)
 		o.TargetLatency, o.Window = duration(t, d, target), duration(t, d, window)
 		h.now, h.pacer = t0, newPacer(o)
+		h.pacer.canProbe = true // the harness drives it as a Writer does
 		if serving != "" {
 			h.pacer.SetServingBaseline(baselines(t, d, serving))
 			return fmt.Sprintf("rate %s %s", rateText(h.pacer.Rate()), targetsText(h.pacer, "serving"))
@@ -149,11 +155,41 @@ func (h *pacingHarness) run(t *testing.T, d *datadriven.TestData) string {
 				if v.Change == "rebaseline" {
 					b.WriteString(" " + targetsText(h.pacer, "clients"))
 				}
+				if v.Change == "probe" {
+					b.WriteString(" (paused)")
+				}
 				b.WriteString("\n")
 			}
 		}
 		if b.Len() == 0 {
 			return "no window ended"
+		}
+	case "paused":
+		var every, clientLatency, class string
+		n, clients := 0, 0
+		d.ScanArgs(t, "n", &n)
+		d.ScanArgs(t, "every", &every)
+		d.ScanArgs(t, "clients", &clients)
+		d.ScanArgs(t, "clientlatency", &clientLatency)
+		d.MaybeScanArgs(t, "class", &class)
+		if !h.pacer.Probing() {
+			d.Fatalf(t, "the migration is not paused")
+		}
+		for range n {
+			h.now = h.now.Add(duration(t, d, every))
+			for range clients {
+				h.pacer.ObserveServing(requestClass(t, d, class), duration(t, d, clientLatency))
+			}
+			h.pacer.tickProbe(h.now)
+			if !h.pacer.Probing() {
+				v := h.pacer.last
+				fmt.Fprintf(&b, "%s: paused: clients %s → %s: rate %s %s\n%s\n", h.at(), classesText(v), v.Change, rateText(h.pacer.Rate()),
+					targetsText(h.pacer, "clients"), h.pacer.SlowedBy())
+				break
+			}
+		}
+		if b.Len() == 0 {
+			return "still paused"
 		}
 	case "gate":
 		var o SpaceOptions

@@ -110,6 +110,7 @@ func NewWriter(opts WriterOptions) *Writer {
 		recordRate: opts.RecordRate, recordPause: opts.RecordPause, pauseChanged: opts.PauseChanged,
 		pacer: newPacer(opts.Pacing), gate: newSpaceGate(opts.Space), serving: opts.Pacing.Serving, watchCache: opts.Pacing.WatchCache,
 	}
+	g.pacer.canProbe = true
 	if g.recordRate == nil {
 		g.recordRate = func(float64) {}
 	}
@@ -335,6 +336,9 @@ func (g *Writer) Txn(ctx context.Context, objects int, bytes int64, build func(c
 		if err := g.admit(ctx, bytes); err != nil {
 			return nil, err
 		}
+		if err := g.waitWhileProbing(ctx); err != nil {
+			return nil, err
+		}
 		if err := waitForTokens(ctx, g.limiter, objects); err != nil {
 			return nil, err
 		}
@@ -381,6 +385,10 @@ func (g *Writer) Txn(ctx context.Context, objects int, bytes int64, build func(c
 			g.log.V(4).Info("Storage migration pacing window", "change", v.Change, "cause", v.Cause, "p90", v.P90, "samples", v.Samples, "errors", v.Errors,
 				"clientsClass", v.ServingClass, "clientsP99", v.ServingP99, "clientsSamples", v.ServingSamples, "achieved", v.Achieved, "allowedRate", g.pacer.Rate())
 		}
+		if v := g.pacer.last; v != before && v.Change == "probe" {
+			g.log.V(2).Info("Storage migration pauses to measure the apiserver's clients without it", "clientsClass", v.ServingClass,
+				"clientsP99", v.ServingP99, "clientsTarget", g.pacer.ServingTarget(v.ServingClass), "allowedRate", g.pacer.Rate())
+		}
 		if v := g.pacer.last; v != before && v.Change == "decrease" {
 			g.log.V(2).Info("Storage migration slows down", "cause", v.Cause, "p90", v.P90, "target", g.pacer.Target(),
 				"clientsClass", v.ServingClass, "clientsP99", v.ServingP99, "clientsTarget", g.pacer.ServingTarget(v.ServingClass), "watchCacheLag", v.WatchLag,
@@ -398,6 +406,33 @@ func (g *Writer) Txn(ctx context.Context, objects int, bytes int64, build func(c
 		g.notify(changed)
 		if !noSpace {
 			return resp, err
+		}
+	}
+}
+
+// probePoll is how often a paused migration hands its clients' requests to the pacer.
+const probePoll = 100 * time.Millisecond
+
+// waitWhileProbing returns once the pacer does not pause the migration to measure its
+// clients (pacer.startProbe), feeding it their requests meanwhile.
+func (g *Writer) waitWhileProbing(ctx context.Context) error {
+	for {
+		g.mu.Lock()
+		if !g.pacer.Probing() {
+			g.mu.Unlock()
+			return nil
+		}
+		g.drainServing(g.pacer)
+		g.pacer.tickProbe(g.clock.Now())
+		if v := g.pacer.last; !g.pacer.Probing() {
+			g.log.V(2).Info("Storage migration measured the apiserver's clients without it", "clientsClass", v.ServingClass, "clientsP99", v.ServingP99,
+				"clientsSamples", v.ServingSamples, "servingTargets", g.pacer.servingTargets(), "result", g.pacer.SlowedBy())
+			g.mu.Unlock()
+			return nil
+		}
+		g.mu.Unlock()
+		if err := g.sleep(ctx, probePoll); err != nil {
+			return err
 		}
 	}
 }
