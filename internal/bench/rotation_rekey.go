@@ -58,6 +58,13 @@ func rotateRekey(ctx context.Context, progress io.Writer, b *hostedBed, bin, sou
 		for sc.Scan() {
 			fmt.Fprintf(progress, "rotation: rekey rotate: %s\n", sc.Text())
 			tail.add(sc.Text())
+			// The clients' rewrite window is rotate's migrate stage.
+			switch {
+			case strings.Contains(sc.Text(), "stage 2/4 migrate:"):
+				b.clients.rewrite(true)
+			case strings.Contains(sc.Text(), "stage 3/4 remove:"):
+				b.clients.rewrite(false)
+			}
 		}
 		_, _ = io.Copy(io.Discard, pr)
 	}()

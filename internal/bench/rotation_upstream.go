@@ -37,7 +37,9 @@ func rotateUpstream(ctx context.Context, progress io.Writer, b *hostedBed, sourc
 		return time.Time{}, nil, rewriteTally{}, err
 	}
 	start := time.Now()
+	b.clients.rewrite(true)
 	n, conflicts, err := rewriteSecrets(ctx, b.fleet)
+	b.clients.rewrite(false)
 	if err != nil {
 		return time.Time{}, nil, rewriteTally{}, err
 	}
