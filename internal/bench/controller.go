@@ -108,10 +108,8 @@ func runController(s Settings) ([]Row, error) {
 	if len(sides) == 0 {
 		sides = controllerSides
 	}
-	for _, side := range sides {
-		if !slices.Contains(controllerSides, side) {
-			return nil, fmt.Errorf("controller side %q: must be one of %v", side, controllerSides)
-		}
+	if err := checkSides("controller", sides, controllerSides); err != nil {
+		return nil, err
 	}
 	run, err := startProcessRun(s, "rkc", "controller: building the shim, etcd and rekey binaries")
 	if err != nil {

@@ -49,10 +49,8 @@ func runRotation(s Settings) ([]Row, error) {
 	if len(sides) == 0 {
 		sides = rotationSides
 	}
-	for _, side := range sides {
-		if !slices.Contains(rotationSides, side) {
-			return nil, fmt.Errorf("rotation side %q: must be one of %v", side, rotationSides)
-		}
+	if err := checkSides("rotation", sides, rotationSides); err != nil {
+		return nil, err
 	}
 	run, err := startProcessRun(s, "rkr", "rotation: building the shim, etcd and rekey binaries")
 	if err != nil {

@@ -108,10 +108,8 @@ func runScale(s Settings) ([]Row, error) {
 			sides = []string{"rekey"}
 		}
 	}
-	for _, side := range sides {
-		if !slices.Contains(scaleSides, side) {
-			return nil, fmt.Errorf("scale side %q: must be one of %v", side, scaleSides)
-		}
+	if err := checkSides("scale", sides, scaleSides); err != nil {
+		return nil, err
 	}
 	baseline := s.ScaleBaseline
 	if baseline <= 0 {

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 )
 
@@ -58,4 +59,14 @@ func Select(names []string) ([]Scenario, error) {
 		out = append(out, s)
 	}
 	return out, nil
+}
+
+// checkSides refuses a side of scenario that is not one of known (-<scenario>-sides).
+func checkSides(scenario string, sides, known []string) error {
+	for _, side := range sides {
+		if !slices.Contains(known, side) {
+			return fmt.Errorf("%s side %q: must be one of %v", scenario, side, known)
+		}
+	}
+	return nil
 }

@@ -225,16 +225,7 @@ func TestStartupErrors(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			select {
-			case <-p.Done():
-			case <-time.After(30 * time.Second):
-				p.Kill()
-				t.Fatalf("still running; log:\n%s", p.Log(2000))
-			}
-			if p.ExitErr() == nil {
-				t.Fatalf("exit status 0; log:\n%s", p.Log(2000))
-			}
-			log := p.Log(4000)
+			log := refusedToStart(t, p, 30*time.Second, "", 4000)
 			for _, w := range c.want {
 				if !strings.Contains(log, w) {
 					t.Errorf("error output lacks %q:\n%s", w, log)
@@ -395,15 +386,9 @@ func TestEmbeddedEtcdReadyAndIdleRSS(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		select {
-		case <-p.Done():
-		case <-time.After(60 * time.Second):
-			p.Kill()
-			t.Fatalf("still running with embedded etcd under fips140=only; log:\n%s", p.Log(4000))
-		}
-		log := p.Log(8000)
-		if p.ExitErr() == nil || !strings.Contains(log, "embedded etcd cannot run in FIPS 140-3 mode enforced") || !strings.Contains(log, "--etcd-servers") || strings.Contains(log, "panic") {
-			t.Fatalf("exit %v; want the embedded etcd refused in FIPS mode; log:\n%s", p.ExitErr(), log)
+		log := refusedToStart(t, p, 60*time.Second, "with embedded etcd under fips140=only", 8000)
+		if !strings.Contains(log, "embedded etcd cannot run in FIPS 140-3 mode enforced") || !strings.Contains(log, "--etcd-servers") || strings.Contains(log, "panic") {
+			t.Fatalf("want the embedded etcd refused in FIPS mode; log:\n%s", log)
 		}
 		return
 	}
@@ -441,4 +426,24 @@ func values(obj any) string {
 		}
 	}
 	return strings.Join(out, ",")
+}
+
+// refusedToStart waits up to timeout for p, started with what it must refuse (what
+// says it in a failure: "with …"), to exit, and returns the last logBytes of its log.
+// The test fails when it is still running then or exited 0.
+func refusedToStart(t *testing.T, p *testbed.Process, timeout time.Duration, what string, logBytes int) string {
+	t.Helper()
+	if what != "" {
+		what = " " + what
+	}
+	select {
+	case <-p.Done():
+	case <-time.After(timeout):
+		p.Kill()
+		t.Fatalf("still running%s after %v; log:\n%s", what, timeout, p.Log(logBytes))
+	}
+	if p.ExitErr() == nil {
+		t.Fatalf("exit status 0%s; log:\n%s", what, p.Log(logBytes))
+	}
+	return p.Log(logBytes)
 }

@@ -86,16 +86,7 @@ func TestFIPSRefusesSecretbox(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		select {
-		case <-p.Done():
-		case <-time.After(60 * time.Second):
-			p.Kill()
-			t.Fatalf("still running with secretbox in FIPS mode; log:\n%s", p.Log(4000))
-		}
-		if p.ExitErr() == nil {
-			t.Fatalf("exit status 0; log:\n%s", p.Log(4000))
-		}
-		log := p.Log(8000)
+		log := refusedToStart(t, p, 60*time.Second, "with secretbox in FIPS mode", 8000)
 		wantFIPSRefusal(t, "the start-up error", log, mode)
 		if strings.Contains(log, sb) {
 			t.Error("the refusal quotes key material")

@@ -522,16 +522,7 @@ func TestShimRefusesDroppingKeyInUse(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case <-p.Done():
-	case <-time.After(60 * time.Second):
-		p.Kill()
-		t.Fatalf("the shim started with the refused configuration; log:\n%s", p.Log(3000))
-	}
-	log := p.Log(4000)
-	if p.ExitErr() == nil {
-		t.Fatalf("exit status 0 with the refused configuration; log:\n%s", log)
-	}
+	log := refusedToStart(t, p, 60*time.Second, "with the refused configuration", 4000)
 	for _, want := range []string{"refusing to start", fmt.Sprintf(`secrets: %d objects are stored under aesgcm key "key1"`, n), "unsafe-allow-dropping-keys-in-use"} {
 		if !strings.Contains(log, want) {
 			t.Errorf("start-up refusal lacks %q:\n%s", want, log)
