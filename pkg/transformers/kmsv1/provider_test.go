@@ -114,9 +114,21 @@ func TestCorruptValues(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	payload := []byte("payload of some length")
+	upstreamCBC := upstreamWriter(f, true)
 	for n := 0; n < len(v); n++ {
-		if _, _, err := p.Open(ctx, v[:n], aad); err == nil {
-			t.Fatalf("value truncated to %d bytes read", n)
+		if out, stale, err := p.Open(ctx, v[:n], aad); err == nil {
+			// A value cut so that what follows its DEK is whole AES blocks can pass for
+			// one of Kubernetes 1.24's AES-CBC values: CBC is not authenticated, and
+			// about one random tail in 256 ends in valid padding (this test failed so
+			// once in CI). Upstream's CBC reader must then read the same garbage, as
+			// legacy (stale); anything else read is a bug.
+			up, _, uerr := upstreamCBC.TransformFromStorage(ctx, v[:n], aad)
+			if !stale || bytes.Equal(out, payload) || uerr != nil || !bytes.Equal(out, up) {
+				t.Fatalf("value truncated to %d bytes read (stale %v; upstream's CBC reader: %v)", n, stale, uerr)
+			}
+			t.Logf("truncated to %d bytes, the value passes for an AES-CBC one, as with upstream's reader", n)
+			continue
 		} else if !strings.Contains(err.Error(), `kms v1 provider "old"`) {
 			t.Fatalf("truncated to %d: error %q does not name the provider", n, err)
 		}
