@@ -7,11 +7,12 @@
 # in all), so it runs as two processes of about equal length: the many-apiserver
 # scenarios ($cluster_tests) and the rest.
 #
-#   race:    go test -race ./pkg/... (the heap-bound test skips itself under -race)
+#   race:    go test -race ./pkg/... (the heap-bound test skips itself under -race, and
+#            pkg/migrate's rotation scenario runs a fifth of its 10,000 objects)
 #   cluster: go test -run "$cluster_tests" ./test/e2e
 #   e2e:     go test -skip "$cluster_tests|$controller_test" ./test/e2e
-#   other:   every other package of the module, pkg/migrate's heap-bound test without
-#            -race, the e2e package's controller scenario ($controller_test, ~180 s: it
+#   other:   every other package of the module, pkg/migrate's heap-bound test and its
+#            10,000-object rotation scenario without -race, the e2e package's controller scenario ($controller_test, ~180 s: it
 #            balances the groups), then dist/kube-apiserver's, deploy/monitoring's and
 #            plugins/kms-pkcs11's own modules (the last needs SoftHSM2: .ci/run installs it)
 #
@@ -43,7 +44,7 @@ group_other() {
 	local rc=0
 	# shellcheck disable=SC2086 # one argument per package
 	$GO test -count=1 -v -timeout 30m $others || rc=1
-	$GO test -count=1 -v -timeout 10m -run '^TestLargeObjectsStayWithinMemoryBound$' ./pkg/migrate || rc=1
+	$GO test -count=1 -v -timeout 10m -run '^(TestLargeObjectsStayWithinMemoryBound|TestRotationScenario)$' ./pkg/migrate || rc=1
 	$GO test -count=1 -v -timeout 15m -run "$controller_test" ./test/e2e || rc=1
 	if [ "${REKEY_SKIP_KUBE_APISERVER:-}" != 1 ]; then
 		(cd dist/kube-apiserver && $GO test -count=1 -v .) || rc=1
