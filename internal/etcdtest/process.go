@@ -13,6 +13,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/rekey-io/rekey/internal/fipsenv"
 )
 
 // BinaryEnv names an etcd binary built from ./hack/tools/etcd without GOFIPS140 (make
@@ -26,24 +28,8 @@ const BinaryEnv = "REKEY_ETCDTEST_BIN"
 // module, with fips140=off. etcd is the tests' fixture, not rekey: the code under test
 // (etcd's client, rekey) stays in the test's process, in FIPS mode.
 
-// processEnv is the child's environment: the test's, with GODEBUG's fips140 setting
-// replaced by off.
-func processEnv() []string {
-	env := make([]string, 0, len(os.Environ())+1)
-	godebug := []string{"fips140=off"}
-	for _, kv := range os.Environ() {
-		if v, ok := strings.CutPrefix(kv, "GODEBUG="); ok {
-			for _, s := range strings.Split(v, ",") {
-				if s != "" && !strings.HasPrefix(s, "fips140=") {
-					godebug = append(godebug, s)
-				}
-			}
-			continue
-		}
-		env = append(env, kv)
-	}
-	return append(env, "GODEBUG="+strings.Join(godebug, ","))
-}
+// processEnv is the child's environment: the test's, with fips140=off.
+func processEnv() []string { return fipsenv.WithGODEBUG(os.Environ(), "off") }
 
 var built struct {
 	once sync.Once

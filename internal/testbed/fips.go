@@ -3,7 +3,8 @@ package testbed
 import (
 	"crypto/fips140"
 	"os"
-	"strings"
+
+	"github.com/rekey-io/rekey/internal/fipsenv"
 )
 
 // FIPSModule is the Go FIPS 140-3 module version the testbed builds its programs with in
@@ -32,25 +33,6 @@ const FIPSEnv = "REKEY_TESTBED_FIPS"
 // fips140=off.
 func FIPS() bool { return os.Getenv(FIPSEnv) == "1" || fips140.Enforced() }
 
-// withGODEBUG returns env with GODEBUG's fips140 setting replaced by fips140 (the other
-// settings kept).
-func withGODEBUG(env []string, fips140 string) []string {
-	out := make([]string, 0, len(env)+1)
-	godebug := []string{"fips140=" + fips140}
-	for _, kv := range env {
-		if v, ok := strings.CutPrefix(kv, "GODEBUG="); ok {
-			for _, s := range strings.Split(v, ",") {
-				if s != "" && !strings.HasPrefix(s, "fips140=") {
-					godebug = append(godebug, s)
-				}
-			}
-			continue
-		}
-		out = append(out, kv)
-	}
-	return append(out, "GODEBUG="+strings.Join(godebug, ","))
-}
-
 // BuildEnv is the environment of `go build` for rekey's programs: GOFIPS140=FIPSModule()
 // in FIPS mode, the test's environment otherwise.
 func BuildEnv() []string {
@@ -68,7 +50,7 @@ func fixtureBuildEnv() []string { return append(os.Environ(), "GOFIPS140=off") }
 // mode, the test's environment otherwise.
 func RunEnv() []string {
 	if FIPS() {
-		return withGODEBUG(os.Environ(), "only")
+		return fipsenv.WithGODEBUG(os.Environ(), "only")
 	}
 	return os.Environ()
 }
@@ -76,7 +58,7 @@ func RunEnv() []string {
 // fixtureRunEnv is the environment of etcd: fips140=off in FIPS mode.
 func fixtureRunEnv() []string {
 	if FIPS() {
-		return withGODEBUG(os.Environ(), "off")
+		return fipsenv.WithGODEBUG(os.Environ(), "off")
 	}
 	return os.Environ()
 }
