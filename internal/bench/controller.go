@@ -344,19 +344,7 @@ func controllerRows(res map[string]*controllerResult, cfg controllerConfig) []Ro
 	scenario := controllerScenario(cfg)
 	impls := []string{"rekey controller", "Gardener-style"}
 	row := func(c string, unit string, value func(*controllerResult) float64) Row {
-		r := Row{Scenario: scenario, Case: c}
-		for i, side := range controllerSides {
-			v := 0.0
-			if res[side] != nil {
-				v = value(res[side])
-			}
-			f := wholeRunFigure(impls[i], unit, single(v), false)
-			if res[side] == nil {
-				f.Note = "not run"
-			}
-			r.Figures = append(r.Figures, f)
-		}
-		return r
+		return sidesRow(scenario, c, unit, controllerSides, impls, res, value)
 	}
 	both := res["rekey"] != nil && res["gardener"] != nil
 	secs := func(d time.Duration) float64 { return d.Seconds() }

@@ -156,25 +156,9 @@ func rotationRows(res map[string]*rotationResult, objects int) []Row {
 	if objects != 10_000 {
 		scenario = strings.Replace(scenario, "10,000", groupThousands(int64(objects)), 1)
 	}
-	fig := func(side, unit string, v float64) Figure {
-		f := wholeRunFigure(side, unit, single(v), false)
-		if res[side] == nil {
-			f.Note = "not run"
-		}
-		return f
-	}
 	impls := []string{"rekey rotate --wait", "upstream procedure"}
 	row := func(c string, unit string, value func(*rotationResult) float64) Row {
-		r := Row{Scenario: scenario, Case: c}
-		for i, side := range rotationSides {
-			v := 0.0
-			if res[side] != nil {
-				v = value(res[side])
-			}
-			r.Figures = append(r.Figures, fig(side, unit, v))
-			r.Figures[i].Impl = impls[i]
-		}
-		return r
+		return sidesRow(scenario, c, unit, rotationSides, impls, res, value)
 	}
 	both := res["rekey"] != nil && res["upstream"] != nil
 	plot := func(x string, of func(*rotationResult) time.Duration) []Plot {

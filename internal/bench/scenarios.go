@@ -70,3 +70,22 @@ func checkSides(scenario string, sides, known []string) error {
 	}
 	return nil
 }
+
+// sidesRow is a row of a scenario whose sides each ran once: one whole-run figure per
+// side (named by impls, in the order of sides), value of its result, "not run" for a
+// side without one.
+func sidesRow[R any](scenario, c, unit string, sides, impls []string, res map[string]*R, value func(*R) float64) Row {
+	r := Row{Scenario: scenario, Case: c}
+	for i, side := range sides {
+		v := 0.0
+		if res[side] != nil {
+			v = value(res[side])
+		}
+		f := wholeRunFigure(impls[i], unit, single(v), false)
+		if res[side] == nil {
+			f.Note = "not run"
+		}
+		r.Figures = append(r.Figures, f)
+	}
+	return r
+}
