@@ -18,9 +18,10 @@
 //
 // Migrate rewrites every stale object through the current transformers: read at
 // ModRevision R, decrypt, encrypt with the write key, and commit only if the object is
-// still at R (batched: one transaction per up to DefaultBatchSize objects, falling back
-// to one per object when any of them changed). A concurrent update always wins; the
-// object is then re-read and rewritten only if still stale. Every transaction goes
+// still at R (batched: one transaction per up to DefaultBatchSize objects; when any of
+// them changed, the failed transaction reads the batch back and the batch is tried
+// again with the changed objects prepared anew). A concurrent update always wins; the
+// object is then rewritten from its new value only if that is still stale. Every transaction goes
 // through a pace.Writer (pkg/migrate/pace), which keeps etcd's database below its
 // quota and adapts the rate to etcd's latency and, inside an apiserver, to the
 // apiserver's clients and watch cache. Progress is checkpointed (at most every

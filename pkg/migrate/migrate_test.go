@@ -190,9 +190,22 @@ func TestCommitConflicts(t *testing.T) {
 			keys = append(keys, key)
 		}
 		writeAt(t, cli, old, keys[2], plaintextFor(keys[2], 7))
+		before, err := cli.Get(ctx, keys[0])
+		if err != nil {
+			t.Fatal(err)
+		}
 		m := newMigrator()
 		if err := m.commit(ctx, tr, "secrets", batch); err != nil {
 			t.Fatal(err)
+		}
+		// The failed transaction read the batch back; the retry wrote all four in one
+		// transaction (one etcd revision), not one transaction per object.
+		after, err := cli.Get(ctx, keys[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d := after.Header.Revision - before.Header.Revision; d != 1 {
+			t.Fatalf("the batch's rewrite took %d etcd revisions, want 1 (one transaction)", d)
 		}
 		for i, k := range keys {
 			gen := 0
