@@ -74,16 +74,19 @@ func TestVerifyIsSlowedOnlyWhileClientsAre(t *testing.T) {
 			r.pacer.Observe(now, 5*time.Millisecond, int(r.pacer.Rate()/10), nil)
 		}
 	}
-	window(10 * time.Millisecond) // the first window sets the etcd latency baseline
-	for _, want := range []float64{400, 800, 1600} {
+	window(10 * time.Millisecond) // the first window sets the etcd latency baseline, and doubles
+	if got := r.pacer.Rate(); got != 2*readCost*100 || r.pacer.last.Change != "baseline, double" {
+		t.Fatalf("after the first window: %v/s (%s), want %v/s (baseline, double)", got, r.pacer.last.Change, 2*readCost*100.0)
+	}
+	for _, want := range []float64{800, 1600, 3200} {
 		window(45 * time.Millisecond) // within the inherited 60ms, above the first 30ms
 		if got := r.pacer.Rate(); got != want {
 			t.Fatalf("after a window within target: %v/s, want %v/s (%s)", got, want, r.pacer.last.Change)
 		}
 	}
 	window(200 * time.Millisecond)
-	if got := r.pacer.Rate(); got != 800 {
-		t.Fatalf("after a window of slowed clients: %v/s, want 800/s", got)
+	if got := r.pacer.Rate(); got != 1600 {
+		t.Fatalf("after a window of slowed clients: %v/s, want 1600/s", got)
 	}
 	for range 12 {
 		window(300 * time.Millisecond)
