@@ -2,6 +2,7 @@ package pace
 
 import (
 	"context"
+	"math"
 	"testing"
 	"time"
 
@@ -17,6 +18,7 @@ func TestVerifyFinishesWithinTheBudget(t *testing.T) {
 	g.servingBaselines = servingBaselines{RequestRead: 5 * time.Millisecond}
 	g.pacer.SetServingBaseline(g.servingBaselines)
 	g.pacer.rate = 10
+	g.pacer.clientsSlowed = true // the writes ended with their clients slowed: the re-scan starts paced
 	r := g.ReadPacer()
 	ctx := context.Background()
 	r.Resource(2400)
@@ -57,6 +59,7 @@ func TestVerifyIsSlowedOnlyWhileClientsAre(t *testing.T) {
 	g.servingBaselines = servingBaselines{RequestRead: 20 * time.Millisecond}
 	g.pacer.SetServingBaseline(g.servingBaselines)
 	g.pacer.rate = 100
+	g.pacer.clientsSlowed = true // the writes ended with their clients slowed: the re-scan starts paced
 	// The writes re-measured the GETs' target: 30ms became 60ms.
 	g.pacer.classes[RequestRead].target = 60 * time.Millisecond
 	r := g.ReadPacer()
@@ -93,5 +96,52 @@ func TestVerifyIsSlowedOnlyWhileClientsAre(t *testing.T) {
 	}
 	if got := r.pacer.Rate(); got != readCost*DefaultMinRate {
 		t.Fatalf("after slowed clients throughout: %v/s, want the floor %v/s", got, readCost*DefaultMinRate)
+	}
+}
+
+// TestVerifyStartsUnlimitedAfterCalmWrites: when the writes' last judgement found the
+// clients within target, the re-scan reads at full speed until a window finds them
+// slowed; that window halves what it achieved, and calm windows raise it again as they
+// do the writes'.
+func TestVerifyStartsUnlimitedAfterCalmWrites(t *testing.T) {
+	clk := clocktesting.NewFakeClock(t0)
+	g := &Writer{clock: clk, pacer: newPacer(Options{})}
+	g.servingBaselines = servingBaselines{RequestRead: 20 * time.Millisecond}
+	g.pacer.SetServingBaseline(g.servingBaselines)
+	g.pacer.rate = 290 // halved by the writes for an etcd hiccup; their clients were calm
+	r := g.ReadPacer()
+	if got := r.pacer.Rate(); !math.IsInf(got, 1) {
+		t.Fatalf("start %v/s, want no limit after writes whose clients were within target", got)
+	}
+	now := t0
+	// Each window: 10 transactions 100ms apart of 1,000 objects (10,000/s), each
+	// after 10 GETs answered in clients.
+	window := func(clients time.Duration, objects int) pacerVerdict {
+		t.Helper()
+		for at := r.pacer.last.At; r.pacer.last.At == at; {
+			now = now.Add(100 * time.Millisecond)
+			for range 10 {
+				r.pacer.ObserveServing(RequestRead, clients)
+			}
+			r.pacer.Observe(now, 5*time.Millisecond, objects, nil)
+		}
+		return r.pacer.last
+	}
+	if v := window(10*time.Millisecond, 1000); !math.IsInf(r.pacer.Rate(), 1) {
+		t.Fatalf("after a calm first window (%s): %v/s, want no limit", v.Change, r.pacer.Rate())
+	}
+	v := window(100*time.Millisecond, 1000)
+	if got, want := r.pacer.Rate(), v.Achieved/2; v.Change != "decrease" || math.Abs(got-want) > 1 {
+		t.Fatalf("after a window of slowed clients (%s, achieved %.0f/s): %v/s, want half of it, %v/s", v.Change, v.Achieved, got, want)
+	}
+	slowed, congested := r.pacer.Rate(), v.Achieved
+	if v := window(10*time.Millisecond, int(slowed/10)); v.Change != "recover" || r.pacer.Rate() != (slowed+congested)/2 {
+		t.Fatalf("after a calm window at %v/s (%s): %v/s, want halfway back to %v/s", slowed, v.Change, r.pacer.Rate(), congested)
+	}
+	// Back at the rate that slowed them, and they are within target: that slowdown
+	// was not the re-scan's doing, and slow start resumes.
+	back := r.pacer.Rate()
+	if v := window(10*time.Millisecond, int(congested/10)); v.Change != "double" || r.pacer.Rate() != 2*back {
+		t.Fatalf("after a calm window at %v/s (%s): %v/s, want %v/s", back, v.Change, r.pacer.Rate(), 2*back)
 	}
 }

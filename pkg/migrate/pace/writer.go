@@ -200,11 +200,16 @@ const verifyBudget = 4 * time.Minute
 // took the clients' p99 from tens to hundreds of milliseconds while it ran at full
 // speed. It is a pacer of its own (read latency is not transaction latency) that
 // starts at readCost × the writes' last rate and judges the same clients against the
-// targets the writes ended with. It is slowed only while the clients are: it doubles
-// per window they were judged within target (slow start), where the writes' pacer,
-// resumed, only added a tenth (a 10,000-object re-scan took 22 s, as long as the
-// rewrite itself). Its floor is readCost × the writes' floor. nil (no baseline: no
-// clients) reads at full speed.
+// targets the writes ended with. It is slowed only while the clients are: when the
+// writes' last judgement of the clients found them within target, it starts unlimited
+// (a read costs etcd a fraction of a write and the other apiservers' watch caches
+// nothing; starting at readCost × a rate the writes had halved for an etcd hiccup made
+// the re-scan of 10,000 objects take 6 s, a quarter of the migrate stage), and the
+// first window that finds them slowed halves what it achieved; when they were slowed,
+// it starts at readCost × the writes' last rate. Either way it doubles per window they
+// were judged within target (slow start), where the writes' pacer, resumed, only added
+// a tenth (a 10,000-object re-scan took 22 s, as long as the rewrite itself). Its floor
+// is readCost × the writes' floor. nil (no baseline: no clients) reads at full speed.
 type ReadPacer struct {
 	g       *Writer
 	pacer   *pacer
@@ -228,6 +233,9 @@ func (g *Writer) ReadPacer() *ReadPacer {
 	p.SetServingBaseline(g.servingBaselines)
 	p.inheritServingTargets(g.pacer)
 	p.slowStart = true
+	if !g.pacer.clientsSlowed {
+		p.rate = math.Inf(1)
+	}
 	return &ReadPacer{g: g, pacer: p, limiter: rate.NewLimiter(limitOf(p.Rate()), 1)}
 }
 
