@@ -359,9 +359,10 @@ type pacerVerdict struct {
 	WatchLag     time.Duration
 	WatchLagSeen bool
 	// Change is "baseline" (the first window, which sets etcd's latency target; in
-	// slow start "baseline, double" when it is calm), "decrease", "increase", "double", "recover" (halfway back
-	// to the rate of the last decrease), "hold", "rebaseline", "probe" (paused to measure the clients) or
-	// "probed" (the pause's measurement).
+	// slow start "baseline, double" when it is calm), "decrease", "increase",
+	// "double", "recover" (halfway back to the rate of the last decrease), "hold",
+	// "rebaseline", "probe" (paused to measure the clients) or "probed" (the pause's
+	// measurement).
 	Change string
 	// Cause of a decrease: "etcd errors", "etcd latency", "serving latency" or "watch
 	// cache lag".

@@ -199,17 +199,17 @@ const verifyBudget = 4 * time.Minute
 // that has clients to protect: the re-scan of a million objects decrypts them all and
 // took the clients' p99 from tens to hundreds of milliseconds while it ran at full
 // speed. It is a pacer of its own (read latency is not transaction latency) that
-// starts at readCost × the writes' last rate and judges the same clients against the
-// targets the writes ended with. It is slowed only while the clients are: when the
-// writes' last judgement of the clients found them within target, it starts unlimited
-// (a read costs etcd a fraction of a write and the other apiservers' watch caches
-// nothing; starting at readCost × a rate the writes had halved for an etcd hiccup made
-// the re-scan of 10,000 objects take 6 s, a quarter of the migrate stage), and the
-// first window that finds them slowed halves what it achieved; when they were slowed,
-// it starts at readCost × the writes' last rate. Either way it doubles per window they
-// were judged within target (slow start), where the writes' pacer, resumed, only added
-// a tenth (a 10,000-object re-scan took 22 s, as long as the rewrite itself). Its floor
-// is readCost × the writes' floor. nil (no baseline: no clients) reads at full speed.
+// judges the same clients against the targets the writes ended with, and it is slowed
+// only while they are. When the writes' last judgement of the clients found them
+// within target it starts unlimited (a read costs etcd a fraction of a write and the
+// other apiservers' watch caches nothing; starting at readCost × a rate the writes had
+// halved for an etcd hiccup made the re-scan of 10,000 objects 6 s of a 24 s migrate
+// stage), and its first window that finds them slowed halves what it achieved. When
+// they were slowed, it starts at readCost × the writes' last rate and doubles per
+// window they are judged within target (slow start), where the writes' pacer, resumed,
+// only added a tenth (a 10,000-object re-scan took 22 s, as long as the rewrite
+// itself). Its floor is readCost × the writes' floor. nil (no baseline: no clients)
+// reads at full speed.
 type ReadPacer struct {
 	g       *Writer
 	pacer   *pacer
