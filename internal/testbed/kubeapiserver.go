@@ -30,17 +30,32 @@ type KubeAPIServerBinaries struct {
 // BuildKubeAPIServer builds dist/kube-apiserver into dir and, when upstream is set,
 // k8s.io/kubernetes/cmd/kube-apiserver of the same version next to it, both with
 // VersionLDFlags. The first build compiles k8s.io/kubernetes: many minutes on a cold
-// cache.
+// cache. With PrebuiltEnv set, it returns those already built there.
 func BuildKubeAPIServer(ctx context.Context, dir string, upstream bool) (KubeAPIServerBinaries, error) {
-	root, err := ModuleRoot()
-	if err != nil {
+	names := []string{"kube-apiserver"}
+	if upstream {
+		names = append(names, "kube-apiserver-upstream")
+	}
+	if pre := prebuilt(names...); pre != "" {
+		dir = pre
+	} else if err := buildKubeAPIServer(ctx, dir, upstream); err != nil {
 		return KubeAPIServerBinaries{}, err
 	}
 	b := KubeAPIServerBinaries{Rekey: filepath.Join(dir, "kube-apiserver")}
-	builds := [][2]string{{b.Rekey, "."}}
 	if upstream {
 		b.Upstream = filepath.Join(dir, "kube-apiserver-upstream")
-		builds = append(builds, [2]string{b.Upstream, "k8s.io/kubernetes/cmd/kube-apiserver"})
+	}
+	return b, nil
+}
+
+func buildKubeAPIServer(ctx context.Context, dir string, upstream bool) error {
+	root, err := ModuleRoot()
+	if err != nil {
+		return err
+	}
+	builds := [][2]string{{filepath.Join(dir, "kube-apiserver"), "."}}
+	if upstream {
+		builds = append(builds, [2]string{filepath.Join(dir, "kube-apiserver-upstream"), "k8s.io/kubernetes/cmd/kube-apiserver"})
 	}
 	// One after the other: the second only compiles its main package and links.
 	for _, bl := range builds {
@@ -48,10 +63,10 @@ func BuildKubeAPIServer(ctx context.Context, dir string, upstream bool) (KubeAPI
 		cmd.Dir = filepath.Join(root, KubeAPIServerDir)
 		cmd.Env = BuildEnv() // with the FIPS module in FIPS mode
 		if out, err := cmd.CombinedOutput(); err != nil {
-			return KubeAPIServerBinaries{}, fmt.Errorf("go build %s in %s: %w\n%s", bl[1], cmd.Dir, err, out)
+			return fmt.Errorf("go build %s in %s: %w\n%s", bl[1], cmd.Dir, err, out)
 		}
 	}
-	return b, nil
+	return nil
 }
 
 // KubeAPIServerConfig configures a kube-apiserver process with the smallest set of flags

@@ -37,10 +37,38 @@ func ModuleRoot() (string, error) {
 	return filepath.Dir(mod), nil
 }
 
+// PrebuiltEnv names a directory that holds the testbed's programs built already from
+// this tree (hack/test.sh builds them once, with hack/tools/testbins, before its test groups
+// start): Build, BuildKubeAPIServer and BuildRekey take them from there instead of
+// building them again. Outside FIPS mode only: FIPS mode builds other binaries. The
+// default test run built dist/kube-apiserver twice at once, in two test groups, 3
+// minutes of both cores.
+const PrebuiltEnv = "REKEY_TESTBED_PREBUILT"
+
+// prebuilt is PrebuiltEnv's directory when it holds every one of names ("" when it is
+// unset, in FIPS mode, or short of one).
+func prebuilt(names ...string) string {
+	dir := os.Getenv(PrebuiltEnv)
+	if dir == "" || FIPS() {
+		return ""
+	}
+	for _, n := range names {
+		if _, err := os.Stat(filepath.Join(dir, n)); err != nil {
+			return ""
+		}
+	}
+	return dir
+}
+
 // Build compiles the shim, the etcd wrapper and the KMS plugin into dir with
 // VersionLDFlags: in one go invocation (the links run in parallel), or, in FIPS mode
 // (FIPS), the shim and the plugin with the FIPS module (BuildEnv) and etcd without.
+// With PrebuiltEnv set, it returns those already built there.
 func Build(ctx context.Context, dir string) (Binaries, error) {
+	if pre := prebuilt("apiserver-shim", "etcd", "kms-plugin"); pre != "" {
+		dir = pre
+		return Binaries{Shim: filepath.Join(dir, "apiserver-shim"), Etcd: filepath.Join(dir, "etcd"), Plugin: filepath.Join(dir, "kms-plugin")}, nil
+	}
 	root, err := ModuleRoot()
 	if err != nil {
 		return Binaries{}, err
@@ -64,6 +92,26 @@ func Build(ctx context.Context, dir string) (Binaries, error) {
 		Etcd:   filepath.Join(dir, "etcd"),
 		Plugin: filepath.Join(dir, "kms-plugin"),
 	}, nil
+}
+
+// BuildRekey compiles cmd/rekey into dir (with the FIPS module in FIPS mode) and
+// returns its path; with PrebuiltEnv set, the one already built there.
+func BuildRekey(ctx context.Context, dir string) (string, error) {
+	if pre := prebuilt("rekey"); pre != "" {
+		return filepath.Join(pre, "rekey"), nil
+	}
+	root, err := ModuleRoot()
+	if err != nil {
+		return "", err
+	}
+	path := filepath.Join(dir, "rekey")
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", path, "./cmd/rekey")
+	cmd.Dir = root
+	cmd.Env = BuildEnv()
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("go build ./cmd/rekey: %w\n%s", err, out)
+	}
+	return path, nil
 }
 
 // Process is a started program. Its output goes to LogPath.

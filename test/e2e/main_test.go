@@ -8,7 +8,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -172,18 +171,7 @@ var rekeyCLI struct {
 func rekeyBin(t testing.TB) string {
 	t.Helper()
 	rekeyCLI.once.Do(func() {
-		root, err := testbed.ModuleRoot()
-		if err != nil {
-			rekeyCLI.err = err
-			return
-		}
-		rekeyCLI.path = filepath.Join(workDir, "bin", "rekey")
-		cmd := exec.Command("go", "build", "-o", rekeyCLI.path, "./cmd/rekey")
-		cmd.Dir = root
-		cmd.Env = testbed.BuildEnv() // with the FIPS module in FIPS mode
-		if out, err := cmd.CombinedOutput(); err != nil {
-			rekeyCLI.err = fmt.Errorf("go build ./cmd/rekey: %w\n%s", err, out)
-		}
+		rekeyCLI.path, rekeyCLI.err = testbed.BuildRekey(context.Background(), filepath.Join(workDir, "bin"))
 	})
 	if rekeyCLI.err != nil {
 		t.Fatal(rekeyCLI.err)
