@@ -78,9 +78,17 @@ func TestMigrationPausesBeforeTheQuotaAndResumesAfterCompaction(t *testing.T) {
 	}()
 
 	pauses := 0
+	// defragmented: the test has defragmented etcd, which holds every request to the
+	// member meanwhile; under load (four test groups on two cores) the migration's
+	// read of the database size then timed out, and it paused for that, rightly.
+	defragmented := false
 	for {
 		select {
 		case p := <-paused:
+			if p.Reason == pace.PauseUnknown && defragmented {
+				t.Logf("paused while the test's defragmentation held etcd: %s", p.Condition)
+				continue
+			}
 			pauses++
 			if p.Reason != pace.PauseDBSize {
 				t.Fatalf("paused for %q (%s), want %q", p.Reason, p.Condition, pace.PauseDBSize)
@@ -106,6 +114,7 @@ func TestMigrationPausesBeforeTheQuotaAndResumesAfterCompaction(t *testing.T) {
 			if err := srv.Compact(ctx, cli, currentRev(t, cli)); err != nil {
 				t.Fatal(err)
 			}
+			defragmented = true
 			if _, err := cli.Defragment(ctx, srv.Endpoint); err != nil {
 				t.Fatal(err)
 			}
