@@ -36,7 +36,7 @@ func BuildKubeAPIServer(ctx context.Context, dir string, upstream bool) (KubeAPI
 	if upstream {
 		names = append(names, "kube-apiserver-upstream")
 	}
-	if pre := prebuilt(names...); pre != "" {
+	if pre := prebuilt(PrebuiltKubeAPIServer, names...); pre != "" {
 		dir = pre
 	} else if err := buildKubeAPIServer(ctx, dir, upstream); err != nil {
 		return KubeAPIServerBinaries{}, err

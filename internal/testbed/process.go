@@ -37,23 +37,46 @@ func ModuleRoot() (string, error) {
 	return filepath.Dir(mod), nil
 }
 
-// PrebuiltEnv names a directory that holds the testbed's programs built already from
-// this tree (hack/test.sh builds them once, with hack/tools/testbins, before its test groups
-// start): Build, BuildKubeAPIServer and BuildRekey take them from there instead of
-// building them again. Outside FIPS mode only: FIPS mode builds other binaries. The
-// default test run built dist/kube-apiserver twice at once, in two test groups, 3
-// minutes of both cores.
+// PrebuiltEnv names a directory into which the testbed's programs are being built, or
+// were, from this tree (hack/test.sh builds them once, with hack/tools/testbins, while
+// its test groups start): Build, BuildKubeAPIServer and BuildRekey wait for the set
+// they need there (marked ready by ReadyMarker) instead of building it again, and build
+// it themselves when that build ended without it (DoneMarker). Outside FIPS mode only:
+// FIPS mode builds other binaries. The default test run built dist/kube-apiserver twice
+// at once, in two test groups, 3 minutes of both cores.
 const PrebuiltEnv = "REKEY_TESTBED_PREBUILT"
 
-// prebuilt is PrebuiltEnv's directory when it holds every one of names ("" when it is
-// unset, in FIPS mode, or short of one).
-func prebuilt(names ...string) string {
+// Prebuilt sets and their markers in PrebuiltEnv's directory.
+const (
+	PrebuiltServers       = "servers"        // the shim, etcd, the KMS plugin and rekey
+	PrebuiltKubeAPIServer = "kube-apiserver" // dist/kube-apiserver and upstream's
+	// DoneMarker is written when the prebuild ended, whether or not every set was built.
+	DoneMarker = ".done"
+)
+
+// ReadyMarker is the file that says set is built.
+func ReadyMarker(set string) string { return ".ready-" + set }
+
+// prebuiltWait bounds the wait for a prebuilt set: a cold build of k8s.io/kubernetes
+// takes many minutes.
+const prebuiltWait = 30 * time.Minute
+
+// prebuilt waits for set in PrebuiltEnv's directory and returns the directory once it
+// is ready and holds names; "" when the variable is unset, in FIPS mode, or when the
+// prebuild ended (or took too long) without it.
+func prebuilt(set string, names ...string) string {
 	dir := os.Getenv(PrebuiltEnv)
 	if dir == "" || FIPS() {
 		return ""
 	}
+	exists := func(n string) bool { _, err := os.Stat(filepath.Join(dir, n)); return err == nil }
+	for deadline := time.Now().Add(prebuiltWait); !exists(ReadyMarker(set)); time.Sleep(500 * time.Millisecond) {
+		if exists(DoneMarker) || time.Now().After(deadline) {
+			return ""
+		}
+	}
 	for _, n := range names {
-		if _, err := os.Stat(filepath.Join(dir, n)); err != nil {
+		if !exists(n) {
 			return ""
 		}
 	}
@@ -65,7 +88,7 @@ func prebuilt(names ...string) string {
 // (FIPS), the shim and the plugin with the FIPS module (BuildEnv) and etcd without.
 // With PrebuiltEnv set, it returns those already built there.
 func Build(ctx context.Context, dir string) (Binaries, error) {
-	if pre := prebuilt("apiserver-shim", "etcd", "kms-plugin"); pre != "" {
+	if pre := prebuilt(PrebuiltServers, "apiserver-shim", "etcd", "kms-plugin"); pre != "" {
 		dir = pre
 		return Binaries{Shim: filepath.Join(dir, "apiserver-shim"), Etcd: filepath.Join(dir, "etcd"), Plugin: filepath.Join(dir, "kms-plugin")}, nil
 	}
@@ -97,7 +120,7 @@ func Build(ctx context.Context, dir string) (Binaries, error) {
 // BuildRekey compiles cmd/rekey into dir (with the FIPS module in FIPS mode) and
 // returns its path; with PrebuiltEnv set, the one already built there.
 func BuildRekey(ctx context.Context, dir string) (string, error) {
-	if pre := prebuilt("rekey"); pre != "" {
+	if pre := prebuilt(PrebuiltServers, "rekey"); pre != "" {
 		return filepath.Join(pre, "rekey"), nil
 	}
 	root, err := ModuleRoot()
