@@ -129,7 +129,7 @@ func runController(s Settings) ([]Row, error) {
 		fmt.Fprintf(progress, "controller: dist/kube-apiserver built in %v\n", time.Since(start).Round(time.Millisecond))
 		kapiBuilt <- built{kapi.Rekey, err}
 	}()
-	rekeyBin, err := buildRekey(ctx, filepath.Join(dir, "bin"))
+	rekeyBin, err := testbed.BuildRekey(ctx, filepath.Join(dir, "bin"))
 	kapi := <-kapiBuilt
 	if err != nil {
 		return nil, err

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"time"
@@ -196,19 +195,4 @@ type rotationResult struct {
 	// clients are the writers' and the sampler's latencies before and during the
 	// rotation.
 	clients []latencySummary
-}
-
-// buildRekey compiles cmd/rekey into dir.
-func buildRekey(ctx context.Context, dir string) (string, error) {
-	root, err := testbed.ModuleRoot()
-	if err != nil {
-		return "", err
-	}
-	bin := filepath.Join(dir, "rekey")
-	cmd := exec.CommandContext(ctx, "go", "build", "-ldflags", testbed.VersionLDFlags, "-o", bin, "./cmd/rekey")
-	cmd.Dir = root
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("go build ./cmd/rekey: %w\n%s", err, out)
-	}
-	return bin, nil
 }

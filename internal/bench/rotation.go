@@ -60,7 +60,7 @@ func runRotation(s Settings) ([]Row, error) {
 	ctx, dir, progress, bins := run.ctx, run.dir, run.progress, run.bins
 	rekeyBin := s.RotationRekeyBin
 	if rekeyBin == "" {
-		if rekeyBin, err = buildRekey(ctx, filepath.Join(dir, "bin")); err != nil {
+		if rekeyBin, err = testbed.BuildRekey(ctx, filepath.Join(dir, "bin")); err != nil {
 			return nil, err
 		}
 	}

@@ -89,8 +89,7 @@ func prebuilt(set string, names ...string) string {
 // With PrebuiltEnv set, it returns those already built there.
 func Build(ctx context.Context, dir string) (Binaries, error) {
 	if pre := prebuilt(PrebuiltServers, "apiserver-shim", "etcd", "kms-plugin"); pre != "" {
-		dir = pre
-		return Binaries{Shim: filepath.Join(dir, "apiserver-shim"), Etcd: filepath.Join(dir, "etcd"), Plugin: filepath.Join(dir, "kms-plugin")}, nil
+		return binariesIn(pre), nil
 	}
 	root, err := ModuleRoot()
 	if err != nil {
@@ -110,15 +109,20 @@ func Build(ctx context.Context, dir string) (Binaries, error) {
 			return Binaries{}, fmt.Errorf("go build: %w\n%s", err, out)
 		}
 	}
+	return binariesIn(dir), nil
+}
+
+// binariesIn are the servers' paths in dir, as Build writes them.
+func binariesIn(dir string) Binaries {
 	return Binaries{
 		Shim:   filepath.Join(dir, "apiserver-shim"),
 		Etcd:   filepath.Join(dir, "etcd"),
 		Plugin: filepath.Join(dir, "kms-plugin"),
-	}, nil
+	}
 }
 
-// BuildRekey compiles cmd/rekey into dir (with the FIPS module in FIPS mode) and
-// returns its path; with PrebuiltEnv set, the one already built there.
+// BuildRekey compiles cmd/rekey into dir with VersionLDFlags (and the FIPS module in
+// FIPS mode) and returns its path; with PrebuiltEnv set, the one already built there.
 func BuildRekey(ctx context.Context, dir string) (string, error) {
 	if pre := prebuilt(PrebuiltServers, "rekey"); pre != "" {
 		return filepath.Join(pre, "rekey"), nil
@@ -128,7 +132,7 @@ func BuildRekey(ctx context.Context, dir string) (string, error) {
 		return "", err
 	}
 	path := filepath.Join(dir, "rekey")
-	cmd := exec.CommandContext(ctx, "go", "build", "-o", path, "./cmd/rekey")
+	cmd := exec.CommandContext(ctx, "go", "build", "-ldflags", VersionLDFlags, "-o", path, "./cmd/rekey")
 	cmd.Dir = root
 	cmd.Env = BuildEnv()
 	if out, err := cmd.CombinedOutput(); err != nil {
