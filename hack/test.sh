@@ -128,5 +128,19 @@ if [ "$failed" != 0 ]; then
 		echo "---- $g: last lines"
 		tail -30 "$logs/$g.log"
 	done
+	# Last, and short, because a CI report may keep only the output's last lines: each
+	# failed group's failing tests with the first line the test reported, panics and
+	# timeouts.
+	echo
+	echo "== failed (details above)"
+	for g in $groups; do
+		read -r rc secs <"$logs/$g.result"
+		[ "$rc" = 0 ] && continue
+		echo "$g: exit $rc after ${secs}s"
+		awk '/^=== RUN/ {first=""}
+			first == "" && /^ +[^ ]+_test\.go:[0-9]+:/ {first=$0}
+			/^ *--- FAIL/ {sub(/^ +/, "", first); printf "  %s  %s\n", $0, substr(first, 1, 240); first=""}
+			/^panic:|^FAIL\t|test timed out/ {print "  " substr($0, 1, 240)}' "$logs/$g.log" | head -12
+	done
 	exit 1
 fi
