@@ -8,13 +8,16 @@
 # scenarios ($cluster_tests) and the rest.
 #
 #   race:    go test -race ./pkg/... (the heap-bound test skips itself under -race, and
-#            pkg/migrate's rotation scenario runs a fifth of its 10,000 objects)
+#            pkg/migrate's rotation scenario runs a fifth of its 10,000 objects), then
+#            pkg/migrate's heap-bound test and its 10,000-object rotation scenario
+#            without -race, deploy/monitoring's and plugins/kms-pkcs11's own modules (the
+#            last needs SoftHSM2: .ci/run installs it)
 #   cluster: go test -run "$cluster_tests" ./test/e2e
 #   e2e:     go test -skip "$cluster_tests|$controller_test" ./test/e2e
-#   other:   every other package of the module, pkg/migrate's heap-bound test and its
-#            10,000-object rotation scenario without -race, the e2e package's controller scenario ($controller_test, ~180 s: it
-#            balances the groups), then dist/kube-apiserver's, deploy/monitoring's and
-#            plugins/kms-pkcs11's own modules (the last needs SoftHSM2: .ci/run installs it)
+#   other:   every other package of the module, the e2e package's controller scenario
+#            ($controller_test: it balances the groups), then dist/kube-apiserver's own
+#            module
+# Each step's time is in its group's log ("== step").
 #
 # The testbed's programs (the shim, etcd, the KMS plugin, rekey, dist/kube-apiserver
 # and upstream's kube-apiserver) are built once into bin/test-bins by
@@ -36,7 +39,28 @@ mkdir -p "$logs"
 
 others=$($GO list ./... | grep -v -e '/pkg/' -e '/test/e2e$')
 
-group_race() { $GO test -race -count=1 -v -timeout 20m ./pkg/...; }
+# step runs one command of a group and says, in the group's log, how long it took.
+step() {
+	local s rc
+	s=$(date +%s)
+	"$@"
+	rc=$?
+	echo "== step (${*: -1}): exit $rc after $(($(date +%s) - s))s"
+	return $rc
+}
+
+# The race run ends first (about 350 s of a run whose other groups take 600-650 s), so
+# the steps of the other packages that need nothing from it follow it.
+group_race() {
+	local rc=0
+	step $GO test -race -count=1 -v -timeout 20m ./pkg/... || rc=1
+	step $GO test -count=1 -v -timeout 10m -run '^(TestLargeObjectsStayWithinMemoryBound|TestRotationScenario)$' ./pkg/migrate || rc=1
+	# deploy/monitoring: the alert rules and dashboard checked against running shims.
+	(cd deploy/monitoring && step $GO test -count=1 -v -timeout 10m .) || rc=1
+	# plugins/kms-pkcs11: the PKCS#11 plugin against SoftHSM2 tokens (they fail without it).
+	(cd plugins/kms-pkcs11 && step $GO test -count=1 -v -timeout 10m ./...) || rc=1
+	return $rc
+}
 # The TestCluster scenarios (~540 s under the suite's load) and a scenario on a 3-member
 # etcd from a Secret (~40 s); the rest of the package but the controller scenario is
 # ~550 s.
@@ -47,16 +71,11 @@ group_e2e() { $GO test -count=1 -v -timeout 45m -skip "$cluster_tests|$controlle
 group_other() {
 	local rc=0
 	# shellcheck disable=SC2086 # one argument per package
-	$GO test -count=1 -v -timeout 30m $others || rc=1
-	$GO test -count=1 -v -timeout 10m -run '^(TestLargeObjectsStayWithinMemoryBound|TestRotationScenario)$' ./pkg/migrate || rc=1
-	$GO test -count=1 -v -timeout 15m -run "$controller_test" ./test/e2e || rc=1
+	step $GO test -count=1 -v -timeout 30m $others || rc=1
+	step $GO test -count=1 -v -timeout 15m -run "$controller_test" ./test/e2e || rc=1
 	if [ "${REKEY_SKIP_KUBE_APISERVER:-}" != 1 ]; then
-		(cd dist/kube-apiserver && $GO test -count=1 -v .) || rc=1
+		(cd dist/kube-apiserver && step $GO test -count=1 -v .) || rc=1
 	fi
-	# deploy/monitoring: the alert rules and dashboard checked against running shims.
-	(cd deploy/monitoring && $GO test -count=1 -v -timeout 10m .) || rc=1
-	# plugins/kms-pkcs11: the PKCS#11 plugin against SoftHSM2 tokens (they fail without it).
-	(cd plugins/kms-pkcs11 && $GO test -count=1 -v -timeout 10m ./...) || rc=1
 	return $rc
 }
 
@@ -108,6 +127,9 @@ for g in $groups; do
 	printf '%-6s %-5s %4ds   %s\n' "$g" "$status" "$secs" "$logs/$g.log"
 done
 echo "total: $(($(date +%s) - start))s"
+for g in $groups; do
+	grep -h '^== step' "$logs/$g.log" | sed "s/^== step/  $g:/"
+done
 
 echo
 echo "== slowest tests"

@@ -269,6 +269,36 @@ func (c *EtcdCluster) Health(ctx context.Context) error {
 	return err
 }
 
+// RaftTerm is the highest raft term the running members report. Every leader election
+// raises it (etcd's pre-vote keeps a member that only lost touch from raising it), so
+// two readings tell whether the cluster elected a leader between them.
+func (c *EtcdCluster) RaftTerm(ctx context.Context) (uint64, error) {
+	cli, err := EtcdClient(c.RunningEndpoints())
+	if err != nil {
+		return 0, err
+	}
+	defer cli.Close()
+	var term uint64
+	var errs []error
+	for _, m := range c.Members {
+		if !m.Running() {
+			continue
+		}
+		sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		st, err := cli.Status(sctx, m.Endpoint)
+		cancel()
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", m.Name, err))
+			continue
+		}
+		term = max(term, st.RaftTerm)
+	}
+	if term == 0 {
+		return 0, fmt.Errorf("no member reported its raft term: %w", errors.Join(errs...))
+	}
+	return term, nil
+}
+
 // Leader is the member that leads the cluster now, as the running members report.
 func (c *EtcdCluster) Leader(ctx context.Context) (*EtcdMember, error) {
 	cli, err := EtcdClient(c.RunningEndpoints())

@@ -59,6 +59,10 @@ type SampleCounts struct {
 	Stale int64
 	// Errors are other failures in rotation (timeouts, connection errors, 4xx).
 	Errors int64
+	// LeaderLoss reads failed in rotation with etcd's own errors of a leader election
+	// (an apiserver answers them with a 500, but they say nothing of what it stored): a
+	// scenario that proves etcd elected a leader meanwhile may excuse them.
+	LeaderLoss int64
 	// Excused failures happened while the endpoint was out of rotation.
 	Excused int64
 }
@@ -149,6 +153,9 @@ func (s *Sampler) read(ctx context.Context, ep Endpoint, name string) {
 	switch {
 	case excused:
 		cnt.Excused++
+	case err != nil && etcdLeaderLoss(err):
+		cnt.LeaderLoss++
+		note("failed in an etcd leader election", err)
 	case err != nil && apierrors.IsNotFound(err):
 		cnt.Missing++
 		note("missing", err)
@@ -191,20 +198,27 @@ func (r SampleReport) Total() SampleCounts {
 		t.Missing += c.Missing
 		t.Stale += c.Stale
 		t.Errors += c.Errors
+		t.LeaderLoss += c.LeaderLoss
 		t.Excused += c.Excused
 	}
 	return t
 }
 
 // Bad is the number of reads in rotation that failed or were stale.
-func (c SampleCounts) Bad() int64 { return c.Unreadable + c.Missing + c.Stale + c.Errors }
+func (c SampleCounts) Bad() int64 {
+	return c.Unreadable + c.Missing + c.Stale + c.Errors + c.LeaderLoss
+}
 
 func (r SampleReport) String() string {
 	var parts []string
 	for _, name := range slices.Sorted(maps.Keys(r.PerEndpoint)) {
 		c := r.PerEndpoint[name]
-		parts = append(parts, fmt.Sprintf("%s: %d reads, %d unreadable, %d missing, %d stale, %d errors, %d excused",
-			name, c.Reads, c.Unreadable, c.Missing, c.Stale, c.Errors, c.Excused))
+		part := fmt.Sprintf("%s: %d reads, %d unreadable, %d missing, %d stale, %d errors, %d excused",
+			name, c.Reads, c.Unreadable, c.Missing, c.Stale, c.Errors, c.Excused)
+		if c.LeaderLoss > 0 {
+			part += fmt.Sprintf(", %d failed in an etcd leader election", c.LeaderLoss)
+		}
+		parts = append(parts, part)
 	}
 	return strings.Join(parts, "; ")
 }

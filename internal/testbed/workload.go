@@ -289,6 +289,10 @@ type WriteCounts struct {
 	Failed int64
 	// Excused writes failed while it was out of rotation (killed, not ready).
 	Excused int64
+	// LeaderLoss are the Failed writes that failed with etcd's own errors of a leader
+	// election (etcdLeaderLoss): a scenario that proves etcd elected a leader meanwhile
+	// may excuse them (WriteReport.LeaderLoss).
+	LeaderLoss int64
 }
 
 // StartWriters starts writers on the objects the workload holds now; each
@@ -424,6 +428,9 @@ func (wr *Writers) count(ep Endpoint, err error) {
 		c.Excused++
 	default:
 		c.Failed++
+		if etcdLeaderLoss(err) {
+			c.LeaderLoss++
+		}
 		if len(wr.errs) < 20 {
 			wr.errs = append(wr.errs, ep.Name()+": "+err.Error())
 		}
@@ -455,11 +462,24 @@ func (r WriteReport) Failed() (n int64) {
 	return n
 }
 
+// LeaderLoss is the number of failed writes that failed with etcd's errors of a leader
+// election.
+func (r WriteReport) LeaderLoss() (n int64) {
+	for _, c := range r.PerEndpoint {
+		n += c.LeaderLoss
+	}
+	return n
+}
+
 func (r WriteReport) String() string {
 	var parts []string
 	for _, name := range slices.Sorted(maps.Keys(r.PerEndpoint)) {
 		c := r.PerEndpoint[name]
-		parts = append(parts, fmt.Sprintf("%s: %d acked, %d failed, %d excused", name, c.Acked, c.Failed, c.Excused))
+		part := fmt.Sprintf("%s: %d acked, %d failed, %d excused", name, c.Acked, c.Failed, c.Excused)
+		if c.LeaderLoss > 0 {
+			part += fmt.Sprintf(" (%d of the failed in an etcd leader election)", c.LeaderLoss)
+		}
+		parts = append(parts, part)
 	}
 	return fmt.Sprintf("%s; %d conflicts retried", strings.Join(parts, "; "), r.Conflicts)
 }

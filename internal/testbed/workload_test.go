@@ -2,6 +2,7 @@ package testbed
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -102,6 +103,17 @@ func TestWorkloadChecksCatchLossAndErrors(t *testing.T) {
 	if got := s.Report().Total(); got.Excused != 1 || got.Unreadable != 1 {
 		t.Fatalf("a failure out of rotation: %+v", got)
 	}
+	// etcd's election error, as an apiserver answers it (a 500), is not an unreadable
+	// object: it is counted apart, for a scenario to excuse once etcd's term proves an
+	// election.
+	ep.out.Store(false)
+	ep.c.PrependReactor("get", "secrets", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		return true, nil, apierrors.NewInternalError(errors.New("etcdserver: request timed out, possibly due to previous leader failure"))
+	})
+	s.read(ctx, ep, "s-0")
+	if got := s.Report().Total(); got.LeaderLoss != 1 || got.Unreadable != 1 || got.Bad() != 5 {
+		t.Fatalf("a read failed in a leader election: %+v", got)
+	}
 }
 
 var errTransform = &transformError{}
@@ -150,6 +162,12 @@ func TestWritersCountAndRecord(t *testing.T) {
 	wr.count(ep, apierrors.NewServiceUnavailable("killed"))
 	if r := wr.Report(); r.PerEndpoint["fake"].Excused != 1 || r.Failed() != rep.Failed() {
 		t.Fatalf("after a failure out of rotation: %s", r)
+	}
+	// One in rotation with etcd's election error is failed, and counted as such.
+	ep.out.Store(false)
+	wr.count(ep, apierrors.NewInternalError(errors.New("etcdserver: leader changed")))
+	if r := wr.Report(); r.Failed() != rep.Failed()+1 || r.LeaderLoss() != 1 {
+		t.Fatalf("after a failure in a leader election: %s", r)
 	}
 	if w.Objects() <= 6 {
 		t.Fatalf("no object created: %d", w.Objects())

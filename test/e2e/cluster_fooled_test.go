@@ -72,6 +72,7 @@ func (b *clusterBed) startReadyLoad() *readyLoad {
 	lb := b.fleet.StartLoadBalancer(ctx, 200*time.Millisecond)
 	b.t.Cleanup(lb.Stop)
 	return &readyLoad{lb: lb, clusterLoad: &clusterLoad{
+		raftTerm: b.raftTerm(),
 		writers: b.load.StartWriters(ctx, testbed.WritersConfig{PerEndpoint: 2, Pause: 20 * time.Millisecond, CreateEvery: 50, ExcuseNotReady: true}),
 		sampler: b.load.StartSampler(ctx, testbed.SamplerConfig{Rate: 200, ExcuseNotReady: true}),
 	}}

@@ -264,10 +264,13 @@ func (b *clusterBed) ids() []string {
 type clusterLoad struct {
 	writers *testbed.Writers
 	sampler *testbed.Sampler
+	// raftTerm is etcd's raft term when the load started (0: not known).
+	raftTerm uint64
 }
 
 func (b *clusterBed) startLoad() *clusterLoad {
 	return &clusterLoad{
+		raftTerm: b.raftTerm(),
 		writers: b.load.StartWriters(b.t.Context(), testbed.WritersConfig{PerEndpoint: 2, Pause: 20 * time.Millisecond, CreateEvery: 50,
 			ExcuseEtcdLeaderLoss: b.cfg.etcdLeaderLoss}),
 		sampler: b.load.StartSampler(b.t.Context(), testbed.SamplerConfig{Rate: 200}),
@@ -285,16 +288,33 @@ func (b *clusterBed) finish(l *clusterLoad) (testbed.WriteReport, testbed.Sample
 	sr := l.sampler.Stop()
 	t.Logf("writers: %s", wr)
 	t.Logf("sampler: %s", sr)
-	if wr.Failed() > 0 {
-		t.Errorf("%d failed writes on shims in rotation, e.g. %v", wr.Failed(), first(wr.Errors, 3))
+	total := sr.Total()
+	// etcd fails the requests in flight while it elects a leader ("leader changed",
+	// "request timed out"), and on this shared 2-core machine a member starved of CPU
+	// for its election timeout (1 s) can start an election in any scenario. Those
+	// failures are etcd's availability, not what the shims stored, so they are excused
+	// when etcd's raft term proves an election; without one they fail the scenario.
+	failedWrites, badReads := wr.Failed(), total.Bad()
+	if leaderLoss := wr.LeaderLoss() + total.LeaderLoss; leaderLoss > 0 {
+		if elections := b.electionsSince(l.raftTerm); elections > 0 {
+			t.Logf("etcd elected a leader %d time(s) during the load (raft term %d, then %d more): "+
+				"excused %d writes and %d reads that failed with its election errors", elections, l.raftTerm, elections,
+				wr.LeaderLoss(), total.LeaderLoss)
+			failedWrites -= wr.LeaderLoss()
+			badReads -= total.LeaderLoss
+		} else {
+			t.Errorf("%d requests failed with etcd's errors of a leader election, and etcd's raft term says it elected none", leaderLoss)
+		}
+	}
+	if failedWrites > 0 {
+		t.Errorf("%d failed writes on shims in rotation, e.g. %v", failedWrites, first(wr.Errors, 3))
 	}
 	for name, c := range wr.PerEndpoint {
 		if c.Acked == 0 {
 			t.Errorf("%s: no write acknowledged", name)
 		}
 	}
-	total := sr.Total()
-	if total.Bad() > 0 {
+	if badReads > 0 {
 		t.Errorf("sampler: %d unreadable, %d missing, %d stale, %d other errors; e.g. %v",
 			total.Unreadable, total.Missing, total.Stale, total.Errors, first(sr.Examples, 5))
 	}
@@ -305,6 +325,29 @@ func (b *clusterBed) finish(l *clusterLoad) (testbed.WriteReport, testbed.Sample
 	}
 	b.verifyAll()
 	return wr, sr
+}
+
+// raftTerm is etcd's raft term now, for electionsSince (0 when it cannot be read).
+func (b *clusterBed) raftTerm() uint64 {
+	term, err := b.etcd.RaftTerm(b.t.Context())
+	if err != nil {
+		b.t.Logf("etcd's raft term at the start of the load: %v (a failure in a leader election will not be excused)", err)
+	}
+	return term
+}
+
+// electionsSince is how many leader elections etcd held since it reported the raft
+// term before (0 when before or the term now is not known).
+func (b *clusterBed) electionsSince(before uint64) uint64 {
+	if before == 0 {
+		return 0
+	}
+	now, err := b.etcd.RaftTerm(b.t.Context())
+	if err != nil || now < before {
+		b.t.Logf("etcd's raft term after the load: %v", err)
+		return 0
+	}
+	return now - before
 }
 
 // verifyAll lists the Secrets through every shim in rotation and compares them with
