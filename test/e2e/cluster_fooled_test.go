@@ -73,8 +73,8 @@ func (b *clusterBed) startReadyLoad() *readyLoad {
 	b.t.Cleanup(lb.Stop)
 	return &readyLoad{lb: lb, clusterLoad: &clusterLoad{
 		raftTerm: b.raftTerm(),
-		writers: b.load.StartWriters(ctx, testbed.WritersConfig{PerEndpoint: 2, Pause: 20 * time.Millisecond, CreateEvery: 50, ExcuseNotReady: true}),
-		sampler: b.load.StartSampler(ctx, testbed.SamplerConfig{Rate: 200, ExcuseNotReady: true}),
+		writers:  b.load.StartWriters(ctx, testbed.WritersConfig{PerEndpoint: 2, Pause: 20 * time.Millisecond, CreateEvery: 50, ExcuseNotReady: true}),
+		sampler:  b.load.StartSampler(ctx, testbed.SamplerConfig{Rate: 200, ExcuseNotReady: true}),
 	}}
 }
 
