@@ -171,7 +171,7 @@ func TestMigratorLeaderNeverOverwritesUndecodableState(t *testing.T) {
 		}
 	}, funcr.Options{})
 	mig := NewMigrator(MigratorOptions{
-		Client: cli, Prefix: defaultPrefix, ID: a.id, SessionTTL: 2 * time.Second,
+		Client: cli, Prefix: defaultPrefix, ID: a.id, SessionTTL: 10 * time.Second,
 		Resources:      []migrate.Resource{migrate.ResourceFor("/registry", secrets)},
 		Source:         migrate.FromRules(a.agent, a.agent.Rules),
 		Members:        a.node.view.Members,

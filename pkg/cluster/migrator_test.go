@@ -31,7 +31,7 @@ func startProbedMigrator(t *testing.T, ctx context.Context, cli *clientv3.Client
 	mig := NewMigrator(MigratorOptions{
 		Rate:      append(rate, 0)[0],
 		Inventory: store,
-		Client:    cli, Prefix: defaultPrefix, ID: m.id, SessionTTL: 2 * time.Second,
+		Client:    cli, Prefix: defaultPrefix, ID: m.id, SessionTTL: 10 * time.Second, // a stop revokes it; 10 s outlives a starved keep-alive
 		Resources:      []migrate.Resource{migrate.ResourceFor("/registry", secrets)},
 		Source:         migrate.FromRules(m.agent, m.agent.Rules),
 		Members:        probe.wrap(m.node.view.Members),

@@ -9,10 +9,10 @@ import (
 	"sync/atomic"
 	"testing"
 
-	"go.uber.org/goleak"
+	"github.com/rekey-io/rekey/internal/leakcheck"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { leakcheck.Main(m) }
 
 // fakeProbe is a plugin whose health the test sets; it counts calls and can block them.
 type fakeProbe struct {

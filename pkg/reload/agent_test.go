@@ -15,18 +15,18 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	genericapiserver "k8s.io/apiserver/pkg/server"
 	"k8s.io/component-base/metrics"
 
 	"github.com/rekey-io/rekey/internal/errtext"
+	"github.com/rekey-io/rekey/internal/leakcheck"
 	"github.com/rekey-io/rekey/pkg/config"
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) { leakcheck.Main(m) }
 
 const (
 	gcmK1 = "k8s:enc:aesgcm:v1:k1:"
