@@ -63,6 +63,13 @@ type ControllerOptions struct {
 	Logger             klog.Logger
 	// Clock drives checks, retries and backoff; tests pass a fake clock.
 	Clock clock.Clock
+	// MigrationClock is what the migrations the controller starts measure and wait
+	// with: etcd's latencies, their pacing windows, their pauses between attempts on an
+	// etcd that does not answer. The real clock when nil, whatever Clock is: a
+	// migration run on a test's fake Clock waited for a step that never came once an
+	// etcd transaction had timed out (a starved test process) and its retry slept on
+	// that clock; the test hung to its timeout.
+	MigrationClock clock.Clock
 	// RetryBackoff and MaxRetryBackoff override the first and the longest wait before a
 	// failed migration is retried (defaults: the smaller of 5 s and CheckInterval;
 	// 5 minutes).
@@ -124,6 +131,9 @@ func NewController(opts ControllerOptions) *Controller {
 	}
 	if opts.InventoryInterval <= 0 {
 		opts.InventoryInterval = defaultInventoryInterval
+	}
+	if opts.MigrationClock == nil {
+		opts.MigrationClock = clock.RealClock{}
 	}
 	if opts.Clock == nil {
 		opts.Clock = clock.RealClock{}
@@ -260,7 +270,7 @@ func (c *Controller) migrate(ctx context.Context, rs []Resource) {
 	res, err := Migrate(ctx, Options{Client: c.opts.Client, Source: c.opts.Source, Resources: rs, Rate: c.opts.Rate, Space: c.opts.Space,
 		Pacing:    c.opts.Pacing,
 		Inventory: verified, Metrics: c.opts.Metrics, ConfigHash: c.opts.ConfigHash(), CoordinationPrefix: c.opts.CoordinationPrefix,
-		Logger: c.opts.Logger, Clock: c.opts.Clock})
+		Logger: c.opts.Logger, Clock: c.opts.MigrationClock})
 	now := c.opts.Clock.Now()
 	c.m.Step(migrationEvent{now: now, verified: verified.Latest(), err: err})
 	rec := &MigrationRecord{Resources: names, Finished: now}
