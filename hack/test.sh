@@ -152,17 +152,18 @@ if [ "$failed" != 0 ]; then
 		tail -30 "$logs/$g.log"
 	done
 	# Last, and short, because a CI report may keep only the output's last lines: each
-	# failed group's failing tests with the first line the test reported, panics and
-	# timeouts.
+	# failed group's failing tests with the last line the test reported before it
+	# failed (its t.Logf lines come first, its error usually last; the log tails of its
+	# cleanups after it are skipped), panics and timeouts.
 	echo
 	echo "== failed (details above)"
 	for g in $groups; do
 		read -r rc secs <"$logs/$g.result"
 		[ "$rc" = 0 ] && continue
 		echo "$g: exit $rc after ${secs}s"
-		awk '/^=== RUN/ {first=""}
-			first == "" && /^ +[^ ]+_test\.go:[0-9]+:/ {first=$0}
-			/^ *--- FAIL/ {sub(/^ +/, "", first); printf "  %s  %s\n", $0, substr(first, 1, 240); first=""}
+		awk '/^=== RUN/ {last=""}
+			/^ +[^ ]+_test\.go:[0-9]+:/ && !/log tail|logs?:$/ {last=$0}
+			/^ *--- FAIL/ {sub(/^ +/, "", last); printf "  %s  %s\n", $0, substr(last, 1, 240); last=""}
 			/^panic:|^FAIL\t|test timed out/ {print "  " substr($0, 1, 240)}' "$logs/$g.log" | head -12
 	done
 	exit 1

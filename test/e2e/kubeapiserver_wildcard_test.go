@@ -167,11 +167,21 @@ func TestKubeAPIServerRotatesEverything(t *testing.T) {
 	}
 
 	secretsBefore := fileSecrets(t, config)
-	out, err := runRotateWait(ctx, t, rekeyBin(t), []string{"rotate", "--encryption-provider-config", config, "--wait",
+	rotateArgs := []string{"rotate", "--encryption-provider-config", config, "--wait",
 		"--etcd-servers", etcd.Endpoint, "--etcd-prefix", prefix, "--coordination-prefix", coordinationPrefix(t),
-		"--wait-timeout", "4m", "--progress", "plain"})
+		"--wait-timeout", "4m", "--progress", "plain"}
+	out, err := runRotateWait(ctx, t, rekeyBin(t), rotateArgs)
 	if err != nil {
 		t.Fatalf("rekey rotate --wait: %v\n%s", err, out)
+	}
+	if strings.Contains(out, "added no key; run rekey rotate --wait again") {
+		// kube-apiserver's first migration after its start (every resource verified
+		// under key1) was still running, which rotate --wait takes for a rotation in
+		// progress and finishes (on a loaded machine it can last that long); as its
+		// output says, a second run adds the key.
+		if out, err = runRotateWait(ctx, t, rekeyBin(t), rotateArgs); err != nil {
+			t.Fatalf("rekey rotate --wait, the second run: %v\n%s", err, out)
+		}
 	}
 	// One new key in each rule, key1 in none: deployments.apps's first, *.*'s second.
 	names := sourceKeys(t, config)
