@@ -10,6 +10,7 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/migrate/pace"
 )
 
@@ -91,6 +92,8 @@ func (p *statePublisher) publish(st MigrationState, running bool) error {
 // the latest read failed or the latest state does not decode, the state is unknown
 // (knownState says why) and the guard refuses drops.
 func (m *Migrator) follow(ctx context.Context) {
+	reporter := &clientsReporter{m: m, parent: ctx}
+	defer reporter.set(false)
 	for ctx.Err() == nil {
 		st, rev, err := m.getState(ctx)
 		if rev == 0 {
@@ -103,19 +106,51 @@ func (m *Migrator) follow(ctx context.Context) {
 			m.log.V(2).Info("The migration state does not decode; waiting for the next one", "err", err)
 			st, _ = m.State()
 		}
-		m.followFrom(ctx, st, rev, err)
+		m.followFrom(ctx, st, rev, err, reporter)
+	}
+}
+
+// clientsReporter reports this follower's clients while the state it follows says a
+// migration runs (see reportClients).
+type clientsReporter struct {
+	m      *Migrator
+	parent context.Context
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// set starts or stops the reports; outside an apiserver (no serving latency) there is
+// nothing to report.
+func (r *clientsReporter) set(running bool) {
+	serving := r.m.opts.Pacing.Serving
+	switch {
+	case running && r.cancel == nil && serving != nil:
+		// The share starts now: the requests answered from now on are the migration's
+		// to judge, and those before make the baseline.
+		share := serving.Share()
+		ctx, cancel := context.WithCancel(r.parent)
+		r.cancel, r.done = cancel, make(chan struct{})
+		go func() {
+			defer close(r.done)
+			reportClients(ctx, r.m.opts.Client, coordination.MigrationClients(r.m.opts.Prefix, r.m.opts.ID), r.m.opts.ID, share, r.m.opts.Clock, r.m.log)
+		}()
+	case !running && r.cancel != nil:
+		r.cancel()
+		<-r.done
+		r.cancel = nil
 	}
 }
 
 // followFrom applies st, read at rev (undecodable: why the state at rev is unknown),
 // then every change after rev until the watch ends. A follower's inventory refresh that
 // failed is retried on the clock meanwhile.
-func (m *Migrator) followFrom(ctx context.Context, st MigrationState, rev int64, undecodable error) {
+func (m *Migrator) followFrom(ctx context.Context, st MigrationState, rev int64, undecodable error, reporter *clientsReporter) {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
 	changes := m.opts.Client.Watch(wctx, migrationStateKey(m.opts.Prefix), clientv3.WithRev(rev+1))
 	for {
 		m.setFollowed(st, undecodable)
+		reporter.set(st.Running != nil)
 		var retry <-chan time.Time
 		if !m.refreshInventory(ctx, st.Records) {
 			retry = m.opts.Clock.After(inventoryRetry)

@@ -413,6 +413,12 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, known float64, gu
 	verified := &migrate.InventoryStore{}
 	pacing := m.opts.Pacing
 	pacing.KnownRate = known
+	if pacing.Serving != nil {
+		// Inside an apiserver: the other apiservers' clients count too.
+		wctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		pacing.Members = watchMemberClients(wctx, m.opts.Client, m.opts.Prefix, m.opts.ID, m.log)
+	}
 	m.mu.Lock()
 	if r := m.resume; r.target == mig.Target && m.opts.Clock.Since(r.at) < resumeRateFor {
 		pacing.ResumeRate = r.rate

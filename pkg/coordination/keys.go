@@ -21,6 +21,7 @@ const (
 	migrationLeaderPath = "/migration/leader"
 	checkpointPath      = "/migration/checkpoint"
 	migrationStatePath  = "/migration/state"
+	migrationClientsDir = "/migration/clients/"
 	keyWritesDir        = "/keywrites/"
 	appliedStateDir     = "/applied/"
 	ledgerPath          = "/ledger"
@@ -79,6 +80,8 @@ func Keys() []Entry {
 			Holds: "the running migration's checkpoint (pkg/migrate's format), written by the leader only"},
 		{Name: "migration state", Path: migrationStatePath, Owner: "pkg/cluster", Lifetime: Permanent,
 			Holds: "the leader's MigrationState: migration records and progress"},
+		{Name: "migration clients", Path: migrationClientsDir, ID: "<apiserver-id>", Owner: "pkg/cluster", Lifetime: Leased,
+			Holds: "while a migration runs, a follower's latest report of its clients' request latencies (and their baseline) for the leader's pacing"},
 		{Name: "key writes", Path: keyWritesDir, ID: "<key-hash>", Owner: "pkg/cluster", Lifetime: Permanent,
 			Holds: "one key's lifetime count of values sealed and when it was first seen"},
 		{Name: "applied state", Path: appliedStateDir, ID: "<encryption-state-id>", Owner: "pkg/guard", Lifetime: Permanent,
@@ -108,6 +111,10 @@ func MigrationCheckpoint(prefix string) string { return prefix + checkpointPath 
 
 // MigrationState holds the leader's MigrationState.
 func MigrationState(prefix string) string { return prefix + migrationStatePath }
+
+// MigrationClients is where apiserver id reports its clients' latency while a
+// migration another apiserver leads runs ("" id: the directory of them).
+func MigrationClients(prefix, id string) string { return prefix + migrationClientsDir + id }
 
 // KeyWritesPrefix is the directory of the per-key write totals: <prefix>/keywrites/.
 func KeyWritesPrefix(prefix string) string { return prefix + keyWritesDir }

@@ -103,7 +103,7 @@ func newClassesBed(t *testing.T) *classesBed {
 // window runs transactions 50ms apart, each of 50ms of the allowed rate and after 5
 // GETs answered in get and a LIST in list, until a window ends; its verdict.
 func (b *classesBed) window(get, list time.Duration) pacerVerdict {
-	before := b.p.last
+	before := b.p.verdicts
 	for range 40 {
 		b.clk.SetTime(b.clk.Now().Add(50 * time.Millisecond))
 		for range 5 {
@@ -120,7 +120,7 @@ func (b *classesBed) window(get, list time.Duration) pacerVerdict {
 			}
 		}
 		b.p.Observe(b.clk.Now(), 2*time.Millisecond, max(1, int(b.p.Rate()/20)), nil)
-		if b.p.last != before {
+		if b.p.verdicts != before {
 			return b.p.last
 		}
 	}

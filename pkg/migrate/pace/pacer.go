@@ -133,6 +133,12 @@ type Options struct {
 	// before the migration for a baseline, the migration starts at ServingStartRate and
 	// slows down whenever the clients are answered more than ServingFactor times slower.
 	Serving *ServingLatency
+	// Members, when set, brings the other apiservers' clients to the pacer: a
+	// cluster migration's leader sets it (pkg/cluster: the members' reports), so
+	// that the watch caches the migration's writes load everywhere slow it down, not
+	// only this apiserver's. Each member's classes are judged against that member's
+	// own baseline, as this apiserver's are.
+	Members MembersServing
 	// ServingFactor and ServingStartRate: see the defaults; an unset ServingFactor
 	// is the Priority's.
 	ServingFactor    float64
@@ -275,10 +281,12 @@ type pacer struct {
 	// target is opts.TargetLatency or the baseline's; 0 until the first judged window.
 	target time.Duration
 
-	// classes are the clients' request classes, each judged against its own
-	// target; serving says whether any class has one (a serving baseline).
-	// slowStart: doubling until the first congestion.
-	classes   [numRequestClasses]servingClass
+	// pops are the clients' populations, each judged against its own target: this
+	// apiserver's request classes first (pops[c] is class c), then those of the
+	// other apiservers' clients as their reports arrive (ObserveMember). serving says
+	// whether any population has a target (a serving baseline). slowStart: doubling
+	// until the first congestion.
+	pops      []population
 	serving   bool
 	slowStart bool
 	// calmRate is the highest rate achieved in a window whose clients were judged
@@ -294,11 +302,11 @@ type pacer struct {
 	// canProbe: the pacer may pause (a Writer's; its driver calls tickProbe while
 	// Probing). probing: paused to measure the clients of probeClasses without the
 	// migration, from probeFrom; lastProbe: when the last pause ended.
-	canProbe     bool
-	probing      bool
-	probeFrom    time.Time
-	probeClasses []RequestClass
-	lastProbe    time.Time
+	canProbe  bool
+	probing   bool
+	probeFrom time.Time
+	probePops []int
+	lastProbe time.Time
 
 	windowStart time.Time
 	latencies   []time.Duration
@@ -308,14 +316,32 @@ type pacer struct {
 	watchLagSeen bool
 	objects      int64
 	errors       int
-	// last is the latest judgement, for the status and the transcripts.
-	last pacerVerdict
+	// last is the latest judgement, for the status and the transcripts; verdicts
+	// counts them (a driver tells a new one from the one it saw before).
+	last     pacerVerdict
+	verdicts int
 	// slowedBy says what made the last decrease, until the rate is back at the
 	// ceiling (or unlimited).
 	slowedBy string
 }
 
-// servingClass is the pacer's view of one class of the clients' requests.
+// population is one class of the requests of one apiserver's clients: member "" is
+// this apiserver's own, another is a member's ID (its reports: see MembersServing).
+type population struct {
+	member string
+	class  RequestClass
+	servingClass
+}
+
+// name is the population as the logs say it: "get", or "get at apiserver-2".
+func (pop population) name() string {
+	if pop.member == "" {
+		return pop.class.String()
+	}
+	return fmt.Sprintf("%s at %s", pop.class, pop.member)
+}
+
+// servingClass is the pacer's view of one population of the clients' requests.
 type servingClass struct {
 	// target is the class's p99 above which the rate decreases; 0: the class had
 	// too few requests before the migration for a baseline, and its requests are not
@@ -348,13 +374,17 @@ type pacerVerdict struct {
 	Samples  int
 	Errors   int
 	Achieved float64 // objects per second in the window
-	// ServingP99 of ServingSamples client requests of ServingClass, when a class
-	// had enough to judge: of the classes judged, the one furthest above its target
-	// (or closest to it). Classes holds every class's judgement.
+	// ServingP99 of ServingSamples client requests of ServingClass (at
+	// ServingMember; "": this apiserver's), whose target is ServingTarget, when a
+	// population had enough to judge: of those judged, the one furthest above its
+	// target (or closest to it). Classes holds every population's judgement, indexed
+	// as pacer.pops (this apiserver's class c at c).
 	ServingP99     time.Duration
 	ServingSamples int
 	ServingClass   RequestClass
-	Classes        [numRequestClasses]classVerdict
+	ServingMember  string
+	ServingTarget  time.Duration
+	Classes        []classVerdict
 	// WatchLag is how far behind the watch cache was at most (when it was read).
 	WatchLag     time.Duration
 	WatchLagSeen bool
@@ -372,6 +402,9 @@ type pacerVerdict struct {
 func newPacer(opts Options) *pacer {
 	opts = opts.withDefaults()
 	p := &pacer{opts: opts, rate: math.Inf(1), target: opts.TargetLatency}
+	for c := range RequestClass(numRequestClasses) {
+		p.pops = append(p.pops, population{class: c})
+	}
 	if opts.Ceiling > 0 {
 		p.rate = opts.Ceiling
 	}
@@ -408,7 +441,7 @@ func (p *pacer) SetServingBaseline(b servingBaselines) {
 	for c, base := range b {
 		if base > 0 {
 			t := p.servingTargetOf(base)
-			p.classes[c].target, p.classes[c].first = t, t
+			p.pops[c].target, p.pops[c].first = t, t
 		}
 	}
 	p.serving = true
@@ -425,12 +458,57 @@ func (p *pacer) SetServingBaseline(b servingBaselines) {
 }
 
 // inheritServingTargets takes the clients' targets from another pacer of the same
-// migration: a target it re-measured (rebaseline) holds for this one too.
+// migration: a target it re-measured (rebaseline) holds for this one too, the other
+// apiservers' included.
 func (p *pacer) inheritServingTargets(from *pacer) {
-	for c := range p.classes {
-		if from.classes[c].target > 0 {
-			p.classes[c].target, p.classes[c].first = from.classes[c].target, from.classes[c].first
+	for _, f := range from.pops {
+		if f.target > 0 {
+			i := p.population(f.member, f.class)
+			p.pops[i].target, p.pops[i].first = f.target, f.first
+			p.serving = true
 		}
+	}
+}
+
+// population is the index of member's class c in pops, added (without a target)
+// when it is new.
+func (p *pacer) population(member string, c RequestClass) int {
+	if member == "" {
+		return int(c)
+	}
+	for i, pop := range p.pops {
+		if pop.member == member && pop.class == c {
+			return i
+		}
+	}
+	p.pops = append(p.pops, population{member: member, class: c})
+	return len(p.pops) - 1
+}
+
+// ObserveMember feeds requests of class c answered by another apiserver (member)
+// during the migration, whose p99 before it was baseline (0: too few requests for
+// one; they are not judged). The first report of a class with a baseline sets its
+// target, as SetServingBaseline does for this apiserver's: each apiserver's clients
+// are judged against their own past, never another's.
+func (p *pacer) ObserveMember(member string, c RequestClass, baseline time.Duration, latencies []time.Duration) {
+	if c >= numRequestClasses || member == "" {
+		return
+	}
+	i := p.population(member, c)
+	pop := &p.pops[i]
+	if pop.target == 0 {
+		if baseline <= 0 {
+			return
+		}
+		pop.target = p.servingTargetOf(baseline)
+		pop.first = pop.target
+		p.serving = true
+	}
+	for _, d := range latencies {
+		if len(pop.pending) >= maxPendingServing {
+			break
+		}
+		pop.pending = append(pop.pending, d)
 	}
 }
 
@@ -443,16 +521,16 @@ func (p *pacer) servingTargetOf(baseline time.Duration) time.Duration {
 	return max(time.Duration(p.opts.ServingFactor*float64(baseline)), baseline+minServingSlack)
 }
 
-// ServingTarget is the latency target of the clients' requests of class c; 0 when
-// the class had no baseline.
-func (p *pacer) ServingTarget(c RequestClass) time.Duration { return p.classes[c].target }
+// ServingTarget is the latency target of this apiserver's clients' requests of
+// class c; 0 when the class had no baseline.
+func (p *pacer) ServingTarget(c RequestClass) time.Duration { return p.pops[c].target }
 
-// servingTargets names every class's target, for the logs.
+// servingTargets names every population's target, for the logs.
 func (p *pacer) servingTargets() string {
 	var parts []string
-	for c, cl := range p.classes {
-		if cl.target > 0 {
-			parts = append(parts, fmt.Sprintf("%s %s", RequestClass(c), cl.target))
+	for _, pop := range p.pops {
+		if pop.target > 0 {
+			parts = append(parts, fmt.Sprintf("%s %s", pop.name(), pop.target))
 		}
 	}
 	return strings.Join(parts, ", ")
@@ -470,14 +548,14 @@ func (p *pacer) ObserveServing(c RequestClass, latency time.Duration) {
 	if c >= numRequestClasses {
 		return
 	}
-	if cl := &p.classes[c]; cl.target > 0 && len(cl.pending) < maxPendingServing {
+	if cl := &p.pops[c]; cl.target > 0 && len(cl.pending) < maxPendingServing {
 		cl.pending = append(cl.pending, latency)
 	}
 }
 
 // pendingServing is how many client requests wait for a judgement.
 func (p *pacer) pendingServing() (n int) {
-	for _, cl := range p.classes {
+	for _, cl := range p.pops {
 		n += len(cl.pending)
 	}
 	return n
@@ -490,7 +568,7 @@ func (p *pacer) pendingServing() (n int) {
 // than the p99 of clients exactly at target, and holding on it cost slow start a window
 // each time.
 func (p *pacer) pendingLeansSlowed() bool {
-	for _, cl := range p.classes {
+	for _, cl := range p.pops {
 		if over := countOver(cl.pending, cl.target); over > 1 || significantlyOver(over, len(cl.pending)) {
 			return true
 		}
@@ -500,8 +578,8 @@ func (p *pacer) pendingLeansSlowed() bool {
 
 // dropServing forgets the client requests waiting for a judgement.
 func (p *pacer) dropServing() {
-	for c := range p.classes {
-		p.classes[c].pending, p.classes[c].windows = p.classes[c].pending[:0], 0
+	for i := range p.pops {
+		p.pops[i].pending, p.pops[i].windows = p.pops[i].pending[:0], 0
 	}
 }
 
@@ -536,7 +614,7 @@ func (p *pacer) Tick(now time.Time) {
 	v.WatchLag, v.WatchLagSeen = p.watchLag, p.watchLagSeen
 	p.watchLag, p.watchLagSeen = 0, false
 	v.Change, v.Cause = p.judge(v)
-	p.last = v
+	p.setLast(v)
 	p.windowStart, p.latencies, p.objects, p.errors = now, p.latencies[:0], 0, 0
 }
 
@@ -547,8 +625,9 @@ func (p *pacer) Tick(now time.Time) {
 // it).
 func (p *pacer) judgeClasses(v *pacerVerdict) {
 	worst, worstSlowed := math.Inf(-1), false
-	for c := range p.classes {
-		cl := &p.classes[c]
+	v.Classes = make([]classVerdict, len(p.pops))
+	for c := range p.pops {
+		cl := &p.pops[c]
 		if cl.target == 0 {
 			continue
 		}
@@ -567,10 +646,27 @@ func (p *pacer) judgeClasses(v *pacerVerdict) {
 		r := float64(p99) / float64(cl.target)
 		if (slowed && !worstSlowed) || (slowed == worstSlowed && r > worst) {
 			worst, worstSlowed = r, slowed
-			v.ServingP99, v.ServingSamples, v.ServingClass = p99, n, RequestClass(c)
+			v.setServing(*cl, p99, n)
 		}
 		cl.pending, cl.windows = cl.pending[:0], 0
 	}
+}
+
+// setServing names pop, whose p99 of n requests was p99, as the verdict's clients.
+func (v *pacerVerdict) setServing(pop population, p99 time.Duration, n int) {
+	v.ServingP99, v.ServingSamples, v.ServingClass, v.ServingMember, v.ServingTarget = p99, n, pop.class, pop.member, pop.target
+}
+
+// servingName names the verdict's clients as the logs say them: "get requests",
+// "get requests at apiserver-2".
+func (v pacerVerdict) servingName() string {
+	return population{member: v.ServingMember, class: v.ServingClass}.name() + " requests"
+}
+
+// setLast records v as the latest verdict.
+func (p *pacer) setLast(v pacerVerdict) {
+	p.last = v
+	p.verdicts++
 }
 
 // countOver counts the latencies above target.
@@ -611,22 +707,23 @@ func binomialUpperTail(n, k int, q float64) float64 {
 	return max(1-below, 0)
 }
 
-// overTarget are the classes judged in v slowed beyond their target.
-func (p *pacer) overTarget(v pacerVerdict) []RequestClass {
-	var over []RequestClass
+// overTarget are the populations judged in v slowed beyond their target (indexes
+// of pops).
+func (p *pacer) overTarget(v pacerVerdict) []int {
+	var over []int
 	for c, cv := range v.Classes {
 		if cv.Samples > 0 && cv.Slowed {
-			over = append(over, RequestClass(c))
+			over = append(over, c)
 		}
 	}
 	return over
 }
 
-// resetExternal forgets the slow windows in a row of the classes judged in v.
+// resetExternal forgets the slow windows in a row of the populations judged in v.
 func (p *pacer) resetExternal(v pacerVerdict) {
 	for c, cv := range v.Classes {
 		if cv.Samples > 0 {
-			p.classes[c].externalP99s = p.classes[c].externalP99s[:0]
+			p.pops[c].externalP99s = p.pops[c].externalP99s[:0]
 		}
 	}
 }
@@ -675,7 +772,7 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 		case "watch cache lag":
 			p.slowedBy = fmt.Sprintf("the apiserver's watch cache fell behind the migration's writes (%s, at most %s)", v.WatchLag.Round(time.Millisecond), p.opts.MaxWatchLag)
 		default:
-			p.slowedBy = fmt.Sprintf("the apiserver's clients answered slower (%s requests: p99 %s, target %s)", v.ServingClass, v.ServingP99, p.classes[v.ServingClass].target)
+			p.slowedBy = fmt.Sprintf("the apiserver's clients answered slower (%s: p99 %s, target %s)", v.servingName(), v.ServingP99, v.ServingTarget)
 		}
 		return "decrease", cause
 	}
@@ -760,7 +857,7 @@ func (p *pacer) slowerByItself(v pacerVerdict) bool {
 	over := p.overTarget(v)
 	external := (p.calmRate > 0 && v.Achieved <= externalRateFraction*p.calmRate) || p.atFloor()
 	for _, c := range over {
-		if p.servingTargetOf(v.Classes[c].P99) > maxRebaselineFactor*p.classes[c].first {
+		if p.servingTargetOf(v.Classes[c].P99) > maxRebaselineFactor*p.pops[c].first {
 			external = false
 		}
 	}
@@ -769,7 +866,7 @@ func (p *pacer) slowerByItself(v pacerVerdict) bool {
 		return false
 	}
 	for c, cv := range v.Classes {
-		cl := &p.classes[c]
+		cl := &p.pops[c]
 		switch {
 		case cv.Samples == 0:
 		case cv.Slowed:
@@ -790,12 +887,12 @@ func (p *pacer) slowerByItself(v pacerVerdict) bool {
 func (p *pacer) rebaseline(v pacerVerdict) (change, cause string) {
 	over := p.overTarget(v)
 	for _, c := range over {
-		if len(p.classes[c].externalP99s) < externalWindows {
+		if len(p.pops[c].externalP99s) < externalWindows {
 			return "hold", ""
 		}
 	}
 	for _, c := range over {
-		cl := &p.classes[c]
+		cl := &p.pops[c]
 		cl.target = max(cl.target, p.servingTargetOf(slices.Min(cl.externalP99s)))
 		cl.externalP99s = cl.externalP99s[:0]
 	}
@@ -807,8 +904,8 @@ func (p *pacer) rebaseline(v pacerVerdict) (change, cause string) {
 	if p.calmRate == 0 {
 		shown = fmt.Sprintf("at the floor of %.0f/s", p.opts.MinRate)
 	}
-	p.slowedBy = fmt.Sprintf("the apiserver's clients are slower whatever the migration does (%s requests: p99 %s at %.0f objects/s, %s): their targets are now %s",
-		v.ServingClass, v.ServingP99, v.Achieved, shown, p.servingTargets())
+	p.slowedBy = fmt.Sprintf("the apiserver's clients are slower whatever the migration does (%s: p99 %s at %.0f objects/s, %s): their targets are now %s",
+		v.servingName(), v.ServingP99, v.Achieved, shown, p.servingTargets())
 	return "rebaseline", ""
 }
 
@@ -821,10 +918,10 @@ func (p *pacer) rebaseline(v pacerVerdict) (change, cause string) {
 // four test groups, 3,000 Secrets took 4 minutes at 12 objects/s while the clients
 // were ×4.95 slower than their baseline for reasons of their own.
 func (p *pacer) startProbe(v pacerVerdict) (change, cause string) {
-	p.probing, p.probeFrom, p.probeClasses = true, v.At.Add(probeSettle), p.overTarget(v)
+	p.probing, p.probeFrom, p.probePops = true, v.At.Add(probeSettle), p.overTarget(v)
 	p.dropServing()
-	p.slowedBy = fmt.Sprintf("paused to measure the apiserver's clients without the migration (%s requests: p99 %s at its floor of %.0f objects/s, target %s)",
-		v.ServingClass, v.ServingP99, p.opts.MinRate, p.classes[v.ServingClass].target)
+	p.slowedBy = fmt.Sprintf("paused to measure the apiserver's clients without the migration (%s: p99 %s at its floor of %.0f objects/s, target %s)",
+		v.servingName(), v.ServingP99, p.opts.MinRate, v.ServingTarget)
 	return "probe", ""
 }
 
@@ -849,16 +946,16 @@ func (p *pacer) tickProbe(now time.Time) {
 	}
 	elapsed := now.Sub(p.probeFrom)
 	enough := elapsed >= p.opts.Window
-	for _, c := range p.probeClasses {
-		enough = enough && len(p.classes[c].pending) >= minServingSamples
+	for _, c := range p.probePops {
+		enough = enough && len(p.pops[c].pending) >= minServingSamples
 	}
 	if !enough && elapsed < maxServingWindows*p.opts.Window {
 		return
 	}
-	v := pacerVerdict{At: now, Change: "probed"}
+	v := pacerVerdict{At: now, Change: "probed", Classes: make([]classVerdict, len(p.pops))}
 	var moved []string
-	for _, c := range p.probeClasses {
-		cl := &p.classes[c]
+	for _, c := range p.probePops {
+		cl := &p.pops[c]
 		n := len(cl.pending)
 		if n == 0 {
 			continue
@@ -868,11 +965,11 @@ func (p *pacer) tickProbe(now time.Time) {
 		slowed := significantlyOver(over, n)
 		v.Classes[c] = classVerdict{P99: p99, Samples: n, Over: over, Slowed: slowed}
 		if v.ServingSamples == 0 || slowed {
-			v.ServingP99, v.ServingSamples, v.ServingClass = p99, n, c
+			v.setServing(*cl, p99, n)
 		}
 		if slowed {
 			cl.target = max(cl.target, p.servingTargetOf(p99))
-			moved = append(moved, fmt.Sprintf("%s p99 %s", c, p99))
+			moved = append(moved, fmt.Sprintf("%s p99 %s", cl.name(), p99))
 		}
 		cl.externalP99s = cl.externalP99s[:0]
 	}
@@ -883,7 +980,8 @@ func (p *pacer) tickProbe(now time.Time) {
 		p.slowedBy = fmt.Sprintf("the apiserver's clients are within target without the migration and slower with it at its floor of %.0f objects/s", p.opts.MinRate)
 	}
 	p.dropServing()
-	p.probing, p.lastProbe, p.last = false, now, v
+	p.probing, p.lastProbe = false, now
+	p.setLast(v)
 	p.windowStart, p.latencies, p.objects, p.errors = now, p.latencies[:0], 0, 0
 }
 

@@ -61,7 +61,7 @@ func TestVerifyIsSlowedOnlyWhileClientsAre(t *testing.T) {
 	g.pacer.rate = 100
 	g.pacer.clientsSlowed = true // the writes ended with their clients slowed: the re-scan starts paced
 	// The writes re-measured the GETs' target: 30ms became 60ms.
-	g.pacer.classes[RequestRead].target = 60 * time.Millisecond
+	g.pacer.pops[RequestRead].target = 60 * time.Millisecond
 	r := g.ReadPacer()
 	if got := r.pacer.Rate(); got != readCost*100 {
 		t.Fatalf("start %v/s, want readCost × the writes' rate %v/s", got, readCost*100.0)

@@ -236,3 +236,71 @@ func (s *ServingLatency) drain(buf *servingSamples) {
 		s.pending[c] = s.pending[c][:0]
 	}
 }
+
+// MembersServing hands a migration's pacer what the clients of the other apiservers
+// saw while it wrote (Options.Members). Safe for concurrent use.
+type MembersServing interface {
+	// DrainMembers calls f for each member and class with the requests it reported
+	// since the last call, and that class's p99 there before the migration (0: too
+	// few requests for a baseline; they are not judged), then forgets them.
+	DrainMembers(f func(member string, c RequestClass, baseline time.Duration, latencies []time.Duration))
+}
+
+// maxShareSamples is the most requests of one class a ServingShare hands over at a
+// time: a uniform sample of them when there were more. A thousand a second per class
+// is more than a window's judgement needs (minServingSamples), and bounds a report.
+const maxShareSamples = 1024
+
+// ServingShare is this apiserver's clients' latency during a migration another
+// apiserver runs: from Share until End, requests answered here make no baseline
+// (the migration may slow them), and Take hands them over, with the baselines they
+// made before, for the migration's leader to judge (see MembersServing).
+type ServingShare struct {
+	s         *ServingLatency
+	baselines servingBaselines
+	end       func()
+	buf       servingSamples
+	rng       *rand.Rand
+}
+
+// Share starts a share; a nil *ServingLatency's share takes nothing.
+func (s *ServingLatency) Share() *ServingShare {
+	b, end := s.begin(servingQuantile)
+	return &ServingShare{s: s, baselines: b, end: end, rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 0x5a4e))}
+}
+
+// Take calls f for each class with a baseline or requests since the last Take: its
+// p99 before the share began (0: none) and at most maxShareSamples of its requests
+// since (a uniform sample of them).
+func (sh *ServingShare) Take(f func(c RequestClass, baseline time.Duration, latencies []time.Duration)) {
+	for c := range sh.buf {
+		sh.buf[c] = sh.buf[c][:0]
+	}
+	sh.s.drain(&sh.buf)
+	for c, ds := range sh.buf {
+		if len(ds) > maxShareSamples {
+			// A partial Fisher–Yates shuffle: its first maxShareSamples are a uniform sample.
+			for i := range maxShareSamples {
+				j := i + sh.rng.IntN(len(ds)-i)
+				ds[i], ds[j] = ds[j], ds[i]
+			}
+			ds = ds[:maxShareSamples]
+		}
+		if sh.baselines[c] > 0 || len(ds) > 0 {
+			f(RequestClass(c), sh.baselines[c], ds)
+		}
+	}
+}
+
+// End ends the share: requests answered from now on make the baseline again.
+func (sh *ServingShare) End() { sh.end() }
+
+// ParseRequestClass reads a class's name (RequestClass.String).
+func ParseRequestClass(s string) (RequestClass, bool) {
+	for c := range RequestClass(numRequestClasses) {
+		if c.String() == s {
+			return c, true
+		}
+	}
+	return 0, false
+}

@@ -134,3 +134,51 @@ func drainRead(s *ServingLatency) []time.Duration {
 	s.drain(&buf)
 	return buf[RequestRead]
 }
+
+// TestServingShare: a share hands over the requests answered since it began, with
+// the baselines made before it, and samples a class down to maxShareSamples.
+func TestServingShare(t *testing.T) {
+	clk := clocktesting.NewFakePassiveClock(t0)
+	s := NewServingLatency(clk)
+	for range 2 * minServingBaselineSamples {
+		s.Observe(RequestRead, 4*time.Millisecond)
+	}
+	sh := s.Share()
+	clk.SetTime(t0.Add(time.Second))
+	for i := range 3 * maxShareSamples {
+		s.Observe(RequestRead, time.Duration(i)*time.Microsecond)
+	}
+	s.Observe(RequestList, time.Second) // no baseline: handed over, not judged here
+	got := map[RequestClass][]time.Duration{}
+	baselines := map[RequestClass]time.Duration{}
+	sh.Take(func(c RequestClass, baseline time.Duration, latencies []time.Duration) {
+		baselines[c], got[c] = baseline, append([]time.Duration(nil), latencies...)
+	})
+	if baselines[RequestRead] != 4*time.Millisecond || len(got[RequestRead]) != maxShareSamples {
+		t.Fatalf("GETs: baseline %v and %d latencies, want 4ms and %d", baselines[RequestRead], len(got[RequestRead]), maxShareSamples)
+	}
+	// A uniform sample of 0..3071 µs has a mean near 1,536 µs (σ ≈ 23 µs); the first
+	// or the last third of them would have 512 or 2,560.
+	var sum time.Duration
+	for _, d := range got[RequestRead] {
+		sum += d
+	}
+	if mean := sum / maxShareSamples; mean < 1400*time.Microsecond || mean > 1700*time.Microsecond {
+		t.Errorf("the sample's mean is %v, want about 1.536ms: not a uniform sample of the requests", mean)
+	}
+	if baselines[RequestList] != 0 || len(got[RequestList]) != 1 {
+		t.Fatalf("LISTs: baseline %v and %d latencies, want none and 1", baselines[RequestList], len(got[RequestList]))
+	}
+	n := 0
+	sh.Take(func(_ RequestClass, _ time.Duration, latencies []time.Duration) { n += len(latencies) })
+	if n != 0 {
+		t.Fatalf("a second Take handed %d requests over again", n)
+	}
+	// Ended, the requests make the baseline again.
+	sh.End()
+	s.Observe(RequestRead, 4*time.Millisecond)
+	sh.Take(func(_ RequestClass, _ time.Duration, latencies []time.Duration) { n += len(latencies) })
+	if n != 0 {
+		t.Fatalf("an ended share took %d requests", n)
+	}
+}

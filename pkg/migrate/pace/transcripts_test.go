@@ -36,6 +36,12 @@ var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 //	                      clientlatency and L LISTs in listlatency before each, the
 //	                      watch cache watchlag behind after each; prints each window's
 //	                      verdict and the rate after it
+//	     [member=M memberbaseline=D memberclients=C memberlatency=D]
+//	                      and before each, a report of apiserver M: C GETs answered
+//	                      in memberlatency by clients whose p99 was memberbaseline
+//	                      before the migration
+//
+//	slowedby              why the rate is below where it started (SlowedBy)
 //
 // Space gate commands:
 //
@@ -117,6 +123,13 @@ func (h *pacingHarness) run(t *testing.T, d *datadriven.TestData) string {
 		d.MaybeScanArgs(t, "objects", &objects)
 		d.MaybeScanArgs(t, "every", &every)
 		d.MaybeScanArgs(t, "errors", &errs)
+		var member, memberBaseline, memberLatency string
+		memberClients := 0
+		d.MaybeScanArgs(t, "member", &member)
+		d.MaybeScanArgs(t, "memberbaseline", &memberBaseline)
+		d.MaybeScanArgs(t, "memberclients", &memberClients)
+		d.MaybeScanArgs(t, "memberlatency", &memberLatency)
+		var latencies []time.Duration
 		lat := duration(t, d, latency)
 		step := lat
 		if every != "" {
@@ -137,12 +150,19 @@ func (h *pacingHarness) run(t *testing.T, d *datadriven.TestData) string {
 			if watchLag != "" {
 				h.pacer.ObserveWatchLag(duration(t, d, watchLag))
 			}
-			before := h.pacer.last
+			for range memberClients {
+				latencies = append(latencies, duration(t, d, memberLatency))
+			}
+			if member != "" {
+				h.pacer.ObserveMember(member, RequestRead, duration(t, d, memberBaseline), latencies)
+				latencies = latencies[:0]
+			}
+			before := h.pacer.verdicts
 			h.pacer.Observe(h.now, lat, objects, err)
-			if v := h.pacer.last; v != before {
+			if v := h.pacer.last; h.pacer.verdicts != before {
 				fmt.Fprintf(&b, "%s: window p90=%s samples=%d errors=%d achieved=%.0f/s", h.at(), v.P90, v.Samples, v.Errors, v.Achieved)
 				if v.ServingSamples > 0 {
-					b.WriteString(" clients " + classesText(v))
+					b.WriteString(" clients " + classesText(h.pacer, v))
 				}
 				if v.WatchLagSeen {
 					fmt.Fprintf(&b, " watch cache lag=%s", v.WatchLag)
@@ -164,6 +184,8 @@ func (h *pacingHarness) run(t *testing.T, d *datadriven.TestData) string {
 		if b.Len() == 0 {
 			return "no window ended"
 		}
+	case "slowedby":
+		return h.pacer.SlowedBy()
 	case "paused":
 		var every, clientLatency, class string
 		n, clients := 0, 0
@@ -183,7 +205,7 @@ func (h *pacingHarness) run(t *testing.T, d *datadriven.TestData) string {
 			h.pacer.tickProbe(h.now)
 			if !h.pacer.Probing() {
 				v := h.pacer.last
-				fmt.Fprintf(&b, "%s: paused: clients %s → %s: rate %s %s\n%s\n", h.at(), classesText(v), v.Change, rateText(h.pacer.Rate()),
+				fmt.Fprintf(&b, "%s: paused: clients %s → %s: rate %s %s\n%s\n", h.at(), classesText(h.pacer, v), v.Change, rateText(h.pacer.Rate()),
 					targetsText(h.pacer, "clients"), h.pacer.SlowedBy())
 				break
 			}
@@ -276,8 +298,8 @@ func requestClass(t *testing.T, d *datadriven.TestData, name string) RequestClas
 // before request classes), else "<what> targets get D, list D".
 func targetsText(p *pacer, what string) string {
 	only := true
-	for c, cl := range p.classes {
-		if cl.target > 0 && RequestClass(c) != RequestRead {
+	for _, cl := range p.pops {
+		if cl.target > 0 && (cl.class != RequestRead || cl.member != "") {
 			only = false
 		}
 	}
@@ -290,14 +312,14 @@ func targetsText(p *pacer, what string) string {
 // classesText is "p99=D samples=N" when only GETs were judged, else each judged
 // class's "get p99=D samples=N"; " over=K" follows when K of them were above
 // the target, and " (slowed)" when that many are a slowdown.
-func classesText(v pacerVerdict) string {
+func classesText(p *pacer, v pacerVerdict) string {
 	var parts []string
 	for c, cv := range v.Classes {
 		if cv.Samples > 0 {
-			parts = append(parts, fmt.Sprintf("%s %s", RequestClass(c), classText(cv)))
+			parts = append(parts, fmt.Sprintf("%s %s", p.pops[c].name(), classText(cv)))
 		}
 	}
-	if len(parts) == 1 && v.ServingClass == RequestRead {
+	if len(parts) == 1 && v.ServingClass == RequestRead && v.ServingMember == "" {
 		return classText(v.Classes[RequestRead])
 	}
 	return strings.Join(parts, ", ")

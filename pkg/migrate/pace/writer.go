@@ -74,6 +74,8 @@ type Writer struct {
 	// this migration's writing there.
 	serving    *ServingLatency
 	endServing func()
+	// members brings the other apiservers' clients' requests (nil: none).
+	members MembersServing
 
 	mu      sync.Mutex
 	pacer   *pacer
@@ -108,7 +110,7 @@ func NewWriter(opts WriterOptions) *Writer {
 	g := &Writer{
 		client: opts.Client, clock: opts.Clock, log: opts.Logger,
 		recordRate: opts.RecordRate, recordPause: opts.RecordPause, pauseChanged: opts.PauseChanged,
-		pacer: newPacer(opts.Pacing), gate: newSpaceGate(opts.Space), serving: opts.Pacing.Serving, watchCache: opts.Pacing.WatchCache,
+		pacer: newPacer(opts.Pacing), gate: newSpaceGate(opts.Space), serving: opts.Pacing.Serving, members: opts.Pacing.Members, watchCache: opts.Pacing.WatchCache,
 	}
 	g.pacer.canProbe = true
 	if g.recordRate == nil {
@@ -273,8 +275,13 @@ func (r *ReadPacer) Wait(ctx context.Context, objects int) error {
 // those answered while etcd was unavailable to the migration (excuseServingUntil).
 // g.mu is held.
 func (g *Writer) drainServing(p *pacer) {
-	g.drainServingBuf()
-	if g.clock.Now().Before(g.excuseServingUntil) {
+	excused := g.clock.Now().Before(g.excuseServingUntil)
+	g.drainServingBuf(func(member string, c RequestClass, baseline time.Duration, latencies []time.Duration) {
+		if !excused {
+			p.ObserveMember(member, c, baseline, latencies)
+		}
+	})
+	if excused {
 		return
 	}
 	for c, ds := range g.servingBuf {
@@ -284,13 +291,20 @@ func (g *Writer) drainServing(p *pacer) {
 	}
 }
 
-// drainServingBuf empties servingBuf and drains the clients' requests answered since
-// the last call into it. g.mu is held.
-func (g *Writer) drainServingBuf() {
+// drainServingBuf empties servingBuf and drains this apiserver's clients' requests
+// answered since the last call into it; the other apiservers' go to member (nil:
+// they are dropped). g.mu is held.
+func (g *Writer) drainServingBuf(member func(member string, c RequestClass, baseline time.Duration, latencies []time.Duration)) {
 	for c := range g.servingBuf {
 		g.servingBuf[c] = g.servingBuf[c][:0]
 	}
 	g.serving.drain(&g.servingBuf)
+	if g.members != nil {
+		if member == nil {
+			member = func(string, RequestClass, time.Duration, []time.Duration) {}
+		}
+		g.members.DrainMembers(member)
+	}
 }
 
 // Read feeds one page read of objects objects that took latency.
@@ -302,11 +316,11 @@ func (r *ReadPacer) Read(latency time.Duration, objects int) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.drainServing(r.pacer)
-	before := r.pacer.last
+	before := r.pacer.verdicts
 	r.pacer.Observe(g.clock.Now(), latency, objects, nil)
-	if v := r.pacer.last; v != before && v.Change == "decrease" {
-		g.log.V(2).Info("Verifying re-scan slows down", "cause", v.Cause, "clientsClass", v.ServingClass, "clientsP99", v.ServingP99,
-			"clientsTarget", r.pacer.ServingTarget(v.ServingClass), "achieved", v.Achieved, "allowedRate", r.pacer.Rate())
+	if v := r.pacer.last; r.pacer.verdicts != before && v.Change == "decrease" {
+		g.log.V(2).Info("Verifying re-scan slows down", "cause", v.Cause, "clientsClass", v.ServingClass, "clientsMember", v.ServingMember, "clientsP99", v.ServingP99,
+			"clientsTarget", v.ServingTarget, "achieved", v.Achieved, "allowedRate", r.pacer.Rate())
 	}
 }
 
@@ -387,20 +401,20 @@ func (g *Writer) Txn(ctx context.Context, objects int, bytes int64, build func(c
 		if err == nil && resp != nil && resp.Header != nil {
 			g.observeWatchCache(resp.Header.Revision, now)
 		}
-		before := g.pacer.last
+		before := g.pacer.verdicts
 		g.pacer.Observe(now, latency, objects, err)
-		if v := g.pacer.last; v != before {
+		if v := g.pacer.last; g.pacer.verdicts != before {
 			g.log.V(4).Info("Storage migration pacing window", "change", v.Change, "cause", v.Cause, "p90", v.P90, "samples", v.Samples, "errors", v.Errors,
-				"clientsClass", v.ServingClass, "clientsP99", v.ServingP99, "clientsSamples", v.ServingSamples, "achieved", v.Achieved, "allowedRate", g.pacer.Rate())
-		}
-		if v := g.pacer.last; v != before && v.Change == "probe" {
-			g.log.V(2).Info("Storage migration pauses to measure the apiserver's clients without it", "clientsClass", v.ServingClass,
-				"clientsP99", v.ServingP99, "clientsTarget", g.pacer.ServingTarget(v.ServingClass), "allowedRate", g.pacer.Rate())
-		}
-		if v := g.pacer.last; v != before && v.Change == "decrease" {
-			g.log.V(2).Info("Storage migration slows down", "cause", v.Cause, "p90", v.P90, "target", g.pacer.Target(),
-				"clientsClass", v.ServingClass, "clientsP99", v.ServingP99, "clientsTarget", g.pacer.ServingTarget(v.ServingClass), "watchCacheLag", v.WatchLag,
-				"achieved", v.Achieved, "allowedRate", g.pacer.Rate())
+				"clientsClass", v.ServingClass, "clientsMember", v.ServingMember, "clientsP99", v.ServingP99, "clientsSamples", v.ServingSamples, "achieved", v.Achieved, "allowedRate", g.pacer.Rate())
+			switch v.Change {
+			case "probe":
+				g.log.V(2).Info("Storage migration pauses to measure the apiserver's clients without it", "clientsClass", v.ServingClass, "clientsMember", v.ServingMember,
+					"clientsP99", v.ServingP99, "clientsTarget", v.ServingTarget, "allowedRate", g.pacer.Rate())
+			case "decrease":
+				g.log.V(2).Info("Storage migration slows down", "cause", v.Cause, "p90", v.P90, "target", g.pacer.Target(),
+					"clientsClass", v.ServingClass, "clientsMember", v.ServingMember, "clientsP99", v.ServingP99, "clientsTarget", v.ServingTarget, "watchCacheLag", v.WatchLag,
+					"achieved", v.Achieved, "allowedRate", g.pacer.Rate())
+			}
 		}
 		changed := false
 		if noSpace {
@@ -433,7 +447,7 @@ func (g *Writer) waitWhileProbing(ctx context.Context) error {
 		g.drainServing(g.pacer)
 		g.pacer.tickProbe(g.clock.Now())
 		if v := g.pacer.last; !g.pacer.Probing() {
-			g.log.V(2).Info("Storage migration measured the apiserver's clients without it", "clientsClass", v.ServingClass, "clientsP99", v.ServingP99,
+			g.log.V(2).Info("Storage migration measured the apiserver's clients without it", "clientsClass", v.ServingClass, "clientsMember", v.ServingMember, "clientsP99", v.ServingP99,
 				"clientsSamples", v.ServingSamples, "servingTargets", g.pacer.servingTargets(), "result", g.pacer.SlowedBy())
 			g.mu.Unlock()
 			return nil
@@ -461,7 +475,7 @@ func (g *Writer) excuseServing(since time.Time) {
 
 // excuseServingLocked is excuseServing with g.mu held.
 func (g *Writer) excuseServingLocked(since time.Time) {
-	g.drainServingBuf()
+	g.drainServingBuf(nil)
 	// Those the pacer was holding for a judgement go too: too few to judge before the
 	// outage, they would hold the rate for windows after it (a killed etcd leader
 	// held a migration at 100 objects/s for 3 s so).
