@@ -102,7 +102,10 @@ func TestFollowerWatchesTheState(t *testing.T) {
 		t.Fatal(err)
 	}
 	ended := make(chan struct{})
-	go func() { defer close(ended); m.followFrom(ctx, MigrationState{}, old, nil, &clientsReporter{m: m, parent: ctx}) }()
+	go func() {
+		defer close(ended)
+		m.followFrom(ctx, MigrationState{}, old, nil, &clientsReporter{m: m, parent: ctx})
+	}()
 	select {
 	case <-ended:
 	case <-time.After(20 * time.Second):
