@@ -2,6 +2,9 @@ package cluster
 
 import (
 	"context"
+	"slices"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -76,4 +79,82 @@ func TestFollowerClientsReachTheLeader(t *testing.T) {
 	if resp.Count != 0 {
 		t.Fatal("b's report stays after it stopped reporting: its lease was not revoked")
 	}
+}
+
+// TestLeaderSlowsDownForAFollowersClients: two migrators, each with its own clients'
+// latency. During the migration the leader's clients are as fast as before and the
+// follower's are slowed past their target: the leader's pacing slows down and says it
+// was the follower's clients, and the record lists both apiservers' clients.
+func TestLeaderSlowsDownForAFollowersClients(t *testing.T) {
+	srv := etcdtest.Start(t)
+	cli := srv.Client(t)
+	a := startMember(t, cli, "a", secretsConfig("k1"))
+	b := startMember(t, cli, "b", secretsConfig("k1"))
+	eventually(t, "a sees b", func() bool { return memberIDs(a.node.view) == "a,b" })
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	storeSecrets(t, cli, a, 600, "/registry/secrets/ns/s%03d")
+
+	servingA, servingB := pace.NewServingLatency(nil), pace.NewServingLatency(nil)
+	for range 200 {
+		servingA.Observe(pace.RequestRead, 2*time.Millisecond)
+		servingB.Observe(pace.RequestRead, 2*time.Millisecond)
+	}
+	// The clients: a's always answered in 2ms; b's in 2ms until b reports (its share
+	// has begun: the migration runs), then in 40ms, far past its 3ms target, until
+	// the leader said so (then 2ms again, and the migration ends sooner).
+	reportKey := coordination.MigrationClients(defaultPrefix, "b")
+	var seen atomic.Bool
+	go func() {
+		slow := false
+		for ctx.Err() == nil {
+			servingA.Observe(pace.RequestRead, 2*time.Millisecond)
+			if !slow {
+				resp, err := cli.Get(ctx, reportKey, clientv3.WithCountOnly())
+				slow = err == nil && resp.Count > 0
+			}
+			if slow && !seen.Load() {
+				servingB.Observe(pace.RequestRead, 40*time.Millisecond)
+			} else {
+				servingB.Observe(pace.RequestRead, 2*time.Millisecond)
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+	}()
+
+	migA, _, doneA := startPacedMigrator(t, ctx, cli, a, nil, pace.Options{Serving: servingA})
+	eventually(t, "a leads", func() bool { _, l := migA.State(); return l })
+	_, _, doneB := startPacedMigrator(t, ctx, cli, b, nil, pace.Options{Serving: servingB})
+	eventually(t, "a records k1 verified", func() bool {
+		st, _ := migA.State()
+		return st.Records["secrets"].Verified && st.Records["secrets"].Target.Key == "k1"
+	})
+
+	for _, m := range []*member{a, b} {
+		writeFile(t, m.path, secretsConfig("k2", "k1"))
+		if err := m.agent.Reload(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var slowedBy string
+	eventually(t, "every object on k2, verified", func() bool {
+		st, _ := migA.State()
+		if p := st.Progress; p != nil && strings.Contains(p.SlowedBy, "at b") && slowedBy == "" {
+			slowedBy = p.SlowedBy
+			seen.Store(true)
+		}
+		return st.Records["secrets"].Verified && st.Records["secrets"].Target.Key == "k2"
+	})
+	if slowedBy == "" {
+		t.Error("the leader's pacing never said b's clients slowed it down")
+	} else {
+		t.Logf("slowed by: %s", slowedBy)
+	}
+	st, _ := migA.State()
+	if got := st.Records["secrets"].PacedBy; !slices.Equal(got, []string{"a", "b"}) {
+		t.Errorf("the record says the migration was paced by the clients of %v, want [a b]", got)
+	}
+	cancel()
+	<-doneA
+	<-doneB
 }

@@ -62,6 +62,9 @@ type Record struct {
 	// leader's clients were answered within target: where the next migration starts
 	// from (pace.Options.KnownRate).
 	SustainedRate float64 `json:"sustainedRatePerSecond,omitempty"`
+	// PacedBy are the apiservers whose clients paced the migration (see
+	// Progress.PacedBy).
+	PacedBy []string `json:"pacedByClientsOf,omitempty"`
 }
 
 // Migration is one migration to start or running.
@@ -115,8 +118,9 @@ type migrationFinished struct {
 	Revision int64
 	// Acknowledged is how many acknowledged unreadable objects the re-scan found.
 	Acknowledged int64
-	// SustainedRate: see Record.
+	// SustainedRate, PacedBy: see Record.
 	SustainedRate float64
+	PacedBy       []string
 }
 
 func (leadership) leaderEvent()        {}
@@ -178,7 +182,7 @@ func (l *leader) Step(ev leaderEvent) {
 			return
 		}
 		rec := Record{Target: l.running.Target, StartedAt: l.running.StartedAt, FinishedAt: l.now, Error: e.Err, Verified: e.Err == "",
-			Revision: e.Revision, Acknowledged: e.Acknowledged, SustainedRate: e.SustainedRate}
+			Revision: e.Revision, Acknowledged: e.Acknowledged, SustainedRate: e.SustainedRate, PacedBy: e.PacedBy}
 		if rec.SustainedRate == 0 {
 			// A migration whose clients were never judged (all of it during an etcd
 			// outage, or too short) learned nothing new: the rate known before stays.

@@ -40,6 +40,9 @@ type Progress struct {
 	// SlowedBy says why the pacing slowed the migration down, while it holds it below
 	// where it started.
 	SlowedBy string `json:"slowedBy,omitempty"`
+	// PacedBy are the apiservers whose clients the pacing judges: the leader's own
+	// and the followers' that reported theirs (docs/cluster.md).
+	PacedBy []string `json:"pacedByClientsOf,omitempty"`
 	// Paused, when set, is the condition holding the migration: etcd's database near
 	// its quota or a NOSPACE alarm.
 	Paused *pace.PauseState `json:"paused,omitempty"`

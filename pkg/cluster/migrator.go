@@ -170,6 +170,7 @@ type migrationResult struct {
 	revision     int64
 	acknowledged int64
 	sustained    float64
+	pacedBy      []string
 }
 
 // term is the leader's work during one term of leadership: the leader machine fed from
@@ -356,7 +357,7 @@ func (t *term) finished(r migrationResult) {
 		t.m.opts.Events.Event(events.Normal, events.ReasonMigrationVerified, msg)
 	}
 	t.leader.Step(tick{Now: t.m.opts.Clock.Now()})
-	t.leader.Step(migrationFinished{Resource: r.mig.Resource, Target: r.mig.Target, Err: errText, Revision: r.revision, Acknowledged: r.acknowledged, SustainedRate: r.sustained})
+	t.leader.Step(migrationFinished{Resource: r.mig.Resource, Target: r.mig.Target, Err: errText, Revision: r.revision, Acknowledged: r.acknowledged, SustainedRate: r.sustained, PacedBy: r.pacedBy})
 }
 
 // awaitRunning waits for the running migration (its context is cancelled) to return.
@@ -431,7 +432,7 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, known float64, gu
 		Resume:      true, Inventory: verified, Metrics: m.opts.Metrics, ConfigHash: m.opts.ConfigHash(), Logger: m.opts.Logger,
 		CoordinationPrefix: m.opts.Prefix,
 		Progress: func(p migrate.Progress) {
-			pr := Progress{Resource: mig.Resource, Phase: p.Phase, Pass: p.Pass, Done: p.Done, Total: p.Total, AllowedRate: p.AllowedRate, SlowedBy: p.SlowedBy}
+			pr := Progress{Resource: mig.Resource, Phase: p.Phase, Pass: p.Pass, Done: p.Done, Total: p.Total, AllowedRate: p.AllowedRate, SlowedBy: p.SlowedBy, PacedBy: m.apiservers(p.ClientsOf)}
 			if p.Paused.Reason != "" {
 				pr.Paused = &p.Paused
 			}
@@ -458,6 +459,7 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, known float64, gu
 	if res != nil {
 		rec.Duration, rec.Counters = res.Duration, res.Counters
 		out.sustained = res.SustainedRate
+		out.pacedBy = m.apiservers(res.ClientsOf)
 		m.mu.Lock()
 		m.resume = resumeRate{target: mig.Target, rate: res.AllowedRate, at: rec.Finished}
 		m.mu.Unlock()
@@ -470,6 +472,18 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, known float64, gu
 	m.mu.Unlock()
 	if err != nil {
 		out.err = fmt.Errorf("migrating %s to %s: %w", mig.Resource, mig.Target, err)
+	}
+	return out
+}
+
+// apiservers names pace's ClientsOf as apiserver ids ("" is this one).
+func (m *Migrator) apiservers(clientsOf []string) []string {
+	out := make([]string, 0, len(clientsOf))
+	for _, id := range clientsOf {
+		if id == "" {
+			id = m.opts.ID
+		}
+		out = append(out, id)
 	}
 	return out
 }

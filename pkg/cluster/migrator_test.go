@@ -16,6 +16,7 @@ import (
 	"github.com/rekey-io/rekey/internal/etcdtest"
 	"github.com/rekey-io/rekey/pkg/coordination"
 	"github.com/rekey-io/rekey/pkg/migrate"
+	"github.com/rekey-io/rekey/pkg/migrate/pace"
 )
 
 func startMigrator(t *testing.T, ctx context.Context, cli *clientv3.Client, m *member, store *migrate.InventoryStore, rate ...float64) (*Migrator, chan struct{}) {
@@ -27,8 +28,15 @@ func startMigrator(t *testing.T, ctx context.Context, cli *clientv3.Client, m *m
 // startProbedMigrator also returns a probe of the leader's rounds.
 func startProbedMigrator(t *testing.T, ctx context.Context, cli *clientv3.Client, m *member, store *migrate.InventoryStore, rate ...float64) (*Migrator, *roundProbe, chan struct{}) {
 	t.Helper()
+	return startPacedMigrator(t, ctx, cli, m, store, pace.Options{}, rate...)
+}
+
+// startPacedMigrator also sets the pacing options.
+func startPacedMigrator(t *testing.T, ctx context.Context, cli *clientv3.Client, m *member, store *migrate.InventoryStore, pacing pace.Options, rate ...float64) (*Migrator, *roundProbe, chan struct{}) {
+	t.Helper()
 	probe := &roundProbe{}
 	mig := NewMigrator(MigratorOptions{
+		Pacing:    pacing,
 		Rate:      append(rate, 0)[0],
 		Inventory: store,
 		Client:    cli, Prefix: defaultPrefix, ID: m.id, SessionTTL: 10 * time.Second, // a stop revokes it; 10 s outlives a starved keep-alive

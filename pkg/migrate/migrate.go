@@ -97,6 +97,9 @@ type Progress struct {
 	// SlowedBy says why the pacer's rate is below where it started (etcd's latency or
 	// errors, or the apiserver's clients); "" when it is not.
 	SlowedBy string
+	// ClientsOf are the apiservers whose clients the pacer judges ("": this one; the
+	// others are a cluster migration's members: pace.Options.Members).
+	ClientsOf []string
 	Pass     int
 	Resource string
 	// Total is the resource's object count when its pass started (an estimate).
@@ -126,6 +129,8 @@ type Result struct {
 	// answered within target, in objects per second (0: none was judged): where a later
 	// migration of the cluster can start (pace.Options.KnownRate).
 	SustainedRate float64
+	// ClientsOf are the apiservers whose clients paced it (see Progress.ClientsOf).
+	ClientsOf []string
 }
 
 // newWriter paces the migration's transactions at most at opts.Rate; pauseChanged
@@ -230,6 +235,7 @@ func Migrate(ctx context.Context, opts Options) (*Result, error) {
 	if res != nil {
 		_, res.AllowedRate, _ = m.writer.State()
 		res.SustainedRate = m.writer.SustainedRate()
+		res.ClientsOf = m.writer.ClientsOf()
 	}
 	opts.Metrics.migrationDone(err, float64(opts.Clock.Now().UnixNano())/1e9)
 	return res, err
@@ -336,6 +342,7 @@ func (m *migrator) report(p Progress) {
 	p.Elapsed = m.opts.Clock.Since(m.start)
 	var allowed float64
 	p.Paused, allowed, p.SlowedBy = m.writer.State()
+	p.ClientsOf = m.writer.ClientsOf()
 	if !math.IsInf(allowed, 1) {
 		p.AllowedRate = allowed
 	}

@@ -34,6 +34,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/rekey-io/rekey/internal/testbed"
+	"github.com/rekey-io/rekey/pkg/coordination"
 )
 
 // shimFlags caches which flags the built shim binary knows.
@@ -589,12 +590,40 @@ func scenarioOneEdit(t testing.TB, objects int) oneEditResult {
 	t.Logf("%d objects: from the last file update to every object on key2, verified: %v (first file at +%v, last at +%v); longest fence hold %v",
 		b.load.Objects(), converged.Round(time.Millisecond), slices.Min(round.Delays).Round(time.Millisecond),
 		last.Sub(round.Started).Round(time.Millisecond), held.Round(time.Millisecond))
+	b.checkPacedByFollowers("secrets")
 	b.dropAndCheck(edit.WithoutKey("key1"))
 	_, sr := b.finish(l)
 	if err := testbed.AllStoredUnder(t.Context(), b.cli, b.secretsKey, stored2); err != nil {
 		t.Fatal(err)
 	}
 	return oneEditResult{converged: converged, maxHold: held, unreadable: sr.Total().Unreadable}
+}
+
+// checkPacedByFollowers fails the test unless resource's latest migration record says
+// its pacing judged the clients of more apiservers than the leader: the sampler reads
+// through every shim, so each follower's clients have a baseline and reported what
+// they saw during the migration (<prefix>/migration/clients/).
+func (b *clusterBed) checkPacedByFollowers(resource string) {
+	b.t.Helper()
+	resp, err := b.cli.Get(b.t.Context(), coordination.MigrationState(strings.TrimSuffix(b.coord, "/")))
+	if err != nil || len(resp.Kvs) == 0 {
+		b.t.Fatalf("reading the migration state: %v (%d keys)", err, len(resp.Kvs))
+	}
+	var st struct {
+		Leader  string `json:"leader"`
+		Records map[string]struct {
+			PacedBy []string `json:"pacedByClientsOf"`
+		} `json:"records"`
+	}
+	if err := json.Unmarshal(resp.Kvs[0].Value, &st); err != nil {
+		b.t.Fatalf("decoding the migration state: %v", err)
+	}
+	paced := st.Records[resource].PacedBy
+	b.t.Logf("the migration of %s was paced by the clients of %v (leader %s)", resource, paced, st.Leader)
+	if len(paced) < 2 || !slices.Contains(paced, st.Leader) {
+		b.t.Fatalf("the migration of %s was paced by the clients of %v: want the leader %s's and at least one follower's (every shim serves the sampler)\nstate: %s",
+			resource, paced, st.Leader, resp.Kvs[0].Value)
+	}
 }
 
 // (b) A plugin key-id change: every node's plugin gets the new KEK at its own moment.

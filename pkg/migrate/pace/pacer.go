@@ -512,6 +512,19 @@ func (p *pacer) ObserveMember(member string, c RequestClass, baseline time.Durat
 	}
 }
 
+// ClientsOf are the apiservers whose clients the pacer judges (some class of theirs
+// has a target): "" is this apiserver, first when it is one of them, then the
+// members in the order their reports came.
+func (p *pacer) ClientsOf() []string {
+	var out []string
+	for _, pop := range p.pops {
+		if pop.target > 0 && !slices.Contains(out, pop.member) {
+			out = append(out, pop.member)
+		}
+	}
+	return out
+}
+
 // SustainedRate is the highest rate achieved in a window whose clients were judged
 // and answered within target (0: none was): evidence of what they bear, for the next
 // migration's start (Options.KnownRate).

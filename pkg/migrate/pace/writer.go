@@ -175,6 +175,13 @@ func (g *Writer) SustainedRate() float64 {
 	return g.pacer.SustainedRate()
 }
 
+// ClientsOf are the apiservers whose clients pace the migration ("": this one).
+func (g *Writer) ClientsOf() []string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.pacer.ClientsOf()
+}
+
 // BatchLimit is how many objects one transaction should carry at the rate allowed
 // now: at most batchSpread's worth of it, so that a slow rate is spent evenly rather
 // than in bursts of a full batch that stall the clients' requests behind them.
