@@ -100,8 +100,8 @@ type Progress struct {
 	// ClientsOf are the apiservers whose clients the pacer judges ("": this one; the
 	// others are a cluster migration's members: pace.Options.Members).
 	ClientsOf []string
-	Pass     int
-	Resource string
+	Pass      int
+	Resource  string
 	// Total is the resource's object count when its pass started (an estimate).
 	Total int64
 	// Done is how many of its objects this pass handled.
