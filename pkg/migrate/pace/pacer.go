@@ -288,9 +288,6 @@ type pacer struct {
 	// until the first congestion.
 	pops      []population
 	serving   bool
-	// ownClientsOnly: the other apiservers' clients are not judged (ObserveMember
-	// drops them): a verifying re-scan's pacer (see Writer.ReadPacer).
-	ownClientsOnly bool
 	slowStart bool
 	// calmRate is the highest rate achieved in a window whose clients were judged
 	// within target.
@@ -465,7 +462,7 @@ func (p *pacer) SetServingBaseline(b servingBaselines) {
 // apiservers' included.
 func (p *pacer) inheritServingTargets(from *pacer) {
 	for _, f := range from.pops {
-		if f.target > 0 && (f.member == "" || !p.ownClientsOnly) {
+		if f.target > 0 {
 			i := p.population(f.member, f.class)
 			p.pops[i].target, p.pops[i].first = f.target, f.first
 			p.serving = true
@@ -494,7 +491,7 @@ func (p *pacer) population(member string, c RequestClass) int {
 // target, as SetServingBaseline does for this apiserver's: each apiserver's clients
 // are judged against their own past, never another's.
 func (p *pacer) ObserveMember(member string, c RequestClass, baseline time.Duration, latencies []time.Duration) {
-	if c >= numRequestClasses || member == "" || p.ownClientsOnly {
+	if c >= numRequestClasses || member == "" {
 		return
 	}
 	i := p.population(member, c)

@@ -145,37 +145,3 @@ func TestVerifyStartsUnlimitedAfterCalmWrites(t *testing.T) {
 		t.Fatalf("after a calm window at %v/s (%s): %v/s, want %v/s", back, v.Change, r.pacer.Rate(), 2*back)
 	}
 }
-
-// TestVerifyJudgesOnlyThisApiserversClients: the writes were paced by another
-// apiserver's clients too, but the re-scan is not (it loads no watch cache but this
-// one's): that apiserver's clients, slowed far past their target, do not slow it.
-func TestVerifyJudgesOnlyThisApiserversClients(t *testing.T) {
-	clk := clocktesting.NewFakeClock(t0)
-	g := &Writer{clock: clk, pacer: newPacer(Options{})}
-	g.servingBaselines = servingBaselines{RequestRead: 20 * time.Millisecond}
-	g.pacer.SetServingBaseline(g.servingBaselines)
-	g.pacer.ObserveMember("apiserver-2", RequestRead, 10*time.Millisecond, nil)
-	if got := g.pacer.ClientsOf(); len(got) != 2 {
-		t.Fatalf("the writes judge the clients of %q, want this apiserver's and apiserver-2's", got)
-	}
-	g.pacer.rate = 100
-	g.pacer.clientsSlowed = true
-	r := g.ReadPacer()
-	if got := r.pacer.ClientsOf(); len(got) != 1 || got[0] != "" {
-		t.Fatalf("the re-scan judges the clients of %q, want this apiserver's only", got)
-	}
-	now := t0
-	for i := range 5 {
-		for at := r.pacer.last.At; r.pacer.last.At == at; {
-			now = now.Add(100 * time.Millisecond)
-			for range 10 {
-				r.pacer.ObserveServing(RequestRead, 10*time.Millisecond)
-			}
-			r.pacer.ObserveMember("apiserver-2", RequestRead, 10*time.Millisecond, []time.Duration{500 * time.Millisecond, 500 * time.Millisecond})
-			r.pacer.Observe(now, 5*time.Millisecond, int(r.pacer.Rate()/10), nil)
-		}
-		if v := r.pacer.last; v.Change == "decrease" {
-			t.Fatalf("window %d: the re-scan slowed down (%s: %s)", i+1, v.Cause, r.pacer.SlowedBy())
-		}
-	}
-}

@@ -239,13 +239,6 @@ func (g *Writer) ReadPacer() *ReadPacer {
 	opts := g.pacer.opts
 	opts.Ceiling, opts.ResumeRate, opts.MinRate = 0, readCost*g.pacer.Rate(), readCost*opts.MinRate
 	p := newPacer(opts)
-	// The re-scan reads etcd and decrypts here: the other apiservers' watch caches
-	// see none of it, and their clients share only etcd with it, which this
-	// apiserver's clients measure too. Judged by the members' clients as well, a
-	// 10,000-Secret re-scan ran at 200–400 objects/s for 26 s, twice the rewrite
-	// before it, because one follower's clients were slower than their target on
-	// a testbed whose two cores ran all three apiservers.
-	p.ownClientsOnly = true
 	p.SetServingBaseline(g.servingBaselines)
 	p.inheritServingTargets(g.pacer)
 	p.slowStart = true
