@@ -3,6 +3,7 @@ package pace
 import (
 	"context"
 	"math"
+	"slices"
 	"testing"
 	"time"
 
@@ -143,5 +144,43 @@ func TestVerifyStartsUnlimitedAfterCalmWrites(t *testing.T) {
 	back := r.pacer.Rate()
 	if v := window(10*time.Millisecond, int(congested/10)); v.Change != "double" || r.pacer.Rate() != 2*back {
 		t.Fatalf("after a calm window at %v/s (%s): %v/s, want %v/s", back, v.Change, r.pacer.Rate(), 2*back)
+	}
+}
+
+// TestVerifyRebaselinesClientsSlowerByThemselves: the writes' clients were within
+// target at 500 objects/s; the re-scan, reading far below readCost × that, finds a
+// follower's clients slowed whatever it does: it holds, then re-baselines them and
+// goes back to the calm rate, instead of halving to its floor.
+func TestVerifyRebaselinesClientsSlowerByThemselves(t *testing.T) {
+	clk := clocktesting.NewFakeClock(t0)
+	g := &Writer{clock: clk, pacer: newPacer(Options{})}
+	g.servingBaselines = servingBaselines{RequestRead: 20 * time.Millisecond}
+	g.pacer.SetServingBaseline(g.servingBaselines)
+	g.pacer.ObserveMember("apiserver-2", RequestRead, 10*time.Millisecond, nil)
+	g.pacer.rate, g.pacer.calmRate, g.pacer.clientsSlowed = 100, 500, true
+	r := g.ReadPacer()
+	now := t0
+	var changes []string
+	for range 4 {
+		for at := r.pacer.last.At; r.pacer.last.At == at; {
+			now = now.Add(100 * time.Millisecond)
+			for range 10 {
+				r.pacer.ObserveServing(RequestRead, 10*time.Millisecond)
+			}
+			slow := make([]time.Duration, 10)
+			for i := range slow {
+				slow[i] = 40 * time.Millisecond // target 15ms
+			}
+			r.pacer.ObserveMember("apiserver-2", RequestRead, 10*time.Millisecond, slow)
+			r.pacer.Observe(now, 5*time.Millisecond, 20, nil) // 200 objects/s
+		}
+		changes = append(changes, r.pacer.last.Change)
+	}
+	t.Logf("windows: %v; rate %v/s; %s", changes, r.pacer.Rate(), r.pacer.SlowedBy())
+	if !slices.Equal(changes[:2], []string{"hold", "rebaseline"}) {
+		t.Fatalf("windows: %v; want a hold, then a re-baseline", changes)
+	}
+	if got := r.pacer.Rate(); got < readCost*500 {
+		t.Fatalf("after the re-baseline: %v/s, want at least the calm rate %v/s", got, readCost*500.0)
 	}
 }
