@@ -122,12 +122,21 @@ func TestLeaderSlowsDownForAFollowersClients(t *testing.T) {
 		}
 	}()
 
-	migA, _, doneA := startPacedMigrator(t, ctx, cli, a, nil, pace.Options{Serving: servingA})
+	// At most 100 objects/s: the 600 take 6 s, whatever the pacer would allow (on a
+	// loaded CI machine a migration of 600 at 100 → 400/s ended in 3.3 s without one
+	// judgement of b's clients).
+	const ceiling = 100
+	migA, _, doneA := startPacedMigrator(t, ctx, cli, a, nil, pace.Options{Serving: servingA}, ceiling)
 	eventually(t, "a leads", func() bool { _, l := migA.State(); return l })
-	_, _, doneB := startPacedMigrator(t, ctx, cli, b, nil, pace.Options{Serving: servingB})
+	migB, _, doneB := startPacedMigrator(t, ctx, cli, b, nil, pace.Options{Serving: servingB}, ceiling)
 	eventually(t, "a records k1 verified", func() bool {
 		st, _ := migA.State()
 		return st.Records["secrets"].Verified && st.Records["secrets"].Target.Key == "k1"
+	})
+	// b follows the state (it reports only while the state it follows says a migration runs).
+	eventually(t, "b follows a's state", func() bool {
+		st, _ := migB.State()
+		return st.Leader == "a" && st.Records["secrets"].Verified
 	})
 
 	for _, m := range []*member{a, b} {

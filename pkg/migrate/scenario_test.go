@@ -172,8 +172,15 @@ func (w *writers) step(r *rand.Rand) error {
 			return err
 		}
 		if tx.Succeeded {
+			// Two writers' updates of one key commit in order (each compares the
+			// revision the other wrote), but their bookkeeping may not: one descheduled
+			// between its commit and the lock recorded gen 2 after the other's gen 3
+			// (a CI run under -race). A key's generations only grow, and a delete
+			// (-1) is its last write: its CAS came after every update's.
 			w.mu.Lock()
-			w.last[key] = gen + 1
+			if cur := w.last[key]; cur >= 0 && gen+1 > cur {
+				w.last[key] = gen + 1
+			}
 			w.mu.Unlock()
 			w.updates.Add(1)
 		} else {
