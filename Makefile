@@ -110,10 +110,11 @@ e2e:
 
 ## e2e-long: the long process-level scenarios (E2E_LONG=1): the ways the cluster fence
 ## could be fooled (parallel rotate runs, a second cluster, a leftover member record, a
-## revert during a rotation, a KMS restart during a key-id hold) and the throughput run; then the
+## revert during a rotation, a KMS restart during a key-id hold), the etcd member outage
+## scenario with its baseline rotation (the default run skips it) and the throughput run; then the
 ## PKCS#11 plugin's three-apiserver rotation scenario (plugins/kms-pkcs11).
 e2e-long:
-	E2E_LONG=1 $(GO) test -count=1 -v -timeout 60m -run 'ClusterFooled|Throughput' ./test/e2e
+	E2E_LONG=1 $(GO) test -count=1 -v -timeout 60m -run 'ClusterFooled|ClusterOneEtcdMemberDown|Throughput' ./test/e2e
 	@# plugins/kms-pkcs11: three shims, a PKCS#11 plugin each on one SoftHSM2 token, three rotations under writers.
 	bash hack/softhsm.sh
 	cd plugins/kms-pkcs11 && E2E_LONG=1 $(GO) test -count=1 -v -timeout 15m -run '^TestCluster' .
