@@ -13,10 +13,12 @@ package cluster
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"sync"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/clock"
@@ -102,7 +104,9 @@ func reportClients(ctx context.Context, cli *clientv3.Client, key, id string, sh
 		cancel()
 		if err != nil && ctx.Err() == nil {
 			log.V(2).Info("Cannot write this apiserver's clients report; the next one is tried", "key", key, "err", err)
-			lease = 0 // it may have expired meanwhile
+			if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+				lease = 0 // expired while etcd was out of reach: the next report takes a new one
+			}
 		}
 	}
 }
