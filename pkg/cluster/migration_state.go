@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -145,23 +146,21 @@ func (r *clientsReporter) set(running bool) {
 }
 
 // followFrom applies st, read at rev (undecodable: why the state at rev is unknown),
-// then every change after rev until the watch ends. A follower's inventory refresh that
-// failed is retried on the clock meanwhile.
+// then every change after rev until the watch ends. A follower's inventory refreshes run
+// beside it (inventoryRefresher), a failed one retried on the clock.
 func (m *Migrator) followFrom(ctx context.Context, st MigrationState, rev int64, undecodable error, reporter *clientsReporter) {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
 	changes := m.opts.Client.Watch(wctx, migrationStateKey(m.opts.Prefix), clientv3.WithRev(rev+1))
+	refresher := m.startInventoryRefresher(ctx)
+	defer refresher.stop()
 	for {
 		m.setFollowed(st, undecodable)
 		reporter.set(st.Running != nil)
-		var retry <-chan time.Time
-		if !m.refreshInventory(ctx, st.Records) {
-			retry = m.opts.Clock.After(inventoryRetry)
-		}
+		refresher.want(st.Records)
 		select {
 		case <-ctx.Done():
 			return
-		case <-retry:
 		case resp, ok := <-changes:
 			if !ok || resp.Err() != nil {
 				m.log.V(2).Info("Migration state watch ended; reading it again", "err", resp.Err())
@@ -170,6 +169,64 @@ func (m *Migrator) followFrom(ctx context.Context, st MigrationState, rev int64,
 			st, undecodable = m.applyEvents(st, undecodable, resp.Events)
 		}
 	}
+}
+
+// inventoryRefresher runs a follower's inventory refreshes (Migrator.refreshInventory)
+// beside its following of the state, on the latest records it was given, retrying a
+// failed one after inventoryRetry. Run in the following loop itself, a refresh (every
+// object read and decrypted) held up the state changes behind it: a follower busy with
+// the inventory after one verified migration saw the next migration start only once
+// it was done, and reported none of its clients meanwhile (its reports start with the
+// state that says a migration runs).
+type inventoryRefresher struct {
+	wake   chan struct{}
+	cancel context.CancelFunc
+	done   chan struct{}
+
+	mu      sync.Mutex
+	records map[string]Record
+}
+
+func (m *Migrator) startInventoryRefresher(ctx context.Context) *inventoryRefresher {
+	ctx, cancel := context.WithCancel(ctx)
+	r := &inventoryRefresher{wake: make(chan struct{}, 1), cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(r.done)
+		var retry <-chan time.Time
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-r.wake:
+			case <-retry:
+			}
+			r.mu.Lock()
+			records := r.records
+			r.mu.Unlock()
+			retry = nil
+			if !m.refreshInventory(ctx, records) && ctx.Err() == nil {
+				retry = m.opts.Clock.After(inventoryRetry)
+			}
+		}
+	}()
+	return r
+}
+
+// want makes records the ones to refresh against, and wakes the refresher.
+func (r *inventoryRefresher) want(records map[string]Record) {
+	r.mu.Lock()
+	r.records = records
+	r.mu.Unlock()
+	select {
+	case r.wake <- struct{}{}:
+	default:
+	}
+}
+
+// stop ends the refresher and waits for a refresh under way to return.
+func (r *inventoryRefresher) stop() {
+	r.cancel()
+	<-r.done
 }
 
 // applyEvents returns the state after events, and why it is unknown when the latest
