@@ -102,6 +102,9 @@ func reportClients(ctx context.Context, cli *clientv3.Client, key, id string, sh
 		pctx, cancel := context.WithTimeout(ctx, etcdTimeout)
 		_, err = cli.Put(pctx, key, string(value), clientv3.WithLease(lease))
 		cancel()
+		if err == nil && seq == 1 {
+			log.V(2).Info("Reporting this apiserver's clients to the migration leader", "key", key)
+		}
 		if err != nil && ctx.Err() == nil {
 			log.V(2).Info("Cannot write this apiserver's clients report; the next one is tried", "key", key, "err", err)
 			if errors.Is(err, rpctypes.ErrLeaseNotFound) {
@@ -186,6 +189,7 @@ func (mc *memberClients) add(value []byte) {
 	defer mc.mu.Unlock()
 	mp := mc.pending[r.APIServer]
 	if mp == nil {
+		mc.log.V(2).Info("Pacing by another apiserver's clients too", "member", r.APIServer)
 		mp = &memberPending{baselines: map[pace.RequestClass]time.Duration{}, latencies: map[pace.RequestClass][]time.Duration{}}
 		mc.pending[r.APIServer] = mp
 	}
