@@ -110,9 +110,6 @@ func (b *classesBed) window(get, list time.Duration) pacerVerdict {
 			b.s.Observe(RequestRead, get)
 		}
 		b.s.Observe(RequestList, list)
-		for c := range b.buf {
-			b.buf[c] = b.buf[c][:0]
-		}
 		b.s.drain(&b.buf)
 		for c, ds := range b.buf {
 			for _, d := range ds {

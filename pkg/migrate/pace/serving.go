@@ -222,10 +222,13 @@ func (s *ServingLatency) begin(q float64) (baselines servingBaselines, end func(
 	}
 }
 
-// drain appends the samples taken while migrating to buf and forgets them. With
+// drain replaces buf's samples with those taken while migrating and forgets them. With
 // several migrations at once each sees a share: any of them slows down when its share
 // is slow, which is what matters.
 func (s *ServingLatency) drain(buf *servingSamples) {
+	for c := range buf {
+		buf[c] = buf[c][:0]
+	}
 	if s == nil {
 		return
 	}
@@ -273,9 +276,6 @@ func (s *ServingLatency) Share() *ServingShare {
 // p99 before the share began (0: none) and at most maxShareSamples of its requests
 // since (a uniform sample of them).
 func (sh *ServingShare) Take(f func(c RequestClass, baseline time.Duration, latencies []time.Duration)) {
-	for c := range sh.buf {
-		sh.buf[c] = sh.buf[c][:0]
-	}
 	sh.s.drain(&sh.buf)
 	for c, ds := range sh.buf {
 		if len(ds) > maxShareSamples {

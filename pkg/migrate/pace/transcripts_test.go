@@ -285,10 +285,8 @@ func requestClass(t *testing.T, d *datadriven.TestData, name string) RequestClas
 	if name == "" {
 		return RequestRead
 	}
-	for c := range RequestClass(numRequestClasses) {
-		if c.String() == name {
-			return c
-		}
+	if c, ok := ParseRequestClass(name); ok {
+		return c
 	}
 	d.Fatalf(t, "unknown request class %q", name)
 	return 0

@@ -309,9 +309,6 @@ func (g *Writer) drainServing(p *pacer) {
 // answered since the last call into it; the other apiservers' go to member (nil:
 // they are dropped). g.mu is held.
 func (g *Writer) drainServingBuf(member func(member string, c RequestClass, baseline time.Duration, latencies []time.Duration)) {
-	for c := range g.servingBuf {
-		g.servingBuf[c] = g.servingBuf[c][:0]
-	}
 	g.serving.drain(&g.servingBuf)
 	if g.members != nil {
 		if member == nil {
