@@ -73,8 +73,6 @@ group_other() {
 	# shellcheck disable=SC2086 # one argument per package
 	step $GO test -count=1 -v -timeout 30m $others || rc=1
 	step $GO test -count=1 -v -timeout 10m -run '^(TestLargeObjectsStayWithinMemoryBound|TestRotationScenario)$' ./pkg/migrate || rc=1
-	# Skipped under -race (an open flake there: see the test).
-	step $GO test -count=1 -v -timeout 5m -run '^TestLeaderSlowsDownForAFollowersClients$' ./pkg/cluster || rc=1
 	step $GO test -count=1 -v -timeout 15m -run "$controller_test" ./test/e2e || rc=1
 	if [ "${REKEY_SKIP_KUBE_APISERVER:-}" != 1 ]; then
 		(cd dist/kube-apiserver && step $GO test -count=1 -v .) || rc=1

@@ -1,6 +1,0 @@
-//go:build race
-
-package cluster
-
-// raceDetector is true in a -race build (see TestLeaderSlowsDownForAFollowersClients).
-const raceDetector = true
