@@ -387,10 +387,24 @@ func (m *Migrator) refreshInventory(ctx context.Context, records map[string]Reco
 			stale = append(stale, r)
 		}
 	}
-	if len(stale) == 0 {
+	// The leader's re-scan, when this apiserver classifies as it did, saves reading
+	// every object again (see verified.go).
+	var scan []migrate.Resource
+	for _, r := range stale {
+		inv, why := adoptVerified(ctx, m.opts.Client, m.opts.Prefix, r.String(), records[r.String()], m.opts.ConfigHash())
+		if inv == nil {
+			m.log.V(2).Info("Taking an inventory after a cluster migration: the leader's re-scan cannot be adopted", "resource", r.String(), "reason", why)
+			scan = append(scan, r)
+			continue
+		}
+		m.log.V(2).Info("Adopted the leader's verifying re-scan as this apiserver's inventory", "resource", r.String(), "revision", inv.Resources[0].Revision)
+		m.opts.Metrics.RecordInventory(inv)
+		m.opts.Inventory.Set(mergeInventory(m.opts.Inventory.Latest(), inv))
+	}
+	if len(scan) == 0 {
 		return true
 	}
-	inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{Client: m.opts.Client, Source: m.opts.Source, Resources: stale,
+	inv, err := migrate.TakeInventory(ctx, migrate.InventoryOptions{Client: m.opts.Client, Source: m.opts.Source, Resources: scan,
 		ConfigHash: m.opts.ConfigHash(), CoordinationPrefix: m.opts.Prefix, Metrics: m.opts.Metrics, Clock: m.opts.Clock})
 	if err != nil {
 		m.log.V(2).Info("Inventory after a cluster migration failed; retrying", "err", err)
@@ -450,6 +464,12 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, known float64, gu
 		m.opts.Inventory.Set(mergeInventory(m.opts.Inventory.Latest(), inv))
 		if ri := inv.Find(mig.Resource); ri != nil {
 			out.revision, out.acknowledged = ri.Revision, ri.Acknowledged
+		}
+		if err == nil {
+			// Before the record says verified, so that a follower finds it there.
+			if perr := publishVerified(m.opts.Client, m.opts.Prefix, mig.Resource, inv, guard); perr != nil {
+				m.log.V(2).Info("Cannot share the verifying re-scan; each follower reads the resource itself", "resource", mig.Resource, "err", perr)
+			}
 		}
 	}
 	if out.revision == 0 {

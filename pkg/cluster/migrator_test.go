@@ -34,18 +34,20 @@ func startProbedMigrator(t *testing.T, ctx context.Context, cli *clientv3.Client
 // startPacedMigrator also sets the pacing options.
 func startPacedMigrator(t *testing.T, ctx context.Context, cli *clientv3.Client, m *member, store *migrate.InventoryStore, pacing pace.Options, rate ...float64) (*Migrator, *roundProbe, chan struct{}) {
 	t.Helper()
+	return startMigratorWith(t, ctx, cli, m, MigratorOptions{Pacing: pacing, Rate: append(rate, 0)[0], Inventory: store})
+}
+
+// startMigratorWith starts m's migrator with opts, its client, identity, resources,
+// source and members filled in.
+func startMigratorWith(t *testing.T, ctx context.Context, cli *clientv3.Client, m *member, opts MigratorOptions) (*Migrator, *roundProbe, chan struct{}) {
+	t.Helper()
 	probe := &roundProbe{}
-	mig := NewMigrator(MigratorOptions{
-		Pacing:    pacing,
-		Rate:      append(rate, 0)[0],
-		Inventory: store,
-		Client:    cli, Prefix: defaultPrefix, ID: m.id, SessionTTL: 10 * time.Second, // a stop revokes it; 10 s outlives a starved keep-alive
-		Resources:      []migrate.Resource{migrate.ResourceFor("/registry", secrets)},
-		Source:         migrate.FromRules(m.agent, m.agent.Rules),
-		Members:        probe.wrap(m.node.view.Members),
-		MembersChanged: m.node.view.Changed,
-		Logger:         m.node.log,
-	})
+	opts.Client, opts.Prefix, opts.ID, opts.SessionTTL = cli, defaultPrefix, m.id, 10*time.Second // a stop revokes it; 10 s outlives a starved keep-alive
+	opts.Resources = []migrate.Resource{migrate.ResourceFor("/registry", secrets)}
+	opts.Source = migrate.FromRules(m.agent, m.agent.Rules)
+	opts.Members, opts.MembersChanged = probe.wrap(m.node.view.Members), m.node.view.Changed
+	opts.Logger = m.node.log
+	mig := NewMigrator(opts)
 	m.node.SetMigrator(mig)
 	done := make(chan struct{})
 	go func() { defer close(done); mig.Run(ctx) }()

@@ -22,6 +22,7 @@ const (
 	checkpointPath      = "/migration/checkpoint"
 	migrationStatePath  = "/migration/state"
 	migrationClientsDir = "/migration/clients/"
+	verifiedDir         = "/migration/verified/"
 	keyWritesDir        = "/keywrites/"
 	appliedStateDir     = "/applied/"
 	ledgerPath          = "/ledger"
@@ -82,6 +83,8 @@ func Keys() []Entry {
 			Holds: "the leader's MigrationState: migration records and progress"},
 		{Name: "migration clients", Path: migrationClientsDir, ID: "<apiserver-id>", Owner: "pkg/cluster", Lifetime: Leased,
 			Holds: "while a migration runs, a follower's latest report of its clients' request latencies (and their baseline) for the leader's pacing"},
+		{Name: "verified inventory", Path: verifiedDir, ID: "<resource>", Owner: "pkg/cluster", Lifetime: Permanent,
+			Holds: "the leader's verifying re-scan of a resource's last migration (pkg/migrate's inventory, with the record's revision), which followers with the same configuration adopt instead of reading every object again"},
 		{Name: "key writes", Path: keyWritesDir, ID: "<key-hash>", Owner: "pkg/cluster", Lifetime: Permanent,
 			Holds: "one key's lifetime count of values sealed and when it was first seen"},
 		{Name: "applied state", Path: appliedStateDir, ID: "<encryption-state-id>", Owner: "pkg/guard", Lifetime: Permanent,
@@ -115,6 +118,10 @@ func MigrationState(prefix string) string { return prefix + migrationStatePath }
 // MigrationClients is where apiserver id reports its clients' latency while a
 // migration another apiserver leads runs ("" id: the directory of them).
 func MigrationClients(prefix, id string) string { return prefix + migrationClientsDir + id }
+
+// MigrationVerified is the key of the leader's verifying re-scan of resource ("secrets",
+// "widgets.example.com").
+func MigrationVerified(prefix, resource string) string { return prefix + verifiedDir + resource }
 
 // KeyWritesPrefix is the directory of the per-key write totals: <prefix>/keywrites/.
 func KeyWritesPrefix(prefix string) string { return prefix + keyWritesDir }

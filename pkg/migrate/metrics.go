@@ -95,6 +95,11 @@ func NewMetrics(reg metrics.KubeRegistry) (*Metrics, error) {
 	return m, nil
 }
 
+// RecordInventory sets the inventory gauges from inv, an inventory this apiserver did
+// not take itself (a cluster leader's verifying re-scan it adopted); TakeInventory
+// records its own.
+func (m *Metrics) RecordInventory(inv *Inventory) { m.recordInventory(inv) }
+
 func (m *Metrics) recordInventory(inv *Inventory) {
 	if m == nil || inv == nil {
 		return
