@@ -69,7 +69,7 @@ func adoptVerified(ctx context.Context, cli *clientv3.Client, prefix, resource s
 	case err != nil:
 		return nil, fmt.Sprintf("reading %s: %v", key, err)
 	case len(resp.Kvs) == 0:
-		return nil, "the leader wrote no re-scan (a leader of an older rekey, or its write failed)"
+		return nil, "the leader wrote no re-scan (the record came from its inventory, not a migration; or a leader of an older rekey; or its write failed)"
 	}
 	var v verifiedInventory
 	if err := json.Unmarshal(resp.Kvs[0].Value, &v); err != nil {
