@@ -198,15 +198,6 @@ func (c *Controller) check(ctx context.Context) bool {
 		for _, a := range acts {
 			switch a.kind {
 			case actTakeInventory:
-				if a.relabel {
-					if inv, ok := relabelInventory(c.opts.Inventory.Latest(), c.opts.Source, res, c.opts.Clock.Now(), c.opts.ConfigHash()); ok {
-						c.log.V(2).Info("Write key changed; the latest inventory judged again against it, without reading etcd", "takenAt", inv.TakenAt)
-						c.opts.Metrics.recordInventory(inv)
-						c.m.Step(inventoryEvent{now: c.opts.Clock.Now(), inv: inv, relabelled: true})
-						c.publish(nil)
-						continue
-					}
-				}
 				inv, err := TakeInventory(ctx, InventoryOptions{Client: c.opts.Client, Source: c.opts.Source, Resources: res.Resources, Wildcards: res.Wildcards, ConfigHash: c.opts.ConfigHash(),
 					CoordinationPrefix: c.opts.CoordinationPrefix, Metrics: c.opts.Metrics, Clock: c.opts.Clock})
 				c.m.Step(inventoryEvent{now: c.opts.Clock.Now(), inv: inv, err: err})

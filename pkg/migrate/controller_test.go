@@ -66,11 +66,9 @@ func TestControllerWithoutAutoMigrateOnlyCounts(t *testing.T) {
 	waitFor(t, func() bool { return c.Inventory().Latest() != nil })
 	_, s1 := setFor(t, "secrets", "aesgcm:key2,key1")
 	sw.cur.Store(s1)
-	// The latest inventory judged against key2 (relabelled; its write prefix stays the
-	// scan's, key1's).
 	waitFor(t, func() bool {
 		inv := c.Inventory().Latest()
-		return !inv.RelabelledAt.IsZero() && inv.Find("secrets").Stale == 50
+		return inv.Find("secrets").WritePrefix == "k8s:enc:aesgcm:v1:key2:"
 	})
 	if inv := c.Inventory().Latest(); inv.Find("secrets").Stale != 50 || c.Status().LastMigration != nil {
 		t.Fatalf("with auto-migrate off: stale %d, migration %+v", inv.Find("secrets").Stale, c.Status().LastMigration)

@@ -81,9 +81,6 @@ type inventoryEvent struct {
 	now time.Time
 	inv *Inventory
 	err error
-	// relabelled: inv is the latest one judged against the new targets, not a scan
-	// (the next periodic scan stays due when it was).
-	relabelled bool
 }
 
 // migrationEvent: the migration the machine asked for ended at now; verified is its
@@ -116,11 +113,8 @@ type controllerAction struct {
 	resources []Resource             // actMigrate
 	targets   map[string]writeTarget // actTakeInventory, actMigrate: the check's targets
 	ready     bool                   // actTakeInventory: every target can be written now
-	// relabel (actTakeInventory): only write targets changed, so the latest inventory
-	// judged again against them will do when its buckets allow (relabelInventory).
-	relabel   bool
-	inventory *Inventory // actRecordInventory
-	merge     bool       // actRecordInventory
+	inventory *Inventory             // actRecordInventory
+	merge     bool                   // actRecordInventory
 }
 
 func newControllerMachine(cfg machineConfig) *controllerMachine {
@@ -184,12 +178,9 @@ func (m *controllerMachine) check(ev checkEvent) {
 	switch {
 	case m.cfg.autoMigrate && len(changed) > 0 && ready:
 		m.hand(controllerAction{kind: actMigrate, resources: changed, targets: ev.targets})
-	default:
-		due := ev.now.Sub(m.lastWork) >= m.cfg.inventoryInterval ||
-			m.freshAsked && ev.now.Sub(m.lastWork) >= min(minAskedInventoryInterval, m.cfg.inventoryInterval)
-		if len(changed) > 0 || due {
-			m.hand(controllerAction{kind: actTakeInventory, targets: ev.targets, ready: ready, relabel: !due})
-		}
+	case len(changed) > 0 || ev.now.Sub(m.lastWork) >= m.cfg.inventoryInterval ||
+		m.freshAsked && ev.now.Sub(m.lastWork) >= min(minAskedInventoryInterval, m.cfg.inventoryInterval):
+		m.hand(controllerAction{kind: actTakeInventory, targets: ev.targets, ready: ready})
 	}
 }
 
@@ -214,9 +205,7 @@ func (m *controllerMachine) inventoryTaken(ev inventoryEvent, a *controllerActio
 		m.view.LastError = ev.err.Error()
 		return
 	}
-	if !ev.relabelled {
-		m.lastWork, m.freshAsked = ev.now, false
-	}
+	m.lastWork, m.freshAsked = ev.now, false
 	m.ready = append(m.ready, controllerAction{kind: actRecordInventory, inventory: ev.inv})
 	first := m.applied == nil
 	m.applied = a.targets

@@ -31,10 +31,6 @@ type Inventory struct {
 	Duration time.Duration `json:"duration"`
 	// ConfigHash is the hash of the configuration the values were classified against.
 	ConfigHash string `json:"configHash,omitempty"`
-	// RelabelledAt, when set, is when a write-key change had the staleness of the
-	// scan's buckets judged again against ConfigHash without reading etcd: the counts
-	// are still those read at TakenAt (each resource's Revision).
-	RelabelledAt time.Time `json:"relabelledAt,omitzero"`
 	// DecryptChecked is true when every value was also decrypted (Unreadable is exact).
 	DecryptChecked bool `json:"decryptChecked"`
 	// Resources, in the order scanned.
@@ -54,8 +50,7 @@ type ResourceInventory struct {
 	Guessed  bool  `json:"keyPrefixGuessed,omitempty"`
 	Revision int64 `json:"revision"`
 	// WritePrefix and WriteKeyIDHash are what the resource was being written with when
-	// it was scanned; a value not written with them is stale (in an inventory relabelled
-	// since, Inventory.RelabelledAt, a value not written with the write key then).
+	// it was scanned; a value not written with them is stale.
 	WritePrefix    string `json:"writePrefix"`
 	WriteKeyIDHash string `json:"writeKeyIDHash,omitempty"`
 	Objects        int64  `json:"objects"`

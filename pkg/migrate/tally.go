@@ -109,15 +109,8 @@ func (t *tally) inventory(revision int64) *ResourceInventory {
 	for _, c := range t.counts {
 		ri.Buckets = append(ri.Buckets, *c)
 	}
-	sortBuckets(ri.Buckets)
-	return ri
-}
-
-// sortBuckets puts an inventory's buckets in its stable order: by prefix, key id hash,
-// current before stale.
-func sortBuckets(buckets []Count) {
-	sort.Slice(buckets, func(i, j int) bool {
-		a, b := buckets[i], buckets[j]
+	sort.Slice(ri.Buckets, func(i, j int) bool {
+		a, b := ri.Buckets[i], ri.Buckets[j]
 		if a.Prefix != b.Prefix {
 			return a.Prefix < b.Prefix
 		}
@@ -126,4 +119,5 @@ func sortBuckets(buckets []Count) {
 		}
 		return !a.Stale && b.Stale
 	})
+	return ri
 }
