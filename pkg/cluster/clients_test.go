@@ -86,11 +86,7 @@ func TestFollowerClientsReachTheLeader(t *testing.T) {
 // follower's are slowed past their target: the leader's pacing slows down and says it
 // was the follower's clients, and the record lists both apiservers' clients.
 func TestLeaderSlowsDownForAFollowersClients(t *testing.T) {
-	srv := etcdtest.Start(t)
-	cli := srv.Client(t)
-	a := startMember(t, cli, "a", secretsConfig("k1"))
-	b := startMember(t, cli, "b", secretsConfig("k1"))
-	eventually(t, "a sees b", func() bool { return memberIDs(a.node.view) == "a,b" })
+	cli, a, b := startPair(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	storeSecrets(t, cli, a, 600, "/registry/secrets/ns/s%03d")

@@ -94,11 +94,7 @@ func (p *roundProbe) decidedOn(cond func([]MemberState) bool) func() bool {
 // stored secrets only after both members write k2, records the target verified, and a
 // second migrator takes over when the leader stops.
 func TestMigratorMigratesOnceAllWriteTheSameKeyAndFailsOver(t *testing.T) {
-	srv := etcdtest.Start(t)
-	cli := srv.Client(t)
-	a := startMember(t, cli, "a", secretsConfig("k1"))
-	b := startMember(t, cli, "b", secretsConfig("k1"))
-	eventually(t, "a sees b", func() bool { return memberIDs(a.node.view) == "a,b" })
+	cli, a, b := startPair(t)
 	ctx := context.Background()
 	storeSecrets(t, cli, a, 40, "/registry/secrets/ns/s%02d")
 	actx, acancel := context.WithCancel(ctx)
@@ -242,11 +238,7 @@ func TestEtcdCheckpointsGuardedByLeadership(t *testing.T) {
 // (rate-limited) migration; the other apiserver is elected, resumes from the checkpoint
 // in etcd, and finishes: every object on the new key, none lost.
 func TestLeaderKilledMidMigrationAnotherResumes(t *testing.T) {
-	srv := etcdtest.Start(t)
-	cli := srv.Client(t)
-	a := startMember(t, cli, "a", secretsConfig("k1"))
-	b := startMember(t, cli, "b", secretsConfig("k1"))
-	eventually(t, "a sees b", func() bool { return memberIDs(a.node.view) == "a,b" })
+	cli, a, b := startPair(t)
 	ctx := context.Background()
 	const n = 120
 	storeSecrets(t, cli, a, n, "/registry/secrets/ns/s%03d")

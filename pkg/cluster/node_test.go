@@ -164,6 +164,17 @@ func (m *member) writePrefix(t *testing.T) string {
 	return string(bytes.Join(parts[:5], []byte(":"))) + ":"
 }
 
+// startPair starts etcd and two members, a and b, on secretsConfig("k1"), and returns
+// once a sees b.
+func startPair(t *testing.T) (*clientv3.Client, *member, *member) {
+	t.Helper()
+	cli := etcdtest.Start(t).Client(t)
+	a := startMember(t, cli, "a", secretsConfig("k1"))
+	b := startMember(t, cli, "b", secretsConfig("k1"))
+	eventually(t, "a sees b", func() bool { return memberIDs(a.node.view) == "a,b" })
+	return cli, a, b
+}
+
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
@@ -236,11 +247,7 @@ func TestMembershipLeaseAndClose(t *testing.T) {
 // file gets the new key k2 first; a keeps writing k1 until b's file can read k2, then
 // promotes k2 by itself. b's own file, once it has k2 first, promotes at once.
 func TestFencePromotesWhenTheOtherMemberCatchesUp(t *testing.T) {
-	srv := etcdtest.Start(t)
-	cli := srv.Client(t)
-	a := startMember(t, cli, "a", secretsConfig("k1"))
-	b := startMember(t, cli, "b", secretsConfig("k1"))
-	eventually(t, "a sees b", func() bool { return memberIDs(a.node.view) == "a,b" })
+	_, a, b := startPair(t)
 	// The fence learns the members from the watch's callback, a moment after the view.
 	eventually(t, "a's fence sees b", func() bool {
 		a.node.mu.Lock()

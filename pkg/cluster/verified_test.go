@@ -16,11 +16,7 @@ import (
 // the record's own revision, which no scan of its own could be: the record was written
 // after it); a follower with another configuration reads the objects itself.
 func TestFollowerAdoptsTheLeadersReScan(t *testing.T) {
-	srv := etcdtest.Start(t)
-	cli := srv.Client(t)
-	a := startMember(t, cli, "a", secretsConfig("k1"))
-	b := startMember(t, cli, "b", secretsConfig("k1"))
-	eventually(t, "a sees b", func() bool { return memberIDs(a.node.view) == "a,b" })
+	cli, a, b := startPair(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	storeSecrets(t, cli, a, 30, "/registry/secrets/ns/s%02d")
