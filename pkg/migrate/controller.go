@@ -204,6 +204,8 @@ func (c *Controller) check(ctx context.Context) bool {
 				c.publish(nil)
 				if err != nil {
 					c.log.Error(err, "Inventory failed; retrying at the next check")
+				} else {
+					c.log.V(2).Info("Took an inventory", "resources", len(inv.Resources), "stale", inv.TotalStale(), "duration", inv.Duration)
 				}
 				worked = worked || err == nil
 			case actRecordInventory:
