@@ -192,6 +192,9 @@ type rotationResult struct {
 	newKey           string
 	// rewritten and rewriteConflicts are the upstream script's no-op updates.
 	rewritten, rewriteConflicts int64
+	// rewriteTime is how long the stored Secrets took to rewrite: rekey's migrate stage
+	// (as rotate reports its stages), upstream's replace of every Secret.
+	rewriteTime time.Duration
 	// clients are the writers' and the sampler's latencies before and during the
 	// rotation.
 	clients []latencySummary

@@ -146,6 +146,28 @@ func (m *Migrator) State() (MigrationState, bool) {
 	return st, m.leading
 }
 
+// InventoriesTo reports whether this migrator is about to leave this apiserver's
+// inventory of resource under the write target whose stored prefix is prefix (and, for
+// KMS v2, whose key id hash is keyIDHash): the leader is migrating it to that target
+// now, or has verified that and refreshInventory has not yet adopted the re-scan. The
+// storage controller then takes no inventory of its own for the write-key change
+// (migrate.ControllerOptions.InventoriedElsewhere): a scan of every object while the
+// leader rewrites them costs the clients, and the leader's pacing, for counts that
+// are stale within seconds.
+func (m *Migrator) InventoriesTo(resource, prefix, keyIDHash string) bool {
+	st, _ := m.State()
+	same := func(k Key) bool { return k.StoredPrefix() == prefix && k.KeyIDHash == keyIDHash }
+	if r := st.Running; r != nil && r.Resource == resource && same(r.Target) {
+		return true
+	}
+	rec, ok := st.Records[resource]
+	if !ok || !rec.Verified || rec.Revision == 0 || !same(rec.Target) {
+		return false
+	}
+	ri := m.opts.Inventory.Latest().Find(resource)
+	return ri == nil || ri.Revision < rec.Revision
+}
+
 // Run campaigns and leads until ctx ends.
 func (m *Migrator) Run(ctx context.Context) {
 	e := &elector{client: m.opts.Client, key: coordination.MigrationLeader(m.opts.Prefix), id: m.opts.ID, ttl: m.opts.SessionTTL, clock: m.opts.Clock, log: m.log}

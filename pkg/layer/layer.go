@@ -656,6 +656,8 @@ func (l *Layer) addStorageHook(c *genericapiserver.Config) error {
 	return c.AddPostStartHook(StorageMigrationHookName, func(hc genericapiserver.PostStartHookContext) error {
 		cli, agent, o := l.client, l.agent, l.opts
 		resolver := l.resolver()
+		// Set before the controller runs (below); nil without coordination.
+		var mig *cluster.Migrator
 		ctrl := migrate.NewController(migrate.ControllerOptions{
 			Client: cli,
 			Source: migrate.FromRules(agent, agent.Rules),
@@ -664,7 +666,11 @@ func (l *Layer) addStorageHook(c *genericapiserver.Config) error {
 			},
 			// With coordination the elected cluster migrator migrates; this controller
 			// only keeps the local inventory current.
-			AutoMigrate:       o.StorageMigration && l.node == nil,
+			AutoMigrate: o.StorageMigration && l.node == nil,
+			// The elected migrator's verifying re-scan becomes this inventory.
+			InventoriedElsewhere: func(resource, prefix, keyIDHash string) bool {
+				return mig != nil && mig.InventoriesTo(resource, prefix, keyIDHash)
+			},
 			CheckInterval:     o.StorageCheckInterval,
 			InventoryInterval: o.StorageInventoryInterval,
 			Rate:              o.StorageMigrationRate,
@@ -680,7 +686,6 @@ func (l *Layer) addStorageHook(c *genericapiserver.Config) error {
 		})
 		ctx, cancel := context.WithCancel(hc.Context)
 		done := make(chan struct{})
-		var mig *cluster.Migrator
 		if l.node != nil && o.StorageMigration {
 			mig = cluster.NewMigrator(cluster.MigratorOptions{
 				Client: cli, Prefix: l.node.Prefix(), ID: l.node.ID(), SessionTTL: o.ClusterLeaseTTL,

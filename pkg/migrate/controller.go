@@ -70,6 +70,14 @@ type ControllerOptions struct {
 	// etcd transaction had timed out (a starved test process) and its retry slept on
 	// that clock; the test hung to its timeout.
 	MigrationClock clock.Clock
+	// InventoriedElsewhere, when set, reports whether another component takes the
+	// inventory of resource under its write target (prefix, and for KMS v2 the key id
+	// hash) now: with coordination, whether the elected cluster migrator is rewriting
+	// it to that target (its verifying re-scan becomes this apiserver's inventory).
+	// While it does, a write-target change of the resource takes no inventory here;
+	// an inventory stored since the change under the new target settles it. Ignored
+	// with AutoMigrate.
+	InventoriedElsewhere func(resource, prefix, keyIDHash string) bool
 	// RetryBackoff and MaxRetryBackoff override the first and the longest wait before a
 	// failed migration is retried (defaults: the smaller of 5 s and CheckInterval;
 	// 5 minutes).
@@ -191,8 +199,9 @@ func (c *Controller) Run(ctx context.Context) {
 // It returns true when it took an inventory or ran a migration.
 func (c *Controller) check(ctx context.Context) bool {
 	res := c.resolve(ctx)
-	c.m.Step(checkEvent{now: c.opts.Clock.Now(), targets: c.currentTargets(res.Resources), resources: res.Resources,
-		freshAsked: c.opts.Inventory.takeAsk()})
+	targets := c.currentTargets(res.Resources)
+	c.m.Step(checkEvent{now: c.opts.Clock.Now(), targets: targets, resources: res.Resources,
+		freshAsked: c.opts.Inventory.takeAsk(), elsewhere: c.inventoriedElsewhere(targets), stored: storedInventories(c.opts.Inventory.Latest())})
 	worked := false
 	for acts := c.m.Ready(); len(acts) > 0; acts = c.m.Ready() {
 		for _, a := range acts {
@@ -221,6 +230,33 @@ func (c *Controller) check(ctx context.Context) bool {
 		}
 	}
 	return worked
+}
+
+// inventoriedElsewhere lists the resources of targets whose inventory another
+// component takes now (ControllerOptions.InventoriedElsewhere).
+func (c *Controller) inventoriedElsewhere(targets map[string]writeTarget) map[string]bool {
+	if c.opts.InventoriedElsewhere == nil {
+		return nil
+	}
+	out := map[string]bool{}
+	for r, t := range targets {
+		if c.opts.InventoriedElsewhere(r, t.Prefix, t.KeyIDHash) {
+			out[r] = true
+		}
+	}
+	return out
+}
+
+// storedInventories is what the controller's machine needs of inv, per resource.
+func storedInventories(inv *Inventory) map[string]storedInventory {
+	if inv == nil {
+		return nil
+	}
+	out := make(map[string]storedInventory, len(inv.Resources))
+	for _, ri := range inv.Resources {
+		out[ri.Resource] = storedInventory{revision: ri.Revision, target: writeTarget{Prefix: ri.WritePrefix, KeyIDHash: ri.WriteKeyIDHash}}
+	}
+	return out
 }
 
 // resolve returns the resources to cover now: Resources, or Resolve's answer (the

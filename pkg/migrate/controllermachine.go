@@ -28,6 +28,11 @@ type controllerMachine struct {
 	lastWork time.Time
 	// freshAsked: a fresh inventory was asked for and not taken yet.
 	freshAsked bool
+	// changeSeen holds, per resource whose write-target change waits for an inventory
+	// elsewhere (checkEvent.elsewhere), the revision of the stored inventory of it when
+	// the change was first seen (0: none): a later one taken under the new target
+	// settles the change without a scan here.
+	changeSeen map[string]int64
 	// inflight is the inventory or migration handed out and not yet Stepped back.
 	inflight *controllerAction
 	ready    []controllerAction
@@ -74,6 +79,20 @@ type checkEvent struct {
 	// freshAsked: the guard refused a change on the latest inventory's word since the
 	// last check (InventoryStore.AskFresh).
 	freshAsked bool
+	// elsewhere: the resources whose inventory under their current write target
+	// another component takes now (the elected cluster migrator, whose verifying
+	// re-scan becomes this apiserver's inventory); a write-target change of them does
+	// not scan here while they are listed. Only without autoMigrate.
+	elsewhere map[string]bool
+	// stored is the latest stored inventory of each resource (InventoryStore.Latest).
+	stored map[string]storedInventory
+}
+
+// storedInventory is what the machine needs of a stored inventory of one resource:
+// the etcd revision it read at and the write target it counted against.
+type storedInventory struct {
+	revision int64
+	target   writeTarget
 }
 
 // inventoryEvent: the inventory the machine asked for was taken (or failed) at now.
@@ -164,6 +183,9 @@ func (m *controllerMachine) check(ev checkEvent) {
 		m.cfg.resources = ev.resources
 	}
 	changed, ready := m.plan(ev.targets)
+	if !m.cfg.autoMigrate {
+		changed = m.leaveElsewhere(ev, changed)
+	}
 	if r := m.retry; r != nil && m.cfg.autoMigrate && ready {
 		// A failed migration is retried, with the resources changed since, once its
 		// backoff has passed — at once when the write targets are no longer those it
@@ -184,7 +206,41 @@ func (m *controllerMachine) check(ev checkEvent) {
 	}
 }
 
-// plan lists the resources whose write target differs from the last applied one, and
+// leaveElsewhere returns the changed resources this controller must scan: a change
+// settled by a stored inventory taken since it was first seen, under the new target
+// (the cluster migrator's adopted re-scan), is applied without one, and a change of a
+// resource another component is inventorying waits for it. Three apiservers each
+// scanning 10,000 Secrets the moment the leader began migrating them cost the clients
+// a second at three times their p99, and the migration a halving of its rate, for
+// counts the migration made stale within seconds.
+func (m *controllerMachine) leaveElsewhere(ev checkEvent, changed []Resource) []Resource {
+	var scan []Resource
+	seen := map[string]int64{}
+	for _, r := range changed {
+		name := r.String()
+		t := ev.targets[name]
+		since, waited := m.changeSeen[name]
+		if !waited {
+			since = ev.stored[name].revision
+		}
+		if st, ok := ev.stored[name]; waited && ok && st.revision > since && st.target == t {
+			m.applied[name] = t
+			continue
+		}
+		if ev.elsewhere[name] {
+			seen[name] = since
+			continue
+		}
+		scan = append(scan, r)
+	}
+	m.changeSeen = seen
+	return scan
+}
+
+// plan lists the resources whose write target differs from the last applied one (or
+// whose change waits for an inventory elsewhere: a change back to the applied target
+// in the meantime is still one, as the objects written in between are not in the
+// inventory of then), and
 // whether all of them can be written now (a KMS v2 target needs a known key id).
 func (m *controllerMachine) plan(targets map[string]writeTarget) (changed []Resource, ready bool) {
 	ready = true
@@ -193,7 +249,8 @@ func (m *controllerMachine) plan(targets map[string]writeTarget) (changed []Reso
 		if strings.HasPrefix(t.Prefix, transformers.KMSv2Prefix) && t.KeyIDHash == "" {
 			ready = false
 		}
-		if m.applied != nil && m.applied[r.String()] != t {
+		_, waiting := m.changeSeen[r.String()]
+		if m.applied != nil && (m.applied[r.String()] != t || waiting) {
 			changed = append(changed, r)
 		}
 	}
@@ -205,7 +262,7 @@ func (m *controllerMachine) inventoryTaken(ev inventoryEvent, a *controllerActio
 		m.view.LastError = ev.err.Error()
 		return
 	}
-	m.lastWork, m.freshAsked = ev.now, false
+	m.lastWork, m.freshAsked, m.changeSeen = ev.now, false, nil
 	m.ready = append(m.ready, controllerAction{kind: actRecordInventory, inventory: ev.inv})
 	first := m.applied == nil
 	m.applied = a.targets

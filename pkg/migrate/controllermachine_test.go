@@ -44,6 +44,13 @@ import (
 //	                      finds, then the status
 //	latest                prints the latest inventory the guard would judge with
 //	ask                   the guard asks for a fresh inventory before the next check
+//	elsewhere [<resource> ...]
+//	                      the resources whose inventory another component takes now
+//	                      (the cluster migrator rewriting them); none: no resource
+//	adopt <resource>=<objects>/<stale> ...
+//	                      another component stores an inventory of the resources under
+//	                      their current targets, merged into the latest (the cluster
+//	                      migrator adopting the leader's verifying re-scan)
 func TestControllerTranscripts(t *testing.T) {
 	datadriven.Walk(t, "testdata", func(t *testing.T, path string) {
 		if !strings.HasPrefix(path[strings.LastIndex(path, "/")+1:], "controller_") {
@@ -69,6 +76,11 @@ type controllerHarness struct {
 	migRescan map[string][2]int64
 	// latest is the inventory store's content.
 	latest *Inventory
+	// elsewhere: the resources another component inventories now.
+	elsewhere map[string]bool
+	// revision is the etcd revision of the latest inventory taken (each reads at a
+	// later one).
+	revision int64
 }
 
 func newControllerHarness(auto bool, names []string) *controllerHarness {
@@ -159,6 +171,21 @@ func (h *controllerHarness) run(t *testing.T, d *datadriven.TestData) string {
 	case "ask":
 		h.asked = true
 		return "ok"
+	case "elsewhere":
+		h.elsewhere = map[string]bool{}
+		for _, a := range d.CmdArgs {
+			h.elsewhere[a.Key] = true
+		}
+		return "ok"
+	case "adopt":
+		found := map[string][2]int64{}
+		var rs []Resource
+		for _, a := range d.CmdArgs {
+			found[a.Key] = parseCounts(t, d, a.Vals)
+			rs = append(rs, ResourceFor(DefaultEtcdPrefix, schema.ParseGroupResource(a.Key)))
+		}
+		h.latest = mergeInventories(h.latest, h.inventory(found, rs), h.resources)
+		return h.describe(h.latest)
 	}
 	d.Fatalf(t, "unknown command %s", d.Cmd)
 	return ""
@@ -166,7 +193,7 @@ func (h *controllerHarness) run(t *testing.T, d *datadriven.TestData) string {
 
 // check is Controller.check with scripted inventories and migrations.
 func (h *controllerHarness) check(b *strings.Builder) {
-	h.m.Step(checkEvent{now: h.now, targets: h.copyTargets(), freshAsked: h.asked})
+	h.m.Step(checkEvent{now: h.now, targets: h.copyTargets(), freshAsked: h.asked, elsewhere: h.elsewhere, stored: storedInventories(h.latest)})
 	h.asked = false
 	for acts := h.m.Ready(); len(acts) > 0; acts = h.m.Ready() {
 		for _, a := range acts {
@@ -223,11 +250,12 @@ func (h *controllerHarness) copyTargets() map[string]writeTarget {
 // inventory is what a scan of resources finds: found[name] = objects, stale.
 func (h *controllerHarness) inventory(found map[string][2]int64, resources []Resource) *Inventory {
 	inv := &Inventory{TakenAt: h.now, DecryptChecked: true}
+	h.revision++
 	for _, r := range resources {
 		c := found[r.String()]
 		t := h.targets[r.String()]
 		inv.Resources = append(inv.Resources, ResourceInventory{Resource: r.String(), KeyPrefix: r.KeyPrefix,
-			WritePrefix: t.Prefix, WriteKeyIDHash: t.KeyIDHash, Objects: c[0], Stale: c[1]})
+			WritePrefix: t.Prefix, WriteKeyIDHash: t.KeyIDHash, Objects: c[0], Stale: c[1], Revision: h.revision})
 	}
 	return inv
 }
