@@ -485,14 +485,16 @@ func TestEveryMetricIsExposedByARunningShim(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Then the elected apiserver migrates 120 ConfigMaps at 20/s: its progress series
-	// (updated every second) lives for about 6 s.
+	// (updated every second) lives for about 6 s. The objects by key come from an
+	// inventory that saw the ConfigMaps: the leader's verifying re-scan, which both
+	// apiservers take for theirs once it is recorded (none scans while it migrates).
 	waitFor(t, 60*time.Second, "the migration's progress and results", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		// remaining_objects is set once a page is done; a transaction carries 50 ms of the
 		// rate (one object at 20/s), so objects_total appears well before it.
 		return seen.samples["rekey_cluster_migration_objects"] && seen.samples["rekey_storage_migration_objects_total"] &&
-			seen.samples["rekey_storage_migration_remaining_objects"]
+			seen.samples["rekey_storage_migration_remaining_objects"] && seen.samples["rekey_storage_objects"]
 	})
 	if err := scrape(); err != nil {
 		t.Fatal(err)

@@ -25,6 +25,17 @@ func TestFollowerAdoptsTheLeadersReScan(t *testing.T) {
 	migA, _, doneA := startMigratorWith(t, ctx, cli, a, MigratorOptions{Inventory: storeA, ConfigHash: hashOf(a)})
 	eventually(t, "a leads", func() bool { _, l := migA.State(); return l })
 	migB, _, doneB := startMigratorWith(t, ctx, cli, b, MigratorOptions{Inventory: storeB, ConfigHash: hashOf(b)})
+	// The leader's first migration (to k1, at start) must be behind b before the
+	// configuration changes: a b still catching up with it then finds its re-scan
+	// classified against another configuration and reads the objects itself, and that
+	// scan, younger than the next record, passed for b's inventory of it (a flake of a
+	// race-detector run).
+	eventually(t, "b's inventory after the first migration", func() bool {
+		st, _ := migB.State()
+		rec := st.Records["secrets"]
+		ri := storeB.Latest().Find("secrets")
+		return rec.Verified && rec.Target.Key == "k1" && ri != nil && ri.Revision >= rec.Revision
+	})
 
 	rotate := func(target, configA, configB string) Record {
 		t.Helper()

@@ -28,11 +28,9 @@ type controllerMachine struct {
 	lastWork time.Time
 	// freshAsked: a fresh inventory was asked for and not taken yet.
 	freshAsked bool
-	// changeSeen holds, per resource whose write-target change waits for an inventory
-	// elsewhere (checkEvent.elsewhere), the revision of the stored inventory of it when
-	// the change was first seen (0: none): a later one taken under the new target
-	// settles the change without a scan here.
-	changeSeen map[string]int64
+	// changeSeen holds the resources whose write-target change waits for an inventory
+	// elsewhere (checkEvent.elsewhere), since when (for at most maxInventoryWait).
+	changeSeen map[string]changeWait
 	// inflight is the inventory or migration handed out and not yet Stepped back.
 	inflight *controllerAction
 	ready    []controllerAction
@@ -87,6 +85,20 @@ type checkEvent struct {
 	// stored is the latest stored inventory of each resource (InventoryStore.Latest).
 	stored map[string]storedInventory
 }
+
+// changeWait is a write-target change waiting for an inventory elsewhere: since when,
+// and the revision of the stored inventory of its resource then (0: none). A later one
+// taken under the new target settles the change without a scan here.
+type changeWait struct {
+	since    time.Time
+	revision int64
+}
+
+// maxInventoryWait is the longest a write-target change waits for an inventory
+// elsewhere before this controller takes its own: a migration of a million objects
+// runs for many minutes, and the stale counts (the status, rekey_storage_objects and
+// the alerts on it) must not be the ones of before the change all that time.
+const maxInventoryWait = time.Minute
 
 // storedInventory is what the machine needs of a stored inventory of one resource:
 // the etcd revision it read at and the write target it counted against.
@@ -215,20 +227,20 @@ func (m *controllerMachine) check(ev checkEvent) {
 // counts the migration made stale within seconds.
 func (m *controllerMachine) leaveElsewhere(ev checkEvent, changed []Resource) []Resource {
 	var scan []Resource
-	seen := map[string]int64{}
+	seen := map[string]changeWait{}
 	for _, r := range changed {
 		name := r.String()
 		t := ev.targets[name]
-		since, waited := m.changeSeen[name]
+		w, waited := m.changeSeen[name]
 		if !waited {
-			since = ev.stored[name].revision
+			w = changeWait{since: ev.now, revision: ev.stored[name].revision}
 		}
-		if st, ok := ev.stored[name]; waited && ok && st.revision > since && st.target == t {
+		if st, ok := ev.stored[name]; waited && ok && st.revision > w.revision && st.target == t {
 			m.applied[name] = t
 			continue
 		}
-		if ev.elsewhere[name] {
-			seen[name] = since
+		if ev.elsewhere[name] && ev.now.Sub(w.since) < maxInventoryWait {
+			seen[name] = w
 			continue
 		}
 		scan = append(scan, r)

@@ -194,3 +194,27 @@ func TestSignificantlyOver(t *testing.T) {
 		t.Errorf("P(X ≥ 6 of 5) = %v", got)
 	}
 }
+
+// Judged among six populations (three apiservers' reads and writes), a window is a
+// slowdown at 5% as a whole: 3 of 50 requests over target, a slowdown alone
+// (P ≈ 1.4%), is not among six (1.4% > 5%/6); 4 of 50 (P ≈ 0.18%) still is. A pacer
+// counts the populations that have a target.
+func TestSignificantlyOverAmongSixPopulations(t *testing.T) {
+	if !significantlyOver(3, 50) || significantlyOverAmong(3, 50, 6) || !significantlyOverAmong(4, 50, 6) {
+		t.Errorf("3 of 50: alone %v, among 6 %v; 4 of 50 among 6 %v; want true, false, true",
+			significantlyOver(3, 50), significantlyOverAmong(3, 50, 6), significantlyOverAmong(4, 50, 6))
+	}
+	p := newPacer(Options{})
+	p.SetServingBaseline(servingBaselines{RequestRead: 10 * time.Millisecond, RequestWrite: 20 * time.Millisecond})
+	if !p.slowedAmong(3, 50) {
+		t.Error("two populations: 3 of 50 over target is a slowdown (1.4% < 2.5%)")
+	}
+	for _, m := range []string{"apiserver-1", "apiserver-2"} {
+		p.ObserveMember(m, RequestRead, 10*time.Millisecond, nil)
+		p.ObserveMember(m, RequestWrite, 20*time.Millisecond, nil)
+		p.ObserveMember(m, RequestList, 0, nil) // no baseline: not judged, not counted
+	}
+	if p.slowedAmong(3, 50) || !p.slowedAmong(4, 50) {
+		t.Error("six populations: 3 of 50 over target is no slowdown, 4 of 50 is")
+	}
+}

@@ -72,7 +72,9 @@ const (
 	// second slowest, and two of 113 are above the target in 31% of windows whose
 	// clients are exactly at it (a 10,000-Secret rotation left slow start at
 	// 200 objects/s on a window 2% over target, and ended with the clients' p99 at
-	// ×1.04–1.14 of before, far inside its ×1.5).
+	// ×1.04–1.14 of before, far inside its ×1.5). It is the significance of a
+	// window's judgement as a whole: each of the populations judged in it is tested at
+	// its share (see slowedAmong).
 	servingSignificance = 0.05
 	// maxServingWindows: with fewer clients than that, what arrived in this many
 	// windows is judged anyway (a light workload must not hold the rate for long).
@@ -586,7 +588,7 @@ func (p *pacer) pendingServing() (n int) {
 // each time.
 func (p *pacer) pendingLeansSlowed() bool {
 	for _, cl := range p.pops {
-		if over := countOver(cl.pending, cl.target); over > 1 || significantlyOver(over, len(cl.pending)) {
+		if over := countOver(cl.pending, cl.target); over > 1 || p.slowedAmong(over, len(cl.pending)) {
 			return true
 		}
 	}
@@ -654,7 +656,7 @@ func (p *pacer) judgeClasses(v *pacerVerdict) {
 			continue
 		}
 		over := countOver(cl.pending, cl.target)
-		slowed := significantlyOver(over, n)
+		slowed := p.slowedAmong(over, n)
 		if n < minServingSamples && cl.windows < maxServingWindows && !slowed {
 			continue
 		}
@@ -701,8 +703,29 @@ func countOver(ds []time.Duration, target time.Duration) (n int) {
 // above it, as many or more would be seen with probability below
 // servingSignificance. (Of 100 requests, 4 over is a slowdown and 3 is not; of 30,
 // 2 is; of 10, 2 is.)
-func significantlyOver(over, n int) bool {
-	return over > 0 && binomialUpperTail(n, over, servingExceedance) < servingSignificance
+func significantlyOver(over, n int) bool { return significantlyOverAmong(over, n, 1) }
+
+// significantlyOverAmong is significantlyOver for one of populations populations
+// judged at once: each at servingSignificance / populations (Bonferroni), so that
+// clients all within target make a window a slowdown with probability below
+// servingSignificance, not below one minus (1 − servingSignificance)^populations.
+func significantlyOverAmong(over, n, populations int) bool {
+	return over > 0 && binomialUpperTail(n, over, servingExceedance) < servingSignificance/float64(max(populations, 1))
+}
+
+// slowedAmong is significantlyOverAmong for the populations this pacer judges (those
+// with a target). Three apiservers' reads and writes are six populations; tested at
+// 5% each, a window whose clients were all exactly at target was a slowdown one time
+// in four, and each halved the rate (a 10,000-Secret rotation on three apiservers
+// spent 14–28 s at 150–800 objects/s, halved by one apiserver's 50 reads at a time).
+func (p *pacer) slowedAmong(over, n int) bool {
+	judged := 0
+	for _, pop := range p.pops {
+		if pop.target > 0 {
+			judged++
+		}
+	}
+	return significantlyOverAmong(over, n, judged)
 }
 
 // binomialUpperTail is P(X ≥ k) for X ~ Binomial(n, q).
@@ -1006,7 +1029,7 @@ func (p *pacer) tickProbe(now time.Time) {
 		}
 		over := countOver(cl.pending, cl.target)
 		p99 := quantile(cl.pending, servingQuantile)
-		slowed := significantlyOver(over, n)
+		slowed := p.slowedAmong(over, n)
 		v.Classes[c] = classVerdict{P99: p99, Samples: n, Over: over, Slowed: slowed}
 		if v.ServingSamples == 0 || slowed {
 			v.setServing(*cl, p99, n)
