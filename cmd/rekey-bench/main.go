@@ -35,6 +35,7 @@ func main() {
 		rotObjects = flag.Int("rotation-objects", 0, "Secrets the rotation scenario rotates (default 10,000; short 1,000)")
 		rotSides   = flag.String("rotation-sides", "", "comma-separated sides of the rotation scenario to run: rekey, upstream (default both)")
 		rotRekey   = flag.String("rotation-rekey-bin", "", "the rekey binary the rotation scenario runs (default: cmd/rekey built from this tree)")
+		rotOps     = flag.String("rotation-ops-dir", "", "the rotation scenario: write each side's client requests to DIR/<side>-client-ops.csv (answered at, window, requests, latency)")
 		rotShim    = flag.String("rotation-shim-flags", "", "the rotation scenario's rekey side: more flags for its shims, space-separated (e.g. --storage-migration-priority=fast)")
 		ctlObjects = flag.Int("controller-objects", 0, "Secrets the controller scenario rotates (default 10,000; short 300)")
 		ctlDelays  = flag.String("controller-delays", "", "the controller scenario's projection delay range per hosted apiserver, MIN-MAX as durations (default 0s-60s; short 0s-5s)")
@@ -72,6 +73,7 @@ func main() {
 		settings.SampleTime = *sampleTime
 	}
 	settings.RotationObjects, settings.RotationRekeyBin, settings.RotationShimFlags = *rotObjects, *rotRekey, strings.Fields(*rotShim)
+	settings.RotationOpsDir = *rotOps
 	if *rotSides != "" {
 		settings.RotationSides = strings.Split(*rotSides, ",")
 	}

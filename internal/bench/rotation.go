@@ -77,7 +77,7 @@ func runRotation(s Settings) ([]Row, error) {
 		if side == "rekey" {
 			shimFlags = s.RotationShimFlags
 		}
-		r, err := rotateOnce(ctx, progress, filepath.Join(dir, side), bins, rekeyBin, side, objects, shimFlags)
+		r, err := rotateOnce(ctx, progress, filepath.Join(dir, side), bins, rekeyBin, side, objects, shimFlags, s.RotationOpsDir)
 		if err != nil {
 			return nil, fmt.Errorf("rotation side %s: %w", side, err)
 		}
@@ -94,7 +94,7 @@ func runRotation(s Settings) ([]Row, error) {
 // rotateOnce starts a fresh testbed for side (its shims given shimFlags too), seeds
 // objects Secrets under key1, starts the load, rotates with side's procedure and checks
 // the end state.
-func rotateOnce(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, rekeyBin, side string, objects int, shimFlags []string) (*rotationResult, error) {
+func rotateOnce(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, rekeyBin, side string, objects int, shimFlags []string, opsDir string) (*rotationResult, error) {
 	b, err := startRotationBed(ctx, progress, dir, bins, side, objects, shimFlags)
 	if err != nil {
 		return nil, err
@@ -127,6 +127,11 @@ func rotateOnce(ctx context.Context, progress io.Writer, dir string, bins testbe
 	res.clients = b.clients.summaries()
 	res.rewritten, res.rewriteConflicts = rewrite.rewritten, rewrite.conflicts
 	res.rewriteTime = b.clients.rewriteTime()
+	if opsDir != "" {
+		if werr := b.clients.writeOps(filepath.Join(opsDir, side+"-client-ops.csv")); werr != nil {
+			fmt.Fprintf(progress, "rotation: %s: writing the clients' requests: %v\n", side, werr)
+		}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("%w\n%s", err, b.fleet.LogTails(2000))
 	}

@@ -3,6 +3,7 @@ package bench
 import (
 	"fmt"
 	"maps"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -58,6 +59,17 @@ type clientLatencies struct {
 	// the time it was open.
 	rewriteSince time.Time
 	rewrote      time.Duration
+	// ops are every request recorded, in the order answered (see writeOps).
+	ops []answeredRequest
+}
+
+// answeredRequest is one recorded request: when it was answered, its window (windowRewrite
+// for one answered during the rewrite), its kind and its latency.
+type answeredRequest struct {
+	at      time.Time
+	window  string
+	kind    string
+	latency time.Duration
 }
 
 func newClientLatencies() *clientLatencies {
@@ -72,10 +84,13 @@ func (c *clientLatencies) observer(sender string) testbed.LatencyFunc {
 		if c.window == "" {
 			return
 		}
-		c.add(c.window, sender+" "+verb, d)
+		kind, w := sender+" "+verb, c.window
+		c.add(w, kind, d)
 		if c.rewriting {
-			c.add(windowRewrite, sender+" "+verb, d)
+			c.add(windowRewrite, kind, d)
+			w = windowRewrite
 		}
+		c.ops = append(c.ops, answeredRequest{at: time.Now(), window: w, kind: kind, latency: d})
 	}
 }
 
@@ -115,6 +130,21 @@ func (c *clientLatencies) enter(window string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.window = window
+}
+
+// writeOps writes every recorded request to path as CSV (answeredAt in RFC 3339 with
+// nanoseconds, window, requests, latencyMs), for reading the clients' latency second by
+// second against the shims' logs (-rotation-ops-dir).
+func (c *clientLatencies) writeOps(path string) error {
+	c.mu.Lock()
+	ops := slices.Clone(c.ops)
+	c.mu.Unlock()
+	var b strings.Builder
+	b.WriteString("answeredAt,window,requests,latencyMs\n")
+	for _, o := range ops {
+		fmt.Fprintf(&b, "%s,%s,%s,%.3f\n", o.at.UTC().Format(time.RFC3339Nano), o.window, o.kind, float64(o.latency)/float64(time.Millisecond))
+	}
+	return os.WriteFile(path, []byte(b.String()), 0o644)
 }
 
 // latencySummary is one window's figures of one kind of request.

@@ -2,6 +2,8 @@ package bench
 
 import (
 	"bytes"
+	"os"
+	"path/filepath"
 	"reflect"
 	"slices"
 	"strings"
@@ -190,6 +192,25 @@ func TestRotationClientLatencies(t *testing.T) {
 	c.enter("")
 	sampler("get", time.Hour)
 	got := c.summaries()
+	// Every request recorded in a window is in the ops file once, with its window (the
+	// rewrite's for those answered during it); the one after the rotation is not.
+	opsPath := filepath.Join(t.TempDir(), "rekey-client-ops.csv")
+	if err := c.writeOps(opsPath); err != nil {
+		t.Fatal(err)
+	}
+	raw, err := os.ReadFile(opsPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(raw)), "\n")
+	perWindow := map[string]int{}
+	for _, l := range lines[1:] {
+		perWindow[strings.Split(l, ",")[1]]++
+	}
+	if lines[0] != "answeredAt,window,requests,latencyMs" || len(lines) != 1+406 ||
+		perWindow[windowBefore] != 205 || perWindow[windowDuring] != 101 || perWindow[windowRewrite] != 100 {
+		t.Errorf("ops file: %d lines, per window %v; want a header and 205 before, 101 during, 100 rewrite", len(lines), perWindow)
+	}
 	want := []latencySummary{
 		{Window: windowBefore, Requests: "sampler get", N: 100, P50ms: 50, P99ms: 99},
 		{Window: windowBefore, Requests: "writers create", N: 5, P50ms: 20, P99ms: 20},

@@ -24,6 +24,10 @@ type Settings struct {
 	// RotationRekeyBin is the rekey binary side (a) runs (default: cmd/rekey built from
 	// this tree).
 	RotationRekeyBin string
+	// RotationOpsDir, when set, receives each side's client requests as
+	// <side>-client-ops.csv (answered at, window, requests, latency), to read the
+	// clients' latency second by second against the shims' logs.
+	RotationOpsDir string
 	// RotationShimFlags are more flags for the rekey side's shims (e.g.
 	// --storage-migration-priority=fast, to measure what a priority trades).
 	RotationShimFlags []string
