@@ -54,26 +54,27 @@ type clientLatencies struct {
 	// rotation). rewriting: they go to windowRewrite too.
 	window    string
 	rewriting bool
-	samples   map[string]map[string][]time.Duration // window → "sender verb" → latencies
 	// rewriteSince is when the rewrite window opened (while rewriting); rewrote sums
 	// the time it was open.
 	rewriteSince time.Time
 	rewrote      time.Duration
-	// ops are every request recorded, in the order answered (see writeOps).
+	// ops are every request recorded, in the order answered: what the summaries and
+	// the ops file (writeOps) are made of.
 	ops []answeredRequest
 }
 
-// answeredRequest is one recorded request: when it was answered, its window (windowRewrite
-// for one answered during the rewrite), its kind and its latency.
+// answeredRequest is one recorded request: when it was answered, its window, whether
+// it was answered during the rewrite too, its kind and its latency.
 type answeredRequest struct {
 	at      time.Time
 	window  string
+	rewrite bool
 	kind    string
 	latency time.Duration
 }
 
 func newClientLatencies() *clientLatencies {
-	return &clientLatencies{window: windowBefore, samples: map[string]map[string][]time.Duration{}}
+	return &clientLatencies{window: windowBefore}
 }
 
 // observer is the testbed.LatencyFunc of sender's requests (writers, sampler).
@@ -84,24 +85,8 @@ func (c *clientLatencies) observer(sender string) testbed.LatencyFunc {
 		if c.window == "" {
 			return
 		}
-		kind, w := sender+" "+verb, c.window
-		c.add(w, kind, d)
-		if c.rewriting {
-			c.add(windowRewrite, kind, d)
-			w = windowRewrite
-		}
-		c.ops = append(c.ops, answeredRequest{at: time.Now(), window: w, kind: kind, latency: d})
+		c.ops = append(c.ops, answeredRequest{at: time.Now(), window: c.window, rewrite: c.rewriting, kind: sender + " " + verb, latency: d})
 	}
-}
-
-// add records one request of kind in window; c.mu is held.
-func (c *clientLatencies) add(window, kind string, d time.Duration) {
-	m := c.samples[window]
-	if m == nil {
-		m = map[string][]time.Duration{}
-		c.samples[window] = m
-	}
-	m[kind] = append(m[kind], d)
 }
 
 // rewrite makes requests answered from now on count in windowRewrite too (on: true)
@@ -142,7 +127,11 @@ func (c *clientLatencies) writeOps(path string) error {
 	var b strings.Builder
 	b.WriteString("answeredAt,window,requests,latencyMs\n")
 	for _, o := range ops {
-		fmt.Fprintf(&b, "%s,%s,%s,%.3f\n", o.at.UTC().Format(time.RFC3339Nano), o.window, o.kind, float64(o.latency)/float64(time.Millisecond))
+		w := o.window
+		if o.rewrite {
+			w = windowRewrite
+		}
+		fmt.Fprintf(&b, "%s,%s,%s,%.3f\n", o.at.UTC().Format(time.RFC3339Nano), w, o.kind, float64(o.latency)/float64(time.Millisecond))
 	}
 	return os.WriteFile(path, []byte(b.String()), 0o644)
 }
@@ -161,10 +150,23 @@ type latencySummary struct {
 func (c *clientLatencies) summaries() []latencySummary {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	samples := map[string]map[string][]time.Duration{} // window → kind → latencies
+	add := func(window, kind string, d time.Duration) {
+		if samples[window] == nil {
+			samples[window] = map[string][]time.Duration{}
+		}
+		samples[window][kind] = append(samples[window][kind], d)
+	}
+	for _, o := range c.ops {
+		add(o.window, o.kind, o.latency)
+		if o.rewrite {
+			add(windowRewrite, o.kind, o.latency)
+		}
+	}
 	var out []latencySummary
 	for _, w := range clientWindows {
-		for _, k := range slices.Sorted(maps.Keys(c.samples[w])) {
-			ds := c.samples[w][k]
+		for _, k := range slices.Sorted(maps.Keys(samples[w])) {
+			ds := samples[w][k]
 			ms := make([]float64, len(ds))
 			for i, d := range ds {
 				ms[i] = float64(d) / float64(time.Millisecond)

@@ -161,10 +161,16 @@ func (m *Migrator) InventoriesTo(resource, prefix, keyIDHash string) bool {
 		return true
 	}
 	rec, ok := st.Records[resource]
-	if !ok || !rec.Verified || rec.Revision == 0 || !same(rec.Target) {
+	return ok && same(rec.Target) && inventoryBehind(m.opts.Inventory.Latest(), resource, rec)
+}
+
+// inventoryBehind reports whether inv's count of resource was read before rec, a
+// verified migration of it with a revision: refreshInventory replaces it.
+func inventoryBehind(inv *migrate.Inventory, resource string, rec Record) bool {
+	if !rec.Verified || rec.Revision == 0 {
 		return false
 	}
-	ri := m.opts.Inventory.Latest().Find(resource)
+	ri := inv.Find(resource)
 	return ri == nil || ri.Revision < rec.Revision
 }
 
@@ -401,11 +407,7 @@ func (m *Migrator) refreshInventory(ctx context.Context, records map[string]Reco
 	latest := m.opts.Inventory.Latest()
 	var stale []migrate.Resource
 	for _, r := range m.resources() {
-		rec, ok := records[r.String()]
-		if !ok || !rec.Verified || rec.Revision == 0 {
-			continue
-		}
-		if ri := latest.Find(r.String()); ri == nil || ri.Revision < rec.Revision {
+		if rec, ok := records[r.String()]; ok && inventoryBehind(latest, r.String(), rec) {
 			stale = append(stale, r)
 		}
 	}

@@ -235,7 +235,7 @@ func (c *Controller) check(ctx context.Context) bool {
 // inventoriedElsewhere lists the resources of targets whose inventory another
 // component takes now (ControllerOptions.InventoriedElsewhere).
 func (c *Controller) inventoriedElsewhere(targets map[string]writeTarget) map[string]bool {
-	if c.opts.InventoriedElsewhere == nil {
+	if c.opts.InventoriedElsewhere == nil || c.opts.AutoMigrate {
 		return nil
 	}
 	out := map[string]bool{}

@@ -206,7 +206,7 @@ func TestSignificantlyOverAmongSixPopulations(t *testing.T) {
 	}
 	p := newPacer(Options{})
 	p.SetServingBaseline(servingBaselines{RequestRead: 10 * time.Millisecond, RequestWrite: 20 * time.Millisecond})
-	if !p.slowedAmong(3, 50) {
+	if n := p.judgedPopulations(); n != 2 || !significantlyOverAmong(3, 50, n) {
 		t.Error("two populations: 3 of 50 over target is a slowdown (1.4% < 2.5%)")
 	}
 	for _, m := range []string{"apiserver-1", "apiserver-2"} {
@@ -214,7 +214,7 @@ func TestSignificantlyOverAmongSixPopulations(t *testing.T) {
 		p.ObserveMember(m, RequestWrite, 20*time.Millisecond, nil)
 		p.ObserveMember(m, RequestList, 0, nil) // no baseline: not judged, not counted
 	}
-	if p.slowedAmong(3, 50) || !p.slowedAmong(4, 50) {
+	if n := p.judgedPopulations(); n != 6 || significantlyOverAmong(3, 50, n) || !significantlyOverAmong(4, 50, n) {
 		t.Error("six populations: 3 of 50 over target is no slowdown, 4 of 50 is")
 	}
 }

@@ -74,7 +74,7 @@ const (
 	// 200 objects/s on a window 2% over target, and ended with the clients' p99 at
 	// ×1.04–1.14 of before, far inside its ×1.5). It is the significance of a
 	// window's judgement as a whole: each of the populations judged in it is tested at
-	// its share (see slowedAmong).
+	// its share (see judgedPopulations).
 	servingSignificance = 0.05
 	// maxServingWindows: with fewer clients than that, what arrived in this many
 	// windows is judged anyway (a light workload must not hold the rate for long).
@@ -587,8 +587,9 @@ func (p *pacer) pendingServing() (n int) {
 // than the p99 of clients exactly at target, and holding on it cost slow start a window
 // each time.
 func (p *pacer) pendingLeansSlowed() bool {
+	judged := p.judgedPopulations()
 	for _, cl := range p.pops {
-		if over := countOver(cl.pending, cl.target); over > 1 || p.slowedAmong(over, len(cl.pending)) {
+		if over := countOver(cl.pending, cl.target); over > 1 || significantlyOverAmong(over, len(cl.pending), judged) {
 			return true
 		}
 	}
@@ -645,6 +646,7 @@ func (p *pacer) Tick(now time.Time) {
 func (p *pacer) judgeClasses(v *pacerVerdict) {
 	worst, worstSlowed := math.Inf(-1), false
 	v.Classes = make([]classVerdict, len(p.pops))
+	judged := p.judgedPopulations()
 	for c := range p.pops {
 		cl := &p.pops[c]
 		if cl.target == 0 {
@@ -656,7 +658,7 @@ func (p *pacer) judgeClasses(v *pacerVerdict) {
 			continue
 		}
 		over := countOver(cl.pending, cl.target)
-		slowed := p.slowedAmong(over, n)
+		slowed := significantlyOverAmong(over, n, judged)
 		if n < minServingSamples && cl.windows < maxServingWindows && !slowed {
 			continue
 		}
@@ -713,19 +715,19 @@ func significantlyOverAmong(over, n, populations int) bool {
 	return over > 0 && binomialUpperTail(n, over, servingExceedance) < servingSignificance/float64(max(populations, 1))
 }
 
-// slowedAmong is significantlyOverAmong for the populations this pacer judges (those
-// with a target). Three apiservers' reads and writes are six populations; tested at
-// 5% each, a window whose clients were all exactly at target was a slowdown one time
-// in four, and each halved the rate (a 10,000-Secret rotation on three apiservers
-// spent 14–28 s at 150–800 objects/s, halved by one apiserver's 50 reads at a time).
-func (p *pacer) slowedAmong(over, n int) bool {
-	judged := 0
+// judgedPopulations counts the populations this pacer judges (those with a target),
+// among which a window's significance is shared (significantlyOverAmong). Three
+// apiservers' reads and writes are six populations; tested at 5% each, a window whose
+// clients were all exactly at target was a slowdown one time in four, and each halved
+// the rate (a 10,000-Secret rotation on three apiservers spent 14–28 s at 150–800
+// objects/s, halved by one apiserver's 50 reads at a time).
+func (p *pacer) judgedPopulations() (n int) {
 	for _, pop := range p.pops {
 		if pop.target > 0 {
-			judged++
+			n++
 		}
 	}
-	return significantlyOverAmong(over, n, judged)
+	return n
 }
 
 // binomialUpperTail is P(X ≥ k) for X ~ Binomial(n, q).
@@ -1021,6 +1023,7 @@ func (p *pacer) tickProbe(now time.Time) {
 	}
 	v := pacerVerdict{At: now, Change: "probed", Classes: make([]classVerdict, len(p.pops))}
 	var moved []string
+	judged := p.judgedPopulations()
 	for _, c := range p.probePops {
 		cl := &p.pops[c]
 		n := len(cl.pending)
@@ -1029,7 +1032,7 @@ func (p *pacer) tickProbe(now time.Time) {
 		}
 		over := countOver(cl.pending, cl.target)
 		p99 := quantile(cl.pending, servingQuantile)
-		slowed := p.slowedAmong(over, n)
+		slowed := significantlyOverAmong(over, n, judged)
 		v.Classes[c] = classVerdict{P99: p99, Samples: n, Over: over, Slowed: slowed}
 		if v.ServingSamples == 0 || slowed {
 			v.setServing(*cl, p99, n)
