@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -221,6 +222,94 @@ func TestCommitConflicts(t *testing.T) {
 			t.Fatalf("counters = %+v, want 4 rewritten, 1 conflict", c)
 		}
 	})
+}
+
+// walkingWriter updates, before every transaction the migration commits, the next of
+// keys (with the new key, as an apiserver would): a client going through the objects
+// in key order while the migration retries a batch of them.
+type walkingWriter struct {
+	clientv3.KV
+	t    *testing.T
+	set  *transformers.Set
+	keys []string
+	next int
+}
+
+func (w *walkingWriter) Txn(ctx context.Context) clientv3.Txn {
+	return &walkingTxn{Txn: w.KV.Txn(ctx), w: w}
+}
+
+type walkingTxn struct {
+	clientv3.Txn
+	w *walkingWriter
+}
+
+func (x *walkingTxn) If(cs ...clientv3.Cmp) clientv3.Txn   { x.Txn = x.Txn.If(cs...); return x }
+func (x *walkingTxn) Then(ops ...clientv3.Op) clientv3.Txn { x.Txn = x.Txn.Then(ops...); return x }
+func (x *walkingTxn) Else(ops ...clientv3.Op) clientv3.Txn { x.Txn = x.Txn.Else(ops...); return x }
+func (x *walkingTxn) Commit() (*clientv3.TxnResponse, error) {
+	if w := x.w; w.next < len(w.keys) {
+		key := w.keys[w.next]
+		w.next++
+		out, err := w.set.TransformerFor(secrets).TransformToStorage(context.Background(), plaintextFor(key, 9), value.DefaultContext(key))
+		if err != nil {
+			w.t.Fatal(err)
+		}
+		if _, err := w.KV.Put(context.Background(), key, string(out)); err != nil {
+			w.t.Fatal(err)
+		}
+	}
+	return x.Txn.Commit()
+}
+
+// A client that changes another object of the batch before every attempt (walking
+// through them in key order) does not leave the batch stale: after two conflicts in a
+// row the batch is committed in halves. Retried whole, each attempt lost to the next
+// object the client changed, and after ten attempts the rest of the batch was left to
+// a second pass.
+func TestCommitOutlastsAClientWalkingThroughTheBatch(t *testing.T) {
+	ctx := context.Background()
+	cli := startEtcd(t)
+	_, old := setFor(t, "secrets", "aesgcm:key1")
+	_, next := setFor(t, "secrets", "aesgcm:key2,key1")
+	tr := next.TransformerFor(secrets)
+	var batch []rewrite
+	var keys []string
+	for i := range 40 {
+		key := keyOf(secrets, "walk", fmt.Sprintf("s-%02d", i))
+		writeAt(t, cli, old, key, plaintextFor(key, 0))
+		resp, err := cli.Get(ctx, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := &migrator{opts: Options{Client: cli, Source: FromSet(next), Clock: clock.RealClock{}}, log: testLogger(t)}
+		rw, result, err := m.prepare(ctx, tr, resp.Kvs[0])
+		if err != nil || result != "" {
+			t.Fatalf("prepare %s: result %q err %v", key, result, err)
+		}
+		batch, keys = append(batch, rw), append(keys, key)
+	}
+	walker := &walkingWriter{KV: cli.KV, t: t, set: next, keys: keys}
+	cli.KV = walker
+	defer func() { cli.KV = walker.KV }()
+	m := &migrator{opts: Options{Client: cli, Source: FromSet(next), BatchSize: 64, Clock: clock.RealClock{}}, log: testLogger(t)}
+	m.writer = m.newWriter(nil)
+	if err := m.commit(ctx, tr, "secrets", batch); err != nil {
+		t.Fatal(err)
+	}
+	cli.KV = walker.KV
+	stale := 0
+	for _, k := range keys {
+		if _, isStale, _ := readPlain(t, cli, next, secrets, k); isStale {
+			stale++
+		}
+	}
+	if stale > 0 {
+		t.Fatalf("%d of %d objects left stale after the client changed %d of them, one before each attempt", stale, len(keys), walker.next)
+	}
+	if c := m.c.snapshot(); c.Rewritten+c.Current != int64(len(keys)) {
+		t.Fatalf("counters %+v: %d rewritten and current, want %d", c, c.Rewritten+c.Current, len(keys))
+	}
 }
 
 func TestMigrateResumesFromCheckpoint(t *testing.T) {
