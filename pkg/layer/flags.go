@@ -258,9 +258,9 @@ func (f *Flags) AddFlags(fs *pflag.FlagSet) {
 			"and is not judged (with none, etcd alone paces). 0 leaves the clients out. Set, it wins over --"+FlagStorageMigrationPriority+"'s factor (unset: 1.5, or 3 for fast).")
 	fs.StringVar(&f.StorageMigrationPriority, FlagStorageMigrationPriority, f.StorageMigrationPriority,
 		"How storage migration trades this apiserver's clients' latency for its own speed: "+
-			"gentle (clients within 1.5× their p99 before it, and every migration starts at 100 objects/s, doubling), "+
-			"normal (clients within 1.5×; a migration starts at half the highest rate the cluster's last migration sustained with its clients within target, at least 100/s), "+
-			"fast (clients within 3×; a migration starts at that rate itself). "+
+			"gentle (clients within 1.5× their p99 before it in every second, and every migration starts at 100 objects/s, doubling), "+
+			"normal (clients within 1.5× over every minute; a migration starts at half the highest rate the cluster's last migration sustained with its clients within target, at least 100/s), "+
+			"fast (clients within 3× over every minute; a migration starts at that rate itself). "+
 			"--"+FlagStorageMigrationClientLatencyFactor+", when set, replaces the priority's factor.")
 	fs.DurationVar(&f.StorageMigrationMaxWatchLag, "storage-migration-max-watch-lag", f.StorageMigrationMaxWatchLag,
 		"Storage migration also halves its rate while this apiserver's watch cache of the resource is further behind the migration's own writes "+
