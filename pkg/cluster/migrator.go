@@ -82,6 +82,9 @@ type resumeRate struct {
 	target Key
 	rate   float64
 	at     time.Time
+	// clients is what that migration judged of the clients within its horizon: the
+	// next one's allowance of slow requests goes on from it.
+	clients pace.ClientsHorizon
 }
 
 // resumeRateFor: a rate older than this says little about the clients now.
@@ -460,7 +463,7 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, known float64, gu
 	}
 	m.mu.Lock()
 	if r := m.resume; r.target == mig.Target && m.opts.Clock.Since(r.at) < resumeRateFor {
-		pacing.ResumeRate = r.rate
+		pacing.ResumeRate, pacing.ResumeHorizon = r.rate, r.clients
 	}
 	m.mu.Unlock()
 	res, err := migrate.Migrate(ctx, migrate.Options{
@@ -505,7 +508,7 @@ func (m *Migrator) migrate(ctx context.Context, mig Migration, known float64, gu
 		out.sustained = res.SustainedRate
 		out.pacedBy = m.apiservers(res.ClientsOf)
 		m.mu.Lock()
-		m.resume = resumeRate{target: mig.Target, rate: res.AllowedRate, at: rec.Finished}
+		m.resume = resumeRate{target: mig.Target, rate: res.AllowedRate, at: rec.Finished, clients: res.ClientsHorizon}
 		m.mu.Unlock()
 	}
 	if err != nil {

@@ -131,6 +131,10 @@ type Result struct {
 	SustainedRate float64
 	// ClientsOf are the apiservers whose clients paced it (see Progress.ClientsOf).
 	ClientsOf []string
+	// ClientsHorizon is what its pacing judged of the clients within the horizon:
+	// the next migration of the same rotation goes on from it
+	// (pace.Options.ResumeHorizon).
+	ClientsHorizon pace.ClientsHorizon
 }
 
 // newWriter paces the migration's transactions at most at opts.Rate; pauseChanged
@@ -236,6 +240,7 @@ func Migrate(ctx context.Context, opts Options) (*Result, error) {
 		_, res.AllowedRate, _ = m.writer.State()
 		res.SustainedRate = m.writer.SustainedRate()
 		res.ClientsOf = m.writer.ClientsOf()
+		res.ClientsHorizon = m.writer.ClientsHorizon()
 	}
 	opts.Metrics.migrationDone(err, float64(opts.Clock.Now().UnixNano())/1e9)
 	return res, err

@@ -104,3 +104,36 @@ func TestTheHorizonSlides(t *testing.T) {
 		t.Errorf("spent %.2f of the allowance 6 windows after the only slowed one, want 0", spent)
 	}
 }
+
+// The next resource of a rotation goes on from the horizon of the one before
+// (Options.ResumeHorizon): its first slowed window is judged against what is left of
+// the minute's allowance, not a fresh one. Windows older than the horizon by then no
+// longer count.
+func TestTheNextMigrationGoesOnFromTheHorizon(t *testing.T) {
+	first := newHorizonBed(t, Options{})
+	first.window(0)
+	for range 3 {
+		first.window(10)
+	}
+	h := first.p.clientsHorizon()
+
+	next := newHorizonBed(t, Options{ResumeHorizon: h})
+	next.now = first.now
+	if got, want := next.p.horizonSpent(int(RequestRead), next.now), first.p.horizonSpent(int(RequestRead), first.now); got != want {
+		t.Fatalf("the next migration starts having used %.2f of the allowance, want the first one's %.2f", got, want)
+	}
+	next.window(0)
+	if v := next.window(10); v.Change != "decrease" {
+		t.Errorf("the next migration's first slowed window: %s, want decrease", v.Change)
+	}
+
+	later := newHorizonBed(t, Options{ResumeHorizon: h})
+	later.now = first.now.Add(DefaultServingHorizon)
+	later.window(0)
+	if v := later.window(10); v.Change != "tolerate" {
+		t.Errorf("a migration a minute later, handed the same horizon: %s, want tolerate (the old windows are past it)", v.Change)
+	}
+	if got := newPacer(Options{ServingHorizon: -1}).clientsHorizon(); len(got.pops) > 0 {
+		t.Errorf("a pacer without a horizon hands one on: %+v", got)
+	}
+}

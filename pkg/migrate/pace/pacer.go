@@ -196,6 +196,11 @@ type Options struct {
 	// that ends slow start and holds the rate ("tolerate"). 0: the Priority's; below
 	// 0: none, every window is judged on its own.
 	ServingHorizon time.Duration
+	// ResumeHorizon is what the migration before this one, of the same rotation,
+	// judged of the clients within the horizon (Writer.ClientsHorizon): their
+	// allowance of slow requests goes on from what that one left, instead of starting
+	// over with a minute of its own. The zero value is none.
+	ResumeHorizon ClientsHorizon
 	// Priority trades the clients' latency for the migration's speed: the
 	// ServingFactor when that is not set, where a migration with a serving baseline
 	// starts, and the ServingHorizon (see Priority). "": PriorityNormal.
@@ -353,11 +358,8 @@ type pacer struct {
 	probePops []int
 	lastProbe time.Time
 
-	// servingSince is when the migration's first window began (its clients' horizon
-	// starts there; before it, see Options.ServingHorizon).
-	servingSince time.Time
-	windowStart  time.Time
-	latencies    []time.Duration
+	windowStart time.Time
+	latencies   []time.Duration
 	// watchLag is the longest the watch cache was behind in this window; watchLagSeen
 	// whether it was read at all.
 	watchLag     time.Duration
@@ -408,11 +410,51 @@ type servingClass struct {
 	horizon []judgedWindow
 }
 
-// judgedWindow is what one window's judgement of a population counted: n requests,
-// over of them above the target.
+// judgedWindow is what one window's judgement of a population counted: n requests
+// answered from from to at, over of them above the target.
 type judgedWindow struct {
-	at      time.Time
-	n, over int
+	from, at time.Time
+	n, over  int
+}
+
+// ClientsHorizon is what a migration's pacer judged of the clients within its
+// horizon: each population's judged windows. A rotation migrates
+// its resources one after another; each hands it to the next (Options.ResumeHorizon),
+// so that twenty resources in a minute share one minute's allowance of slow requests
+// instead of each spending half of a fresh one. The zero value is none.
+type ClientsHorizon struct {
+	pops []populationHorizon
+}
+
+type populationHorizon struct {
+	member  string
+	class   RequestClass
+	windows []judgedWindow
+}
+
+// clientsHorizon is a copy of the pacer's horizon.
+func (p *pacer) clientsHorizon() ClientsHorizon {
+	var h ClientsHorizon
+	if p.opts.ServingHorizon <= 0 {
+		return h
+	}
+	for _, pop := range p.pops {
+		if len(pop.horizon) > 0 {
+			h.pops = append(h.pops, populationHorizon{member: pop.member, class: pop.class, windows: slices.Clone(pop.horizon)})
+		}
+	}
+	return h
+}
+
+// resumeHorizon takes over a horizon handed on (Options.ResumeHorizon).
+func (p *pacer) resumeHorizon(h ClientsHorizon) {
+	if p.opts.ServingHorizon <= 0 {
+		return
+	}
+	for _, ph := range h.pops {
+		i := p.population(ph.member, ph.class)
+		p.pops[i].horizon = slices.Clone(ph.windows)
+	}
 }
 
 // classVerdict is one class's judgement in a window; Samples 0: not judged. Over
@@ -468,6 +510,7 @@ func newPacer(opts Options) *pacer {
 	if opts.Ceiling > 0 {
 		p.rate = opts.Ceiling
 	}
+	p.resumeHorizon(opts.ResumeHorizon)
 	return p
 }
 
@@ -530,7 +573,6 @@ func (p *pacer) inheritServingTargets(from *pacer) {
 			p.serving = true
 		}
 	}
-	p.servingSince = from.servingSince
 }
 
 // population is the index of member's class c in pops, added (without a target)
@@ -666,9 +708,6 @@ func (p *pacer) dropServing() {
 func (p *pacer) Observe(now time.Time, latency time.Duration, objects int, err error) {
 	if p.windowStart.IsZero() {
 		p.windowStart = now.Add(-latency)
-		if p.servingSince.IsZero() {
-			p.servingSince = p.windowStart
-		}
 	}
 	p.latencies = append(p.latencies, latency)
 	p.objects += int64(objects)
@@ -724,7 +763,7 @@ func (p *pacer) judgeClasses(v *pacerVerdict) {
 		}
 		p99 := quantile(cl.pending, servingQuantile)
 		v.Classes[c] = classVerdict{P99: p99, Samples: n, Over: over, Slowed: slowed}
-		p.remember(&cl.servingClass, v.At, n, over)
+		p.remember(&cl.servingClass, p.windowStart, v.At, n, over)
 		r := float64(p99) / float64(cl.target)
 		if (slowed && !worstSlowed) || (slowed == worstSlowed && r > worst) {
 			worst, worstSlowed = r, slowed
@@ -736,11 +775,11 @@ func (p *pacer) judgeClasses(v *pacerVerdict) {
 
 // remember adds a judged window of cl to its horizon and forgets the windows the
 // horizon has left behind.
-func (p *pacer) remember(cl *servingClass, at time.Time, n, over int) {
+func (p *pacer) remember(cl *servingClass, from, at time.Time, n, over int) {
 	if p.opts.ServingHorizon <= 0 {
 		return
 	}
-	cl.horizon = append(cl.horizon, judgedWindow{at: at, n: n, over: over})
+	cl.horizon = append(cl.horizon, judgedWindow{from: from, at: at, n: n, over: over})
 	i := 0
 	for i < len(cl.horizon) && at.Sub(cl.horizon[i].at) >= p.opts.ServingHorizon {
 		i++
@@ -751,20 +790,29 @@ func (p *pacer) remember(cl *servingClass, at time.Time, n, over int) {
 // horizonSpent is the share of its horizon's allowance of slow requests (a p99 within
 // target lets servingExceedance of them through) that population c has used at now:
 // its requests above target in the windows judged within the horizon, against the
-// horizon's requests, those of the part before the migration counted at the rate of
-// those judged since, none of them slow. +Inf without a horizon (each window stands
-// alone) or with nothing judged yet.
+// horizon's requests, those of the part before the first of those windows (before the
+// migration, or its rotation's migration before) counted at the rate of those judged
+// since, none of them slow. +Inf without a horizon (each window stands alone) or with
+// nothing judged within it.
 func (p *pacer) horizonSpent(c int, now time.Time) float64 {
 	h := p.opts.ServingHorizon
-	ws := p.pops[c].horizon
-	if h <= 0 || len(ws) == 0 || p.servingSince.IsZero() {
+	if h <= 0 {
 		return math.Inf(1)
 	}
 	var n, over int
-	for _, w := range ws {
-		n, over = n+w.n, over+w.over
+	var first time.Time
+	for _, w := range p.pops[c].horizon {
+		if now.Sub(w.at) < h {
+			if first.IsZero() {
+				first = w.from
+			}
+			n, over = n+w.n, over+w.over
+		}
 	}
-	covered := min(now.Sub(p.servingSince), h)
+	if n == 0 {
+		return math.Inf(1)
+	}
+	covered := min(now.Sub(first), h)
 	requests := float64(n)
 	if covered > 0 && covered < h {
 		requests *= float64(h) / float64(covered)
@@ -1153,7 +1201,7 @@ func (p *pacer) tickProbe(now time.Time) {
 		p99 := quantile(cl.pending, servingQuantile)
 		slowed := significantlyOverAmong(over, n, judged)
 		v.Classes[c] = classVerdict{P99: p99, Samples: n, Over: over, Slowed: slowed}
-		p.remember(&cl.servingClass, now, n, over)
+		p.remember(&cl.servingClass, p.probeFrom, now, n, over)
 		if v.ServingSamples == 0 || slowed {
 			v.setServing(*cl, p99, n)
 		}

@@ -77,8 +77,10 @@ type Writer struct {
 	// members brings the other apiservers' clients' requests (nil: none).
 	members MembersServing
 
-	mu      sync.Mutex
-	pacer   *pacer
+	mu    sync.Mutex
+	pacer *pacer
+	// rescan is the pacer of the latest verifying re-scan (ReadPacer), nil before one.
+	rescan  *pacer
 	gate    *spaceGate
 	limiter *rate.Limiter
 	pause   PauseState
@@ -167,6 +169,18 @@ func (g *Writer) observeWatchCache(rev int64, now time.Time) {
 // serving baseline again.
 func (g *Writer) Close() { g.endServing() }
 
+// ClientsHorizon is what the migration judged of its clients within the horizon
+// (Options.ServingHorizon), its verifying re-scan's windows included: for the next
+// migration of the same rotation (Options.ResumeHorizon).
+func (g *Writer) ClientsHorizon() ClientsHorizon {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.rescan != nil {
+		return g.rescan.clientsHorizon()
+	}
+	return g.pacer.clientsHorizon()
+}
+
 // SustainedRate is the highest rate the migration achieved with its clients judged
 // within target (0: none): for the next migration's Options.KnownRate.
 func (g *Writer) SustainedRate() float64 {
@@ -252,6 +266,7 @@ func (g *Writer) ReadPacer() *ReadPacer {
 	if !g.pacer.clientsSlowed {
 		p.rate = math.Inf(1)
 	}
+	g.rescan = p
 	return &ReadPacer{g: g, pacer: p, limiter: rate.NewLimiter(limitOf(p.Rate()), 1)}
 }
 
