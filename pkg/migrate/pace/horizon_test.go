@@ -138,40 +138,6 @@ func TestTheNextMigrationGoesOnFromTheHorizon(t *testing.T) {
 	}
 }
 
-// The allowance pays for finding the rate once: after the clients made the migration
-// decrease, a slowed window halves even when the horizon has forgotten every earlier
-// slowdown, and so does the re-scan's and the next resource's.
-func TestAfterADecreaseForTheClientsEverySlowedWindowHalves(t *testing.T) {
-	// A ceiling keeps the rate, and what each window achieves, about where it was.
-	b := newHorizonBed(t, Options{Ceiling: 400})
-	b.window(0)
-	if v := b.window(100); v.Change != "decrease" {
-		t.Fatalf("a window with every request slowed: %s, want decrease", v.Change)
-	}
-	for range 61 {
-		b.window(0)
-	}
-	if spent := b.p.horizonSpent(int(RequestRead), b.now); spent != 0 {
-		t.Fatalf("spent %.2f of the minute's allowance a minute after its only slowdown, want 0", spent)
-	}
-	// 10 slow requests of the minute's 6,000 would be tolerated by a migration the
-	// clients never halved (TestReScanInheritsTheClientsHorizon).
-	if v := b.window(10); v.Change != "decrease" {
-		t.Errorf("a slowed window after a decrease for the clients: %s, want decrease", v.Change)
-	}
-	next := newHorizonBed(t, Options{Ceiling: 400, ResumeHorizon: b.p.clientsHorizon()})
-	next.now = b.now
-	next.window(0)
-	if v := next.window(10); v.Change != "decrease" {
-		t.Errorf("the next resource's first slowed window: %s, want decrease (the rotation's clients made it halve before)", v.Change)
-	}
-	rescan := &horizonBed{t: t, now: b.now, p: newPacer(Options{})}
-	rescan.p.inheritServingTargets(b.p)
-	if !rescan.p.clientsHalved {
-		t.Error("the re-scan's pacer does not know the writes were halved for the clients")
-	}
-}
-
 // With a light workload the clients are judged only every few windows (100 requests,
 // or what 5 windows brought); slow start doubles once while their requests wait, then
 // holds until they are judged, so the rate is never more than four times the last one

@@ -354,13 +354,6 @@ type pacer struct {
 	// clientsSlowed: in the latest window whose clients were judged, some class was
 	// slowed (the verifying re-scan starts paced only then: see Writer.ReadPacer).
 	clientsSlowed bool
-	// clientsHalved: the clients made the migration (or its rotation's before, or its
-	// writes before its re-scan) decrease. The horizon's allowance pays for finding the
-	// rate they bear, once: from then on every slowed window halves, as at gentle. Left
-	// to spend it again and again, a 300,000-Secret migration under a client workload
-	// recovered to 6,000–8,000 objects/s between its decreases and the clients' p99
-	// went ×5.09 (×1.30 with every window judged alone).
-	clientsHalved bool
 	// blindDoubles counts slow start's doublings in a row in windows whose clients were
 	// not judged (they wait for enough requests).
 	blindDoubles int
@@ -439,9 +432,6 @@ type judgedWindow struct {
 // instead of each spending half of a fresh one. The zero value is none.
 type ClientsHorizon struct {
 	pops []populationHorizon
-	// halved: the clients made a migration of the rotation decrease (see
-	// pacer.clientsHalved).
-	halved bool
 }
 
 type populationHorizon struct {
@@ -456,7 +446,6 @@ func (p *pacer) clientsHorizon() ClientsHorizon {
 	if p.opts.ServingHorizon <= 0 {
 		return h
 	}
-	h.halved = p.clientsHalved
 	for _, pop := range p.pops {
 		if len(pop.horizon) > 0 {
 			h.pops = append(h.pops, populationHorizon{member: pop.member, class: pop.class, windows: slices.Clone(pop.horizon)})
@@ -470,7 +459,6 @@ func (p *pacer) resumeHorizon(h ClientsHorizon) {
 	if p.opts.ServingHorizon <= 0 {
 		return
 	}
-	p.clientsHalved = p.clientsHalved || h.halved
 	for _, ph := range h.pops {
 		i := p.population(ph.member, ph.class)
 		p.pops[i].horizon = slices.Clone(ph.windows)
@@ -593,7 +581,6 @@ func (p *pacer) inheritServingTargets(from *pacer) {
 			p.serving = true
 		}
 	}
-	p.clientsHalved = p.clientsHalved || from.clientsHalved
 }
 
 // population is the index of member's class c in pops, added (without a target)
@@ -842,12 +829,8 @@ func (p *pacer) horizonSpent(c int, now time.Time) float64 {
 }
 
 // withinHorizon says whether every population judged slowed in v has used less than
-// horizonSpend of its horizon's allowance (horizonSpent), and the clients never made
-// the migration decrease (clientsHalved).
+// horizonSpend of its horizon's allowance (horizonSpent).
 func (p *pacer) withinHorizon(v pacerVerdict) bool {
-	if p.clientsHalved {
-		return false
-	}
 	over := p.overTarget(v)
 	for _, c := range over {
 		if p.horizonSpent(c, v.At) >= horizonSpend {
@@ -995,9 +978,6 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 		if cause == "" {
 			p.calmRate = max(p.calmRate, v.Achieved)
 		}
-	}
-	if cause == "serving latency" {
-		p.clientsHalved = true
 	}
 	if cause != "" {
 		p.congestedRate = min(p.rate, v.Achieved)
