@@ -426,10 +426,10 @@ type judgedWindow struct {
 }
 
 // ClientsHorizon is what a migration's pacer judged of the clients within its
-// horizon: each population's judged windows. A rotation migrates
-// its resources one after another; each hands it to the next (Options.ResumeHorizon),
-// so that twenty resources in a minute share one minute's allowance of slow requests
-// instead of each spending half of a fresh one. The zero value is none.
+// horizon: each population's judged windows. A rotation migrates its resources one
+// after another; each hands it to the next (Options.ResumeHorizon), so that twenty
+// resources in a minute share one minute's allowance of slow requests instead of
+// each spending half of a fresh one. The zero value is none.
 type ClientsHorizon struct {
 	pops []populationHorizon
 }
