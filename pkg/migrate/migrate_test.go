@@ -110,28 +110,51 @@ func TestMigratePlaintextToEncryptedAndKeepsLeases(t *testing.T) {
 
 // TestCommitConflicts drives the compare-and-swap against real etcd: the object changes
 // between the read and the write, as when an apiserver updates it concurrently.
-func TestCommitConflicts(t *testing.T) {
-	ctx := context.Background()
-	cli := startEtcd(t)
+// commitBed is the stage of the compare-and-swap tests: real etcd, objects written
+// under key1 and a configuration that writes key2.
+type commitBed struct {
+	t         *testing.T
+	cli       *clientv3.Client
+	old, next *transformers.Set
+	tr        value.Transformer
+}
+
+func newCommitBed(t *testing.T) *commitBed {
 	_, old := setFor(t, "secrets", "aesgcm:key1")
 	_, next := setFor(t, "secrets", "aesgcm:key2,key1")
-	tr := next.TransformerFor(secrets)
+	return &commitBed{t: t, cli: startEtcd(t), old: old, next: next, tr: next.TransformerFor(secrets)}
+}
 
-	newMigrator := func() *migrator {
-		m := &migrator{opts: Options{Client: cli, Source: FromSet(next), BatchSize: 8, Clock: clock.RealClock{}}, log: testLogger(t)}
-		m.writer = m.newWriter(nil)
-		return m
+// migrator is a migrator of batches of batchSize to key2, with its writer.
+func (b *commitBed) migrator(batchSize int) *migrator {
+	m := &migrator{opts: Options{Client: b.cli, Source: FromSet(b.next), BatchSize: batchSize, Clock: clock.RealClock{}}, log: testLogger(b.t)}
+	m.writer = m.newWriter(nil)
+	return m
+}
+
+// stage writes secret ns/name under key1 and returns its rewrite to key2, as a
+// migration's read prepared it, and its key.
+func (b *commitBed) stage(ns, name string) (rewrite, string) {
+	b.t.Helper()
+	key := keyOf(secrets, ns, name)
+	writeAt(b.t, b.cli, b.old, key, plaintextFor(key, 0))
+	resp, err := b.cli.Get(context.Background(), key)
+	if err != nil {
+		b.t.Fatal(err)
 	}
-	stage := func(name string) (rewrite, string) {
-		key := keyOf(secrets, "c", name)
-		writeAt(t, cli, old, key, plaintextFor(key, 0))
-		resp, _ := cli.Get(ctx, key)
-		rw, result, err := newMigrator().prepare(ctx, tr, resp.Kvs[0])
-		if err != nil || result != "" {
-			t.Fatalf("prepare %s: result %q err %v", key, result, err)
-		}
-		return rw, key
+	rw, result, err := b.migrator(8).prepare(context.Background(), b.tr, resp.Kvs[0])
+	if err != nil || result != "" {
+		b.t.Fatalf("prepare %s: result %q err %v", key, result, err)
 	}
+	return rw, key
+}
+
+func TestCommitConflicts(t *testing.T) {
+	ctx := context.Background()
+	b := newCommitBed(t)
+	cli, old, next, tr := b.cli, b.old, b.next, b.tr
+	newMigrator := func() *migrator { return b.migrator(8) }
+	stage := func(name string) (rewrite, string) { return b.stage("c", name) }
 
 	t.Run("concurrent update with the old key is rewritten from the new value", func(t *testing.T) {
 		rw, key := stage("old-writer")
@@ -269,32 +292,19 @@ func (x *walkingTxn) Commit() (*clientv3.TxnResponse, error) {
 // a second pass.
 func TestCommitOutlastsAClientWalkingThroughTheBatch(t *testing.T) {
 	ctx := context.Background()
-	cli := startEtcd(t)
-	_, old := setFor(t, "secrets", "aesgcm:key1")
-	_, next := setFor(t, "secrets", "aesgcm:key2,key1")
-	tr := next.TransformerFor(secrets)
+	b := newCommitBed(t)
+	cli, next := b.cli, b.next
 	var batch []rewrite
 	var keys []string
 	for i := range 40 {
-		key := keyOf(secrets, "walk", fmt.Sprintf("s-%02d", i))
-		writeAt(t, cli, old, key, plaintextFor(key, 0))
-		resp, err := cli.Get(ctx, key)
-		if err != nil {
-			t.Fatal(err)
-		}
-		m := &migrator{opts: Options{Client: cli, Source: FromSet(next), Clock: clock.RealClock{}}, log: testLogger(t)}
-		rw, result, err := m.prepare(ctx, tr, resp.Kvs[0])
-		if err != nil || result != "" {
-			t.Fatalf("prepare %s: result %q err %v", key, result, err)
-		}
+		rw, key := b.stage("walk", fmt.Sprintf("s-%02d", i))
 		batch, keys = append(batch, rw), append(keys, key)
 	}
 	walker := &walkingWriter{KV: cli.KV, t: t, set: next, keys: keys}
 	cli.KV = walker
 	defer func() { cli.KV = walker.KV }()
-	m := &migrator{opts: Options{Client: cli, Source: FromSet(next), BatchSize: 64, Clock: clock.RealClock{}}, log: testLogger(t)}
-	m.writer = m.newWriter(nil)
-	if err := m.commit(ctx, tr, "secrets", batch); err != nil {
+	m := b.migrator(64)
+	if err := m.commit(ctx, b.tr, "secrets", batch); err != nil {
 		t.Fatal(err)
 	}
 	cli.KV = walker.KV

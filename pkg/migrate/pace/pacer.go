@@ -1007,7 +1007,8 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 		}
 		hold = "baseline"
 	}
-	if p.serving && v.ServingSamples == 0 && p.pendingServing() > 0 && p.pendingLeansSlowed() {
+	unjudged := p.serving && v.ServingSamples == 0 && p.pendingServing() > 0
+	if unjudged && p.pendingLeansSlowed() {
 		// The clients' requests of this window wait for enough others to be judged,
 		// and they already lean towards a slowdown: until the judgement there is no
 		// evidence that more is harmless. Otherwise the rate may rise. (An apiserver
@@ -1016,7 +1017,6 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 		// With no clients at all, etcd alone decides.)
 		return hold, ""
 	}
-	unjudged := p.serving && v.ServingSamples == 0 && p.pendingServing() > 0
 	if !unjudged {
 		p.blindDoubles = 0
 	}
