@@ -31,7 +31,9 @@ type Inventory struct {
 	Duration time.Duration `json:"duration"`
 	// ConfigHash is the hash of the configuration the values were classified against.
 	ConfigHash string `json:"configHash,omitempty"`
-	// DecryptChecked is true when every value was also decrypted (Unreadable is exact).
+	// DecryptChecked is true when every value was also decrypted (Unreadable is exact):
+	// by the scan, or, for the objects a verifying re-scan carried (Carried), by the
+	// migration before it wrote them.
 	DecryptChecked bool `json:"decryptChecked"`
 	// Resources, in the order scanned.
 	Resources []ResourceInventory `json:"resources"`
@@ -54,6 +56,11 @@ type ResourceInventory struct {
 	WritePrefix    string `json:"writePrefix"`
 	WriteKeyIDHash string `json:"writeKeyIDHash,omitempty"`
 	Objects        int64  `json:"objects"`
+	// Carried counts the objects of a migration's verifying re-scan that it did not
+	// read again: still at the etcd revision of the migration's transaction that wrote
+	// them, they hold what it wrote, which it had decrypted back before writing (see
+	// ledger.go). They are counted in Objects and their buckets like any other.
+	Carried int64 `json:"carried,omitempty"`
 	// Stale counts readable objects not written with the write key: what a migration
 	// rewrites. Unreadable objects are counted apart.
 	Stale     int64 `json:"stale"`
@@ -168,6 +175,9 @@ type InventoryOptions struct {
 	Metrics *Metrics
 	// readPacer, when set, paces the pages (a migration's verifying re-scan).
 	readPacer *pace.ReadPacer
+	// ledger, when set, is what the migration wrote (its verifying re-scan): objects
+	// still as it wrote them are counted without reading their values (rescan.go).
+	ledger *writeLedger
 }
 
 // TakeInventory scans every resource at one etcd revision each and counts its objects
@@ -218,9 +228,6 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 	cl := newClassifier(rule, opts.Source.KnownPrefixes())
 	tr := opts.Source.TransformerFor(res.GroupResource)
 	t := newTally(res, cl, acks, opts.DecryptCheck)
-	p := newPager(opts.Client, res, "", opts.PageSize, true).withPageBytes(opts.PageBytes)
-	p.rev = opts.Revision
-	var results []checkResult
 	if opts.readPacer != nil {
 		total, err := countKeys(ctx, opts.Client, res)
 		if err != nil {
@@ -228,6 +235,12 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 		}
 		opts.readPacer.Resource(total)
 	}
+	if ours, ok := opts.ledger.forScan(res.String(), cl); ok && opts.DecryptCheck {
+		return rescanChanged(ctx, opts, res, tr, t, ours)
+	}
+	p := newPager(opts.Client, res, "", opts.PageSize, true).withPageBytes(opts.PageBytes)
+	p.rev = opts.Revision
+	var results []checkResult
 	last := 0
 	for {
 		if err := opts.readPacer.Wait(ctx, last); err != nil {
@@ -242,26 +255,34 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 			break
 		}
 		last = len(kvs)
-		if opts.DecryptCheck {
-			results = checkAll(ctx, tr, kvs, opts.Workers, results)
-			for i, r := range results {
-				if isTransient(r.err) {
-					// A plugin outage is not unreadable data.
-					return nil, transient(kvs[i].Key, r.err)
-				}
-			}
+		if results, err = tallyValues(ctx, opts, tr, t, kvs, results); err != nil {
+			return nil, err
 		}
 		// Paid for before the next page: reading and decrypting this one.
 		opts.readPacer.Read(opts.Clock.Since(start), len(kvs))
-		for i, kv := range kvs {
-			var check checkResult
-			if opts.DecryptCheck {
-				check = results[i]
-			}
-			t.add(kv, check)
-		}
 	}
 	return t.inventory(p.rev), nil
+}
+
+// tallyValues decrypts kvs (with a decrypt check) and counts them; results is reused.
+func tallyValues(ctx context.Context, opts InventoryOptions, tr value.Transformer, t *tally, kvs []*mvccpb.KeyValue, results []checkResult) ([]checkResult, error) {
+	if opts.DecryptCheck {
+		results = checkAll(ctx, tr, kvs, opts.Workers, results)
+		for i, r := range results {
+			if isTransient(r.err) {
+				// A plugin outage is not unreadable data.
+				return results, transient(kvs[i].Key, r.err)
+			}
+		}
+	}
+	for i, kv := range kvs {
+		var check checkResult
+		if opts.DecryptCheck {
+			check = results[i]
+		}
+		t.add(kv, check)
+	}
+	return results, nil
 }
 
 type checkResult struct {

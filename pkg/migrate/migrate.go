@@ -187,6 +187,9 @@ type migrator struct {
 
 	ckpt          *Checkpoint
 	lastCkptWrite time.Time
+
+	// ledger is what this migration's transactions wrote, for its verifying re-scan.
+	ledger *writeLedger
 }
 
 // Migrate rewrites every stale object of opts.Resources through the current
@@ -224,7 +227,7 @@ func Migrate(ctx context.Context, opts Options) (*Result, error) {
 	if opts.MaxPasses <= 0 {
 		opts.MaxPasses = DefaultMaxPasses
 	}
-	m := &migrator{opts: opts, log: opts.Logger.WithName("storage-migration"), start: opts.Clock.Now()}
+	m := &migrator{opts: opts, log: opts.Logger.WithName("storage-migration"), start: opts.Clock.Now(), ledger: newWriteLedger()}
 	if err := opts.Space.Validate(); err != nil {
 		return nil, fmt.Errorf("migrate: %w", err)
 	}
@@ -282,7 +285,7 @@ func (m *migrator) run(ctx context.Context) (*Result, error) {
 			Client: m.opts.Client, Source: m.opts.Source, Resources: m.opts.Resources,
 			PageSize: m.opts.PageSize, PageBytes: m.opts.PageBytes, DecryptCheck: true, ConfigHash: m.opts.ConfigHash,
 			CoordinationPrefix: m.opts.CoordinationPrefix, Clock: m.opts.Clock, Metrics: m.opts.Metrics,
-			readPacer: m.writer.ReadPacer(),
+			readPacer: m.writer.ReadPacer(), ledger: m.ledger,
 		})
 		if err != nil {
 			return m.result(res), fmt.Errorf("verifying re-scan: %w", err)
@@ -365,6 +368,7 @@ func (m *migrator) migrateResource(ctx context.Context, pass int, r Resource, fr
 		m.ckpt.LastKey = strings.TrimSuffix(from, "\x00")
 	}
 	tr := m.opts.Source.TransformerFor(r.GroupResource)
+	m.ledger.begin(name, newClassifier(m.opts.Source.Rule(r.GroupResource), m.opts.Source.KnownPrefixes()))
 	m.writer.Migrating(r.GroupResource)
 	// Pages are read at the latest revision: the compare-and-swap on every write is
 	// what keeps a rewrite safe, and a long migration must survive the apiserver's

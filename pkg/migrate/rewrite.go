@@ -40,6 +40,9 @@ type rewrite struct {
 	val    []byte
 	modRev int64
 	lease  int64
+	// readBack: val was decrypted back as current before the write (the write ledger
+	// records only such rewrites).
+	readBack bool
 }
 
 func (m *migrator) handleChunk(ctx context.Context, tr value.Transformer, resource string, kvs []*mvccpb.KeyValue) error {
@@ -111,7 +114,17 @@ func (m *migrator) prepare(ctx context.Context, tr value.Transformer, kv *mvccpb
 	if err != nil {
 		return rewrite{}, "", fmt.Errorf("re-encrypting %s with the write key failed (nothing was written): %w", kv.Key, err)
 	}
-	return rewrite{key: kv.Key, val: out, modRev: kv.ModRevision, lease: kv.Lease}, "", nil
+	// Read back before it is written: a value the configuration cannot read is never
+	// swapped in, and one read back as current is what the verifying re-scan may count
+	// without reading it again (writeLedger).
+	_, staleAgain, err := tr.TransformFromStorage(ctx, out, dataCtx)
+	if isTransient(err) {
+		return rewrite{}, "", transient(kv.Key, err)
+	}
+	if err != nil {
+		return rewrite{}, "", fmt.Errorf("re-encrypting %s: the value written with the write key cannot be read back (nothing was written); check the write provider: %w", kv.Key, err)
+	}
+	return rewrite{key: kv.Key, val: out, modRev: kv.ModRevision, lease: kv.Lease, readBack: !staleAgain}, "", nil
 }
 
 func (m *migrator) count(resource, result string) {
@@ -181,6 +194,7 @@ func (m *migrator) commit(ctx context.Context, tr value.Transformer, resource st
 			return fmt.Errorf("writing %d re-encrypted %s to etcd: %w", len(batch), resource, err)
 		}
 		if resp.Succeeded {
+			m.ledger.record(resource, resp.Header.Revision, batch)
 			m.c.rewritten.Add(int64(len(batch)))
 			m.opts.Metrics.object(resource, resultRewritten, len(batch))
 			return nil

@@ -57,6 +57,7 @@ type pager struct {
 	limit    int64 // count of the next page
 	largest  int64 // largest key+value seen in this scan
 	pinned   bool
+	keysOnly bool
 	rev      int64
 	done     bool
 	// The densities of keys last seen; none means unknown, and the next request then
@@ -124,6 +125,9 @@ func (p *pager) read(ctx context.Context, want int64) ([]*mvccpb.KeyValue, error
 		opts := []clientv3.OpOption{clientv3.WithRange(stop), clientv3.WithLimit(want)}
 		if p.pinned && p.rev != 0 {
 			opts = append(opts, clientv3.WithRev(p.rev))
+		}
+		if p.keysOnly {
+			opts = append(opts, clientv3.WithKeysOnly())
 		}
 		var err error
 		resp, err = p.kv.Get(ctx, p.next, opts...)
