@@ -225,8 +225,12 @@ func BenchmarkVerifyingRescan(b *testing.B) {
 			byRev[kv.ModRevision] = append(byRev[kv.ModRevision], rewrite{key: kv.Key, val: kv.Value, readBack: true})
 		}
 	}
+	head, err := cli.Get(ctx, res.KeyPrefix, clientv3.WithCountOnly(), clientv3.WithPrefix())
+	if err != nil {
+		b.Fatal(err)
+	}
 	for rev, batch := range byRev {
-		ledger.record(res.String(), rev, batch)
+		ledger.record(res.String(), head.Header.ClusterId, rev, batch)
 	}
 	for _, c := range []struct {
 		name   string

@@ -228,15 +228,15 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 	cl := newClassifier(rule, opts.Source.KnownPrefixes())
 	tr := opts.Source.TransformerFor(res.GroupResource)
 	t := newTally(res, cl, acks, opts.DecryptCheck)
-	if opts.readPacer != nil {
-		total, err := countKeys(ctx, opts.Client, res)
+	if opts.readPacer != nil || opts.ledger != nil {
+		total, header, err := countKeys(ctx, opts.Client, res)
 		if err != nil {
 			return nil, err
 		}
 		opts.readPacer.Resource(total)
-	}
-	if ours, ok := opts.ledger.forScan(res.String(), cl); ok && opts.DecryptCheck {
-		return rescanChanged(ctx, opts, res, tr, t, ours)
+		if ours, ok := opts.ledger.forScan(res.String(), cl, header); ok && opts.DecryptCheck {
+			return rescanChanged(ctx, opts, res, tr, t, ours)
+		}
 	}
 	p := newPager(opts.Client, res, "", opts.PageSize, true).withPageBytes(opts.PageBytes)
 	p.rev = opts.Revision

@@ -23,6 +23,8 @@ import (
 	"strings"
 	"sync"
 
+	"go.etcd.io/etcd/api/v3/etcdserverpb"
+
 	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
@@ -44,6 +46,12 @@ type resourceLedger struct {
 	classes string
 	cl      *classifier
 	txns    map[int64]*ledgerTxn
+	// cluster is the etcd cluster the transactions were written to and last the
+	// highest revision among them: a re-scan of another cluster, or of a store whose
+	// revision is below it (restored from a snapshot without a revision bump, which
+	// reuses revisions), cannot use them.
+	cluster uint64
+	last    int64
 }
 
 // ledgerTxn is one transaction of the migration: its objects sorted by key hash, and
@@ -98,7 +106,7 @@ func (l *writeLedger) begin(resource string, cl *classifier) {
 // recorded only when every value of it was decrypted back as current before the write
 // (rewrite.readBack) and is current and readable for the classification the pass began
 // with; otherwise the re-scan reads it.
-func (l *writeLedger) record(resource string, rev int64, batch []rewrite) {
+func (l *writeLedger) record(resource string, cluster uint64, rev int64, batch []rewrite) {
 	if l == nil || len(batch) == 0 {
 		return
 	}
@@ -143,8 +151,14 @@ func (l *writeLedger) record(resource string, rev int64, batch []rewrite) {
 		}
 	}
 	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(r.txns) > 0 && r.cluster != cluster {
+		// Written to two etcd clusters: trust neither.
+		r.txns, r.last = map[int64]*ledgerTxn{}, 0
+		return
+	}
+	r.cluster, r.last = cluster, max(r.last, rev)
 	r.txns[rev] = t
-	l.mu.Unlock()
 }
 
 // carried is a resource's transactions for its re-scan.
@@ -154,16 +168,18 @@ type carried struct {
 }
 
 // forScan returns the transactions of resource if the re-scan classifies its values
-// as they were classified when written (ok false otherwise, or when there are none).
-// They are not modified any more: the scan runs after the pass.
-func (l *writeLedger) forScan(resource string, cl *classifier) (carried, bool) {
-	if l == nil {
+// as they were classified when written, and etcd, answering with header, is the
+// cluster they were written to with its revision not below theirs (ok false
+// otherwise, or when there are none). They are not modified any more: the scan runs
+// after the pass.
+func (l *writeLedger) forScan(resource string, cl *classifier, header *etcdserverpb.ResponseHeader) (carried, bool) {
+	if l == nil || header == nil {
 		return carried{}, false
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	r := l.resources[resource]
-	if r == nil || len(r.txns) == 0 || r.classes != cl.fingerprint() {
+	if r == nil || len(r.txns) == 0 || r.classes != cl.fingerprint() || header.ClusterId != r.cluster || header.Revision < r.last {
 		return carried{}, false
 	}
 	return carried{l: l, txns: r.txns}, true

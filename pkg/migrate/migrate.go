@@ -359,7 +359,7 @@ func (m *migrator) report(p Progress) {
 
 func (m *migrator) migrateResource(ctx context.Context, pass int, r Resource, from string) error {
 	name := r.String()
-	total, err := countKeys(ctx, m.opts.Client, r)
+	total, _, err := countKeys(ctx, m.opts.Client, r)
 	if err != nil {
 		return err
 	}

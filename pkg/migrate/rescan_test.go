@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apiserver/pkg/storage/value"
@@ -146,9 +147,9 @@ func TestRescanCarriesKMSv2Buckets(t *testing.T) {
 	}
 }
 
-// TestRescanIgnoresALedgerOfAnotherConfiguration: a ledger is only good for the classification it was
-// recorded under. When the configuration the re-scan classifies with is another, it
-// reads every value.
+// TestRescanIgnoresALedgerOfAnotherConfiguration: a ledger is only good for the
+// classification it was recorded under, and for the etcd it was written to while that
+// etcd's revisions have not gone back. Otherwise the re-scan reads every value.
 func TestRescanIgnoresALedgerOfAnotherConfiguration(t *testing.T) {
 	_, a := setFor(t, "secrets", "aesgcm:key2,key1")
 	_, b := setFor(t, "secrets", "aesgcm:key2,key1,key3")
@@ -159,17 +160,24 @@ func TestRescanIgnoresALedgerOfAnotherConfiguration(t *testing.T) {
 		return newClassifier(src.Rule(secrets), src.KnownPrefixes())
 	}
 	l.begin(name, clOf(a))
+	now := &etcdserverpb.ResponseHeader{ClusterId: 1, Revision: 100}
 	key := keyOf(secrets, "ns", "x")
 	stored, err := a.TransformerFor(secrets).TransformToStorage(context.Background(), plaintextFor(key, 0), value.DefaultContext(key))
 	if err != nil {
 		t.Fatal(err)
 	}
-	l.record(name, 7, []rewrite{{key: []byte(key), val: stored, readBack: true}})
-	if _, ok := l.forScan(name, clOf(a)); !ok {
+	l.record(name, 1, 7, []rewrite{{key: []byte(key), val: stored, readBack: true}})
+	if _, ok := l.forScan(name, clOf(a), now); !ok {
 		t.Fatal("the ledger is not used by a re-scan of the configuration it was recorded under")
 	}
-	if _, ok := l.forScan(name, clOf(b)); ok {
+	if _, ok := l.forScan(name, clOf(b), now); ok {
 		t.Fatal("a re-scan with another key known used the ledger recorded without it")
+	}
+	if _, ok := l.forScan(name, clOf(a), &etcdserverpb.ResponseHeader{ClusterId: 2, Revision: 100}); ok {
+		t.Fatal("a re-scan of another etcd cluster used the ledger")
+	}
+	if _, ok := l.forScan(name, clOf(a), &etcdserverpb.ResponseHeader{ClusterId: 1, Revision: 6}); ok {
+		t.Fatal("a re-scan of a store whose revision went back below the ledger's (a restore) used it")
 	}
 	// A transaction written with a key the pass did not start with is not recorded.
 	_, c := setFor(t, "secrets", "aesgcm:key3,key2,key1")
@@ -177,12 +185,12 @@ func TestRescanIgnoresALedgerOfAnotherConfiguration(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l.record(name, 8, []rewrite{{key: []byte(key), val: stored, readBack: true}})
-	if ours, _ := l.forScan(name, clOf(a)); ours.txns[8] != nil {
+	l.record(name, 1, 8, []rewrite{{key: []byte(key), val: stored, readBack: true}})
+	if ours, _ := l.forScan(name, clOf(a), now); ours.txns[8] != nil {
 		t.Fatal("a value under a key the pass's configuration does not know was recorded as current")
 	}
-	l.record(name, 9, []rewrite{{key: []byte(key), val: stored, readBack: false}})
-	if ours, _ := l.forScan(name, clOf(a)); ours.txns[9] != nil {
+	l.record(name, 1, 9, []rewrite{{key: []byte(key), val: stored, readBack: false}})
+	if ours, _ := l.forScan(name, clOf(a), now); ours.txns[9] != nil {
 		t.Fatal("a value not read back was recorded")
 	}
 }

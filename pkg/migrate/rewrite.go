@@ -194,7 +194,7 @@ func (m *migrator) commit(ctx context.Context, tr value.Transformer, resource st
 			return fmt.Errorf("writing %d re-encrypted %s to etcd: %w", len(batch), resource, err)
 		}
 		if resp.Succeeded {
-			m.ledger.record(resource, resp.Header.Revision, batch)
+			m.ledger.record(resource, resp.Header.ClusterId, resp.Header.Revision, batch)
 			m.c.rewritten.Add(int64(len(batch)))
 			m.opts.Metrics.object(resource, resultRewritten, len(batch))
 			return nil

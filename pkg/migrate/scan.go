@@ -8,6 +8,7 @@ import (
 	"math/big"
 	"strings"
 
+	"go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -262,11 +263,12 @@ func (p *pager) windowEnd(want int64) string {
 
 var errCompacted = errors.New("the etcd revision of the scan was compacted while the scan ran")
 
-// countKeys returns how many keys a resource has (one cheap count-only request).
-func countKeys(ctx context.Context, kv clientv3.KV, res Resource) (int64, error) {
+// countKeys returns how many keys a resource has (one cheap count-only request), with
+// the header etcd answered it with.
+func countKeys(ctx context.Context, kv clientv3.KV, res Resource) (int64, *etcdserverpb.ResponseHeader, error) {
 	resp, err := kv.Get(ctx, res.KeyPrefix, clientv3.WithRange(clientv3.GetPrefixRangeEnd(res.KeyPrefix)), clientv3.WithCountOnly())
 	if err != nil {
-		return 0, fmt.Errorf("counting etcd keys under %q: %w", res.KeyPrefix, err)
+		return 0, nil, fmt.Errorf("counting etcd keys under %q: %w", res.KeyPrefix, err)
 	}
-	return resp.Count, nil
+	return resp.Count, resp.Header, nil
 }
