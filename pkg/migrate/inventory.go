@@ -119,6 +119,16 @@ func (inv *Inventory) TotalStale() int64 {
 	return n
 }
 
+// TotalCarried is the number of objects a verifying re-scan counted from the
+// migration's own writes without reading them (ResourceInventory.Carried).
+func (inv *Inventory) TotalCarried() int64 {
+	var n int64
+	for _, r := range inv.Resources {
+		n += r.Carried
+	}
+	return n
+}
+
 // TotalUnreadable is the number of unreadable objects across all resources.
 func (inv *Inventory) TotalUnreadable() int64 {
 	var n int64

@@ -297,7 +297,7 @@ func (m *migrator) run(ctx context.Context) (*Result, error) {
 		if stale == 0 && unreadable == 0 {
 			m.ckpt.Completed = true
 			m.saveCheckpoint(true)
-			m.log.Info("Storage migration verified: no stale object left", "passes", pass, "rewritten", m.c.rewritten.Load(), "acknowledgedUnreadable", acknowledged, "duration", m.opts.Clock.Since(m.start))
+			m.log.Info("Storage migration verified: no stale object left", "passes", pass, "rewritten", m.c.rewritten.Load(), "acknowledgedUnreadable", acknowledged, "duration", m.opts.Clock.Since(m.start), "rescan", inv.Duration, "rescanCarried", inv.TotalCarried())
 			return m.result(res), nil
 		}
 		if unreadable > 0 {
