@@ -18,6 +18,7 @@ package migrate
 import (
 	"fmt"
 	"hash/maphash"
+	"math"
 	"slices"
 	"sort"
 	"strings"
@@ -111,7 +112,7 @@ func (l *writeLedger) record(resource string, cluster uint64, rev int64, batch [
 		return
 	}
 	for _, rw := range batch {
-		if !rw.readBack || len(rw.val) > 1<<32-1 {
+		if !rw.readBack || uint64(len(rw.val)) > math.MaxUint32 {
 			return
 		}
 	}
@@ -131,6 +132,9 @@ func (l *writeLedger) record(resource string, cluster uint64, rev int64, batch [
 		}
 		i := slices.Index(t.buckets, b)
 		if i < 0 {
+			if len(t.buckets) > math.MaxUint16 {
+				return
+			}
 			i = len(t.buckets)
 			t.buckets = append(t.buckets, b)
 		}
