@@ -251,27 +251,38 @@ func inventoryOf(ctx context.Context, opts InventoryOptions, res Resource, acks 
 	p := newPager(opts.Client, res, "", opts.PageSize, true).withPageBytes(opts.PageBytes)
 	p.rev = opts.Revision
 	var results []checkResult
+	err := readPages(ctx, opts, p, func(kvs []*mvccpb.KeyValue) (err error) {
+		results, err = tallyValues(ctx, opts, tr, t, kvs, results)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return t.inventory(p.rev), nil
+}
+
+// readPages hands every page of p to handle, paced by opts.readPacer when set: each
+// page is paid for before the next, reading and handling it included.
+func readPages(ctx context.Context, opts InventoryOptions, p *pager, handle func([]*mvccpb.KeyValue) error) error {
 	last := 0
 	for {
 		if err := opts.readPacer.Wait(ctx, last); err != nil {
-			return nil, err
+			return err
 		}
 		start := opts.Clock.Now()
 		kvs, err := p.page(ctx)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		if len(kvs) == 0 {
-			break
+			return nil
 		}
 		last = len(kvs)
-		if results, err = tallyValues(ctx, opts, tr, t, kvs, results); err != nil {
-			return nil, err
+		if err := handle(kvs); err != nil {
+			return err
 		}
-		// Paid for before the next page: reading and decrypting this one.
 		opts.readPacer.Read(opts.Clock.Since(start), len(kvs))
 	}
-	return t.inventory(p.rev), nil
 }
 
 // tallyValues decrypts kvs (with a decrypt check) and counts them; results is reused.

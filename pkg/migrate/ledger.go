@@ -25,8 +25,6 @@ import (
 	"sync"
 
 	"go.etcd.io/etcd/api/v3/etcdserverpb"
-
-	"github.com/rekey-io/rekey/pkg/transformers"
 )
 
 // writeLedger is what a migration's transactions wrote, per resource. It is safe for
@@ -223,23 +221,8 @@ func (c *classifier) fingerprint() string {
 }
 
 // addCarried counts an object the re-scan did not read: as a transaction of the
-// migration wrote it into bucket b, size bytes.
+// migration wrote it into bucket b, size bytes, readable and current.
 func (t *tally) addCarried(key []byte, b Bucket, size int64) {
-	b = t.bound.admit(b)
-	n := t.counts[b]
-	if n == nil {
-		n = &Count{Bucket: b}
-		t.counts[b] = n
-	}
-	n.Objects++
-	n.Bytes += size
-	if b.Provider == transformers.ProviderKMSv2 && b.KeyIDHash != "" && (n.SampleKey == "" || t.unreadableSample[b]) {
-		n.SampleKey = string(key)
-		t.unreadableSample[b] = false
-	}
-	t.ri.Objects++
+	t.count(key, b, size, false)
 	t.ri.Carried++
-	if b.Provider == transformers.ProviderIdentity {
-		t.ri.Plaintext++
-	}
 }

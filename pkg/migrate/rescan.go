@@ -27,20 +27,7 @@ func rescanChanged(ctx context.Context, opts InventoryOptions, res Resource, tr 
 	keys.keysOnly = true
 	keys.rev = opts.Revision
 	var results []checkResult
-	last := 0
-	for {
-		if err := opts.readPacer.Wait(ctx, last); err != nil {
-			return nil, err
-		}
-		start := opts.Clock.Now()
-		page, err := keys.page(ctx)
-		if err != nil {
-			return nil, err
-		}
-		if len(page) == 0 {
-			break
-		}
-		last = len(page)
+	err := readPages(ctx, opts, keys, func(page []*mvccpb.KeyValue) error {
 		var changed [][]byte
 		for _, kv := range page {
 			if b, size, ok := ours.lookup(kv.Key, kv.ModRevision); ok {
@@ -51,15 +38,16 @@ func rescanChanged(ctx context.Context, opts InventoryOptions, res Resource, tr 
 		}
 		kvs, err := readChanged(ctx, opts, keys.rev, page, changed, ours)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		if len(kvs) != len(changed) {
-			return nil, fmt.Errorf("reading the %d changed objects of a page under %s at etcd revision %d: etcd answered %d", len(changed), res.KeyPrefix, keys.rev, len(kvs))
+			return fmt.Errorf("reading the %d changed objects of a page under %s at etcd revision %d: etcd answered %d", len(changed), res.KeyPrefix, keys.rev, len(kvs))
 		}
-		if results, err = tallyValues(ctx, opts, tr, t, kvs, results); err != nil {
-			return nil, err
-		}
-		opts.readPacer.Read(opts.Clock.Since(start), len(page))
+		results, err = tallyValues(ctx, opts, tr, t, kvs, results)
+		return err
+	})
+	if err != nil {
+		return nil, err
 	}
 	return t.inventory(keys.rev), nil
 }

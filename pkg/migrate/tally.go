@@ -56,31 +56,11 @@ func (t *tally) add(kv *mvccpb.KeyValue, check checkResult) {
 		class = unreadableClass(b, t.cl.readable[b.Prefix], decryptErr)
 	}
 	listedPrefix := storedPrefixName(b)
-	b = t.bound.admit(b)
-	c := t.counts[b]
-	if c == nil {
-		c = &Count{Bucket: b}
-		t.counts[b] = c
-	}
-	c.Objects++
-	c.Bytes += int64(len(kv.Value))
-	if b.Provider == transformers.ProviderKMSv2 && b.KeyIDHash != "" && (c.SampleKey == "" || t.unreadableSample[b] && !unreadable) {
-		// A readable sample is preferred: an unreadable one (acknowledged, say)
-		// would make the decrypt guard blame a plugin for what no plugin reads.
-		c.SampleKey = string(kv.Key)
-		t.unreadableSample[b] = unreadable
-	}
-	ri := t.ri
-	ri.Objects++
-	if b.Stale && !unreadable {
-		ri.Stale++
-	}
-	if b.Provider == transformers.ProviderIdentity {
-		ri.Plaintext++
-	}
+	c := t.count(kv.Key, b, int64(len(kv.Value)), unreadable)
 	if !unreadable {
 		return
 	}
+	ri := t.ri
 	if t.decryptCheck {
 		c.Unreadable++
 	}
@@ -98,6 +78,33 @@ func (t *tally) add(kv *mvccpb.KeyValue, check checkResult) {
 		ri.UnreadableObjects = append(ri.UnreadableObjects, UnreadableObject{Key: string(kv.Key), Namespace: ns, Name: name,
 			Prefix: listedPrefix, Class: class, ModRevision: kv.ModRevision, Acknowledged: acked})
 	}
+}
+
+// count counts one object of size bytes in bucket b (before admit) and returns its
+// bucket's count; add counts what is particular to an unreadable one.
+func (t *tally) count(key []byte, b Bucket, size int64, unreadable bool) *Count {
+	b = t.bound.admit(b)
+	c := t.counts[b]
+	if c == nil {
+		c = &Count{Bucket: b}
+		t.counts[b] = c
+	}
+	c.Objects++
+	c.Bytes += size
+	if b.Provider == transformers.ProviderKMSv2 && b.KeyIDHash != "" && (c.SampleKey == "" || t.unreadableSample[b] && !unreadable) {
+		// A readable sample is preferred: an unreadable one (acknowledged, say)
+		// would make the decrypt guard blame a plugin for what no plugin reads.
+		c.SampleKey = string(key)
+		t.unreadableSample[b] = unreadable
+	}
+	t.ri.Objects++
+	if b.Stale && !unreadable {
+		t.ri.Stale++
+	}
+	if b.Provider == transformers.ProviderIdentity {
+		t.ri.Plaintext++
+	}
+	return c
 }
 
 // inventory ends the tally of the resource read at revision: its buckets in a stable
