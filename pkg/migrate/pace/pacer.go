@@ -123,6 +123,23 @@ const (
 	// times the last one judged (an apiserver judged every other window rises as fast
 	// as one judged every window).
 	maxBlindDoubles = 1
+	// kneeFraction, minKneeCongestions and kneeMemory: once the latency of etcd or
+	// of the clients has halved the rate at least minKneeCongestions times within
+	// kneeMemory, the rate stops rising at kneeFraction of the knee (the median of
+	// the rates those decreases started from) instead of climbing back over it.
+	// Each climb over the knee costs the clients the seconds it takes to notice: a
+	// 300,000-Secret migration under 30 requests/s climbed back within 3–5 s after
+	// every halving, over a knee its ten decreases put at 4,300–6,700 objects/s,
+	// and 8% of the clients' requests during it were over 1.5 × their p99 before (a
+	// p99 lets 1% through). One decrease alone sets no knee: it may be a hiccup (see
+	// transient in judge). The memory is five minutes (the span of Kubernetes' own
+	// API latency SLO), not the horizon's one: one climb over the knee cost that
+	// migration's clients 20–50 slow requests, more than the 18 a minute of 30
+	// requests/s lets through, and with a minute's memory it climbed again every
+	// minute.
+	kneeFraction       = 0.85
+	minKneeCongestions = 2
+	kneeMemory         = 5 * time.Minute
 	// DefaultServingHorizon is the span over which the normal and fast priorities keep
 	// the clients' p99 within target (Options.ServingHorizon): a minute, the shortest
 	// span over which an apiserver's request latency is usually watched (a
@@ -351,6 +368,10 @@ type pacer struct {
 	// decreases counts them.
 	congestedRate float64
 	decreases     int
+	// congestions are the decreases for latency (etcd's, the clients', the watch
+	// cache's) of the last kneeMemory: when, and the rate each started from (see
+	// knee).
+	congestions []congestion
 	// clientsSlowed: in the latest window whose clients were judged, some class was
 	// slowed (the verifying re-scan starts paced only then: see Writer.ReadPacer).
 	clientsSlowed bool
@@ -381,6 +402,12 @@ type pacer struct {
 	// slowedBy says what made the last decrease, until the rate is back at the
 	// ceiling (or unlimited).
 	slowedBy string
+}
+
+// congestion is a decrease for latency: at when, from rate.
+type congestion struct {
+	at   time.Time
+	rate float64
 }
 
 // population is one class of the requests of one apiserver's clients: member "" is
@@ -502,7 +529,8 @@ type pacerVerdict struct {
 	// "settle" (clients recovering from the decrease just before: see settling),
 	// "rebaseline", "probe" (paused to measure the clients), "probed" (the pause's
 	// measurement) or "tolerate" (clients slowed within the horizon's allowance: see
-	// Options.ServingHorizon).
+	// Options.ServingHorizon); an increase stopped at the knee of the rates that
+	// congested (kneeFraction) says so, as "recover at knee" or "hold at knee".
 	Change string
 	// Cause of a decrease: "etcd errors", "etcd latency", "serving latency" or "watch
 	// cache lag".
@@ -981,6 +1009,9 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 	}
 	if cause != "" {
 		p.congestedRate = min(p.rate, v.Achieved)
+		if cause != "etcd errors" {
+			p.congestions = append(p.congestions, congestion{at: v.At, rate: p.congestedRate})
+		}
 		p.rate = max(p.congestedRate*p.opts.Decrease, p.opts.MinRate)
 		p.decreases++
 		p.slowStart = false
@@ -1041,14 +1072,17 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 	// 10,000-Secret rotation 9 windows from 300 to 665 objects/s after one window
 	// whose etcd p90 was 35 ms at 400/s.
 	transient := p.decreases == 1 && v.ServingSamples > 0 && v.Achieved >= busyFraction*p.congestedRate
-	if !p.slowStart && p.serving && p.congestedRate > 0 && (transient || p.rate >= slowStartAgainFactor*p.congestedRate) {
+	knee := p.knee(v.At)
+	if !p.slowStart && p.serving && p.congestedRate > 0 && (transient || p.rate >= slowStartAgainFactor*max(p.congestedRate, knee)) {
 		// Or the migration now runs at twice the rate of the last congestion, every
 		// window calm since: that congestion was not its doing either, and growing a
 		// tenth per window from it took a 10,000-Secret rotation 20 s to reach 1,000
-		// objects/s.
+		// objects/s. Either way the congestions behind it set no knee.
 		p.slowStart = true
+		p.congestions = p.congestions[:0]
 	}
 	change = "increase"
+	before := p.rate
 	switch {
 	case p.slowStart:
 		p.rate, change = 2*p.rate, "double"
@@ -1068,6 +1102,14 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 			p.rate = step
 		}
 	}
+	if knee = p.knee(v.At); knee > 0 && p.rate > kneeFraction*knee {
+		if before < kneeFraction*knee {
+			p.rate = kneeFraction * knee
+		} else {
+			p.rate, change = before, "hold"
+		}
+		change += " at knee"
+	}
 	if p.opts.Ceiling > 0 {
 		p.rate = min(p.rate, p.opts.Ceiling)
 		if p.rate >= p.opts.Ceiling {
@@ -1075,6 +1117,29 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 		}
 	}
 	return change, ""
+}
+
+// knee is the rate around which the latency of etcd or of the clients has kept
+// halving the rate: the median (the lower one of an even count) of the rates the
+// congestions of the last kneeMemory started from, when there are at least
+// minKneeCongestions of them and the apiserver has clients to protect; 0 otherwise.
+// Without clients a climb over the knee costs only etcd latency, and the migration
+// takes what etcd gives.
+func (p *pacer) knee(now time.Time) float64 {
+	i := 0
+	for i < len(p.congestions) && now.Sub(p.congestions[i].at) >= kneeMemory {
+		i++
+	}
+	p.congestions = p.congestions[i:]
+	if !p.serving || len(p.congestions) < minKneeCongestions {
+		return 0
+	}
+	rates := make([]float64, len(p.congestions))
+	for i, c := range p.congestions {
+		rates[i] = c.rate
+	}
+	slices.Sort(rates)
+	return rates[(len(rates)-1)/2]
 }
 
 // settling reports whether a window whose clients were slowed shows them recovering
@@ -1159,6 +1224,7 @@ func (p *pacer) rebaseline(v pacerVerdict) (change, cause string) {
 	if p.opts.Ceiling > 0 {
 		p.rate = min(p.rate, p.opts.Ceiling)
 	}
+	p.congestions = p.congestions[:0] // as in tickProbe: the cluster's slowdown, not a knee
 	shown := fmt.Sprintf("within target at %.0f/s", p.calmRate)
 	if p.calmRate == 0 {
 		shown = fmt.Sprintf("at the floor of %.0f/s", p.opts.MinRate)
@@ -1235,6 +1301,9 @@ func (p *pacer) tickProbe(now time.Time) {
 		cl.externalP99s = cl.externalP99s[:0]
 	}
 	if len(moved) > 0 {
+		// The halvings that led here were for a slowdown of the cluster's own:
+		// they say nothing of what the migration may take.
+		p.congestions = p.congestions[:0]
 		p.slowedBy = fmt.Sprintf("the apiserver's clients are slower without the migration too (paused: %s): their targets are now %s",
 			strings.Join(moved, ", "), p.servingTargets())
 	} else {
