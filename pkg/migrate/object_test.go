@@ -1,6 +1,8 @@
 package migrate
 
 import (
+	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"k8s.io/apimachinery/pkg/runtime"
@@ -41,5 +43,46 @@ func TestCheckStoredObject(t *testing.T) {
 		if err := checkStoredObject(tc.v); (err == nil) != tc.ok {
 			t.Errorf("%s: err=%v, want ok=%v", tc.name, err, tc.ok)
 		}
+	}
+}
+
+// The in-place walk of a protobuf envelope accepts what decoding it into a
+// runtime.Unknown (kube-apiserver's own first step) accepts with a kind and an
+// apiVersion, and nothing else: checked on a stored Secret and on every truncation and
+// on byte mutations of it.
+func TestProtobufCheckAgreesWithRuntimeUnknown(t *testing.T) {
+	u := runtime.Unknown{
+		TypeMeta:    runtime.TypeMeta{APIVersion: "v1", Kind: "Secret"},
+		Raw:         []byte("\x0a\x0c\x0a\x04name\x12\x04ns-1\x1a\x05\x0a\x01k\x12\x00"),
+		ContentType: "application/vnd.kubernetes.protobuf",
+	}
+	valid, err := u.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	oracle := func(b []byte) bool {
+		var got runtime.Unknown
+		return got.Unmarshal(b) == nil && got.Kind != "" && got.APIVersion != ""
+	}
+	check := func(what string, b []byte) {
+		t.Helper()
+		if got, want := protobufObjectHasType(b), oracle(b); got != want {
+			t.Fatalf("%s (% x): in place %v, runtime.Unknown %v", what, b, got, want)
+		}
+	}
+	check("valid", valid)
+	if !protobufObjectHasType(valid) {
+		t.Fatal("a valid Secret envelope was refused")
+	}
+	for i := range valid {
+		check("truncated", valid[:i])
+	}
+	rng := rand.New(rand.NewPCG(34, 1))
+	for range 20000 {
+		b := slices.Clone(valid)
+		for range 1 + rng.IntN(3) {
+			b[rng.IntN(len(b))] = byte(rng.IntN(256))
+		}
+		check("mutated", b)
 	}
 }

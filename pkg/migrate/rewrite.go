@@ -6,6 +6,7 @@ package migrate
 import (
 	"context"
 	"fmt"
+	"unsafe"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -148,9 +149,20 @@ func putOp(rw rewrite) clientv3.Op {
 	if rw.lease != 0 {
 		// Keep the object's lease (e.g. events with a TTL); an expired lease deleted
 		// the key, and the compare below then fails.
-		return clientv3.OpPut(string(rw.key), string(rw.val), clientv3.WithLease(clientv3.LeaseID(rw.lease)))
+		return clientv3.OpPut(borrowString(rw.key), borrowString(rw.val), clientv3.WithLease(clientv3.LeaseID(rw.lease)))
 	}
-	return clientv3.OpPut(string(rw.key), string(rw.val))
+	return clientv3.OpPut(borrowString(rw.key), borrowString(rw.val))
+}
+
+// borrowString is b as a string without a copy, for etcd's client calls that take
+// strings and copy them into the request at once (OpPut, OpGet, ModRevision): a
+// string(b) there copied every re-encrypted value twice. b must not change while the
+// call runs; nothing here writes to a rewrite's key or value after it is prepared.
+func borrowString(b []byte) string {
+	if len(b) == 0 {
+		return ""
+	}
+	return unsafe.String(&b[0], len(b))
 }
 
 // commit writes a batch in one transaction that succeeds only if no object of the
@@ -182,9 +194,9 @@ func (m *migrator) commit(ctx context.Context, tr value.Transformer, resource st
 		gets := make([]clientv3.Op, len(batch))
 		var size int64
 		for i, rw := range batch {
-			cmps[i] = clientv3.Compare(clientv3.ModRevision(string(rw.key)), "=", rw.modRev)
+			cmps[i] = clientv3.Compare(clientv3.ModRevision(borrowString(rw.key)), "=", rw.modRev)
 			puts[i] = putOp(rw)
-			gets[i] = clientv3.OpGet(string(rw.key))
+			gets[i] = clientv3.OpGet(borrowString(rw.key))
 			size += rw.size()
 		}
 		resp, err := m.writer.Txn(ctx, len(batch), size, func(ctx context.Context) clientv3.Txn {
