@@ -95,11 +95,17 @@ func BenchmarkMigrateLocal(b *testing.B) {
 	cli := benchEtcd(b)
 	_, s0 := setFor(b, "secrets", "aesgcm:k0")
 	writeObjects(b, cli, s0, secrets, n)
+	benchMigrate(b, cli, n, alternateLocalKeys(b))
+}
+
+// alternateLocalKeys is the target of each iteration of a local-key migration
+// benchmark whose objects are stored under k0: k1 first, then k0 again, and so on.
+func alternateLocalKeys(b *testing.B) func(i int) *transformers.Set {
 	targets := []*transformers.Set{
 		mustSet(b, mustConfig(b, configYAML("secrets", "aesgcm:k1,k0"))),
 		mustSet(b, mustConfig(b, configYAML("secrets", "aesgcm:k0,k1"))),
 	}
-	benchMigrate(b, cli, n, func(i int) *transformers.Set { return targets[i%2] })
+	return func(i int) *transformers.Set { return targets[i%2] }
 }
 
 // BenchmarkMigrateKMSv2 re-encrypts 10,000 KMS v2 objects per iteration after the
@@ -132,11 +138,7 @@ func BenchmarkMigrateLocalSized(b *testing.B) {
 	cli := benchEtcd(b)
 	_, s0 := setFor(b, "secrets", "aesgcm:k0")
 	writeSizedSecrets(b, cli, s0, testResources()[0], n)
-	targets := []*transformers.Set{
-		mustSet(b, mustConfig(b, configYAML("secrets", "aesgcm:k1,k0"))),
-		mustSet(b, mustConfig(b, configYAML("secrets", "aesgcm:k0,k1"))),
-	}
-	benchMigrate(b, cli, n, func(i int) *transformers.Set { return targets[i%2] })
+	benchMigrate(b, cli, n, alternateLocalKeys(b))
 }
 
 // writeSizedSecrets stores n Secrets of 1–10 KiB of plaintext under res, written with

@@ -1088,7 +1088,7 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 		// tenth per window from it took a 10,000-Secret rotation 20 s to reach 1,000
 		// objects/s. Either way the congestions behind it set no knee.
 		p.slowStart = true
-		p.congestions = p.congestions[:0]
+		p.congestions, knee = p.congestions[:0], 0
 	}
 	change = "increase"
 	before := p.rate
@@ -1111,7 +1111,7 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 			p.rate = step
 		}
 	}
-	if knee = p.knee(v.At); knee > 0 && p.rate > kneeFraction*knee {
+	if knee > 0 && p.rate > kneeFraction*knee {
 		if before < kneeFraction*knee {
 			p.rate = kneeFraction * knee
 		} else {
