@@ -540,9 +540,7 @@ type pacerVerdict struct {
 	// "rebaseline", "probe" (paused to measure the clients), "probed" (the pause's
 	// measurement) or "tolerate" (clients slowed within the horizon's allowance: see
 	// Options.ServingHorizon); an increase stopped at the knee of the rates that
-	// congested (kneeFraction) says so, as "recover at knee" or "hold at knee", and
-	// one stopped because the horizon's slow requests are already more than the rate
-	// may cost ("hold for horizon": see horizonOverspent).
+	// congested (kneeFraction) says so, as "recover at knee" or "hold at knee".
 	Change string
 	// Cause of a decrease: "etcd errors", "etcd latency", "serving latency" or "watch
 	// cache lag".
@@ -837,9 +835,9 @@ func (p *pacer) remember(cl *servingClass, from, at time.Time, n, over int) {
 
 // forgetHorizon empties cl's horizon when its target moves to a slowdown of the
 // cluster's own (rebaseline, or a probe that found the clients slower without the
-// migration): the slow requests in it were not the migration's, and counted against
-// a target cl no longer has. Kept, they held the rate at its floor for a minute after
-// every re-baseline (horizonOverspent), the starvation re-baselining exists to end.
+// migration): the slow requests in it were not the migration's, and were counted
+// against a target cl no longer has; kept, they would make the horizon look spent and
+// halve the rate for the first slowed window judged against the new target.
 func (cl *servingClass) forgetHorizon() { cl.horizon = cl.horizon[:0] }
 
 // horizonSpent is the share of its horizon's allowance of slow requests (a p99 within
@@ -873,20 +871,6 @@ func (p *pacer) horizonSpent(c int, now time.Time) float64 {
 		requests *= float64(h) / float64(covered)
 	}
 	return float64(over) / (servingExceedance * requests)
-}
-
-// horizonOverspent says whether some population has used horizonSpend or more of its
-// horizon's allowance of slow requests at now (not when nothing of it was judged
-// within the horizon, or without one).
-func (p *pacer) horizonOverspent(now time.Time) bool {
-	for c, pop := range p.pops {
-		if pop.target > 0 {
-			if spent := p.horizonSpent(c, now); !math.IsInf(spent, 1) && spent >= horizonSpend {
-				return true
-			}
-		}
-	}
-	return false
 }
 
 // withinHorizon says whether every population judged slowed in v has used less than
@@ -1110,16 +1094,6 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 	}
 	if math.IsInf(p.rate, 1) || v.Achieved < busyFraction*p.rate || (p.opts.Ceiling > 0 && p.rate >= p.opts.Ceiling) {
 		return hold, ""
-	}
-	if p.horizonOverspent(v.At) {
-		// A calm window, but the clients' horizon holds more slow requests than the
-		// rate may cost them (horizonSpend of what a p99 within target lets through):
-		// the rate holds until the horizon slides past them. Raising it again after
-		// every decrease broke the promise the horizon makes: a 300,000-Secret
-		// migration climbed back within seconds after each of its eleven halvings,
-		// and 4.7% of its clients' requests were over 1.5 × their p99 before, where a
-		// p99 lets 1% through.
-		return "hold for horizon", ""
 	}
 	if baseline {
 		defer func() { change = "baseline, " + change }()

@@ -103,12 +103,10 @@ func TestVerifyIsSlowedOnlyWhileClientsAre(t *testing.T) {
 // TestVerifyStartsUnlimitedAfterCalmWrites: when the writes' last judgement found the
 // clients within target, the re-scan reads at full speed until a window finds them
 // slowed; that window halves what it achieved, and calm windows raise it again as they
-// do the writes'. Each window is judged on its own (no horizon, as gentle judges them):
-// under the minute's horizon a window as slowed as the second one holds the rate until
-// it leaves the horizon (testdata/pacing_horizon.txt).
+// do the writes'.
 func TestVerifyStartsUnlimitedAfterCalmWrites(t *testing.T) {
 	clk := clocktesting.NewFakeClock(t0)
-	g := &Writer{clock: clk, pacer: newPacer(Options{ServingHorizon: -1})}
+	g := &Writer{clock: clk, pacer: newPacer(Options{})}
 	g.servingBaselines = servingBaselines{RequestRead: 20 * time.Millisecond}
 	g.pacer.SetServingBaseline(g.servingBaselines)
 	g.pacer.rate = 290 // halved by the writes for an etcd hiccup; their clients were calm

@@ -102,13 +102,6 @@ func (h *pacingHarness) run(t *testing.T, d *datadriven.TestData) string {
 		d.MaybeScanArgs(t, "target", &target)
 		d.MaybeScanArgs(t, "window", &window)
 		o.TargetLatency, o.Window = duration(t, d, target), duration(t, d, window)
-		var horizon string // "off": every window judged on its own
-		d.MaybeScanArgs(t, "horizon", &horizon)
-		if horizon == "off" {
-			o.ServingHorizon = -1
-		} else {
-			o.ServingHorizon = duration(t, d, horizon)
-		}
 		h.now, h.pacer = t0, newPacer(o)
 		h.pacer.canProbe = true // the harness drives it as a Writer does
 		if serving != "" {
