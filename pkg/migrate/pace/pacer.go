@@ -1063,22 +1063,18 @@ func (p *pacer) judge(v pacerVerdict) (change, cause string) {
 		hold = "baseline"
 	}
 	unjudged := p.serving && v.ServingSamples == 0 && p.pendingServing() > 0
-	if unjudged && p.pendingLeansSlowed() {
+	if unjudged && (p.clientsSlowed || p.pendingLeansSlowed()) {
 		// The clients' requests of this window wait for enough others to be judged,
-		// and they already lean towards a slowdown: until the judgement there is no
-		// evidence that more is harmless. Otherwise the rate may rise. (An apiserver
-		// that sees 60 requests of a class per second was judged every other window
-		// and rose half as fast; the judgement, when it comes, decides as before.
-		// With no clients at all, etcd alone decides.)
-		return hold, ""
-	}
-	if unjudged && p.clientsSlowed {
-		// The clients were slowed when last judged (a tolerated or a decreasing
-		// window) and have not been judged since: the rate rises only once they are
-		// seen within target again. Rising on the windows between judgements, a
-		// 300,000-Secret migration went from a tolerated 11,400 objects/s to 13,100/s
-		// and its clients from a p99 of 12ms to 56ms; of its clients' requests over
-		// 1.5 × their p99 before, 67 of 118 came in those 20 seconds.
+		// and either they were slowed when last judged (a tolerated or a decreasing
+		// window) or these already lean towards a slowdown: until the judgement there
+		// is no evidence that more is harmless. Otherwise the rate may rise. (An
+		// apiserver that sees 60 requests of a class per second was judged every
+		// other window and rose half as fast; the judgement, when it comes, decides as
+		// before. With no clients at all, etcd alone decides.) Rising on the windows
+		// after a slowed judgement, a 300,000-Secret migration went from a tolerated
+		// 11,400 objects/s to 13,100/s and its clients from a p99 of 12ms to 56ms; of
+		// its clients' requests over 1.5 × their p99 before, 67 of 118 came in those
+		// 20 seconds.
 		return hold, ""
 	}
 	if !unjudged {
