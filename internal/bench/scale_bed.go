@@ -393,8 +393,11 @@ func startScaleBed(ctx context.Context, dir string, bins testbed.Binaries, layer
 
 // startScaleEtcd starts etcd with the quota and seeds n Secrets under key1: the bed
 // without an apiserver.
-func startScaleEtcd(ctx context.Context, dir string, bins testbed.Binaries, n int, quota int64) (b *scaleBed, err error) {
-	b = &scaleBed{key1: testbed.NamedKey{Name: "key1", Secret: testbed.RandomKey()}}
+func startScaleEtcd(ctx context.Context, dir string, bins testbed.Binaries, n int, quota int64) (*scaleBed, error) {
+	// A local bed, not a named result: an error return must not leave the deferred
+	// stop a nil bed (and etcd running).
+	b := &scaleBed{key1: testbed.NamedKey{Name: "key1", Secret: testbed.RandomKey()}}
+	var err error
 	defer func() {
 		if err != nil {
 			b.stop()
@@ -406,7 +409,8 @@ func startScaleEtcd(ctx context.Context, dir string, bins testbed.Binaries, n in
 	if b.cli, err = testbed.EtcdClient([]string{b.etcd.Endpoint}); err != nil {
 		return nil, err
 	}
-	set, err := scaleTransformers(ctx, testbed.SecretsConfig(testbed.AESGCM(b.key1)).Render())
+	var set *transformers.Set
+	set, err = scaleTransformers(ctx, testbed.SecretsConfig(testbed.AESGCM(b.key1)).Render())
 	if err != nil {
 		return nil, err
 	}
