@@ -166,11 +166,14 @@ func Start(name, logDir, bin string, args ...string) (*Process, error) {
 func StartEnv(name, logDir, bin string, env []string, args ...string) (*Process, error) {
 	logPath := filepath.Join(logDir, name+".log")
 	if keep := os.Getenv(keepLogsEnv); keep != "" {
+		if err := os.MkdirAll(keep, 0o755); err != nil {
+			return nil, fmt.Errorf("starting %s: the log directory $%s: %w", name, keepLogsEnv, err)
+		}
 		logPath = filepath.Join(keep, fmt.Sprintf("%s-%s.log", name, time.Now().Format("150405.000000")))
 	}
 	logFile, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("starting %s: its log: %w", name, err)
 	}
 	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile

@@ -2,6 +2,8 @@ package testbed
 
 import (
 	"os"
+	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -47,4 +49,24 @@ func rusageCPU(t *testing.T) time.Duration {
 		t.Fatal(err)
 	}
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// A $REKEY_TESTBED_KEEP_LOGS that does not exist yet is created, and the process's
+// output lands in it (a developer's first run with a fresh directory must not fail
+// to start etcd).
+func TestKeptLogsGoToAFreshDirectory(t *testing.T) {
+	keep := filepath.Join(t.TempDir(), "not", "yet")
+	t.Setenv(keepLogsEnv, keep)
+	p, err := Start("echo", t.TempDir(), "/bin/sh", "-c", "echo kept")
+	if err != nil {
+		t.Fatalf("Start with a kept-logs directory that does not exist: %v", err)
+	}
+	<-p.Done()
+	if filepath.Dir(p.LogPath) != keep {
+		t.Errorf("log at %s, want it in %s", p.LogPath, keep)
+	}
+	b, err := os.ReadFile(p.LogPath)
+	if err != nil || !strings.Contains(string(b), "kept") {
+		t.Errorf("log %s holds %q (%v), want the process's output", p.LogPath, b, err)
+	}
 }
