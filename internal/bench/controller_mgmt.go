@@ -42,8 +42,11 @@ type mgmtAPI struct {
 
 // startMgmtAPI starts kapiBin (dist/kube-apiserver) on its own etcd and installs the
 // CRD.
-func startMgmtAPI(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, kapiBin string) (m *mgmtAPI, err error) {
-	m = &mgmtAPI{}
+func startMgmtAPI(ctx context.Context, progress io.Writer, dir string, bins testbed.Binaries, kapiBin string) (*mgmtAPI, error) {
+	// A local, not a named result: an error return must not leave the deferred stop
+	// a nil mgmtAPI (and etcd and the server running).
+	m := &mgmtAPI{}
+	var err error
 	defer func() {
 		if err != nil {
 			m.stop()
@@ -60,11 +63,11 @@ func startMgmtAPI(ctx context.Context, progress io.Writer, dir string, bins test
 	if m.kube, err = kubernetes.NewForConfig(m.server.RESTConfig()); err != nil {
 		return nil, err
 	}
-	dyn, err := dynamic.NewForConfig(m.server.RESTConfig())
-	if err != nil {
+	var dyn *dynamic.DynamicClient
+	if dyn, err = dynamic.NewForConfig(m.server.RESTConfig()); err != nil {
 		return nil, err
 	}
-	if err := installCRD(ctx, dyn); err != nil {
+	if err = installCRD(ctx, dyn); err != nil {
 		return nil, err
 	}
 	m.cpes = dyn.Resource(v1alpha1.GroupVersionResource()).Namespace(mgmtNamespace)
